@@ -1,0 +1,299 @@
+"""Autograd-aware collectives, the ring exchanger, and a communication log.
+
+    python -m pytest tests/test_comm.py
+
+Every distributed piece of distlab talks through this file. Each collective takes its process group as
+an argument (``None`` = the default group); nothing here keeps parallel state.
+
+Mappings (forward ↔ backward, as in Megatron's ``mappings.py``):
+
+=====================  =========================  =========================
+function               forward                    backward
+=====================  =========================  =========================
+``copy_to_group``      identity                   all-reduce
+``reduce_from_group``  all-reduce                 identity
+``all_gather``         all-gather along ``dim``   reduce-scatter along ``dim``
+``reduce_scatter``     reduce-scatter along dim   all-gather along ``dim``
+``split_to_group``     keep this rank's slice     all-gather along ``dim``
+``all_to_all``         scatter one dim, gather    the reverse all-to-all
+                       another
+=====================  =========================  =========================
+
+``RingExchanger`` posts the next send to rank+1 and receive from rank−1 (``batch_isend_irecv``) and
+returns a handle to wait on, so a ring algorithm computes the current block while the next travels.
+
+``CommLog`` counts calls and bytes per operation while it is active (``with CommLog() as log: ...``).
+Bytes are what *this rank sends* under the bandwidth-optimal ring algorithm for a payload of ``N`` bytes
+(the full tensor) in a group of ``n``: all-reduce ``2(n-1)/n·N``, all-gather / reduce-scatter /
+all-to-all ``(n-1)/n·N``, point-to-point the bytes handed to ``isend``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+# --------------------------------------------------------------------------------------------------------
+# communication log
+# --------------------------------------------------------------------------------------------------------
+_ACTIVE_LOGS: list["CommLog"] = []  # instrumentation only (like a profiler), never parallel state
+
+
+@dataclasses.dataclass
+class CommLog:
+    """Counts collective calls and bytes sent by this rank, per operation name, while active."""
+
+    calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    bytes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def __enter__(self) -> "CommLog":
+        _ACTIVE_LOGS.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _ACTIVE_LOGS.remove(self)
+
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    def as_dict(self) -> dict:
+        return {"calls": dict(self.calls), "bytes": dict(self.bytes), "total_bytes": self.total_bytes()}
+
+
+def record(op: str, nbytes: float) -> None:
+    """Add one call of ``op`` sending ``nbytes`` from this rank to every active CommLog."""
+    for log in _ACTIVE_LOGS:
+        log.calls[op] += 1
+        log.bytes[op] += int(nbytes)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def group_size(group=None) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def group_rank(group=None) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+# --------------------------------------------------------------------------------------------------------
+# raw collectives along a tensor dim (torch 2.13 names with a fallback to the older ones)
+# --------------------------------------------------------------------------------------------------------
+def _all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    n = group_size(group)
+    out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    n = group_size(group)
+    out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, x.contiguous(), group=group)
+    return out
+
+
+def all_gather_raw(x: torch.Tensor, group=None, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (rank order). No autograd."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    record("all_gather", (n - 1) * _nbytes(x))
+    return _all_gather_dim0(x.movedim(dim, 0), group).movedim(0, dim)
+
+
+def reduce_scatter_raw(x: torch.Tensor, group=None, dim: int = 0) -> torch.Tensor:
+    """Sum ``x`` over ranks and keep this rank's slice of ``dim``. No autograd."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    if x.shape[dim] % n:
+        raise ValueError(f"reduce_scatter: dim {dim} of size {x.shape[dim]} is not divisible by group size {n}")
+    record("reduce_scatter", (n - 1) * _nbytes(x) // n)
+    return _reduce_scatter_dim0(x.movedim(dim, 0), group).movedim(0, dim)
+
+
+def all_reduce_raw(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum ``x`` over ranks (returns a new tensor). No autograd."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    record("all_reduce", 2 * (n - 1) * _nbytes(x) // n)
+    x = x.clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def all_to_all_raw(x: torch.Tensor, group=None, scatter_dim: int = 0, gather_dim: int = 0) -> torch.Tensor:
+    """Split ``scatter_dim`` into n chunks, send chunk j to rank j, concatenate received chunks on ``gather_dim``."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    if x.shape[scatter_dim] % n:
+        raise ValueError(f"all_to_all: dim {scatter_dim} of size {x.shape[scatter_dim]} is not divisible by "
+                         f"group size {n}")
+    record("all_to_all", (n - 1) * _nbytes(x) // n)
+    chunk_shape = list(x.shape)
+    chunk_shape[scatter_dim] //= n
+    first = x.movedim(scatter_dim, 0)                           # chunk j = rows [j*c, (j+1)*c) of dim 0
+    send = first.reshape((n, first.shape[0] // n) + tuple(first.shape[1:])).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    # recv[j] is rank j's chunk, laid out with scatter_dim first; put dims back, then stack chunks on gather_dim
+    recv = recv.movedim(1, scatter_dim + 1)                    # (n, *chunk_shape)
+    out = recv.movedim(0, gather_dim)                           # n just before the gathered dim
+    shape = list(chunk_shape)
+    shape[gather_dim] *= n
+    return out.reshape(shape)
+
+
+# --------------------------------------------------------------------------------------------------------
+# autograd mappings
+# --------------------------------------------------------------------------------------------------------
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce_raw(g, ctx.group), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce_raw(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather_raw(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return reduce_scatter_raw(g, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter_raw(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather_raw(g, ctx.group, ctx.dim), None, None
+
+
+class _SplitToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        n, r = group_size(group), group_rank(group)
+        if x.shape[dim] % n:
+            raise ValueError(f"split: dim {dim} of size {x.shape[dim]} is not divisible by group size {n}")
+        return x.chunk(n, dim)[r].clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather_raw(g, ctx.group, ctx.dim), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        return all_to_all_raw(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        scatter_dim, gather_dim = ctx.dims
+        return all_to_all_raw(g, ctx.group, gather_dim, scatter_dim), None, None, None
+
+
+def copy_to_group(x, group=None):
+    """Identity forward, all-reduce of the gradient backward (enter a tensor-parallel region)."""
+    return _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x, group=None):
+    """All-reduce forward, identity backward (leave a tensor-parallel region)."""
+    return _ReduceFromGroup.apply(x, group)
+
+
+def all_gather(x, group=None, dim=0):
+    """All-gather along ``dim`` forward, reduce-scatter of the gradient backward."""
+    return _AllGather.apply(x, group, dim)
+
+
+def reduce_scatter(x, group=None, dim=0):
+    """Reduce-scatter along ``dim`` forward, all-gather of the gradient backward."""
+    return _ReduceScatter.apply(x, group, dim)
+
+
+def split_to_group(x, group=None, dim=0):
+    """Keep this rank's contiguous slice of ``dim`` forward, all-gather of the gradient backward."""
+    return _SplitToGroup.apply(x, group, dim)
+
+
+def all_to_all(x, group=None, scatter_dim=0, gather_dim=1):
+    """All-to-all forward (scatter ``scatter_dim``, gather ``gather_dim``), the reverse all-to-all backward."""
+    return _AllToAll.apply(x, group, scatter_dim, gather_dim)
+
+
+# --------------------------------------------------------------------------------------------------------
+# ring exchange
+# --------------------------------------------------------------------------------------------------------
+class RingExchanger:
+    """Send tensors to the next rank of ``group`` and receive the same shapes from the previous one.
+
+    ``handle = ring.exchange([k, v], op="ring_kv")`` posts all sends and receives at once and returns
+    immediately; ``recv = handle.wait()`` blocks until they have arrived. Post the next exchange *before*
+    computing the current block to overlap communication with compute.
+    """
+
+    def __init__(self, group=None):
+        self.group = group
+        self.size = group_size(group)
+        self.rank = group_rank(group)
+        if self.size > 1:
+            pg = group if group is not None else dist.group.WORLD
+            self.next = dist.get_global_rank(pg, (self.rank + 1) % self.size)
+            self.prev = dist.get_global_rank(pg, (self.rank - 1) % self.size)
+
+    def exchange(self, tensors, op: str = "ring_sendrecv") -> "_Pending":
+        if self.size == 1:
+            raise RuntimeError("a ring of one rank has nobody to exchange with")
+        tensors = [t.contiguous() for t in tensors]
+        recv = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in recv]
+        record(op, sum(_nbytes(t) for t in tensors))
+        return _Pending(dist.batch_isend_irecv(ops), recv)
+
+
+class _Pending:
+    def __init__(self, works, recv):
+        self.works, self.recv = works, recv
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+        self.works = []
+        return self.recv

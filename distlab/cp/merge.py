@@ -1,0 +1,65 @@
+"""Log-sum-exp merge of partial attention results.
+
+    python -m pytest tests/test_merge.py
+
+Attention over keys split into blocks A and B is recovered from the block results:
+
+    lse = log(exp(lse_A) + exp(lse_B))
+    out = exp(lse_A - lse) * out_A + exp(lse_B - lse) * out_B
+
+Everything is done in float32 (float64 stays float64). A row that saw no key in a block has a non-finite
+LSE there (``-inf`` by convention; some kernels report ``+inf`` or NaN); such a block contributes nothing,
+so it can neither turn the row into NaN nor erase what the other block found. A row that sees no key in
+any block ends with ``lse = -inf`` and ``out = 0``.
+
+Shapes follow the attention convention: ``out`` ``(batch, seq, heads, head_dim)``, ``lse``
+``(batch, heads, seq)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def empty_rows_to_neg_inf(lse: torch.Tensor) -> torch.Tensor:
+    """Map every non-finite LSE (a row with no visible key) to -inf."""
+    return torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("-inf")))
+
+
+def merge_attention(out, lse, block_out, block_lse):
+    """Merge ``(block_out, block_lse)`` into the running ``(out, lse)``; return the new pair.
+
+    ``out``/``lse`` may be ``None`` (nothing merged yet). Results are float32 (float64 for float64 inputs).
+    """
+    ct = _acc_dtype(block_out.dtype)
+    block_out, block_lse = block_out.to(ct), empty_rows_to_neg_inf(block_lse.to(ct))
+    if out is None:
+        seen = torch.isfinite(block_lse).transpose(1, 2).unsqueeze(-1)
+        return torch.where(seen, block_out, torch.zeros_like(block_out)), block_lse
+    lse = empty_rows_to_neg_inf(lse.to(ct))
+    new_lse = torch.logaddexp(lse, block_lse)                 # -inf only where both are -inf
+    finite = torch.isfinite(new_lse)
+    safe = torch.where(finite, new_lse, torch.zeros_like(new_lse))
+    w_old = torch.where(finite, torch.exp(lse - safe), torch.zeros_like(safe))
+    w_new = torch.where(finite, torch.exp(block_lse - safe), torch.zeros_like(safe))
+    w_old, w_new = w_old.transpose(1, 2).unsqueeze(-1), w_new.transpose(1, 2).unsqueeze(-1)
+    # 0 * (garbage in an empty block's output) must stay 0, so mask instead of multiplying NaN/inf in
+    merged = torch.where(w_old > 0, w_old * out.to(ct), 0.0) + torch.where(w_new > 0, w_new * block_out, 0.0)
+    return merged, new_lse
+
+
+def merge_into(out, lse, block_out, block_lse, rows: slice | None = None):
+    """In-place merge of a block that covers the query ``rows`` (a slice of the sequence dim) only.
+
+    ``out``/``lse`` are the running float accumulators for all rows; returns them for chaining.
+    """
+    if rows is None:
+        rows = slice(None)
+    o, l = merge_attention(out[:, rows], lse[:, :, rows], block_out, block_lse)
+    out[:, rows] = o
+    lse[:, :, rows] = l
+    return out, lse

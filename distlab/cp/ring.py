@@ -1,0 +1,145 @@
+"""Ring attention (contiguous or zigzag layout), forward and backward, and the ring study.
+
+    distlab run --nproc 4 -m distlab.cp.ring --seq 8192 --check
+    torchrun --nproc-per-node 8 -m distlab.cp.ring --seq 65536 --heads 32 --kv-heads 8 --head-dim 128 --check
+    python -m distlab.cp.ring --seq 4096                     # one process: world size 1
+
+Each of the W ranks holds a shard of q, k, v along the sequence. K/V blocks travel around the ring
+(rank r sends to r+1, receives from r−1); at step i rank r holds the K/V of rank (r−i) mod W and merges
+the block's (out, lse) into its running result through the log-sum-exp (``distlab.cp.merge``). The next
+K/V exchange is posted before the current block is computed, so it overlaps the compute. The forward
+makes W−1 K/V exchanges.
+
+Backward: K/V travel the ring again, and so does a float32 (dK, dV) accumulator for the block being
+visited; each rank adds its contribution to it (computed with the *global* out and lse, see
+``kernels/attention.py``), and after W hops it is back home. That is W−1 K/V exchanges and W dK/dV
+exchanges.
+
+Causal attention: with the contiguous layout, blocks from later ranks are fully masked and skipped (rank
+W−1 does W times rank 0's work). With zigzag (rank r holds chunks r and 2W−1−r) every step after the
+first is exactly half a block: keys from an earlier rank are seen by all queries through their first
+chunk only; keys from a later rank are seen only by the second query chunk, but whole. Every rank then
+does the same work.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from distlab import comm
+from distlab.cp.layout import check_layout
+from distlab.cp.merge import merge_into
+from kernels.attention import attention_backward, attention_forward, check_qkv, resolve_backend
+
+
+def ring_blocks(step_src: int, rank: int, seq: int, causal: bool, layout: str):
+    """The (query rows, key rows, causal) blocks rank ``rank`` computes against the K/V of rank ``step_src``."""
+    everything = slice(0, seq)
+    if not causal:
+        return [(everything, everything, False)]
+    if step_src == rank:
+        return [(everything, everything, True)]
+    if layout == "contiguous":
+        return [(everything, everything, False)] if step_src < rank else []
+    half = seq // 2
+    if step_src < rank:                      # their chunk src < r is seen whole; their late chunk not at all
+        return [(everything, slice(0, half), False)]
+    return [(slice(half, seq), everything, False)]   # only my late chunk sees their (earlier) chunks
+
+
+def _ring_forward(q, k, v, ring, causal, layout, scale, backend):
+    b, s, h, d = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(b, s, h, d, dtype=acc, device=q.device)
+    lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
+    kv = (k, v)
+    for step in range(ring.size):
+        pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
+        src = (ring.rank - step) % ring.size
+        for rows, cols, blk_causal in ring_blocks(src, ring.rank, s, causal, layout):
+            o, l = attention_forward(q[:, rows], kv[0][:, cols], kv[1][:, cols], blk_causal, scale, backend)
+            merge_into(out, lse, o, l, rows)
+        if pending is not None:
+            kv = tuple(pending.wait())
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend):
+    s = q.shape[1]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    kv, dkv, dkv_pending = (k, v), None, None
+    for step in range(ring.size):
+        kv_pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
+        src = (ring.rank - step) % ring.size
+        dk_blk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv_blk = torch.zeros(v.shape, dtype=acc, device=v.device)
+        for rows, cols, blk_causal in ring_blocks(src, ring.rank, s, causal, layout):
+            dq_b, dk_b, dv_b = attention_backward(dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols],
+                                                  out[:, rows], lse[:, :, rows], blk_causal, scale, backend)
+            dq[:, rows] += dq_b
+            dk_blk[:, cols] += dk_b
+            dv_blk[:, cols] += dv_b
+        if dkv_pending is not None:          # the accumulator for block src, from the previous rank
+            dk_acc, dv_acc = dkv_pending.wait()
+            dkv = (dk_acc.add_(dk_blk), dv_acc.add_(dv_blk))
+        else:
+            dkv = (dk_blk, dv_blk)
+        if ring.size > 1:
+            dkv_pending = ring.exchange(dkv, "ring_dkv")
+        if kv_pending is not None:
+            kv = tuple(kv_pending.wait())
+    if dkv_pending is not None:
+        dkv = dkv_pending.wait()
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring, causal, layout, scale, backend):
+        out, lse = _ring_forward(q, k, v, ring, causal, layout, scale, backend)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (ring, causal, layout, scale, backend)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def check_ring_inputs(q, k, v, world: int, causal: bool, layout: str, backend: str) -> str:
+    """Validate on this rank, with no communication; return the concrete backend. Same answer on every rank."""
+    check_layout(layout)
+    check_qkv(q, k, v, causal=False)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"ring attention needs q and k shards of one length; got {q.shape[1]} and {k.shape[1]}")
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"a zigzag shard holds two equal chunks, so its length must be even; got {q.shape[1]}")
+    if world < 1:
+        raise ValueError(f"world size must be >= 1; got {world}")
+    return resolve_backend(backend, q.device, q.dtype)
+
+
+def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backend="auto", softmax_scale=None,
+                   return_lse=False):
+    """Attention over the whole sequence, given this rank's shards (``distlab.cp.layout.shard_sequence``).
+
+    q: ``(batch, seq/W, heads, head_dim)``; k, v: ``(batch, seq/W, kv_heads, head_dim)``. Returns this
+    rank's shard of the output (and, with ``return_lse``, its float32 ``(batch, heads, seq/W)`` LSE).
+    """
+    ring = comm.RingExchanger(group)
+    backend = check_ring_inputs(q, k, v, ring.size, causal, layout, backend)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out, lse = _RingAttention.apply(q, k, v, ring, causal, layout, scale, backend)
+    return (out, lse) if return_lse else out
+
+
+if __name__ == "__main__":
+    from distlab.cp.study import main
+
+    main(algorithm="ring")

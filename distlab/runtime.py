@@ -1,0 +1,169 @@
+"""Start-up: process group from torchrun / SLURM / a single process, device, seeds, and ParallelDims.
+
+    distlab run --nproc 4 -m distlab.cp.ring --seq 8192     # torchrun environment
+    srun python -m distlab.cp.ring --seq 8192               # SLURM environment (one task per GPU)
+    python -m distlab.cp.ring --seq 8192                    # a single process: world size 1
+
+``init_runtime()`` reads the launcher's environment, picks the device (``cuda:LOCAL_RANK`` when CUDA is
+present, else CPU) and the backend (nccl for CUDA, gloo for CPU), and starts the default process group
+with a timeout, so a rank that dies makes the others fail instead of hang. It returns a ``Runtime``; there
+is no global state beyond torch.distributed's own default group.
+
+``ParallelDims`` validates parallel degrees against the world size before any communication and builds
+one named ``DeviceMesh``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import random
+import socket
+import subprocess
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+GPU_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    launcher: str  # "torchrun", "slurm" or "single"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _slurm_head_node() -> str:
+    nodes = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST") or "127.0.0.1"
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.split():
+            return out.stdout.split()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return nodes.split(",")[0].split("[")[0]
+
+
+def launch_env() -> tuple[str, int, int, int]:
+    """(launcher, rank, world_size, local_rank) from torchrun's or SLURM's variables, else a single process.
+
+    Under SLURM without torchrun, MASTER_ADDR defaults to the job's first node and MASTER_PORT to a port
+    derived from the job id, both exported so every task agrees.
+    """
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return "torchrun", int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        env.setdefault("MASTER_ADDR", _slurm_head_node())
+        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+        return "slurm", int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
+    return "single", 0, 1, 0
+
+
+def pick_device(local_rank: int, device: str | None = None) -> torch.device:
+    if device is not None:
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {device!r} asked for, but CUDA is not available here")
+        return dev
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_runtime(device: str | None = None, backend: str | None = None, timeout_s: float = 300.0,
+                 seed: int | None = 0) -> Runtime:
+    """Initialise torch.distributed (if not already) from the environment; return the Runtime.
+
+    A single process without launcher variables gets a process group of size 1 on a free local port, so
+    the same code paths run everywhere. ``timeout_s`` bounds every collective of the default group.
+    """
+    for key, value in GPU_SAFE_ENV.items():
+        os.environ.setdefault(key, value)
+    launcher, rank, world, local_rank = launch_env()
+    dev = pick_device(local_rank, device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
+    if backend == "nccl" and dev.type != "cuda":
+        raise RuntimeError("backend 'nccl' needs CUDA devices; use gloo on CPU")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"unknown backend {backend!r}; use nccl (CUDA) or gloo (CPU)")
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if launcher == "single":
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                                    timeout=timeout)
+        else:
+            kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
+    if seed is not None:
+        seed_everything(seed)
+    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend, launcher)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed for python, numpy and torch (CPU and CUDA), so every rank draws the same full tensors."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@dataclasses.dataclass
+class ParallelDims:
+    """Parallel degrees of one job; their product must equal the world size.
+
+    ``dp`` data parallel, ``cp`` context parallel, ``tp`` tensor parallel. ``validate()`` raises a
+    ValueError naming the bad degree (call it on every rank before any collective); ``build_mesh()``
+    returns one ``DeviceMesh`` with axes named ``dp``, ``cp``, ``tp`` (outer to inner: tp neighbours are
+    adjacent ranks, which on a node share the fastest links).
+    """
+
+    world_size: int
+    dp: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    AXES = ("dp", "cp", "tp")
+
+    def __post_init__(self):
+        self.validate()
+
+    def degrees(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.AXES}
+
+    def validate(self) -> None:
+        for name, degree in self.degrees().items():
+            if not isinstance(degree, int) or degree < 1:
+                raise ValueError(f"parallel degree {name}={degree!r} must be a positive integer")
+        product = int(np.prod(list(self.degrees().values())))
+        if product != self.world_size:
+            shown = " x ".join(f"{k}={v}" for k, v in self.degrees().items())
+            raise ValueError(f"parallel degrees {shown} multiply to {product}, but the world size is "
+                             f"{self.world_size}")
+
+    def build_mesh(self, device_type: str):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, tuple(self.degrees().values()), mesh_dim_names=self.AXES)

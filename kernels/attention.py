@@ -1,0 +1,286 @@
+"""Attention forward/backward that return and consume the log-sum-exp (LSE).
+
+    python -m kernels.bench --seq 8192 --heads 32 --head-dim 128 --causal   # GPU benchmark of the backends
+
+Context-parallel attention computes attention block by block and merges the partial results through the
+LSE, so every backend here returns ``(out, lse)`` and its backward takes the *final* ``out`` and ``lse``
+(the merged ones, not the block's own): with the global LSE, a block's probabilities
+``P = exp(q k^T * scale - lse)`` are already normalised over every block, and the block's gradients add up
+to the gradient of the whole attention.
+
+Layout: ``q`` is ``(batch, seq_q, heads, head_dim)``, ``k``/``v`` are ``(batch, seq_k, kv_heads, head_dim)``
+with ``kv_heads`` dividing ``heads`` (GQA: query head ``h`` reads kv head ``h // (heads // kv_heads)``).
+``lse`` is float32 ``(batch, heads, seq_q)`` (float64 for float64 inputs). ``causal=True`` needs
+``seq_q == seq_k`` and lets query ``i`` see keys ``j <= i``.
+
+Backends (``backend=``):
+
+- ``torch``: plain PyTorch, any device and dtype; computes in float32 (float64 for float64 inputs) and
+  never holds more than one block of query rows' scores (``block_bytes``).
+- ``sdpa-cudnn``, ``sdpa-flash``, ``sdpa-efficient``: PyTorch's LSE-returning SDPA ops and their backward
+  ops (CUDA only; cuDNN and flash take fp16/bf16, efficient also fp32).
+- ``auto``: the fastest present for the tensors given: cuDNN for fp16/bf16 on CUDA, then flash; efficient
+  for fp32 on CUDA; ``torch`` on CPU and for float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+BACKENDS = ("auto", "torch", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient")
+_SDPA_DTYPES = {
+    "sdpa-cudnn": (torch.float16, torch.bfloat16),
+    "sdpa-flash": (torch.float16, torch.bfloat16),
+    "sdpa-efficient": (torch.float16, torch.bfloat16, torch.float32),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# validation and backend choice
+# ---------------------------------------------------------------------------------------------------------
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+    """Raise ValueError with a clear message unless q, k, v are a valid (bshd, GQA) attention input."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (batch, seq, heads, head_dim); got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be floating point; got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch and head_dim")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal attention needs seq_q == seq_k; got {q.shape[1]} and {k.shape[1]}")
+
+
+def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[str]:
+    """Backends that can run on this device and dtype, fastest first (``torch`` always last)."""
+    device = torch.device(device)
+    names = []
+    if device.type == "cuda":
+        for name in ("sdpa-cudnn", "sdpa-flash", "sdpa-efficient"):
+            if dtype in _SDPA_DTYPES[name] and _sdpa_op_present(name):
+                names.append(name)
+    return names + ["torch"]
+
+
+def resolve_backend(backend: str, device: torch.device | str, dtype: torch.dtype) -> str:
+    """Map ``auto`` to a concrete backend, and refuse one that cannot run here with a clear message."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    present = available_backends(device, dtype)
+    if backend == "auto":
+        return present[0]
+    if backend not in present:
+        raise ValueError(f"attention backend {backend!r} cannot run {dtype} on {torch.device(device).type}; "
+                         f"present here: {', '.join(present)}")
+    return backend
+
+
+def _sdpa_op_present(name: str) -> bool:
+    op = {"sdpa-cudnn": "_scaled_dot_product_cudnn_attention", "sdpa-flash": "_scaled_dot_product_flash_attention",
+          "sdpa-efficient": "_scaled_dot_product_efficient_attention"}[name]
+    if not hasattr(torch.ops.aten, op):
+        return False
+    if name == "sdpa-cudnn":
+        return torch.backends.cudnn.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+    if name == "sdpa-flash":
+        return torch.cuda.get_device_capability() >= (8, 0)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------
+# public entry points
+# ---------------------------------------------------------------------------------------------------------
+def attention_forward(q, k, v, causal=False, softmax_scale=None, backend="auto"):
+    """Return ``(out, lse)``: ``out`` like ``q`` in q's dtype, ``lse`` float32 ``(batch, heads, seq_q)``."""
+    check_qkv(q, k, v, causal)
+    backend = resolve_backend(backend, q.device, q.dtype)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if backend == "torch":
+        return _torch_forward(q, k, v, causal, scale)
+    return _sdpa_forward(backend, q, k, v, causal, scale)
+
+
+def attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, backend="auto"):
+    """Return ``(dq, dk, dv)`` in the inputs' dtype, given the final ``out`` and ``lse`` (see module doc)."""
+    check_qkv(q, k, v, causal)
+    if dout.shape != q.shape or out.shape != q.shape:
+        raise ValueError(f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
+    if lse.shape != (q.shape[0], q.shape[2], q.shape[1]):
+        raise ValueError(f"lse must be (batch, heads, seq_q) = {(q.shape[0], q.shape[2], q.shape[1])}; "
+                         f"got {tuple(lse.shape)}")
+    backend = resolve_backend(backend, q.device, q.dtype)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if backend == "torch":
+        return _torch_backward(dout, q, k, v, out, lse, causal, scale)
+    return _sdpa_backward(backend, dout, q, k, v, out, lse, causal, scale)
+
+
+def attention_reference(q, k, v, causal=False, softmax_scale=None):
+    """Whole-matrix attention through autograd, in the inputs' dtype: the one-device ground truth for tests."""
+    check_qkv(q, k, v, causal)
+    groups = q.shape[2] // k.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    kh = k.repeat_interleave(groups, dim=2).transpose(1, 2)
+    vh = v.repeat_interleave(groups, dim=2).transpose(1, 2)
+    scores = q.transpose(1, 2) @ kh.transpose(-1, -2) * scale
+    if causal:
+        n = q.shape[1]
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    return (scores.softmax(-1) @ vh).transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# plain-PyTorch backend: query blocks against all (visible) keys, GQA without copying K/V
+# ---------------------------------------------------------------------------------------------------------
+block_bytes = 2 * 2**20  # score memory of one query block (cache-sized: ~3x faster on CPU than 32 MiB)
+
+
+def _compute_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _row_block(q, k) -> int:
+    b, sq, h, _ = q.shape
+    rows = block_bytes // max(1, b * h * k.shape[1] * 4)
+    return int(max(16, min(sq, rows)))
+
+
+def _grouped(q, kv_heads, ct):
+    """(b, s, h, d) -> (b, kv_heads, groups*s, d) in compute dtype, rows ordered (group, position)."""
+    b, s, h, d = q.shape
+    g = h // kv_heads
+    return q.to(ct).view(b, s, kv_heads, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, g * s, d)
+
+
+def _ungrouped(x, s):
+    """Inverse of _grouped: (b, kv_heads, groups*s, d) -> (b, s, kv_heads*groups, d)."""
+    b, hk, gs, d = x.shape
+    g = gs // s
+    return x.view(b, hk, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, hk * g, d)
+
+
+def _block_scores(qb, kt, scale, causal, start, stop, g):
+    """Scores of query rows [start, stop) for all groups vs keys [0, kend); masked above the diagonal."""
+    s = qb @ kt * scale                                        # (b, hk, g*(stop-start), kend)
+    if causal:
+        rows = torch.arange(start, stop, device=s.device).repeat(g)
+        cols = torch.arange(kt.shape[-1], device=s.device)
+        s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+    return s
+
+
+def _torch_forward(q, k, v, causal, scale):
+    b, sq, h, d = q.shape
+    hk, g, ct = k.shape[2], h // k.shape[2], _compute_dtype(q.dtype)
+    kt = k.to(ct).permute(0, 2, 3, 1)                          # (b, hk, d, sk)
+    vv = v.to(ct).permute(0, 2, 1, 3)                          # (b, hk, sk, d)
+    out = torch.empty(b, sq, h, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, h, sq, dtype=ct, device=q.device)
+    step = _row_block(q, k)
+    for start in range(0, sq, step):
+        stop = min(sq, start + step)
+        kend = stop if causal else k.shape[1]
+        qb = _grouped(q[:, start:stop], hk, ct)
+        s = _block_scores(qb, kt[..., :kend], scale, causal, start, stop, g)
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = s.sub_(m).exp_()
+        denom = p.sum(-1, keepdim=True)
+        o = (p @ vv[:, :, :kend]) / denom.clamp_min(torch.finfo(ct).tiny)
+        row_lse = (m + denom.log()).squeeze(-1)                 # -inf for a row that sees no key
+        out[:, start:stop] = _ungrouped(o, stop - start).to(q.dtype)
+        lse[:, :, start:stop] = row_lse.view(b, hk, g, stop - start).reshape(b, h, stop - start)
+    return out, lse.float() if ct == torch.float32 else lse
+
+
+def _torch_backward(dout, q, k, v, out, lse, causal, scale):
+    b, sq, h, d = q.shape
+    hk, g, ct = k.shape[2], h // k.shape[2], _compute_dtype(q.dtype)
+    kk = k.to(ct).permute(0, 2, 1, 3)                          # (b, hk, sk, d)
+    vv = v.to(ct).permute(0, 2, 1, 3)
+    dq = torch.empty(b, sq, h, d, dtype=ct, device=q.device)
+    dk = torch.zeros(b, hk, k.shape[1], d, dtype=ct, device=q.device)
+    dv = torch.zeros_like(dk)
+    delta = (dout.to(ct) * out.to(ct)).sum(-1).transpose(1, 2)  # (b, h, sq): rowsum(dO * O)
+    lse = lse.to(ct)
+    step = _row_block(q, k)
+    for start in range(0, sq, step):
+        stop = min(sq, start + step)
+        n, kend = stop - start, (stop if causal else k.shape[1])
+        qb = _grouped(q[:, start:stop], hk, ct)
+        dob = _grouped(dout[:, start:stop], hk, ct)
+        lb = lse[:, :, start:stop].reshape(b, hk, g * n, 1)
+        db = delta[:, :, start:stop].reshape(b, hk, g * n, 1)
+        s = _block_scores(qb, kk[:, :, :kend].transpose(-1, -2), scale, causal, start, stop, g)
+        p = s.sub_(torch.where(torch.isfinite(lb), lb, torch.full_like(lb, float("inf")))).exp_()
+        dv[:, :, :kend] += p.transpose(-1, -2) @ dob
+        ds = (dob @ vv[:, :, :kend].transpose(-1, -2)).sub_(db).mul_(p).mul_(scale)
+        dq[:, start:stop] = _ungrouped(ds @ kk[:, :, :kend], n)
+        dk[:, :, :kend] += ds.transpose(-1, -2) @ qb
+    return dq.to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# PyTorch SDPA ops (CUDA): these take (b, h, s, d) views and need equal head counts, so GQA repeats K/V
+# ---------------------------------------------------------------------------------------------------------
+def _repeat_kv(k, v, groups):
+    if groups == 1:
+        return k, v
+    return k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+
+
+def _sum_kv_groups(dk, kv_heads):
+    b, s, h, d = dk.shape
+    return dk if h == kv_heads else dk.view(b, s, kv_heads, h // kv_heads, d).sum(3)
+
+
+def _sdpa_forward(backend, q, k, v, causal, scale):
+    kr, vr = _repeat_kv(k, v, q.shape[2] // k.shape[2])
+    qh, kh, vh = q.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2)
+    if backend == "sdpa-cudnn":
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(qh, kh, vh, None, True, 0.0, causal, False,
+                                                                 scale=scale)
+    elif backend == "sdpa-flash":
+        res = torch.ops.aten._scaled_dot_product_flash_attention(qh, kh, vh, 0.0, causal, False, scale=scale)
+    else:
+        res = torch.ops.aten._scaled_dot_product_efficient_attention(qh, kh, vh, None, True, 0.0, causal,
+                                                                     scale=scale)
+    out, lse = res[0], res[1]
+    lse = lse.reshape(lse.shape[0], lse.shape[1], -1)[..., : q.shape[1]]  # cuDNN: (b,h,s,1); efficient pads s
+    return out.transpose(1, 2), lse.float()
+
+
+def _sdpa_backward(backend, dout, q, k, v, out, lse, causal, scale):
+    hk = k.shape[2]
+    kr, vr = _repeat_kv(k, v, q.shape[2] // hk)
+    qh, kh, vh = q.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2)
+    oh, doh = out.transpose(1, 2), dout.transpose(1, 2)
+    sq, sk = q.shape[1], k.shape[1]
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    offset = torch.zeros((), dtype=torch.int64, device=q.device)
+    lse = lse.float().contiguous()
+    if backend == "sdpa-cudnn":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            doh, qh, kh, vh, oh, lse.unsqueeze(-1), seed, offset, None, None, None, sq, sk, 0.0, causal,
+            scale=scale)
+    elif backend == "sdpa-flash":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            doh, qh, kh, vh, oh, lse, None, None, sq, sk, 0.0, causal, seed, offset, scale=scale)
+    else:  # the efficient kernel keeps its LSE padded to a multiple of 32 rows
+        lse = torch.nn.functional.pad(lse, (0, -sq % 32))
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            doh, qh, kh, vh, None, oh, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+    dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    return dq, _sum_kv_groups(dk, hk), _sum_kv_groups(dv, hk)
