@@ -1,0 +1,120 @@
+"""A pool of real gloo process groups that runs test functions on every rank.
+
+    python -m pytest tests/test_ring.py     # the tests use one pool per world size for the whole session
+
+Starting W processes costs seconds (mostly ``import torch``), so tests keep a pool per world size and send
+it work: ``pool.run(fn, *args)`` calls ``fn(*args)`` on every rank (after ``init_process_group``) and
+returns the per-rank results in rank order. ``fn`` must be importable by name (a module-level function
+of a test module or package). If any rank raises, ``run`` raises ``RankErrors`` holding every rank's
+error; ``pool.run_all(fn, ...)`` returns ``(ok, value_or_error_text)`` per rank instead, for tests that
+expect every rank to refuse an input. A task that does not finish in ``timeout_s`` kills the pool (its
+process group may be stuck in a collective), and the error says which ranks did not answer.
+
+Workers use one thread each (a 2-core machine runs 8 of them) and the group's collectives time out
+after ``group_timeout_s`` so a bug fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import queue
+import socket
+import time
+import traceback
+
+
+class RankErrors(RuntimeError):
+    """Raised when some ranks failed; ``errors`` maps rank -> error text."""
+
+    def __init__(self, errors: dict[int, str]):
+        self.errors = errors
+        super().__init__("\n".join(f"[rank {r}] {e}" for r, e in sorted(errors.items())))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, group_timeout_s, tasks, results):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=group_timeout_s))
+    results.put((rank, -1, True, "ready"))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, fn, args, kwargs = task
+        try:
+            results.put((rank, task_id, True, fn(*args, **kwargs)))
+        except BaseException as e:  # report everything, keep serving
+            results.put((rank, task_id, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class ProcessGroupPool:
+    def __init__(self, world_size: int, group_timeout_s: float = 60.0, start_timeout_s: float = 120.0):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = _free_port()
+        self.procs = [ctx.Process(target=_worker, daemon=True,
+                                  args=(r, world_size, port, group_timeout_s, self.tasks[r], self.results))
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+        self._next_id = 0
+        self._collect(-1, start_timeout_s)
+
+    def _collect(self, task_id: int, timeout_s: float) -> list[tuple[bool, object]]:
+        got: dict[int, tuple[bool, object]] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(got) < self.world_size:
+            try:
+                rank, tid, ok, value = self.results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                missing = sorted(set(range(self.world_size)) - set(got))
+                self.close(kill=True)
+                raise TimeoutError(f"ranks {missing} of a {self.world_size}-process pool did not answer within "
+                                   f"{timeout_s:.0f} s; the pool was killed") from None
+            if tid == task_id:  # answers to an earlier, timed-out task are dropped
+                got[rank] = (ok, value)
+        return [got[r] for r in range(self.world_size)]
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run_all(self, fn, *args, timeout_s: float = 180.0, **kwargs) -> list[tuple[bool, object]]:
+        """``fn(*args, **kwargs)`` on every rank; ``[(ok, result or error text)]`` in rank order."""
+        if not self.alive:
+            raise RuntimeError("the process pool is not alive")
+        self._next_id += 1
+        for t in self.tasks:
+            t.put((self._next_id, fn, args, kwargs))
+        return self._collect(self._next_id, timeout_s)
+
+    def run(self, fn, *args, timeout_s: float = 180.0, **kwargs) -> list:
+        """``fn(*args, **kwargs)`` on every rank; the results in rank order, or ``RankErrors``."""
+        outcome = self.run_all(fn, *args, timeout_s=timeout_s, **kwargs)
+        errors = {r: v for r, (ok, v) in enumerate(outcome) if not ok}
+        if errors:
+            raise RankErrors(errors)
+        return [v for _, v in outcome]
+
+    def close(self, kill: bool = False) -> None:
+        for p, t in zip(self.procs, self.tasks):
+            if p.is_alive() and not kill:
+                t.put(None)
+        for p in self.procs:
+            p.join(timeout=0 if kill else 10)
+            if p.is_alive():
+                p.kill()
+                p.join()

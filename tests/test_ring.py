@@ -1,0 +1,197 @@
+"""Ring attention (contiguous and zigzag) on real gloo process groups against one-device attention.
+
+The reference is whole-matrix float64 attention through autograd (``attention_reference``), a different
+code path from the blockwise kernels the ring uses. The ring runs in float32, so its relative error
+against float64 is ~1e-7; the bar of 1e-5 would catch any wrong mask (a block seen twice or not at all
+moves the output by O(1/seq)), a lost LSE term, or a dK/dV accumulator that comes home short one hop.
+"""
+
+import time
+
+import pytest
+import torch
+
+from distlab import comm
+from distlab.cp.layout import gather_sequence, shard_sequence
+from distlab.cp.ring import ring_attention
+from kernels.attention import attention_reference
+
+WORLDS = [1, 2, 3, 4, 8]
+SEQ = 48  # divisible by 2W for every W above, so zigzag runs everywhere
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def _inputs(batch, seq, heads, kv_heads, head_dim, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seq, heads, head_dim, generator=g, dtype=torch.float64)
+    k = torch.randn(batch, seq, kv_heads, head_dim, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, seq, kv_heads, head_dim, generator=g, dtype=torch.float64)
+    dout = torch.randn(batch, seq, heads, head_dim, generator=g, dtype=torch.float64)
+    return q, k, v, dout
+
+
+def ring_vs_one_device(heads, kv_heads, causal, layout, dtype=torch.float32, seq=SEQ, batch=2, head_dim=8):
+    """Runs on every rank: ring attention on shards vs float64 attention on the full tensors."""
+    q, k, v, dout = _inputs(batch, seq, heads, kv_heads, head_dim)
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    want_out = attention_reference(*full, causal=causal)
+    want_out.backward(dout)
+    want = [want_out.detach()] + [t.grad for t in full]
+
+    local = [shard_sequence(t.to(dtype), None, layout).requires_grad_(True) for t in (q, k, v)]
+    with comm.CommLog() as log_fwd:
+        out = ring_attention(*local, causal=causal, layout=layout)
+    with comm.CommLog() as log_bwd:
+        out.backward(shard_sequence(dout.to(dtype), None, layout))
+    got = [gather_sequence(t, None, layout) for t in (out.detach(), *(x.grad for x in local))]
+    kv_bytes = 2 * local[1].numel() * local[1].element_size()
+    return {"errors": {n: rel_err(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), got, want)},
+            "dtypes": [str(t.dtype) for t in (out, *(x.grad for x in local))],
+            "fwd_calls": dict(log_fwd.calls), "bwd_calls": dict(log_bwd.calls),
+            "fwd_bytes": dict(log_fwd.bytes), "kv_bytes": kv_bytes}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_ring_matches_one_device(pools, world, layout, causal, heads, kv_heads):
+    for rank, res in enumerate(pools(world).run(ring_vs_one_device, heads, kv_heads, causal, layout)):
+        for name, err in res["errors"].items():
+            assert err < 1e-5, f"rank {rank}: {name} rel err {err:.2e} (W={world} {layout} causal={causal})"
+        assert res["dtypes"] == ["torch.float32"] * 4
+        # the design's communication: W-1 K/V hops forward; W-1 K/V hops + W dK/dV hops backward
+        hops = {} if world == 1 else {"ring_kv": world - 1}
+        assert res["fwd_calls"] == hops
+        assert res["bwd_calls"] == ({} if world == 1 else {"ring_kv": world - 1, "ring_dkv": world})
+        assert res["fwd_bytes"] == ({} if world == 1 else {"ring_kv": (world - 1) * res["kv_bytes"]})
+
+
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_float64_is_exact_to_rounding(pools, world, layout):
+    """In float64 the only difference from the reference is summation order: ~1e-15, not 1e-7."""
+    for res in pools(world).run(ring_vs_one_device, 4, 2, True, layout, torch.float64):
+        assert max(res["errors"].values()) < 1e-12, res["errors"]
+
+
+def post_and_compute_order(world_causal):
+    """Record the order of K/V exchange posts and block computes inside one forward."""
+    import distlab.cp.ring as ring_mod
+
+    events = []
+    real_forward, real_record = ring_mod.attention_forward, comm.record
+
+    def forward(*a, **kw):
+        events.append("compute")
+        return real_forward(*a, **kw)
+
+    def record(op, nbytes):
+        events.append("post")
+        real_record(op, nbytes)
+
+    ring_mod.attention_forward, comm.record = forward, record
+    try:
+        q, k, v, _ = _inputs(1, 12, 2, 2, 4)
+        local = [shard_sequence(t.float(), None, "contiguous") for t in (q, k, v)]
+        ring_attention(*local, causal=world_causal)
+    finally:
+        ring_mod.attention_forward, comm.record = real_forward, real_record
+    return events
+
+
+def test_ring_posts_next_exchange_before_computing(pools):
+    """Overlap by construction: each step posts the next K/V hop, then computes the block it holds."""
+    events = pools(3).run(post_and_compute_order, False)
+    assert all(e == ["post", "compute", "post", "compute", "compute"] for e in events), events
+
+
+def test_causal_contiguous_skips_masked_blocks(pools):
+    events = pools(3).run(post_and_compute_order, True)
+    # rank r computes r+1 blocks (its own and the earlier ranks'); later ranks' blocks are skipped
+    assert [e.count("compute") for e in events] == [1, 2, 3]
+    assert all(e.count("post") == 2 for e in events)
+
+
+# ------------------------------------------------------------------------------------------------------
+# layouts
+# ------------------------------------------------------------------------------------------------------
+def layout_roundtrip(layout):
+    rank, world = comm.group_rank(), comm.group_size()
+    x = torch.arange(2 * 24 * 3, dtype=torch.float64).view(2, 24, 3)
+    local = shard_sequence(x, None, layout)
+    back = gather_sequence(local, None, layout)
+    positions = local[0, :, 0].long().div(3, rounding_mode="floor").tolist()
+    return torch.equal(back, x), positions
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_layouts_shard_and_gather_back(pools, world):
+    for layout in ("contiguous", "zigzag"):
+        res = pools(world).run(layout_roundtrip, layout)
+        for rank, (same, positions) in enumerate(res):
+            assert same
+            if layout == "contiguous":
+                n = 24 // world
+                assert positions == list(range(rank * n, (rank + 1) * n))
+            else:
+                c = 24 // (2 * world)
+                late = 2 * world - 1 - rank
+                assert positions == list(range(rank * c, (rank + 1) * c)) + list(range(late * c, (late + 1) * c))
+
+
+# ------------------------------------------------------------------------------------------------------
+# invalid input: refused on every rank, before any collective, in seconds
+# ------------------------------------------------------------------------------------------------------
+def bad_call(case):
+    q, k, v, _ = _inputs(1, 24, 4, 2, 8)
+    q, k, v = q.float(), k.float(), v.float()
+    if case == "seq_not_divisible":
+        return shard_sequence(q[:, :23], None, "contiguous")
+    if case == "seq_not_divisible_zigzag":
+        return shard_sequence(q[:, :18], None, "zigzag")
+    if case == "heads_not_multiple":
+        return ring_attention(q[:, :, :3], k, v)
+    if case == "kv_shapes_differ":
+        return ring_attention(q, k, v[:, :, :1])
+    if case == "dtypes_differ":
+        return ring_attention(q, k.double(), v)
+    if case == "q_k_lengths_differ":
+        return ring_attention(q, k[:, :12], v[:, :12])
+    if case == "odd_zigzag_shard":
+        return ring_attention(q[:, :5], k[:, :5], v[:, :5], layout="zigzag")
+    if case == "unknown_backend":
+        return ring_attention(q, k, v, backend="magic")
+    if case == "unknown_layout":
+        return ring_attention(q, k, v, layout="spiral")
+    if case == "backend_missing_here":
+        return ring_attention(q, k, v, backend="sdpa-cudnn")
+    raise AssertionError(case)
+
+
+BAD = {"seq_not_divisible": "not divisible by", "seq_not_divisible_zigzag": "not divisible by",
+       "heads_not_multiple": "multiple of kv heads", "kv_shapes_differ": "same shape",
+       "dtypes_differ": "share a dtype", "q_k_lengths_differ": "one length", "odd_zigzag_shard": "even",
+       "unknown_backend": "unknown attention backend", "unknown_layout": "unknown sequence layout",
+       "backend_missing_here": "cannot run"}
+
+
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_refused_on_every_rank(pools, world, case):
+    if case == "seq_not_divisible_zigzag" and world == 3:
+        pytest.skip("18 is divisible by 2*3")
+    if case == "backend_missing_here" and torch.cuda.is_available():
+        pytest.skip("cuDNN is present on this machine")
+    pool = pools(world)
+    start = time.monotonic()
+    outcome = pool.run_all(bad_call, case, timeout_s=30)
+    assert time.monotonic() - start < 10
+    for rank, (ok, msg) in enumerate(outcome):
+        assert not ok, f"rank {rank} accepted {case}"
+        assert msg.startswith("ValueError") and BAD[case] in msg, msg
+    # the group is still healthy afterwards: a collective completes on every rank
+    assert pool.run(comm.group_size) == [world] * world
