@@ -106,13 +106,14 @@ def init_runtime(device: str | None = None, backend: str | None = None, timeout_
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"unknown backend {backend!r}; use nccl (CUDA) or gloo (CPU)")
     if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=timeout_s)
+        kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)}
+        if dev.type == "cuda":
+            kwargs["device_id"] = dev  # binds NCCL to this GPU (no guessing from the rank)
         if launcher == "single":
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                                    timeout=timeout)
+            kwargs.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
         else:
-            kwargs = {"device_id": dev} if dev.type == "cuda" else {}
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
+            kwargs.update(rank=rank, world_size=world)
+        dist.init_process_group(backend, **kwargs)
     if seed is not None:
         seed_everything(seed)
     return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend, launcher)

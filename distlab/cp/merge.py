@@ -34,22 +34,21 @@ def merge_attention(out, lse, block_out, block_lse):
     """Merge ``(block_out, block_lse)`` into the running ``(out, lse)``; return the new pair.
 
     ``out``/``lse`` may be ``None`` (nothing merged yet). Results are float32 (float64 for float64 inputs).
+    The weights are computed on the small LSE tensors; the output-sized work is one masked copy of the
+    block, one scale and one fused multiply-add.
     """
     ct = _acc_dtype(block_out.dtype)
-    block_out, block_lse = block_out.to(ct), empty_rows_to_neg_inf(block_lse.to(ct))
+    block_lse = empty_rows_to_neg_inf(block_lse.to(ct))
+    seen = torch.isfinite(block_lse).transpose(1, 2).unsqueeze(-1)
+    block_out = torch.where(seen, block_out.to(ct), 0.0)       # an empty row's garbage must not leak in
     if out is None:
-        seen = torch.isfinite(block_lse).transpose(1, 2).unsqueeze(-1)
-        return torch.where(seen, block_out, torch.zeros_like(block_out)), block_lse
+        return block_out, block_lse
     lse = empty_rows_to_neg_inf(lse.to(ct))
     new_lse = torch.logaddexp(lse, block_lse)                 # -inf only where both are -inf
-    finite = torch.isfinite(new_lse)
-    safe = torch.where(finite, new_lse, torch.zeros_like(new_lse))
-    w_old = torch.where(finite, torch.exp(lse - safe), torch.zeros_like(safe))
-    w_new = torch.where(finite, torch.exp(block_lse - safe), torch.zeros_like(safe))
-    w_old, w_new = w_old.transpose(1, 2).unsqueeze(-1), w_new.transpose(1, 2).unsqueeze(-1)
-    # 0 * (garbage in an empty block's output) must stay 0, so mask instead of multiplying NaN/inf in
-    merged = torch.where(w_old > 0, w_old * out.to(ct), 0.0) + torch.where(w_new > 0, w_new * block_out, 0.0)
-    return merged, new_lse
+    safe = torch.where(torch.isfinite(new_lse), new_lse, 0.0)
+    w_old = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)   # exp(-inf) = 0 for an empty side
+    w_new = torch.exp(block_lse - safe).transpose(1, 2).unsqueeze(-1)
+    return (out.to(ct) * w_old).addcmul_(block_out, w_new), new_lse
 
 
 def merge_into(out, lse, block_out, block_lse, rows: slice | None = None):

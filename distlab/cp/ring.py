@@ -30,7 +30,7 @@ import torch
 
 from distlab import comm
 from distlab.cp.layout import check_layout
-from distlab.cp.merge import merge_into
+from distlab.cp.merge import merge_attention, merge_into
 from kernels.attention import attention_backward, attention_forward, check_qkv, resolve_backend
 
 
@@ -50,17 +50,18 @@ def ring_blocks(step_src: int, rank: int, seq: int, causal: bool, layout: str):
 
 
 def _ring_forward(q, k, v, ring, causal, layout, scale, backend):
-    b, s, h, d = q.shape
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out = torch.zeros(b, s, h, d, dtype=acc, device=q.device)
-    lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
+    s = q.shape[1]
+    out = lse = None  # step 0 (own K/V) always covers every query row, and starts the accumulators
     kv = (k, v)
     for step in range(ring.size):
         pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
         src = (ring.rank - step) % ring.size
         for rows, cols, blk_causal in ring_blocks(src, ring.rank, s, causal, layout):
             o, l = attention_forward(q[:, rows], kv[0][:, cols], kv[1][:, cols], blk_causal, scale, backend)
-            merge_into(out, lse, o, l, rows)
+            if out is None:
+                out, lse = merge_attention(None, None, o, l)
+            else:
+                merge_into(out, lse, o, l, rows)
         if pending is not None:
             kv = tuple(pending.wait())
     return out.to(q.dtype), lse

@@ -1,0 +1,67 @@
+"""Start-up: launcher environments, ParallelDims validation and mesh, the `distlab run` argument rewrite."""
+
+import pytest
+
+from distlab.cli import torchrun_args
+from distlab.runtime import ParallelDims, launch_env
+
+
+def test_launch_env_reads_torchrun_then_slurm_then_single(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
+                "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID", "SLURM_JOB_NODELIST"):
+        monkeypatch.delenv(var, raising=False)
+    assert launch_env() == ("single", 0, 1, 0)
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_JOB_ID", "1234")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu-node7")
+    monkeypatch.setenv("PATH", "/nonexistent")           # no scontrol: fall back to the first node name
+    assert launch_env() == ("slurm", 5, 8, 1)
+    import os
+
+    assert os.environ["MASTER_ADDR"] == "gpu-node7" and os.environ["MASTER_PORT"] == str(20000 + 1234)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert launch_env() == ("torchrun", 3, 4, 3)       # torchrun inside an allocation wins
+
+
+@pytest.mark.parametrize("dims,message", [
+    (dict(world_size=8, dp=2, cp=2, tp=3), "multiply to 12, but the world size is 8"),
+    (dict(world_size=4, dp=0, cp=4), "dp=0"),
+    (dict(world_size=4, cp=2.0, dp=2), "cp=2.0"),
+])
+def test_parallel_dims_refuses_bad_degrees(dims, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelDims(**dims)
+
+
+def mesh_groups(dp, cp, tp):
+    import torch.distributed as dist
+
+    mesh = ParallelDims(dist.get_world_size(), dp=dp, cp=cp, tp=tp).build_mesh("cpu")
+    return {axis: dist.get_process_group_ranks(mesh.get_group(axis)) for axis in ("dp", "cp", "tp")}
+
+
+def test_parallel_dims_builds_named_mesh(pools):
+    groups = pools(8).run(mesh_groups, 2, 2, 2)
+    # tp is innermost (adjacent ranks), then cp, then dp
+    assert groups[0] == {"dp": [0, 4], "cp": [0, 2], "tp": [0, 1]}
+    assert groups[7] == {"dp": [3, 7], "cp": [5, 7], "tp": [6, 7]}
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["--nproc", "4", "-m", "distlab.cp.ring", "--seq", "8192"],
+     ["--standalone", "--nproc-per-node", "4", "-m", "distlab.cp.ring", "--seq", "8192"]),
+    (["--nproc=8", "-m", "x", "--nproc", "3"], ["--standalone", "--nproc-per-node", "8", "-m", "x", "--nproc", "3"]),
+    (["--nproc-per-node", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1", "train.py", "-v"],
+     ["--nproc-per-node", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1", "train.py", "-v"]),
+])
+def test_distlab_run_rewrites_nproc_and_passes_the_rest(argv, want):
+    assert torchrun_args(argv) == want
+
+
+def test_distlab_run_needs_a_program():
+    with pytest.raises(SystemExit, match="no module or script"):
+        torchrun_args(["--nproc", "2"])

@@ -1,0 +1,54 @@
+"""The ring study end to end, as a user runs it: the launcher, torchrun processes, the JSON, exit codes."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def run(cmd, timeout=120):
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_launcher_runs_ring_study_with_check_and_json(tmp_path, layout):
+    out = tmp_path / "ring.json"
+    proc, _ = run([sys.executable, "-m", "distlab", "run", "--nproc", "3", "-m", "distlab.cp.ring", "--seq", "384",
+                   "--device", "cpu", "--layout", layout, "--check", "--json", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "check vs one device" in proc.stdout and "PASS" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 3 and result["launcher"] == "torchrun" and result["check_passed"]
+    assert max(result["max_rel_error"].values()) < 1e-5
+    assert result["comm_forward"]["calls"] == {"ring_kv": 2}
+    assert result["comm_forward_backward"]["calls"] == {"ring_kv": 4, "ring_dkv": 3}
+    shares = [r["work_share"] for r in result["ranks"]]
+    assert abs(sum(shares) - 1) < 1e-9
+    if layout == "zigzag":   # causal zigzag: equal work; contiguous: the last rank does the most
+        assert max(shares) - min(shares) < 1e-9
+    else:
+        assert shares == sorted(shares) and shares[-1] > 2 * shares[0]
+
+
+def test_plain_python_is_world_size_one(tmp_path):
+    out = tmp_path / "one.json"
+    proc, _ = run([sys.executable, "-m", "distlab.cp.ring", "--seq", "256", "--device", "cpu", "--check", "--json", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 1 and result["launcher"] == "single" and result["check_passed"]
+    assert result["comm_forward_backward"]["calls"] == {}
+
+
+def test_bad_sequence_length_fails_fast_on_every_rank():
+    proc, elapsed = run([sys.executable, "-m", "distlab", "run", "--nproc", "2", "-m", "distlab.cp.ring",
+                         "--seq", "250", "--device", "cpu", "--layout", "zigzag"], timeout=90)
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: sequence length 250 is not divisible by 4") == 2, proc.stderr[-3000:]
+    assert elapsed < 60
