@@ -67,27 +67,36 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend):
     return out.to(q.dtype), lse
 
 
+def _accumulate(acc, part, index, like, dtype):
+    """``acc[:, index] += part`` in ``dtype``, creating ``acc`` on first use (no zero-fill when it's whole)."""
+    if acc is None:
+        if index.start == 0 and index.stop == like.shape[1]:
+            return part.to(dtype)
+        acc = torch.zeros(like.shape, dtype=dtype, device=like.device)
+    acc[:, index] += part
+    return acc
+
+
 def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend):
     s = q.shape[1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv, dkv, dkv_pending = (k, v), None, None
+    dq, kv, dkv_pending = None, (k, v), None
     for step in range(ring.size):
         kv_pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
         src = (ring.rank - step) % ring.size
-        dk_blk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv_blk = torch.zeros(v.shape, dtype=acc, device=v.device)
+        dk_blk = dv_blk = None
         for rows, cols, blk_causal in ring_blocks(src, ring.rank, s, causal, layout):
             dq_b, dk_b, dv_b = attention_backward(dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols],
                                                   out[:, rows], lse[:, :, rows], blk_causal, scale, backend)
-            dq[:, rows] += dq_b
-            dk_blk[:, cols] += dk_b
-            dv_blk[:, cols] += dv_b
-        if dkv_pending is not None:          # the accumulator for block src, from the previous rank
-            dk_acc, dv_acc = dkv_pending.wait()
-            dkv = (dk_acc.add_(dk_blk), dv_acc.add_(dv_blk))
-        else:
+            dq = _accumulate(dq, dq_b, rows, q, acc)
+            dk_blk = _accumulate(dk_blk, dk_b, cols, k, acc)
+            dv_blk = _accumulate(dv_blk, dv_b, cols, v, acc)
+        if dkv_pending is None:              # step 0: my own block, always computed
             dkv = (dk_blk, dv_blk)
+        else:                                # the accumulator for block src, from the previous rank
+            dkv = dkv_pending.wait()
+            if dk_blk is not None:
+                dkv = (dkv[0].add_(dk_blk), dkv[1].add_(dv_blk))
         if ring.size > 1:
             dkv_pending = ring.exchange(dkv, "ring_dkv")
         if kv_pending is not None:
