@@ -18,7 +18,7 @@ Backends (``backend=``):
 - ``torch``: plain PyTorch, any device and dtype; computes in float32 (float64 for float64 inputs) and
   never holds more than one block of query rows' scores (``block_bytes``).
 - ``sdpa-cudnn``, ``sdpa-flash``, ``sdpa-efficient``: PyTorch's LSE-returning SDPA ops and their backward
-  ops (CUDA only; cuDNN and flash take fp16/bf16, efficient also fp32).
+  ops (CUDA only; cuDNN and flash take fp16/bf16, efficient fp32 — see ``_SDPA_DTYPES``).
 - ``auto``: the fastest present for the tensors given: cuDNN for fp16/bf16 on CUDA, then flash; efficient
   for fp32 on CUDA; ``torch`` on CPU and for float64.
 """
@@ -33,7 +33,9 @@ BACKENDS = ("auto", "torch", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient")
 _SDPA_DTYPES = {
     "sdpa-cudnn": (torch.float16, torch.bfloat16),
     "sdpa-flash": (torch.float16, torch.bfloat16),
-    "sdpa-efficient": (torch.float16, torch.bfloat16, torch.float32),
+    # fp32 only: in fp16/bf16 its backward, given the merged out/LSE of a key block with seq_q != seq_k,
+    # returned dq of 1e31/NaN on the H200 (torch 2.11); cuDNN and flash are faster there anyway
+    "sdpa-efficient": (torch.float32,),
 }
 
 

@@ -112,7 +112,7 @@ def test_causal_needs_equal_lengths_and_backends_are_checked():
 # ------------------------------------------------------------------------------------------------------
 # GPU: the SDPA backends (skipped without CUDA)
 # ------------------------------------------------------------------------------------------------------
-GPU_CASES = [(b, dt) for b in ("sdpa-cudnn", "sdpa-flash", "sdpa-efficient") for dt in (torch.bfloat16, torch.float16)]
+GPU_CASES = [(b, dt) for b in ("sdpa-cudnn", "sdpa-flash") for dt in (torch.bfloat16, torch.float16)]
 GPU_CASES += [("sdpa-efficient", torch.float32), ("torch", torch.bfloat16)]
 
 
