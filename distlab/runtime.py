@@ -135,20 +135,43 @@ def seed_everything(seed: int) -> None:
 class ParallelDims:
     """Parallel degrees of one job; their product must equal the world size.
 
-    ``dp`` data parallel, ``cp`` context parallel, ``tp`` tensor parallel. ``validate()`` raises a
-    ValueError naming the bad degree (call it on every rank before any collective); ``build_mesh()``
-    returns one ``DeviceMesh`` with axes named ``dp``, ``cp``, ``tp`` (outer to inner: tp neighbours are
-    adjacent ranks, which on a node share the fastest links).
+    ``dp`` data parallel, ``cp`` context parallel, ``tp`` tensor parallel. Context parallelism has two
+    axes, ``ulysses`` × ``ring`` = ``cp`` (USP); give ``cp`` alone for pure ring, or the two axes (``cp``
+    then follows). ``validate()`` raises a ValueError naming the bad degree (call it on every rank before
+    any collective). ``build_mesh()`` returns one ``DeviceMesh`` with axes ``dp``, ``ring``, ``ulysses``,
+    ``tp`` (outer to inner: tp, then ulysses neighbours are adjacent ranks, which on a node share the
+    fastest links) and the flattened ``cp`` = ring × ulysses axis.
     """
 
     world_size: int
     dp: int = 1
-    cp: int = 1
+    cp: int | None = None
     tp: int = 1
+    ulysses: int | None = None
+    ring: int | None = None
 
-    AXES = ("dp", "cp", "tp")
+    AXES = ("dp", "ring", "ulysses", "tp")
 
     def __post_init__(self):
+        for name in ("cp", "ulysses", "ring"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"parallel degree {name}={value!r} must be a positive integer")
+        if self.ulysses is None and self.ring is None:
+            self.cp = 1 if self.cp is None else self.cp
+            self.ulysses, self.ring = 1, self.cp
+        elif self.cp is None:
+            self.ulysses, self.ring = self.ulysses or 1, self.ring or 1
+            self.cp = self.ulysses * self.ring
+        else:
+            if self.ulysses is None or self.ring is None:
+                given = self.ulysses or self.ring
+                if self.cp % given:
+                    raise ValueError(f"cp={self.cp} is not divisible by the given CP axis degree {given}")
+                self.ulysses, self.ring = (given, self.cp // given) if self.ulysses else (self.cp // given, given)
+            if self.ulysses * self.ring != self.cp:
+                raise ValueError(f"ulysses={self.ulysses} x ring={self.ring} = {self.ulysses * self.ring}, "
+                                 f"but cp={self.cp}")
         self.validate()
 
     def degrees(self) -> dict[str, int]:
@@ -167,4 +190,6 @@ class ParallelDims:
     def build_mesh(self, device_type: str):
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, tuple(self.degrees().values()), mesh_dim_names=self.AXES)
+        mesh = init_device_mesh(device_type, tuple(self.degrees().values()), mesh_dim_names=self.AXES)
+        mesh["ring", "ulysses"]._flatten("cp")
+        return mesh

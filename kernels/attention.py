@@ -286,3 +286,26 @@ def _sdpa_backward(backend, dout, q, k, v, out, lse, causal, scale):
             doh, qh, kh, vh, None, oh, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
     dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     return dq, _sum_kv_groups(dk, hk), _sum_kv_groups(dv, hk)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# autograd wrapper: local attention as a differentiable op (used by Ulysses, which needs no merge)
+# ---------------------------------------------------------------------------------------------------------
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, backend):
+        out, lse = attention_forward(q, k, v, causal, scale, backend)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (causal, scale, backend)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*attention_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args), None, None, None)
+
+
+def attention(q, k, v, causal=False, softmax_scale=None, backend="auto"):
+    """Differentiable attention through ``attention_forward`` / ``attention_backward``; returns ``out``."""
+    check_qkv(q, k, v, causal)
+    return _Attention.apply(q, k, v, causal, softmax_scale, resolve_backend(backend, q.device, q.dtype))

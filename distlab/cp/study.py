@@ -1,15 +1,18 @@
 """The context-parallel study: time one CP attention, count its communication, check it against one device.
 
     distlab run --nproc 4 -m distlab.cp.ring --seq 8192 --check --json ring.json
+    distlab run --nproc 4 -m distlab.cp.ulysses --seq 8192 --check
+    distlab run --nproc 4 -m distlab.cp.usp --ulysses 2 --ring 2 --seq 8192 --check
     torchrun --nproc-per-node 8 -m distlab.cp.ring --seq 65536 --layout zigzag --check
 
-Every rank draws the same full q, k, v (same seed), keeps its shard, and runs the algorithm ``--warmup``
+Every rank draws the same full q, k, v (same seed), keeps its shard, and runs the method ``--warmup``
 times, then ``--iters`` timed times forward-only and forward+backward. The table gives, per rank, the
-median times, the bytes the rank sent (``distlab.comm.CommLog``) and its share of the attention work;
-then the aggregate TFLOP/s, the efficiency against one device running the whole sequence with the same
-kernel (``T_one / (W · T_cp)``; 100% is perfect scaling), and with ``--check`` the max relative error of
-the output and of dq, dk, dv against a float64 (float32 on GPU) one-device reference on the gathered
-tensors. ``--check`` exits with status 1 when an error is above the dtype's tolerance.
+median times, the bytes the rank sent (``distlab.comm.CommLog``, next to ``distlab.cp.cost``'s model) and
+its share of the attention work; then the aggregate TFLOP/s, the efficiency against one device running
+the whole sequence with the same kernel (``T_one / (W · T_cp)``; 100% is perfect scaling), and with
+``--check`` the max relative error of the output and of dq, dk, dv against a float64 (float32 on GPU)
+one-device reference on the gathered tensors. ``--check`` exits with status 1 when an error is above the
+dtype's tolerance; invalid arguments exit with status 2 on every rank.
 
 Without a GPU the defaults are CPU-sized (4 heads, 2 kv heads, head_dim 32, float32); with one, the
 Llama-3-8B attention shape (32 heads, 8 kv heads, head_dim 128, bfloat16).
@@ -18,18 +21,21 @@ Llama-3-8B attention shape (32 heads, 8 kv heads, head_dim 128, bfloat16).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
 import sys
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from distlab import comm
-from distlab.cp.layout import LAYOUTS, check_divisible, gather_sequence, rank_chunks, shard_sequence
-from distlab.runtime import init_runtime, shutdown
+from distlab.cp.cost import cp_bytes
+from distlab.cp.layout import LAYOUTS, check_divisible, gather_sequence, shard_sequence
+from distlab.runtime import ParallelDims, init_runtime, shutdown
 from kernels.attention import BACKENDS, attention_backward, attention_forward, resolve_backend
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -47,16 +53,23 @@ def parse_args(argv=None, algorithm="ring"):
     p.add_argument("--kv-heads", type=int, default=8 if gpu else 2)
     p.add_argument("--head-dim", type=int, default=128 if gpu else 32)
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--layout", choices=LAYOUTS, default="zigzag")
+    p.add_argument("--layout", choices=LAYOUTS, default="contiguous" if algorithm == "ulysses" else "zigzag",
+                   help="sequence layout of the ring axis (Ulysses alone: contiguous)")
+    if algorithm in ("usp", "compare"):
+        p.add_argument("--ulysses", type=int, default=None, help="Ulysses degree (default: 2, or 1 if W is odd)")
+        p.add_argument("--ring", type=int, default=None, help="ring degree (default: W / ulysses)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16" if gpu else "float32")
     p.add_argument("--backend", choices=BACKENDS, default="auto")
     p.add_argument("--iters", type=int, default=5 if gpu else 2)
-    p.add_argument("--warmup", type=int, default=2 if gpu else 0, help="untimed runs first (CPU needs none)")
+    p.add_argument("--warmup", type=int, default=2 if gpu else 1, help="untimed runs first")
     p.add_argument("--check", action="store_true", help="compare output and grads with one device")
     p.add_argument("--no-baseline", action="store_true", help="skip the one-device timing")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON (rank 0)")
     p.add_argument("--device", default=None, help="force a device (cpu, cuda); default: cuda if present")
     p.add_argument("--seed", type=int, default=0)
+    if algorithm == "compare":
+        p.add_argument("--plot", metavar="PNG", default=None, help="bar chart of the table (needs matplotlib)")
+        p.add_argument("--deepspeed", action="store_true", help="add DeepSpeed's DistributedAttention (Ulysses)")
     return p.parse_args(argv)
 
 
@@ -66,8 +79,8 @@ def attention_flops(batch, seq, heads, head_dim, causal, backward=False):
     return f * 2.5 if backward else f
 
 
-def work_share(rank, world, causal, layout, local_seq):
-    """Fraction of the whole attention's score entries that ``rank`` computes (shows causal balance)."""
+def ring_work_share(rank, world, causal, layout, local_seq):
+    """Fraction of the whole attention's score entries ring rank ``rank`` computes (shows causal balance)."""
     from distlab.cp.ring import ring_blocks
 
     area = 0
@@ -77,6 +90,68 @@ def work_share(rank, world, causal, layout, local_seq):
             area += n * (n + 1) / 2 if blk_causal else n * m
     full = world * local_seq
     return area / (full * (full + 1) / 2 if causal else full * full)
+
+
+@dataclasses.dataclass
+class CPMethod:
+    """One CP attention set up on this rank: how to call it, shard and gather, and what it should cost."""
+
+    name: str
+    attn: Callable
+    shard: Callable
+    gather: Callable
+    work_share: float
+    model_bytes: dict
+    logged: bool = True  # its communication goes through distlab.comm (so CommLog sees it)
+
+
+def build_method(algorithm, args, world, rank, device, backend, ulysses=1, ring=None, layout=None) -> CPMethod:
+    """Validate (same answer on every rank, no communication), then build groups and the method."""
+    from distlab.cp.ring import ring_attention
+    from distlab.cp.ulysses import kv_replication, ulysses_attention
+    from distlab.cp.usp import usp_attention
+
+    layout = layout or args.layout
+    dtype = DTYPES[args.dtype]
+    model = {}
+    if args.heads % args.kv_heads:
+        raise ValueError(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    if algorithm == "ring":
+        check_divisible(args.seq, world, layout)
+        g = dist.group.WORLD
+        model = cp_bytes("ring", args.batch, args.seq, args.heads, args.kv_heads, args.head_dim, dtype, ring=world)
+        return CPMethod(f"ring ({layout})",
+                        lambda q, k, v: ring_attention(q, k, v, g, args.causal, layout, backend),
+                        lambda x: shard_sequence(x, g, layout), lambda x: gather_sequence(x, g, layout),
+                        ring_work_share(rank, world, args.causal, layout, args.seq // world), model)
+    if algorithm == "ulysses":
+        if layout != "contiguous":
+            raise ValueError("Ulysses alone runs the contiguous layout (the gathered sequence must be in order); "
+                             "for zigzag balance use the ring axis of distlab.cp.usp")
+        check_divisible(args.seq, world, "contiguous")
+        kv_replication(args.heads, args.kv_heads, world)
+        g = dist.group.WORLD
+        model = cp_bytes("ulysses", args.batch, args.seq, args.heads, args.kv_heads, args.head_dim, dtype,
+                         ulysses=world)
+        return CPMethod("ulysses", lambda q, k, v: ulysses_attention(q, k, v, g, args.causal, backend),
+                        lambda x: shard_sequence(x, g, "contiguous"), lambda x: gather_sequence(x, g, "contiguous"),
+                        1.0 / world, model)
+    if algorithm == "usp":
+        ring = ring if ring is not None else world // ulysses
+        dims = ParallelDims(world, cp=world, ulysses=ulysses, ring=ring)
+        check_divisible(args.seq, ring, layout, ulysses)
+        kv_replication(args.heads, args.kv_heads, ulysses)
+        mesh = dims.build_mesh(device.type)
+        ug, rg = mesh.get_group("ulysses"), mesh.get_group("ring")
+        r_rank = mesh.get_local_rank("ring")
+        model = cp_bytes("usp", args.batch, args.seq, args.heads, args.kv_heads, args.head_dim, dtype,
+                         ulysses=ulysses, ring=ring)
+        return CPMethod(f"usp {ulysses}x{ring} ({layout})",
+                        lambda q, k, v: usp_attention(q, k, v, ug, rg, args.causal, layout, backend),
+                        lambda x: shard_sequence(x, rg, layout, ulysses_group=ug),
+                        lambda x: gather_sequence(x, rg, layout, ulysses_group=ug),
+                        ring_work_share(r_rank, ring, args.causal, layout, args.seq // ring) / ulysses, model)
+    raise ValueError(f"unknown CP algorithm {algorithm!r}")
 
 
 def _sync(device):
@@ -99,16 +174,17 @@ def _time(fn, iters, warmup, device, barrier=True):
     return statistics.median(times)
 
 
-def make_attention(algorithm, group, args, backend):
-    if algorithm == "ring":
-        from distlab.cp.ring import ring_attention
-
-        return lambda q, k, v: ring_attention(q, k, v, group, args.causal, args.layout, backend)
-    raise ValueError(f"unknown CP algorithm {algorithm!r}")
-
-
 def rel_error(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def make_inputs(args, device):
+    """The full q, k, v, dout, drawn identically on every rank."""
+    dtype = DTYPES[args.dtype]
+    shape_q = (args.batch, args.seq, args.heads, args.head_dim)
+    shape_kv = (args.batch, args.seq, args.kv_heads, args.head_dim)
+    gen = torch.Generator(device="cpu").manual_seed(args.seed)
+    return [torch.randn(s, generator=gen).to(device, dtype) for s in (shape_q, shape_kv, shape_kv, shape_q)]
 
 
 def one_device_reference(q, k, v, dout, causal):
@@ -119,126 +195,170 @@ def one_device_reference(q, k, v, dout, causal):
     return (out, *attention_backward(dout, q, k, v, out, lse, causal, backend="torch"))
 
 
-def run(args, algorithm="ring"):
-    rt = init_runtime(device=args.device, seed=args.seed)
-    world, rank, dev = rt.world_size, rt.rank, rt.device
-    dtype = DTYPES[args.dtype]
-    # every rank validates the same arguments before any collective, so a bad one fails everywhere
-    check_divisible(args.seq, world, args.layout)
-    if args.heads % args.kv_heads:
-        raise ValueError(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
-    backend = resolve_backend(args.backend, dev, dtype)
-    group = dist.group.WORLD
-
-    shape_q = (args.batch, args.seq, args.heads, args.head_dim)
-    shape_kv = (args.batch, args.seq, args.kv_heads, args.head_dim)
-    gen = torch.Generator(device="cpu").manual_seed(args.seed)
-    full = [torch.randn(s, generator=gen).to(dev, dtype) for s in (shape_q, shape_kv, shape_kv, shape_q)]
-    q, k, v, dout = (shard_sequence(t, group, args.layout) for t in full)
+def measure(method: CPMethod, full, args, device, reference=None) -> dict:
+    """Time, log and (with ``reference``, rank 0's one-device output and grads) check one method."""
+    world, rank = comm.group_size(), comm.group_rank()
+    q, k, v, dout = (method.shard(t) for t in full)
     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
-    attn = make_attention(algorithm, group, args, backend)
 
     def fwd():
         with torch.no_grad():
-            attn(q, k, v)
+            method.attn(q, k, v)
 
     def fwd_bwd():
-        attn(qg, kg, vg).backward(dout)
+        method.attn(qg, kg, vg).backward(dout)
 
-    t_fwd = _time(fwd, args.iters, args.warmup, dev)
-    t_fb = _time(fwd_bwd, args.iters, args.warmup, dev)
+    t_fwd = _time(fwd, args.iters, args.warmup, device)
+    t_fb = _time(fwd_bwd, args.iters, args.warmup, device)
     with comm.CommLog() as log_fwd:
         fwd()
     with comm.CommLog() as log_fb:
         qg.grad = kg.grad = vg.grad = None
-        out = attn(qg, kg, vg)
+        out = method.attn(qg, kg, vg)
         out.backward(dout)
-
-    mine = torch.tensor([t_fwd, t_fb, log_fwd.total_bytes(), log_fb.total_bytes(),
-                         work_share(rank, world, args.causal, args.layout, q.shape[1])], dtype=torch.float64)
-    per_rank = comm.all_gather_raw(mine[None], group, 0) if world > 1 else mine[None]
-
-    result = {"algorithm": algorithm, "world_size": world, "device": str(dev), "backend": backend,
-              "launcher": rt.launcher, "args": vars(args), "cpu_cores": os.cpu_count(),
-              "comm_forward": log_fwd.as_dict(), "comm_forward_backward": log_fb.as_dict(),
-              "ranks": [dict(zip(("fwd_s", "fwd_bwd_s", "fwd_bytes", "fwd_bwd_bytes", "work_share"),
-                                 row.tolist())) for row in per_rank]}
-
-    if not args.no_baseline and rank == 0:
-        fq, fk, fv, fd = (t.detach().requires_grad_(False) for t in full)
-
-        def one_fwd():
-            attention_forward(fq, fk, fv, args.causal, backend=backend)
-
-        def one_fb():
-            o, l = attention_forward(fq, fk, fv, args.causal, backend=backend)
-            attention_backward(fd, fq, fk, fv, o, l, args.causal, backend=backend)
-
-        result["one_device"] = {"fwd_s": _time(one_fwd, args.iters, args.warmup, dev, barrier=False),
-                                "fwd_bwd_s": _time(one_fb, args.iters, args.warmup, dev, barrier=False)}
-
+    mine = torch.tensor([[t_fwd, t_fb, log_fwd.total_bytes(), log_fb.total_bytes(), method.work_share]],
+                        dtype=torch.float64)
+    per_rank = comm.all_gather_raw(mine, None, 0)
+    result = {"method": method.name, "logged": method.logged, "comm_forward": log_fwd.as_dict(), "comm_forward_backward": log_fb.as_dict(),
+              "model_bytes": method.model_bytes,
+              "ranks": [dict(zip(("fwd_s", "fwd_bwd_s", "fwd_bytes", "fwd_bwd_bytes", "work_share"), row.tolist()))
+                        for row in per_rank]}
     if args.check:
-        got = [gather_sequence(t, group, args.layout) for t in (out.detach(), qg.grad, kg.grad, vg.grad)]
+        got = [method.gather(t) for t in (out.detach(), qg.grad, kg.grad, vg.grad)]
         errors = torch.zeros(4, dtype=torch.float64)
-        if rank == 0:  # the other ranks wait in the broadcast: let the reference use every core
-            threads = torch.get_num_threads()
-            torch.set_num_threads(os.cpu_count() or 1)
-            want = one_device_reference(*full, args.causal)
-            torch.set_num_threads(threads)
-            errors = torch.tensor([rel_error(a, b) for a, b in zip(got, want)], dtype=torch.float64)
+        if rank == 0:
+            errors = torch.tensor([rel_error(a, b) for a, b in zip(got, reference)], dtype=torch.float64)
         if world > 1:
-            dist.broadcast(errors, 0, group=group)
-        result["max_rel_error"] = dict(zip(("out", "dq", "dk", "dv"), errors.tolist()))
-        result["tolerance"] = TOLERANCE[dtype]
-        result["check_passed"] = bool(errors.max().item() <= TOLERANCE[dtype])
+            dist.broadcast(errors, 0)
+        tol = TOLERANCE[DTYPES[args.dtype]]
+        result.update(max_rel_error=dict(zip(("out", "dq", "dk", "dv"), errors.tolist())), tolerance=tol,
+                      check_passed=bool(errors.max().item() <= tol))
+    return result
+
+
+def one_device_timing(full, args, device, backend) -> dict:
+    fq, fk, fv, fd = full
+
+    def one_fwd():
+        attention_forward(fq, fk, fv, args.causal, backend=backend)
+
+    def one_fb():
+        o, l = attention_forward(fq, fk, fv, args.causal, backend=backend)
+        attention_backward(fd, fq, fk, fv, o, l, args.causal, backend=backend)
+
+    return {"fwd_s": _time(one_fwd, args.iters, args.warmup, device, barrier=False),
+            "fwd_bwd_s": _time(one_fb, args.iters, args.warmup, device, barrier=False)}
+
+
+def reference_on_rank0(full, args, rank):
+    """Rank 0 computes the one-device reference with every core (the others wait in the next collective)."""
+    if not args.check or rank != 0:
+        return None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        return one_device_reference(*full, args.causal)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def default_split(world, heads, ulysses=None, ring=None):
+    """USP degrees from the flags: the given ones, else Ulysses 2 (1 for odd W or odd heads) × the rest."""
+    if ulysses is None and ring is None:
+        ulysses = 2 if world % 2 == 0 and heads % 2 == 0 else 1
+    if ulysses is None:
+        if world % ring:
+            raise ValueError(f"--ring {ring} does not divide the world size {world}")
+        ulysses = world // ring
+    if ring is None:
+        if world % ulysses:
+            raise ValueError(f"--ulysses {ulysses} does not divide the world size {world}")
+        ring = world // ulysses
+    if ulysses * ring != world:
+        raise ValueError(f"--ulysses {ulysses} x --ring {ring} = {ulysses * ring}, but the world size is {world}")
+    return ulysses, ring
+
+
+def run(args, algorithm="ring"):
+    rt = init_runtime(device=args.device, seed=args.seed)
+    world, rank, dev = rt.world_size, rt.rank, rt.device
+    backend = resolve_backend(args.backend, dev, DTYPES[args.dtype])
+    u, r = default_split(world, args.heads, args.ulysses, args.ring) if algorithm == "usp" else (1, world)
+    method = build_method(algorithm, args, world, rank, dev, backend, ulysses=u, ring=r)
+    full = make_inputs(args, dev)
+    result = measure(method, full, args, dev, reference_on_rank0(full, args, rank))
+    result.update(algorithm=algorithm, world_size=world, device=str(dev), backend=backend, launcher=rt.launcher,
+                  args=vars(args), cpu_cores=os.cpu_count())
+    if not args.no_baseline and rank == 0:
+        result["one_device"] = one_device_timing(full, args, dev, backend)
     return rt, result
 
 
-def report(result) -> str:
-    a = result["args"]
-    w = result["world_size"]
-    f_fwd = attention_flops(a["batch"], a["seq"], a["heads"], a["head_dim"], a["causal"])
-    f_fb = f_fwd + attention_flops(a["batch"], a["seq"], a["heads"], a["head_dim"], a["causal"], backward=True)
-    gpu = result["device"].startswith("cuda")
-    lines = [f"{result['algorithm']} attention, {a['layout']} layout, W={w} ({result['launcher']}), "
-             f"{result['device']}, backend {result['backend']}",
-             f"batch {a['batch']} · seq {a['seq']} · heads {a['heads']} (kv {a['kv_heads']}) · head_dim "
-             f"{a['head_dim']} · {a['dtype']} · {'causal' if a['causal'] else 'full'}"]
-    if not gpu:
-        lines.append(f"(no GPU: CPU-sized defaults; {w} processes share {result['cpu_cores']} CPU cores, so "
-                     f"times show correctness-scale work, not scaling)")
-    lines.append("")
-    lines.append(f"{'rank':>4} {'fwd ms':>9} {'fwd+bwd ms':>11} {'sent fwd MB':>12} {'sent f+b MB':>12} "
-                 f"{'work %':>7}")
+def summarize(result, args) -> dict:
+    """Slowest-rank times, TFLOP/s and efficiency of one measured method (adds them to ``result``)."""
+    a = args
+    w = len(result["ranks"])
+    f_fwd = attention_flops(a.batch, a.seq, a.heads, a.head_dim, a.causal)
+    f_fb = f_fwd + attention_flops(a.batch, a.seq, a.heads, a.head_dim, a.causal, backward=True)
+    t_fwd = max(r["fwd_s"] for r in result["ranks"])
+    t_fb = max(r["fwd_bwd_s"] for r in result["ranks"])
+    result["slowest"] = {"fwd_s": t_fwd, "fwd_bwd_s": t_fb}
+    result["tflops"] = {"fwd": f_fwd / t_fwd / 1e12, "fwd_bwd": f_fb / t_fb / 1e12}
+    if "one_device" in result:
+        one = result["one_device"]
+        result["efficiency"] = {"fwd": one["fwd_s"] / (w * t_fwd), "fwd_bwd": one["fwd_bwd_s"] / (w * t_fb)}
+    return result
+
+
+def header(result, args) -> list[str]:
+    a = args
+    lines = [f"batch {a.batch} · seq {a.seq} · heads {a.heads} (kv {a.kv_heads}) · head_dim {a.head_dim} · "
+             f"{a.dtype} · {'causal' if a.causal else 'full'} · W={result['world_size']} ({result['launcher']}) · "
+             f"{result['device']} · backend {result['backend']}"]
+    if not result["device"].startswith("cuda"):
+        lines.append(f"(no GPU: CPU-sized defaults; {result['world_size']} processes share {result['cpu_cores']} "
+                     f"CPU cores, so times show correctness-scale work, not scaling)")
+    return lines
+
+
+def report(result, args) -> str:
+    summarize(result, args)
+    lines = [f"{result['method']} attention"] + header(result, args) + [""]
+    lines.append(f"{'rank':>4} {'fwd ms':>9} {'fwd+bwd ms':>11} {'sent fwd MB':>12} {'sent f+b MB':>12} {'work %':>7}")
     for r, row in enumerate(result["ranks"]):
         lines.append(f"{r:>4} {row['fwd_s'] * 1e3:>9.2f} {row['fwd_bwd_s'] * 1e3:>11.2f} "
                      f"{row['fwd_bytes'] / 1e6:>12.3f} {row['fwd_bwd_bytes'] / 1e6:>12.3f} "
                      f"{row['work_share'] * 100:>7.1f}")
-    t_fwd = max(r["fwd_s"] for r in result["ranks"])
-    t_fb = max(r["fwd_bwd_s"] for r in result["ranks"])
-    result["tflops"] = {"fwd": f_fwd / t_fwd / 1e12, "fwd_bwd": f_fb / t_fb / 1e12}
-    lines.append("")
-    lines.append(f"slowest rank: fwd {t_fwd * 1e3:.2f} ms ({result['tflops']['fwd']:.3f} TFLOP/s), "
-                 f"fwd+bwd {t_fb * 1e3:.2f} ms ({result['tflops']['fwd_bwd']:.3f} TFLOP/s)")
-    calls = result["comm_forward"]["calls"]
-    lines.append(f"communication per rank: forward {dict(calls)}, forward+backward "
-                 f"{dict(result['comm_forward_backward']['calls'])}")
+    m = result["model_bytes"]
+    lines.append(f"{'model':>4} {'':>9} {'':>11} {m['fwd'] / 1e6:>12.3f} {m['fwd_bwd'] / 1e6:>12.3f}   "
+                 f"(distlab.cp.cost; rank 0 measured {'==' if result['ranks'][0]['fwd_bwd_bytes'] == m['fwd_bwd'] and result['ranks'][0]['fwd_bytes'] == m['fwd'] else '!='} model)")
+    s = result["slowest"]
+    lines += ["", f"slowest rank: fwd {s['fwd_s'] * 1e3:.2f} ms ({result['tflops']['fwd']:.3f} TFLOP/s), "
+                  f"fwd+bwd {s['fwd_bwd_s'] * 1e3:.2f} ms ({result['tflops']['fwd_bwd']:.3f} TFLOP/s)",
+              f"communication per rank: forward {result['comm_forward']['calls']}, forward+backward "
+              f"{result['comm_forward_backward']['calls']}"]
     if "one_device" in result:
-        one = result["one_device"]
-        result["efficiency"] = {"fwd": one["fwd_s"] / (w * t_fwd), "fwd_bwd": one["fwd_bwd_s"] / (w * t_fb)}
-        lines.append(f"one device, whole sequence: fwd {one['fwd_s'] * 1e3:.2f} ms, fwd+bwd "
-                     f"{one['fwd_bwd_s'] * 1e3:.2f} ms -> efficiency T_one/(W*T_cp): fwd "
-                     f"{result['efficiency']['fwd'] * 100:.1f}%, fwd+bwd {result['efficiency']['fwd_bwd'] * 100:.1f}%")
+        one, eff = result["one_device"], result["efficiency"]
+        lines.append(f"one device, whole sequence: fwd {one['fwd_s'] * 1e3:.2f} ms, fwd+bwd {one['fwd_bwd_s'] * 1e3:.2f} "
+                     f"ms -> efficiency T_one/(W*T_cp): fwd {eff['fwd'] * 100:.1f}%, fwd+bwd {eff['fwd_bwd'] * 100:.1f}%")
     if "max_rel_error" in result:
         e = result["max_rel_error"]
-        ok = result["check_passed"]
         lines.append(f"check vs one device: max rel error out {e['out']:.2e}, dq {e['dq']:.2e}, dk {e['dk']:.2e}, "
-                     f"dv {e['dv']:.2e} (tolerance {result['tolerance']:.0e}): {'PASS' if ok else 'FAIL'}")
+                     f"dv {e['dv']:.2e} (tolerance {result['tolerance']:.0e}): "
+                     f"{'PASS' if result['check_passed'] else 'FAIL'}")
     return "\n".join(lines)
+
+
+def write_json(path, result):
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {path}")
 
 
 def main(argv=None, algorithm="ring"):
     args = parse_args(argv, algorithm)
+    if algorithm != "usp":
+        args.ulysses = args.ring = None
     try:
         rt, result = run(args, algorithm)
     except ValueError as e:  # bad input: every rank raises the same before any collective
@@ -246,11 +366,9 @@ def main(argv=None, algorithm="ring"):
         shutdown()
         sys.exit(2)
     if rt.is_main:
-        print(report(result), flush=True)
+        print(report(result, args), flush=True)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
-            print(f"wrote {args.json}")
+            write_json(args.json, result)
     shutdown()
     if args.check and not result["check_passed"]:
         sys.exit(1)

@@ -1,0 +1,77 @@
+"""Ulysses attention (DeepSpeed-Ulysses): all-to-all from sequence shards to head shards and back.
+
+    distlab run --nproc 4 -m distlab.cp.ulysses --seq 8192 --check
+    torchrun --nproc-per-node 8 -m distlab.cp.ulysses --seq 65536 --heads 32 --kv-heads 8 --head-dim 128
+
+Each of the W ranks holds a contiguous shard of the sequence with all heads. One all-to-all per tensor
+turns that into the whole sequence for H/W heads; the ordinary one-device kernel runs on it (no merge:
+every rank sees every key of its heads); one all-to-all turns the output back into sequence shards.
+Forward: 4 all-to-alls (q, k, v, out), backward: 4 (dout, dq, dk, dv), each sending (W−1)/W of the
+local tensor. The degree is capped by the head count: W must divide the q heads.
+
+GQA beyond the kv heads: when W does not divide the kv heads, each kv head is replicated f = W/gcd(kv, W)
+times first (kv' = lcm(kv, W) heads, which W divides, and q head h still reads a copy of kv head
+h // (H/kv)); autograd sums the copies' gradients. So the degree can go up to the q-head count.
+
+Causal attention needs the contiguous layout here (the gathered sequence must be in order); for zigzag
+under Ulysses, use USP (``distlab.cp.usp``), whose ring axis does the zigzag.
+"""
+
+from __future__ import annotations
+
+import math
+
+from distlab import comm
+from kernels.attention import attention, check_qkv, resolve_backend
+
+
+def kv_replication(heads: int, kv_heads: int, degree: int) -> int:
+    """How many times each kv head is repeated so ``degree`` divides the kv heads (1 when it already does).
+
+    Raises ValueError when ``degree`` does not divide the q heads.
+    """
+    if heads % degree:
+        raise ValueError(f"the Ulysses degree {degree} must divide the number of q heads ({heads})")
+    if heads % kv_heads:
+        raise ValueError(f"q heads ({heads}) must be a multiple of kv heads ({kv_heads})")
+    return degree // math.gcd(kv_heads, degree)
+
+
+def check_ulysses_inputs(q, k, v, degree: int, backend: str) -> str:
+    """Validate on this rank with no communication; return the concrete backend."""
+    check_qkv(q, k, v, causal=False)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"Ulysses needs q and k shards of one length; got {q.shape[1]} and {k.shape[1]}")
+    kv_replication(q.shape[2], k.shape[2], degree)
+    return resolve_backend(backend, q.device, q.dtype)
+
+
+def to_head_shards(q, k, v, group):
+    """(b, s/W, h, d) sequence shards -> (b, s, h/W, d) head shards; kv heads replicated when needed."""
+    n = comm.group_size(group)
+    f = kv_replication(q.shape[2], k.shape[2], n)
+    if f > 1:
+        k, v = k.repeat_interleave(f, dim=2), v.repeat_interleave(f, dim=2)
+    return tuple(comm.all_to_all(t, group, scatter_dim=2, gather_dim=1) for t in (q, k, v))
+
+
+def to_sequence_shards(out, group):
+    """(b, s, h/W, d) head shards -> (b, s/W, h, d) sequence shards."""
+    return comm.all_to_all(out, group, scatter_dim=1, gather_dim=2)
+
+
+def ulysses_attention(q, k, v, group=None, causal=False, backend="auto", softmax_scale=None):
+    """Attention over the whole sequence, given this rank's contiguous shards (differentiable).
+
+    q: ``(batch, seq/W, heads, head_dim)``; k, v: ``(batch, seq/W, kv_heads, head_dim)``. Returns this
+    rank's ``(batch, seq/W, heads, head_dim)`` output shard.
+    """
+    backend = check_ulysses_inputs(q, k, v, comm.group_size(group), backend)
+    qh, kh, vh = to_head_shards(q, k, v, group)
+    return to_sequence_shards(attention(qh, kh, vh, causal, softmax_scale, backend), group)
+
+
+if __name__ == "__main__":
+    from distlab.cp.study import main
+
+    main(algorithm="ulysses")
