@@ -16,7 +16,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 $py -c 'import torch, sys; print("torch", torch.__version__, "python", sys.version.split()[0])' | tee -a "$out/gpu.txt"
 
 echo "== tests =="
-$py -m pytest -q -p no:cacheprovider tests 2>&1 | tail -40 | tee "$out/pytest.log" || status=1
+$py -m pytest -q -p no:cacheprovider tests > "$out/pytest.log" 2>&1 || status=1
+tail -30 "$out/pytest.log"
 
 echo "== attention backends, B1 H32 S8192 D128 causal bf16 =="
 $py -m kernels.bench --seq 8192 --heads 32 --head-dim 128 --causal --dtype bf16 --json "$out/bench_mha.json" || status=1
@@ -25,4 +26,7 @@ $py -m kernels.bench --seq 8192 --heads 32 --kv-heads 8 --head-dim 128 --causal 
 
 echo "== ring study, W=1 on the GPU =="
 $py -m distlab.cp.ring --seq 8192 --check --json "$out/ring_w1.json" || status=1
+
+echo "== one rank's kernel work per CP method, W=8, S=8192 and 32768 =="
+$py -m distlab.cp.local_kernels --world 8 --seq 8192 32768 --json "$out/local_kernels.json" || status=1
 exit $status

@@ -31,24 +31,37 @@ def test_launch_env_reads_torchrun_then_slurm_then_single(monkeypatch):
     (dict(world_size=8, dp=2, cp=2, tp=3), "multiply to 12, but the world size is 8"),
     (dict(world_size=4, dp=0, cp=4), "dp=0"),
     (dict(world_size=4, cp=2.0, dp=2), "cp=2.0"),
+    (dict(world_size=6, cp=6, ulysses=4), "cp=6 is not divisible by the given CP axis degree 4"),
+    (dict(world_size=6, cp=6, ulysses=2, ring=2), "ulysses=2 x ring=2 = 4, but cp=6"),
+    (dict(world_size=8, ulysses=2, ring=2), "multiply to 4, but the world size is 8"),
 ])
 def test_parallel_dims_refuses_bad_degrees(dims, message):
     with pytest.raises(ValueError, match=message):
         ParallelDims(**dims)
 
 
-def mesh_groups(dp, cp, tp):
+def mesh_groups(**degrees):
     import torch.distributed as dist
 
-    mesh = ParallelDims(dist.get_world_size(), dp=dp, cp=cp, tp=tp).build_mesh("cpu")
-    return {axis: dist.get_process_group_ranks(mesh.get_group(axis)) for axis in ("dp", "cp", "tp")}
+    mesh = ParallelDims(dist.get_world_size(), **degrees).build_mesh("cpu")
+    return {axis: dist.get_process_group_ranks(mesh.get_group(axis)) for axis in ("dp", "cp", "ring", "ulysses", "tp")}
 
 
 def test_parallel_dims_builds_named_mesh(pools):
-    groups = pools(8).run(mesh_groups, 2, 2, 2)
-    # tp is innermost (adjacent ranks), then cp, then dp
-    assert groups[0] == {"dp": [0, 4], "cp": [0, 2], "tp": [0, 1]}
-    assert groups[7] == {"dp": [3, 7], "cp": [5, 7], "tp": [6, 7]}
+    groups = pools(8).run(mesh_groups, dp=2, cp=2, tp=2)
+    # tp is innermost (adjacent ranks), then the CP axes (pure ring here), then dp
+    assert groups[0] == {"dp": [0, 4], "cp": [0, 2], "ring": [0, 2], "ulysses": [0], "tp": [0, 1]}
+    assert groups[7] == {"dp": [3, 7], "cp": [5, 7], "ring": [5, 7], "ulysses": [7], "tp": [6, 7]}
+
+
+def test_parallel_dims_cp_axes(pools):
+    groups = pools(8).run(mesh_groups, ulysses=2, ring=2, tp=2)
+    # ulysses is inside ring; cp is their flattening
+    assert groups[0] == {"dp": [0], "cp": [0, 2, 4, 6], "ring": [0, 4], "ulysses": [0, 2], "tp": [0, 1]}
+    assert groups[5] == {"dp": [5], "cp": [1, 3, 5, 7], "ring": [1, 5], "ulysses": [5, 7], "tp": [4, 5]}
+    dims = ParallelDims(8, cp=4, ring=2, tp=2)
+    assert (dims.ulysses, dims.ring, dims.cp) == (2, 2, 4)
+    assert ParallelDims(4, cp=4).ring == 4
 
 
 @pytest.mark.parametrize("argv,want", [

@@ -52,3 +52,41 @@ def test_bad_sequence_length_fails_fast_on_every_rank():
     assert proc.returncode != 0
     assert proc.stderr.count("error: sequence length 250 is not divisible by 4") == 2, proc.stderr[-3000:]
     assert elapsed < 60
+
+
+def test_usp_study_cli_reports_model_equal_to_measured(tmp_path):
+    out = tmp_path / "usp.json"
+    proc, _ = run([sys.executable, "-m", "distlab", "run", "--nproc", "4", "-m", "distlab.cp.usp", "--ulysses", "2",
+                   "--ring", "2", "--seq", "256", "--device", "cpu", "--check", "--json", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0 measured == model" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["method"] == "usp 2x2 (zigzag)" and result["check_passed"]
+    assert result["comm_forward"]["calls"] == {"all_to_all": 4, "ring_kv": 1}
+
+
+def test_compare_runs_every_method_on_the_same_problem(tmp_path):
+    out, png = tmp_path / "cp.json", tmp_path / "cp.png"
+    proc, _ = run([sys.executable, "-m", "distlab", "run", "--nproc", "4", "-m", "distlab.cp.compare", "--seq", "256",
+                   "--device", "cpu", "--check", "--json", str(out), "--plot", str(png)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    names = [m["method"] for m in result["methods"]]
+    assert names == ["ring (contiguous)", "ring (zigzag)", "ulysses", "usp 2x2 (zigzag)"]
+    for m in result["methods"]:
+        assert m["check_passed"], m["method"]
+        assert all(r["fwd_bwd_bytes"] == m["model_bytes"]["fwd_bwd"] for r in m["ranks"]), m["method"]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "no plot" in proc.stdout
+    else:
+        assert png.stat().st_size > 10_000
+
+
+def test_usp_degrees_that_do_not_match_the_world_fail_on_every_rank():
+    proc, elapsed = run([sys.executable, "-m", "distlab", "run", "--nproc", "2", "-m", "distlab.cp.usp", "--ulysses",
+                         "2", "--ring", "2", "--seq", "256", "--device", "cpu"], timeout=90)
+    assert proc.returncode != 0
+    assert proc.stderr.count("but the world size is 2") == 2, proc.stderr[-3000:]
+    assert elapsed < 60
