@@ -44,24 +44,22 @@ TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-2, tor
 
 
 def parse_args(argv=None, algorithm="ring"):
-    gpu = torch.cuda.is_available()
-    p = argparse.ArgumentParser(prog=f"python -m distlab.cp.{algorithm}", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog=f"python -m distlab.cp.{algorithm}", description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=8192, help="full sequence length (all ranks together)")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=32 if gpu else 4)
-    p.add_argument("--kv-heads", type=int, default=8 if gpu else 2)
-    p.add_argument("--head-dim", type=int, default=128 if gpu else 32)
+    p.add_argument("--heads", type=int, default=None, help="default: 32 on GPU, 4 on CPU")
+    p.add_argument("--kv-heads", type=int, default=None, help="default: 8 on GPU, 2 on CPU")
+    p.add_argument("--head-dim", type=int, default=None, help="default: 128 on GPU, 32 on CPU")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--layout", choices=LAYOUTS, default="contiguous" if algorithm == "ulysses" else "zigzag",
                    help="sequence layout of the ring axis (Ulysses alone: contiguous)")
     if algorithm in ("usp", "compare"):
         p.add_argument("--ulysses", type=int, default=None, help="Ulysses degree (default: 2, or 1 if W is odd)")
         p.add_argument("--ring", type=int, default=None, help="ring degree (default: W / ulysses)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16" if gpu else "float32")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--backend", choices=BACKENDS, default="auto")
-    p.add_argument("--iters", type=int, default=5 if gpu else 2)
-    p.add_argument("--warmup", type=int, default=2 if gpu else 1, help="untimed runs first")
+    p.add_argument("--iters", type=int, default=None, help="timed runs (default: 5 on GPU, 2 on CPU)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed runs first (default: 2 on GPU, 1 on CPU)")
     p.add_argument("--check", action="store_true", help="compare output and grads with one device")
     p.add_argument("--no-baseline", action="store_true", help="skip the one-device timing")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON (rank 0)")
@@ -70,7 +68,14 @@ def parse_args(argv=None, algorithm="ring"):
     if algorithm == "compare":
         p.add_argument("--plot", metavar="PNG", default=None, help="bar chart of the table (needs matplotlib)")
         p.add_argument("--deepspeed", action="store_true", help="add DeepSpeed's DistributedAttention (Ulysses)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # defaults follow the device the study will run on (a forced --device cpu on a GPU box gets CPU sizes)
+    gpu = args.device.startswith("cuda") if args.device else torch.cuda.is_available()
+    for name, on_gpu, on_cpu in (("heads", 32, 4), ("kv_heads", 8, 2), ("head_dim", 128, 32),
+                                 ("dtype", "bfloat16", "float32"), ("iters", 5, 2), ("warmup", 2, 1)):
+        if getattr(args, name) is None:
+            setattr(args, name, on_gpu if gpu else on_cpu)
+    return args
 
 
 def attention_flops(batch, seq, heads, head_dim, causal, backward=False):
@@ -316,7 +321,7 @@ def header(result, args) -> list[str]:
              f"{a.dtype} · {'causal' if a.causal else 'full'} · W={result['world_size']} ({result['launcher']}) · "
              f"{result['device']} · backend {result['backend']}"]
     if not result["device"].startswith("cuda"):
-        lines.append(f"(no GPU: CPU-sized defaults; {result['world_size']} processes share {result['cpu_cores']} "
+        lines.append(f"(CPU run: CPU-sized defaults; {result['world_size']} processes share {result['cpu_cores']} "
                      f"CPU cores, so times show correctness-scale work, not scaling)")
     return lines
 
