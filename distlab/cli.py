@@ -6,7 +6,9 @@
 ``run`` forwards to ``torch.distributed.run`` (torchrun). It exists because stock ``torchrun --nproc 8``
 fails with "ambiguous option" on Python <= 3.13.0: here ``--nproc N`` (or ``--nproc=N``) is rewritten to
 ``--nproc-per-node N``. Without ``--nnodes`` or a rendezvous endpoint it adds ``--standalone`` (one node, a
-free port). It also sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1
+free port). The program's own arguments are handed to it untouched: stock torchrun lets argparse read
+them too, so a study flag that is a prefix of a torchrun flag (``--max`` of ``--max-restarts``) fails there
+with "ambiguous option"; here it does not. It also sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1
 unless they are already set. Everything after the module or script is passed to it untouched.
 """
 
@@ -25,7 +27,13 @@ Launch N processes per node with torchrun. Example:
 
 
 def torchrun_args(argv: list[str]) -> list[str]:
-    """Rewrite the launcher's own options (before the module/script) into torchrun's."""
+    """Rewrite the launcher's own options (before the module/script) into torchrun's; the full command."""
+    launcher, program_args = split_program(argv)
+    return launcher + program_args
+
+
+def split_program(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(torchrun's options with the module/script, the program's own arguments)."""
     out, i, has_nodes = [], 0, False
     while i < len(argv):
         arg = argv[i]
@@ -44,11 +52,13 @@ def torchrun_args(argv: list[str]) -> list[str]:
             out.append(arg)
         i += 1
     rest = argv[i:]
+    if rest and rest[0] in ("-m", "--module", "--no-python"):
+        out.append(rest.pop(0))
     if not rest:
         raise SystemExit(f"distlab run: no module or script to run\n{USAGE}")
     if not has_nodes:
         out.insert(0, "--standalone")
-    return out + rest
+    return out + rest[:1], rest[1:]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,9 +70,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"distlab: unknown command {argv[0]!r}\n{USAGE}")
     for key, value in GPU_SAFE_ENV.items():
         os.environ.setdefault(key, value)
-    from torch.distributed.run import main as torchrun_main
+    from torch.distributed.run import parse_args, run
 
-    torchrun_main(torchrun_args(argv[1:]))
+    launcher, program_args = split_program(argv[1:])
+    args = parse_args(launcher)
+    args.training_script_args = program_args  # not parsed by torchrun's argparse (see module doc)
+    run(args)
 
 
 if __name__ == "__main__":

@@ -78,3 +78,11 @@ def test_distlab_run_rewrites_nproc_and_passes_the_rest(argv, want):
 def test_distlab_run_needs_a_program():
     with pytest.raises(SystemExit, match="no module or script"):
         torchrun_args(["--nproc", "2"])
+
+
+def test_program_arguments_are_not_parsed_by_torchrun():
+    from distlab.cli import split_program
+
+    launcher, program = split_program(["--nproc", "2", "-m", "distlab.collectives", "--max", "1G", "--min", "8"])
+    assert launcher == ["--standalone", "--nproc-per-node", "2", "-m", "distlab.collectives"]
+    assert program == ["--max", "1G", "--min", "8"]     # '--max' would be "ambiguous" to torchrun's argparse

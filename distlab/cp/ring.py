@@ -31,6 +31,7 @@ import torch
 from distlab import comm
 from distlab.cp.layout import check_layout
 from distlab.cp.merge import merge_attention, merge_into
+from distlab.profiling import phase
 from kernels.attention import attention_backward, attention_forward, check_qkv, resolve_backend
 
 
@@ -54,16 +55,20 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend):
     out = lse = None  # step 0 (own K/V) always covers every query row, and starts the accumulators
     kv = (k, v)
     for step in range(ring.size):
-        pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
+        with phase("ring.exchange"):
+            pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
         src = (ring.rank - step) % ring.size
         for rows, cols, blk_causal in ring_blocks(src, ring.rank, s, causal, layout):
-            o, l = attention_forward(q[:, rows], kv[0][:, cols], kv[1][:, cols], blk_causal, scale, backend)
-            if out is None:
-                out, lse = merge_attention(None, None, o, l)
-            else:
-                merge_into(out, lse, o, l, rows)
+            with phase("ring.block"):
+                o, l = attention_forward(q[:, rows], kv[0][:, cols], kv[1][:, cols], blk_causal, scale, backend)
+            with phase("ring.merge"):
+                if out is None:
+                    out, lse = merge_attention(None, None, o, l)
+                else:
+                    merge_into(out, lse, o, l, rows)
         if pending is not None:
-            kv = tuple(pending.wait())
+            with phase("ring.wait"):
+                kv = tuple(pending.wait())
     return out.to(q.dtype), lse
 
 
@@ -82,12 +87,14 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq, kv, dkv_pending = None, (k, v), None
     for step in range(ring.size):
-        kv_pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
+        with phase("ring.exchange"):
+            kv_pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
         src = (ring.rank - step) % ring.size
         dk_blk = dv_blk = None
         for rows, cols, blk_causal in ring_blocks(src, ring.rank, s, causal, layout):
-            dq_b, dk_b, dv_b = attention_backward(dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols],
-                                                  out[:, rows], lse[:, :, rows], blk_causal, scale, backend)
+            with phase("ring.block_backward"):
+                dq_b, dk_b, dv_b = attention_backward(dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols],
+                                                      out[:, rows], lse[:, :, rows], blk_causal, scale, backend)
             dq = _accumulate(dq, dq_b, rows, q, acc)
             dk_blk = _accumulate(dk_blk, dk_b, cols, k, acc)
             dv_blk = _accumulate(dv_blk, dv_b, cols, v, acc)

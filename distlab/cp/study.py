@@ -35,6 +35,7 @@ import torch.distributed as dist
 from distlab import comm
 from distlab.cp.cost import cp_bytes
 from distlab.cp.layout import LAYOUTS, check_divisible, gather_sequence, shard_sequence
+from distlab.profiling import MODES, profile_steps
 from distlab.runtime import ParallelDims, init_runtime, shutdown
 from kernels.attention import BACKENDS, attention_backward, attention_forward, resolve_backend
 
@@ -65,6 +66,9 @@ def parse_args(argv=None, algorithm="ring"):
     p.add_argument("--json", metavar="PATH", help="write the results as JSON (rank 0)")
     p.add_argument("--device", default=None, help="force a device (cpu, cuda); default: cuda if present")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", choices=MODES, default="none", help="trace a few fwd+bwd steps (torch: one "
+                   "Chrome trace per rank; nsys: cudaProfilerStart/Stop window)")
+    p.add_argument("--profile-dir", default="traces", help="where --profile torch writes trace_rank{R}.json")
     if algorithm == "compare":
         p.add_argument("--plot", metavar="PNG", default=None, help="bar chart of the table (needs matplotlib)")
         p.add_argument("--deepspeed", action="store_true", help="add DeepSpeed's DistributedAttention (Ulysses)")
@@ -238,6 +242,9 @@ def measure(method: CPMethod, full, args, device, reference=None) -> dict:
         tol = TOLERANCE[DTYPES[args.dtype]]
         result.update(max_rel_error=dict(zip(("out", "dq", "dk", "dv"), errors.tolist())), tolerance=tol,
                       check_passed=bool(errors.max().item() <= tol))
+    if args.profile != "none":
+        folder = os.path.join(args.profile_dir, "".join(c if c.isalnum() else "_" for c in method.name).strip("_"))
+        result["trace"] = profile_steps(fwd_bwd, args.profile, folder, rank)
     return result
 
 
@@ -346,6 +353,9 @@ def report(result, args) -> str:
         one, eff = result["one_device"], result["efficiency"]
         lines.append(f"one device, whole sequence: fwd {one['fwd_s'] * 1e3:.2f} ms, fwd+bwd {one['fwd_bwd_s'] * 1e3:.2f} "
                      f"ms -> efficiency T_one/(W*T_cp): fwd {eff['fwd'] * 100:.1f}%, fwd+bwd {eff['fwd_bwd'] * 100:.1f}%")
+    if result.get("trace"):
+        lines.append(f"traces: {os.path.dirname(result['trace'])}/trace_rank*.json "
+                     f"(python -m distlab.profiling.overlap {os.path.dirname(result['trace'])}/trace_rank*.json)")
     if "max_rel_error" in result:
         e = result["max_rel_error"]
         lines.append(f"check vs one device: max rel error out {e['out']:.2e}, dq {e['dq']:.2e}, dk {e['dk']:.2e}, "

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 from distlab import comm
+from distlab.profiling import phase
 from kernels.attention import attention, check_qkv, resolve_backend
 
 
@@ -67,8 +68,12 @@ def ulysses_attention(q, k, v, group=None, causal=False, backend="auto", softmax
     rank's ``(batch, seq/W, heads, head_dim)`` output shard.
     """
     backend = check_ulysses_inputs(q, k, v, comm.group_size(group), backend)
-    qh, kh, vh = to_head_shards(q, k, v, group)
-    return to_sequence_shards(attention(qh, kh, vh, causal, softmax_scale, backend), group)
+    with phase("ulysses.all_to_all"):
+        qh, kh, vh = to_head_shards(q, k, v, group)
+    with phase("ulysses.attention"):
+        out = attention(qh, kh, vh, causal, softmax_scale, backend)
+    with phase("ulysses.all_to_all"):
+        return to_sequence_shards(out, group)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,305 @@
+"""A collectives playground that reads like nccl-tests: size sweep, algbw/busbw, #wrong, both placements.
+
+    distlab run --nproc 8 -m distlab.collectives --op all --min 8 --max 1G --factor 2 --json c.json --plot c.png
+    torchrun --nproc-per-node 8 -m distlab.collectives --op all_reduce --algo Ring --proto Simple
+    distlab run --nproc 4 -m distlab.collectives --op all --max 1M          # CPU: gloo, correctness only
+
+Conventions follow nccl-tests so numbers can be compared line by line:
+
+- ``size`` is the bytes of the largest buffer: the buffer for all_reduce and broadcast, the gathered
+  output for all_gather, the input for reduce_scatter and all_to_all, the message for sendrecv; counts are
+  rounded down to a multiple of the world size where the op splits its buffer.
+- ``algbw = size / time`` and ``busbw = algbw × factor`` with GB = 1e9 bytes; factors: all_reduce
+  2(n−1)/n; all_gather, reduce_scatter, all_to_all (n−1)/n; broadcast and sendrecv 1.
+- ``time`` is the mean of ``--iters`` back-to-back calls after ``--warmup`` (CUDA events on GPU), the max
+  over ranks.
+- ``#wrong`` counts wrong elements over all ranks after one checked call, with integer-valued inputs
+  (rank r, element i holds 1 + (3r + i) mod 7) so every sum is exact in every dtype, bf16 included.
+- Placements: out-of-place uses separate buffers; in-place uses nccl-tests' aliasing (all_gather's input
+  is this rank's slice of the output, reduce_scatter's output is this rank's slice of the input,
+  all_reduce and broadcast reuse one buffer). torch has no in-place all_to_all or sendrecv: ``n/a``.
+
+``--algo``/``--proto`` set ``NCCL_ALGO``/``NCCL_PROTO`` before the process group starts. On gloo (CPU) the
+sweep runs too, labelled correctness-only: gloo emulates reduce_scatter and its times are not NCCL's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
+DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64,
+          "int32": torch.int32}
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' busbw / algbw factor for ``op`` on ``n`` ranks."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if op in ("broadcast", "sendrecv"):
+        return 1.0
+    raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
+
+
+def bandwidths(op: str, size_bytes: int, seconds: float, n: int) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s (1e9) for ``size_bytes`` moved by ``op`` in ``seconds`` on ``n`` ranks."""
+    algbw = size_bytes / seconds / 1e9
+    return algbw, algbw * bus_factor(op, n)
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper().rstrip("B")
+    return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
+
+
+def pattern(rank: int, count: int, dtype, device) -> torch.Tensor:
+    """Integer-valued input of rank ``rank``: 1 + (3·rank + i) mod 7 (exact sums in any dtype)."""
+    return (1 + (3 * rank + torch.arange(count, device=device)) % 7).to(dtype)
+
+
+def _gather_fn():
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _scatter_fn():
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Case:
+    """Buffers, the call and the expected result of one op at one count and placement on this rank."""
+
+    def __init__(self, op, count, dtype, device, rank, n, in_place, corrupt=False):
+        self.op, self.rank, self.n = op, rank, n
+        per = count // n
+        if op == "all_reduce":
+            self.inp = pattern(rank, count, dtype, device)
+            self.out = self.inp if in_place else torch.empty_like(self.inp)
+            self.want = sum(pattern(r, count, torch.float64, device) for r in range(n))
+        elif op == "all_gather":
+            self.out = torch.empty(per * n, dtype=dtype, device=device)
+            self.inp = self.out[rank * per:(rank + 1) * per] if in_place else torch.empty(per, dtype=dtype, device=device)
+            self.inp.copy_(pattern(rank, per, dtype, device))
+            self.want = torch.cat([pattern(r, per, torch.float64, device) for r in range(n)])
+        elif op == "reduce_scatter":
+            self.inp = pattern(rank, per * n, dtype, device)
+            self.out = self.inp[rank * per:(rank + 1) * per] if in_place else torch.empty(per, dtype=dtype, device=device)
+            self.want = sum(pattern(r, per * n, torch.float64, device) for r in range(n))[rank * per:(rank + 1) * per]
+        elif op == "all_to_all":
+            self.inp = pattern(rank, per * n, dtype, device)
+            self.out = torch.empty_like(self.inp)
+            self.want = torch.cat([pattern(r, per * n, torch.float64, device)[rank * per:(rank + 1) * per]
+                                   for r in range(n)])
+        elif op == "broadcast":
+            self.inp = pattern(rank, count, dtype, device)
+            self.out = self.inp
+            self.want = pattern(0, count, torch.float64, device)
+        elif op == "sendrecv":
+            self.inp = pattern(rank, count, dtype, device)
+            self.out = torch.empty_like(self.inp)
+            self.want = pattern((rank - 1) % n, count, torch.float64, device)
+        self.in_place = in_place
+        if corrupt:  # a deliberately wrong input on this rank, to show that #wrong can fire
+            self.inp.view(-1)[0] += 1
+        self.fresh = self.inp.clone()
+
+    def reset(self):
+        self.inp.copy_(self.fresh)
+
+    def __call__(self):
+        op, n = self.op, self.n
+        if op == "all_reduce":
+            if self.out is not self.inp:
+                self.out.copy_(self.inp)       # torch's all_reduce is in-place: the copy is part of out-of-place
+            dist.all_reduce(self.out)
+        elif op == "all_gather":
+            _gather_fn()(self.out, self.inp)
+        elif op == "reduce_scatter":
+            _scatter_fn()(self.out, self.inp)
+        elif op == "all_to_all":
+            dist.all_to_all_single(self.out, self.inp)
+        elif op == "broadcast":
+            dist.broadcast(self.out, 0)
+        elif op == "sendrecv":
+            ops = [dist.P2POp(dist.isend, self.inp, (self.rank + 1) % n), dist.P2POp(dist.irecv, self.out, (self.rank - 1) % n)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+
+    def wrong(self) -> int:
+        return int((self.out.double() != self.want).sum().item())
+
+
+def size_bytes(op, count, elem, n):
+    per = count // n
+    return (per * n if op in ("all_gather", "reduce_scatter", "all_to_all") else count) * elem
+
+
+def time_case(case, iters, warmup, device) -> float:
+    for _ in range(warmup):
+        case()
+    if device.type == "cuda":
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier()
+        start.record()
+        for _ in range(iters):
+            case()
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop) / 1e3 / iters
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        case()
+    return (time.perf_counter() - t0) / iters
+
+
+def sweep(op, sizes, dtype, device, iters, warmup, check=True, corrupt_rank=-1):
+    """Rows of the table for ``op``: one per size, both placements; every rank returns the same rows."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    elem = torch.tensor([], dtype=dtype).element_size()
+    rows = []
+    for size in sizes:
+        count = max(1, size // elem)
+        if op in ("all_gather", "reduce_scatter", "all_to_all"):
+            count = max(n, count // n * n)
+        row = {"op": op, "size": size_bytes(op, count, elem, n), "count": count, "type": str(dtype).split(".")[-1]}
+        for placement in ("out", "in"):
+            if placement == "in" and op in ("all_to_all", "sendrecv"):
+                row[placement] = None
+                continue
+            case = Case(op, count, dtype, device, rank, n, placement == "in", corrupt=(rank == corrupt_rank))
+            wrong = -1
+            if check:
+                case()
+                wrong = case.wrong()
+                case.reset()
+            seconds = time_case(case, iters, warmup, device)
+            stats = torch.tensor([seconds, max(wrong, 0)], dtype=torch.float64, device=device)
+            t = stats[:1].clone()
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            w = stats[1:].clone()
+            dist.all_reduce(w)
+            algbw, busbw = bandwidths(op, row["size"], t.item(), n)
+            row[placement] = {"time_us": t.item() * 1e6, "algbw": algbw, "busbw": busbw,
+                              "wrong": int(w.item()) if check else None}
+        rows.append(row)
+    return rows
+
+
+def format_table(rows, title) -> str:
+    def cells(p):
+        if p is None:
+            return f"{'n/a':>8} {'':>7} {'':>7} {'':>6}"
+        wrong = "N/A" if p["wrong"] is None else str(p["wrong"])
+        return f"{p['time_us']:>8.1f} {p['algbw']:>7.2f} {p['busbw']:>7.2f} {wrong:>6}"
+
+    lines = [f"# {title}",
+             f"#{'':>12} {'':>12} {'':>8}   {'out-of-place':^32}   {'in-place':^32}",
+             f"#{'size':>12} {'count':>12} {'type':>8}   {'time':>8} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
+             f"   {'time':>8} {'algbw':>7} {'busbw':>7} {'#wrong':>6}",
+             f"#{'(B)':>12} {'(elements)':>12} {'':>8}   {'(us)':>8} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6}"
+             f"   {'(us)':>8} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6}"]
+    for r in rows:
+        lines.append(f" {r['size']:>12} {r['count']:>12} {r['type']:>8}   {cells(r['out'])}   {cells(r['in'])}")
+    placements = [p for r in rows for p in (r["out"], r["in"]) if p is not None]
+    wrong = sum(p["wrong"] or 0 for p in placements)
+    avg = sum(p["busbw"] for p in placements) / max(1, len(placements))
+    lines.append(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+    lines.append(f"# Avg bus bandwidth    : {avg:.4f}")
+    return "\n".join(lines)
+
+
+def plot(results, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no plot: matplotlib is not installed; pip install 'distlab[plot]')")
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for op, rows in results.items():
+        ax.plot([r["size"] for r in rows], [r["out"]["busbw"] for r in rows], marker="o", label=op)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("size (bytes)")
+    ax.set_ylabel("busbw, out-of-place (GB/s)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m distlab.collectives", description=__doc__.split("\n\n")[0])
+    p.add_argument("--op", default="all", help=f"one of {', '.join(OPS)}, a comma list, or all")
+    p.add_argument("--min", default="8", help="smallest size in bytes (K/M/G suffixes)")
+    p.add_argument("--max", default=None, help="largest size (default: 1G on GPU, 1M on CPU)")
+    p.add_argument("--factor", type=int, default=2)
+    p.add_argument("--dtype", choices=DTYPES, default="float")
+    p.add_argument("--iters", type=int, default=None, help="timed calls per size (default: 20 GPU, 5 CPU)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--no-check", action="store_true", help="skip the #wrong check")
+    p.add_argument("--algo", default=None, help="NCCL_ALGO (e.g. Ring, Tree) for this run")
+    p.add_argument("--proto", default=None, help="NCCL_PROTO (e.g. Simple, LL, LL128) for this run")
+    p.add_argument("--device", default=None)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PNG")
+    p.add_argument("--corrupt-rank", type=int, default=-1, help=argparse.SUPPRESS)  # shows #wrong firing
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.algo:
+        os.environ["NCCL_ALGO"] = args.algo      # before the process group (and NCCL) starts
+    if args.proto:
+        os.environ["NCCL_PROTO"] = args.proto
+    from distlab.runtime import init_runtime, shutdown
+
+    ops = OPS if args.op == "all" else tuple(args.op.split(","))
+    unknown = [o for o in ops if o not in OPS]
+    if unknown or args.factor < 2:
+        print(f"error: unknown op {unknown} (choose from {', '.join(OPS)})" if unknown else "error: --factor must be >= 2",
+              file=sys.stderr)
+        sys.exit(2)
+    rt = init_runtime(device=args.device)
+    gpu = rt.device.type == "cuda"
+    lo, hi = parse_size(args.min), parse_size(args.max or ("1G" if gpu else "1M"))
+    sizes = []
+    s = lo
+    while s <= hi:
+        sizes.append(s)
+        s *= args.factor
+    iters = args.iters or (20 if gpu else 5)
+    dtype = DTYPES[args.dtype]
+    results = {}
+    for op in ops:
+        results[op] = sweep(op, sizes, dtype, rt.device, iters, args.warmup, not args.no_check, args.corrupt_rank)
+    if rt.is_main:
+        label = (f"nccl{' NCCL_ALGO=' + args.algo if args.algo else ''}{' NCCL_PROTO=' + args.proto if args.proto else ''}"
+                 if rt.backend == "nccl" else "gloo: correctness only (gloo emulates reduce_scatter; CPU times are not NCCL's)")
+        for op, rows in results.items():
+            print(format_table(rows, f"{op}, {rt.world_size} ranks, {rt.device.type}, {label}"))
+            print()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"world_size": rt.world_size, "backend": rt.backend, "device": str(rt.device),
+                           "args": vars(args), "results": results}, f, indent=2)
+            print(f"wrote {args.json}")
+        if args.plot:
+            plot(results, args.plot)
+    wrong = sum((p or {}).get("wrong") or 0 for rows in results.values() for r in rows for p in (r["out"], r["in"]))
+    shutdown()
+    if wrong:
+        sys.exit(1)

@@ -1,0 +1,101 @@
+"""Profiling for every study: ``--profile torch|nsys|none``, NVTX/profiler ranges around phases.
+
+    distlab run --nproc 4 -m distlab.cp.ring --seq 8192 --profile torch --profile-dir traces/
+    python -m distlab.profiling.overlap traces/ring_zigzag/trace_rank*.json      # compute/comm overlap
+    nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop --trace=cuda,nvtx \\
+        -o ring_%q{RANK} torchrun --nproc-per-node 8 -m distlab.cp.ring --seq 65536 --profile nsys
+
+``torch``: a ``torch.profiler`` schedule (``wait`` steps skipped, ``warmup`` steps traced but dropped,
+``active`` steps kept) writes one Chrome/Perfetto trace per rank, ``trace_rank{R}.json``. ``nsys``:
+``cudaProfilerStart``/``Stop`` around the active steps, so ``nsys profile --capture-range=cudaProfilerApi``
+records exactly those; the line to use is printed. Phases (``phase("ring.block")`` etc.) are
+``record_function`` ranges in torch traces and NVTX ranges under nsys; outside a profiling run they cost
+one flag check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+MODES = ("none", "torch", "nsys")
+_state = {"phases": False}  # instrumentation switch (like a profiler's), not parallel state
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Mark a phase (block compute, exchange, merge, dispatch, combine) for torch traces and nsys."""
+    if not _state["phases"]:
+        yield
+        return
+    nvtx = torch.cuda.is_available() and torch.cuda.is_initialized()
+    with torch.profiler.record_function(name):
+        if nvtx:
+            torch.cuda.nvtx.range_push(name)
+        try:
+            yield
+        finally:
+            if nvtx:
+                torch.cuda.nvtx.range_pop()
+
+
+class Profiler:
+    """Profile ``wait + warmup + active`` calls of ``step()`` in ``mode``; a no-op for ``none``."""
+
+    def __init__(self, mode: str = "none", out_dir: str = "traces", rank: int = 0, wait: int = 1,
+                 warmup: int = 1, active: int = 2):
+        if mode not in MODES:
+            raise ValueError(f"unknown profile mode {mode!r}; choose one of {', '.join(MODES)}")
+        self.mode, self.out_dir, self.rank = mode, out_dir, rank
+        self.wait, self.warmup, self.active = wait, warmup, active
+        self.steps = wait + warmup + active if mode != "none" else 0
+        self._prof, self._count = None, 0
+        self.trace_path = os.path.join(out_dir, f"trace_rank{rank}.json") if mode == "torch" else None
+
+    def __enter__(self) -> "Profiler":
+        if self.mode == "none":
+            return self
+        _state["phases"] = True
+        if self.mode == "torch":
+            os.makedirs(self.out_dir, exist_ok=True)
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(
+                activities=activities,
+                schedule=torch.profiler.schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=1),
+                on_trace_ready=lambda p: p.export_chrome_trace(self.trace_path))
+            self._prof.__enter__()
+        elif self.rank == 0:
+            print("nsys: capture window = the active steps; run under\n  nsys profile --capture-range=cudaProfilerApi "
+                  "--capture-range-end=stop --trace=cuda,nvtx -o distlab_%q{RANK} <your torchrun command>")
+        return self
+
+    def step(self) -> None:
+        self._count += 1
+        if self.mode == "torch":
+            self._prof.step()
+        elif self.mode == "nsys" and torch.cuda.is_available():
+            if self._count == self.wait + self.warmup:
+                torch.cuda.profiler.start()
+            elif self._count == self.steps:
+                torch.cuda.synchronize()
+                torch.cuda.profiler.stop()
+
+    def __exit__(self, *exc) -> None:
+        if self.mode == "torch":
+            self._prof.__exit__(*exc)
+        _state["phases"] = False
+
+
+def profile_steps(fn, mode: str, out_dir: str, rank: int, **schedule) -> str | None:
+    """Run ``fn()`` once per profiler step for a whole schedule; return this rank's trace path (torch mode)."""
+    with Profiler(mode, out_dir, rank, **schedule) as prof:
+        for _ in range(prof.steps):
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            prof.step()
+    return prof.trace_path

@@ -1,0 +1,90 @@
+"""The overlap analyser on hand-made traces (exact numbers), and traces written by real CPU runs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from distlab.profiling.overlap import analyse_events, intersection, union
+
+
+def kernel(name, ts, dur, **args):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": args}
+
+
+GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32"
+AR = "ncclDevKernel_AllReduce_Sum_f32_RING_LL"
+
+
+def test_interval_algebra():
+    assert union([(5, 7), (0, 2), (1, 3), (6, 9)]) == [(0, 3), (5, 9)]
+    assert intersection([(0, 3), (5, 9)], [(2, 6), (8, 10)]) == [(2, 3), (5, 6), (8, 9)]
+
+
+@pytest.mark.parametrize("events,want", [
+    # fully hidden: the all-reduce runs inside the GEMMs
+    ([kernel(GEMM, 0, 60), kernel(GEMM, 60, 40), kernel(AR, 20, 40)], (100, 40, 40, 100.0, 0)),
+    # half hidden: 20 of the 40 us are beside a GEMM
+    ([kernel(GEMM, 0, 100), kernel(AR, 80, 40)], (100, 40, 20, 50.0, 20)),
+    # serial: nothing hidden
+    ([kernel(GEMM, 0, 100), kernel(AR, 100, 50)], (100, 50, 0, 0.0, 50)),
+    # nested / overlapping compute counts once; two collectives merge
+    ([kernel(GEMM, 0, 50), kernel("elementwise", 10, 20), kernel(GEMM, 40, 20), kernel(AR, 55, 10), kernel(AR, 62, 8)],
+     (60, 15, 5, 100 * 5 / 15, 10)),
+])
+def test_overlap_numbers_are_exact(events, want):
+    r = analyse_events(events + [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500}])
+    assert r["source"] == "gpu kernels"           # kernels win over CPU ops
+    got = (r["compute_us"], r["comm_us"], r["overlapped_us"], r["overlap_pct"], r["exposed_comm_us"])
+    assert got == pytest.approx(want)
+
+
+def test_collective_bandwidth_from_trace_metadata():
+    meta = {"Collective name": "allreduce", "In msg nelems": 2**28, "Out msg nelems": 2**28, "dtype": "Float",
+            "Group size": 8, "External id": 7}
+    events = [{"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "ts": 0, "dur": 5, "args": meta},
+              kernel(AR, 10, 4000.0, **{"External id": 7}), kernel(GEMM, 0, 5000)]
+    (c,) = analyse_events(events)["collectives"]
+    assert c["op"] == "all_reduce" and c["bytes"] == 2**30 and c["ranks"] == 8
+    assert (c["algbw"], c["busbw"]) == pytest.approx((268.435456, 469.762048))
+
+
+def test_distlab_phases_are_used_on_cpu_traces():
+    ann = lambda n, ts, dur: {"ph": "X", "cat": "user_annotation", "name": n, "ts": ts, "dur": dur}  # noqa: E731
+    events = [ann("ring.exchange", 0, 2), ann("ring.block", 2, 50), ann("ring.merge", 52, 3), ann("ring.wait", 55, 10),
+              {"ph": "X", "cat": "cpu_op", "name": "ProfilerStep#3", "ts": 0, "dur": 70}]
+    r = analyse_events(events)
+    assert r["source"] == "phases"
+    assert (r["compute_us"], r["comm_us"], r["exposed_comm_us"]) == (53, 12, 12)
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def test_cpu_profile_of_a_study_writes_a_trace_per_rank(tmp_path):
+    cmd = [sys.executable, "-m", "distlab", "run", "--nproc", "2", "-m", "distlab.cp.ring", "--seq", "128",
+           "--device", "cpu", "--iters", "1", "--no-baseline", "--profile", "torch", "--profile-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    traces = sorted((tmp_path / "ring__zigzag").glob("trace_rank*.json"))
+    assert [t.name for t in traces] == ["trace_rank0.json", "trace_rank1.json"]
+    names = {e.get("name") for e in json.loads(traces[0].read_text())["traceEvents"]}
+    assert {"ring.block", "ring.exchange", "ring.merge", "ring.block_backward"} <= names
+    report = subprocess.run([sys.executable, "-m", "distlab.profiling.overlap", *map(str, traces)],
+                            capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0 and "phases" in report.stdout
+
+
+def test_overlap_study_runs_on_gloo_and_traces(tmp_path):
+    out = tmp_path / "o.json"
+    cmd = [sys.executable, "-m", "distlab", "run", "--nproc", "2", "-m", "distlab.collectives.overlap", "--device",
+           "cpu", "--size", "1M", "--gemm", "128", "--iters", "2", "--profile", "torch", "--profile-dir",
+           str(tmp_path / "tr"), "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["world_size"] == 2 and min(r["gemm_s"], r["comm_s"], r["serial_s"], r["overlapped_s"]) > 0
+    assert "overlap achieved" in proc.stdout and "compute slowdown" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "tr").iterdir()) == ["trace_rank0.json", "trace_rank1.json"]
