@@ -88,3 +88,17 @@ def test_overlap_study_runs_on_gloo_and_traces(tmp_path):
     assert r["world_size"] == 2 and min(r["gemm_s"], r["comm_s"], r["serial_s"], r["overlapped_s"]) > 0
     assert "overlap achieved" in proc.stdout and "compute slowdown" in proc.stdout
     assert sorted(p.name for p in (tmp_path / "tr").iterdir()) == ["trace_rank0.json", "trace_rank1.json"]
+
+
+def test_metadata_found_through_the_enclosing_record_param_comms():
+    """torch 2.11 traces: the kernel points at the 'nccl:all_reduce' range, inside record_param_comms."""
+    meta = {"Collective name": "allreduce", "In msg nelems": 2**20, "Out msg nelems": 2**20, "dtype": "BFloat16",
+            "Group size": 4, "External id": 4}
+    events = [{"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "ts": 0, "dur": 90, "args": meta},
+              {"ph": "X", "cat": "user_annotation", "name": "nccl:all_reduce", "ts": 10, "dur": 67,
+               "args": {"External id": 5}},
+              {"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "ts": 100, "dur": 6,
+               "args": {"Collective name": "wait", "External id": 9}},
+              kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 50, 10.0, **{"External id": 5})]
+    (c,) = analyse_events(events)["collectives"]
+    assert c["bytes"] == 2**21 and c["algbw"] == pytest.approx(209.7152) and c["busbw"] == pytest.approx(314.5728)

@@ -16,6 +16,9 @@ It reports the overlap achieved, ``(T_serial − T_overlapped) / min(T_gemm, T_c
 one entirely hidden), and the compute slowdown, ``T_gemm during the collective / T_gemm alone − 1``: NCCL
 kernels occupy SMs, so a GEMM running beside them is slower.
 
+With one rank, NCCL skips the work of an in-place all_reduce (no kernel runs), but a send/recv to
+itself still runs NCCL's kernel: ``--op sendrecv`` is how to see a real overlap on a single GPU.
+
 Two collectives on one process group serialise even when launched from different streams: a process
 group has one NCCL communicator, whose kernels run in order on its internal stream. Overlapping two
 collectives needs two process groups (e.g. ``dist.new_group`` with the same ranks). On CPU (gloo) the
@@ -38,7 +41,7 @@ from distlab.collectives.playground import bandwidths, parse_size
 from distlab.profiling import MODES, phase, profile_steps
 from distlab.runtime import init_runtime, shutdown
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "sendrecv")
 
 
 class Clock:
@@ -71,6 +74,20 @@ def make_collective(op, size, dtype, device, n):
         inp, out = torch.ones(count // n, dtype=dtype, device=device), torch.empty(count, dtype=dtype, device=device)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return (lambda: fn(out, inp, async_op=True)), count * elem
+    if op == "sendrecv":  # ring neighbour exchange; with one rank NCCL still runs its kernel (to itself)
+        inp, out = torch.ones(count, dtype=dtype, device=device), torch.empty(count, dtype=dtype, device=device)
+        rank = dist.get_rank()
+
+        class _Works:
+            def __init__(self):
+                self.works = dist.batch_isend_irecv([dist.P2POp(dist.isend, inp, (rank + 1) % n),
+                                                     dist.P2POp(dist.irecv, out, (rank - 1) % n)])
+
+            def wait(self):
+                for w in self.works:
+                    w.wait()
+
+        return _Works, count * elem
     inp, out = torch.ones(count, dtype=dtype, device=device), torch.empty(count // n, dtype=dtype, device=device)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return (lambda: fn(out, inp, async_op=True)), count * elem

@@ -81,19 +81,36 @@ def load_events(path):
     return [e for e in events if e.get("ph") == "X" and "dur" in e]
 
 
+def _metadata(kernel, by_ext, metas):
+    """The collective metadata of a kernel: on itself, or on the innermost ``record_param_comms`` that
+    encloses the CPU op which launched it (found through the kernel's "External id")."""
+    args = kernel.get("args") or {}
+    if "Collective name" in args:
+        return args
+    launcher = by_ext.get(args.get("External id"))
+    if launcher is None:
+        return None
+    if "Collective name" in (launcher.get("args") or {}):
+        return launcher["args"]
+    s, e = launcher["ts"], launcher["ts"] + launcher["dur"]
+    around = [m for m in metas if m["ts"] <= s and m["ts"] + m["dur"] >= e]
+    return min(around, key=lambda m: m["dur"])["args"] if around else None
+
+
 def collective_bandwidths(events, chosen):
     """algbw/busbw of each communication event that carries (or points to) collective metadata."""
-    by_ext = {}
+    by_ext, metas = {}, []
     for e in events:
         args = e.get("args") or {}
-        if "Collective name" in args and "External id" in args:
-            by_ext[args["External id"]] = args
+        if e.get("cat") in ("cpu_op", "user_annotation") and "External id" in args:
+            by_ext.setdefault(args["External id"], e)
+        if str(args.get("Collective name", "wait")).lower() not in ("wait", "barrier"):
+            metas.append(e)
     rows = []
     for e in chosen:
         if not is_comm(e["name"]) or e["dur"] <= 0:
             continue
-        args = e.get("args") or {}
-        meta = args if "Collective name" in args else by_ext.get(args.get("External id"))
+        meta = _metadata(e, by_ext, metas)
         if not meta:
             continue
         op = COLLECTIVE_OPS.get(str(meta["Collective name"]).lower())
@@ -104,7 +121,7 @@ def collective_bandwidths(events, chosen):
         size = max(int(meta.get("In msg nelems", 0)), int(meta.get("Out msg nelems", 0))) * elem
         algbw = size / (e["dur"] * 1e-6) / 1e9
         rows.append({"name": e["name"][:60], "op": op, "bytes": size, "ranks": n, "time_us": e["dur"],
-                     "algbw": algbw, "busbw": algbw * bus_factor(op, n) if n > 1 else 0.0})
+                     "algbw": algbw, "busbw": algbw * bus_factor(op, n)})
     return rows
 
 
