@@ -102,3 +102,16 @@ def test_metadata_found_through_the_enclosing_record_param_comms():
               kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 50, 10.0, **{"External id": 5})]
     (c,) = analyse_events(events)["collectives"]
     assert c["bytes"] == 2**21 and c["algbw"] == pytest.approx(209.7152) and c["busbw"] == pytest.approx(314.5728)
+
+
+def test_metadata_for_kernels_nccl_launched_itself():
+    """P2P kernels carry no External id: the last matching collective recorded before them is theirs."""
+    send = {"Collective name": "send", "In msg nelems": 2**29, "Out msg nelems": 2**29, "dtype": "BFloat16",
+            "Group size": 1}
+    events = [{"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "ts": 0, "dur": 40, "args": send},
+              {"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "ts": 45, "dur": 10,
+               "args": {"Collective name": "allreduce", "In msg nelems": 8, "Out msg nelems": 8, "dtype": "Float",
+                        "Group size": 1}},
+              kernel("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 100, 500.0, stream=16)]
+    (c,) = analyse_events(events)["collectives"]
+    assert c["op"] == "sendrecv" and c["bytes"] == 2**30 and c["busbw"] == pytest.approx(2**30 / 500e-6 / 1e9)

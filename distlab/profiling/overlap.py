@@ -81,15 +81,24 @@ def load_events(path):
     return [e for e in events if e.get("ph") == "X" and "dur" in e]
 
 
+KERNEL_OPS = {"allreduce": ("all_reduce",), "allgather": ("all_gather",), "reducescatter": ("reduce_scatter",),
+              "broadcast": ("broadcast",), "sendrecv": ("sendrecv", "all_to_all")}
+
+
 def _metadata(kernel, by_ext, metas):
-    """The collective metadata of a kernel: on itself, or on the innermost ``record_param_comms`` that
-    encloses the CPU op which launched it (found through the kernel's "External id")."""
+    """The collective metadata of a kernel: on itself; or on the innermost ``record_param_comms`` that
+    encloses the CPU op which launched it (through the kernel's "External id"); or, for kernels NCCL
+    launched itself (no External id), the last matching collective recorded before the kernel started."""
     args = kernel.get("args") or {}
     if "Collective name" in args:
         return args
     launcher = by_ext.get(args.get("External id"))
     if launcher is None:
-        return None
+        name = kernel["name"].lower().replace("_", "")
+        ops = next((v for k, v in KERNEL_OPS.items() if k in name), ())
+        before = [m for m in metas if m["ts"] <= kernel["ts"]
+                  and COLLECTIVE_OPS.get(str(m["args"]["Collective name"]).lower()) in ops]
+        return max(before, key=lambda m: m["ts"])["args"] if before else None
     if "Collective name" in (launcher.get("args") or {}):
         return launcher["args"]
     s, e = launcher["ts"], launcher["ts"] + launcher["dur"]
