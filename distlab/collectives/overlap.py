@@ -9,8 +9,10 @@ Four timings (median of ``--iters``, CUDA events on GPU):
 - GEMM alone (``--gemm N``: an N×N×N matmul, ``--gemms`` of them back to back) on the default stream;
 - the collective alone (``--op`` on ``--size`` bytes) launched with ``async_op=True`` from a side stream;
 - serial: the collective, waited for, then the GEMMs;
-- overlapped: the collective launched on the side stream, the GEMMs on the default stream, then both
-  waited for. The GEMMs' own time inside this run is timed too.
+- overlapped: the GEMMs queued on the default stream and the collective on the side stream, then both
+  waited for. The GEMMs' own time inside this run is timed too. On GPU the GEMMs are queued first
+  (``--order gemm-first``): launching a collective costs the CPU a few hundred µs (measured on the H200,
+  see docs/PERF.md), so a collective queued first is mostly done before the GEMMs even reach the GPU.
 
 It reports the overlap achieved, ``(T_serial − T_overlapped) / min(T_gemm, T_comm)`` (100% = the shorter
 one entirely hidden), and the compute slowdown, ``T_gemm during the collective / T_gemm alone − 1``: NCCL
@@ -101,6 +103,8 @@ def main(argv=None):
     p.add_argument("--gemms", type=int, default=None, help="GEMMs per step (default 4 on GPU, 2 on CPU)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--order", choices=("gemm-first", "comm-first"), default="gemm-first",
+                   help="GPU launch order in the overlapped run (see above)")
     p.add_argument("--profile", choices=MODES, default="none")
     p.add_argument("--profile-dir", default="traces/overlap")
     p.add_argument("--device", default=None)
@@ -123,11 +127,12 @@ def main(argv=None):
             for _ in range(gemms):
                 a @ b
 
-    def post():
+    def post(after_current=True):
         with phase(f"comm.{args.op}"):
             if side is None:
                 return launch()
-            side.wait_stream(torch.cuda.current_stream())
+            if after_current:  # the side stream waits for whatever the compute stream queued so far
+                side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 return launch()
 
@@ -143,14 +148,20 @@ def main(argv=None):
     inside = []
 
     def overlapped():
-        work = post()
         if gpu:  # events on the compute stream; no synchronize here, or the GEMMs would wait for the collective
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if args.order == "comm-first":
+                work = post()
+            else:
+                side.wait_stream(torch.cuda.current_stream())   # inputs ready; then GEMMs, then the collective
             start.record()
             gemm()
             stop.record()
+            if args.order == "gemm-first":
+                work = post(after_current=False)
             inside.append((start, stop))
         else:
+            work = post()
             t0 = time.perf_counter()
             gemm()
             inside.append(time.perf_counter() - t0)
