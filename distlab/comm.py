@@ -15,6 +15,7 @@ function               forward                    backward
 ``all_gather``         all-gather along ``dim``   reduce-scatter along ``dim``
 ``reduce_scatter``     reduce-scatter along dim   all-gather along ``dim``
 ``split_to_group``     keep this rank's slice     all-gather along ``dim``
+``gather_from_group``  all-gather along ``dim``   keep this rank's slice
 ``all_to_all``         scatter one dim, gather    the reverse all-to-all
                        another
 =====================  =========================  =========================
@@ -201,6 +202,18 @@ class _ReduceScatter(torch.autograd.Function):
         return all_gather_raw(g, ctx.group, ctx.dim), None, None
 
 
+class _GatherFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather_raw(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        n, r = group_size(ctx.group), group_rank(ctx.group)
+        return g.chunk(n, ctx.dim)[r].contiguous(), None, None
+
+
 class _SplitToGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
@@ -245,6 +258,12 @@ def all_gather(x, group=None, dim=0):
 def reduce_scatter(x, group=None, dim=0):
     """Reduce-scatter along ``dim`` forward, all-gather of the gradient backward."""
     return _ReduceScatter.apply(x, group, dim)
+
+
+def gather_from_group(x, group=None, dim=-1):
+    """All-gather along ``dim`` forward, keep this rank's slice of the gradient backward (the gathered
+    tensor feeds the same, replicated computation on every rank, so its gradient is already whole)."""
+    return _GatherFromGroup.apply(x, group, dim)
 
 
 def split_to_group(x, group=None, dim=0):

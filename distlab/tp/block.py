@@ -1,0 +1,156 @@
+"""The Llama block on one device, and the same block tensor-parallel (with or without SP).
+
+    distlab run --nproc 4 -m distlab.tp --hidden 256 --ffn 512 --heads 8 --kv-heads 4 --seq 256 --sp --check
+
+    x ─ RMSNorm ─ QKV (column) ─ RoPE ─ attention (causal, GQA) ─ O (row) ─ + ─ RMSNorm ─ gate/up (column)
+      └──────────────────────────────────────────────────────────────────┘   ─ SiLU(gate)·up ─ down (row) ─ +
+
+Tensor parallel: each rank keeps H/tp q heads (and their kv heads) of the fused QKV projection, the matching
+columns of O, and F/tp of the gate/up and down projections; one all-reduce after O and one after down
+(forward), one after each column layer's input grad (backward). With ``sequence_parallel`` the residual
+stream and the norms are sharded along the sequence; the all-reduces become an all-gather before each
+column layer and a reduce-scatter after each row layer.
+
+GQA with fewer kv heads than TP ranks: each rank needs one kv head, so kv head j is replicated on the
+tp/kv ranks that hold its q heads. Those copies are one parameter: ``sync_replicated_kv_grads()`` sums
+their gradients over the TP group (an all-reduce of a zero-padded tensor), which a training step calls
+before the optimizer, as it does for data-parallel gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from distlab import comm
+from distlab.tp.linear import ColumnParallelLinear, RowParallelLinear, shard_rows
+from distlab.tp.norm import RMSNorm
+from kernels.attention import attention
+
+
+def rope(x, base=10000.0, offset=0):
+    """Rotary position embedding (rotate-half form) on ``(batch, seq, heads, head_dim)``, in float32."""
+    b, s, h, d = x.shape
+    inv = base ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    ang = (torch.arange(offset, offset + s, device=x.device, dtype=torch.float32)[:, None] * inv[None])
+    cos, sin = ang.cos()[None, :, None], ang.sin()[None, :, None]
+    x1, x2 = x.float()[..., : d // 2], x.float()[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+
+
+class LlamaBlock(torch.nn.Module):
+    """The one-device reference block (full weights, plain ``nn.Linear``)."""
+
+    def __init__(self, hidden, ffn, heads, kv_heads, rope_base=10000.0, eps=1e-6, device=None, dtype=None):
+        super().__init__()
+        if hidden % heads or heads % kv_heads:
+            raise ValueError(f"hidden {hidden} must split into {heads} heads, and heads into {kv_heads} kv heads")
+        self.hidden, self.ffn, self.heads, self.kv_heads = hidden, ffn, heads, kv_heads
+        self.head_dim, self.rope_base = hidden // heads, rope_base
+        kw = {"device": device, "dtype": dtype}
+        self.norm1, self.norm2 = RMSNorm(hidden, eps, **kw), RMSNorm(hidden, eps, **kw)
+        self.qkv = torch.nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=False, **kw)
+        self.o = torch.nn.Linear(hidden, hidden, bias=False, **kw)
+        self.gate_up = torch.nn.Linear(hidden, 2 * ffn, bias=False, **kw)
+        self.down = torch.nn.Linear(ffn, hidden, bias=False, **kw)
+
+    def attn(self, x):
+        b, s, _ = x.shape
+        d = self.head_dim
+        q, k, v = self.qkv(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
+        q, k = rope(q.view(b, s, -1, d), self.rope_base), rope(k.view(b, s, -1, d), self.rope_base)
+        return self.o(attention(q, k, v.view(b, s, -1, d), causal=True).reshape(b, s, -1))
+
+    def mlp(self, x):
+        gate, up = self.gate_up(x).chunk(2, -1)
+        return self.down(F.silu(gate) * up)
+
+    def forward(self, x):
+        h = x + self.attn(self.norm1(x))
+        return h + self.mlp(self.norm2(h))
+
+
+class TPLlamaBlock(torch.nn.Module):
+    """The block sharded over ``group`` (built from a ``LlamaBlock`` so both hold the same numbers)."""
+
+    def __init__(self, ref: LlamaBlock, group=None, sequence_parallel=False):
+        super().__init__()
+        tp, rank = comm.group_size(group), comm.group_rank(group)
+        self.group, self.tp, self.sp = group, tp, sequence_parallel
+        heads, kv, d = ref.heads, ref.kv_heads, ref.head_dim
+        if heads % tp:
+            raise ValueError(f"q heads ({heads}) are not divisible by the tensor-parallel size {tp}")
+        if ref.ffn % tp:
+            raise ValueError(f"ffn ({ref.ffn}) is not divisible by the tensor-parallel size {tp}")
+        if kv % tp and tp % kv:
+            raise ValueError(f"kv heads ({kv}) and the tensor-parallel size {tp}: one must divide the other")
+        self.kv_copies = max(1, tp // kv)                 # ranks sharing one kv head
+        self.local_heads, self.local_kv = heads // tp, max(1, kv // tp)
+        self.head_dim, self.rope_base = d, ref.rope_base
+        self.norm1 = RMSNorm.from_norm(ref.norm1, group, sequence_parallel)
+        self.norm2 = RMSNorm.from_norm(ref.norm2, group, sequence_parallel)
+        # fused QKV, kv heads replicated first when fewer than tp: segments q | k | v split per rank
+        wq, wk, wv = ref.qkv.weight.split([heads * d, kv * d, kv * d], 0)
+        if self.kv_copies > 1:
+            wk = wk.view(kv, d, -1).repeat_interleave(self.kv_copies, 0).reshape(-1, wk.shape[1])
+            wv = wv.view(kv, d, -1).repeat_interleave(self.kv_copies, 0).reshape(-1, wv.shape[1])
+        full = torch.nn.Linear(ref.hidden, wq.shape[0] + wk.shape[0] + wv.shape[0], bias=False,
+                               device=wq.device, dtype=wq.dtype)
+        with torch.no_grad():
+            full.weight.copy_(torch.cat([wq, wk, wv], 0))
+        self.qkv = ColumnParallelLinear.from_linear(full, group, sequence_parallel=sequence_parallel,
+                                                    segments=[wq.shape[0], wk.shape[0], wv.shape[0]])
+        self.o = RowParallelLinear.from_linear(ref.o, group, sequence_parallel=sequence_parallel)
+        self.gate_up = ColumnParallelLinear.from_linear(ref.gate_up, group, sequence_parallel=sequence_parallel,
+                                                        segments=[ref.ffn, ref.ffn])
+        self.down = RowParallelLinear.from_linear(ref.down, group, sequence_parallel=sequence_parallel)
+
+    def attn(self, x):
+        y = self.qkv(x)                                   # (b, s, local q + 2 local kv heads)·d, full sequence
+        b, s, _ = y.shape
+        d = self.head_dim
+        q, k, v = y.split([self.local_heads * d, self.local_kv * d, self.local_kv * d], -1)
+        q, k = rope(q.view(b, s, -1, d), self.rope_base), rope(k.view(b, s, -1, d), self.rope_base)
+        return self.o(attention(q, k, v.view(b, s, -1, d), causal=True).reshape(b, s, -1))
+
+    def mlp(self, x):
+        gate, up = self.gate_up(x).chunk(2, -1)
+        return self.down(F.silu(gate) * up)
+
+    def forward(self, x):
+        h = x + self.attn(self.norm1(x))
+        return h + self.mlp(self.norm2(h))
+
+    def sync_replicated_kv_grads(self):
+        """Sum the gradients of kv-head copies over the ranks sharing them (no-op when kv ≥ tp)."""
+        if self.kv_copies == 1 or self.qkv.weight.grad is None:
+            return
+        d, hq = self.head_dim, self.local_heads * self.head_dim
+        grad = self.qkv.weight.grad
+        kv_rows = grad[hq:]                              # this rank's k and v rows (one kv head each)
+        kv_heads = self.tp // self.kv_copies
+        mine = comm.group_rank(self.group) // self.kv_copies
+        padded = torch.zeros(kv_heads, *kv_rows.shape, dtype=grad.dtype, device=grad.device)
+        padded[mine] = kv_rows
+        summed = comm.all_reduce_raw(padded, self.group)
+        grad[hq:] = summed[mine]
+
+    def full_grads(self):
+        """Gather every weight's gradient into the one-device layout (for parity checks): a dict by name."""
+        heads_q = self.local_heads * self.head_dim
+        g = self.qkv.weight.grad
+        gq = comm.all_gather_raw(g[:heads_q], self.group, 0)
+        gk = comm.all_gather_raw(g[heads_q:heads_q + self.local_kv * self.head_dim], self.group, 0)
+        gv = comm.all_gather_raw(g[heads_q + self.local_kv * self.head_dim:], self.group, 0)
+        if self.kv_copies > 1:  # copies already summed by sync_replicated_kv_grads: keep one per head
+            gk, gv = (t.view(-1, self.kv_copies, self.head_dim, t.shape[-1])[:, 0].reshape(-1, t.shape[-1])
+                      for t in (gk, gv))
+        gate, up = self.gate_up.weight.grad.chunk(2, 0)
+        return {"qkv": torch.cat([gq, gk, gv], 0),
+                "o": comm.all_gather_raw(self.o.weight.grad, self.group, 1),
+                "gate_up": torch.cat([comm.all_gather_raw(gate, self.group, 0), comm.all_gather_raw(up, self.group, 0)], 0),
+                "down": comm.all_gather_raw(self.down.weight.grad, self.group, 1),
+                "norm1": self.norm1.weight.grad, "norm2": self.norm2.weight.grad}
+
+
+__all__ = ["LlamaBlock", "TPLlamaBlock", "rope", "shard_rows"]

@@ -1,0 +1,95 @@
+"""Vocab-parallel embedding and cross-entropy: the vocabulary split over TP, logits never gathered.
+
+    python -m pytest tests/test_tp.py -k vocab
+
+Rank r holds vocabulary rows ``[r·V/tp, (r+1)·V/tp)``. The embedding looks up the ids it owns, writes
+zeros for the others, and sums over TP (all-reduce; with sequence parallelism a reduce-scatter along the
+sequence). The cross-entropy takes this rank's logits ``(..., V/tp)`` (a column-parallel LM head without
+``gather_output``) and reduces three small tensors over TP instead of gathering ``(..., V)``: the row max
+(for stability), the sum of ``exp(logit − max)``, and the target's logit (from the rank that owns it).
+``loss = log(sum_exp) − (target_logit − max)``; its gradient is ``softmax − one_hot`` on each rank's
+slice. Tokens equal to ``ignore_index`` count neither in the loss nor in the mean, as in
+``F.cross_entropy``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distlab import comm
+
+
+def _all_reduce(x, group, op=dist.ReduceOp.SUM):
+    if comm.group_size(group) > 1:
+        comm.record("all_reduce", 2 * (comm.group_size(group) - 1) * x.numel() * x.element_size() // comm.group_size(group))
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    def __init__(self, num_embeddings, dim, group=None, sequence_parallel=False, device=None, dtype=None):
+        super().__init__()
+        self.group, self.tp, self.rank = group, comm.group_size(group), comm.group_rank(group)
+        if num_embeddings % self.tp:
+            raise ValueError(f"vocabulary size ({num_embeddings}) is not divisible by the tensor-parallel size {self.tp}")
+        self.per_rank = num_embeddings // self.tp
+        self.start = self.rank * self.per_rank
+        self.sequence_parallel = sequence_parallel
+        self.weight = torch.nn.Parameter(torch.randn(self.per_rank, dim, device=device, dtype=dtype))
+
+    @classmethod
+    def from_embedding(cls, emb: torch.nn.Embedding, group=None, sequence_parallel=False):
+        new = cls(emb.num_embeddings, emb.embedding_dim, group, sequence_parallel, emb.weight.device, emb.weight.dtype)
+        with torch.no_grad():
+            new.weight.copy_(emb.weight[new.start:new.start + new.per_rank])
+        return new
+
+    def forward(self, ids):
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.per_rank)
+        out = F.embedding(local.clamp(0, self.per_rank - 1), self.weight) * mine.unsqueeze(-1)
+        if self.sequence_parallel:
+            return comm.reduce_scatter(out, self.group, dim=1)
+        return comm.reduce_from_group(out, self.group)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, start, ignore_index):
+        logits_dtype = logits.dtype
+        logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+        vmax = _all_reduce(logits.max(-1).values, group, dist.ReduceOp.MAX)
+        shifted = logits - vmax.unsqueeze(-1)
+        local = target - start
+        mine = (local >= 0) & (local < logits.shape[-1]) & (target != ignore_index)
+        idx = local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
+        target_logit = _all_reduce(shifted.gather(-1, idx).squeeze(-1) * mine, group)
+        exp = shifted.exp()
+        sum_exp = _all_reduce(exp.sum(-1), group)
+        keep = target != ignore_index
+        count = keep.sum().clamp_min(1)
+        loss = ((sum_exp.log() - target_logit) * keep).sum() / count
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), idx, mine, keep)
+        ctx.count, ctx.dtype = count, logits_dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, idx, mine, keep = ctx.saved_tensors
+        g = softmax
+        g.scatter_add_(-1, idx, -mine.unsqueeze(-1).to(g.dtype))
+        g = g * (keep.unsqueeze(-1) * (grad / ctx.count))
+        return g.to(ctx.dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_local, target, group=None, ignore_index=-100):
+    """Mean cross-entropy over non-ignored tokens from this rank's vocabulary slice of the logits.
+
+    logits_local: ``(..., V/tp)`` for vocabulary rows ``[rank·V/tp, ...)``; target: ``(...)`` global ids.
+    """
+    if logits_local.shape[:-1] != target.shape:
+        raise ValueError(f"logits {tuple(logits_local.shape)} and target {tuple(target.shape)} disagree")
+    start = comm.group_rank(group) * logits_local.shape[-1]
+    return _VocabParallelCE.apply(logits_local, target, group, start, ignore_index)
