@@ -143,7 +143,7 @@ def test_vocab_cross_entropy_is_stable_for_huge_logits():
 BLOCK_SHAPES = {1: (64, 128, 8, 2), 2: (64, 128, 8, 2), 3: (48, 96, 6, 3), 4: (64, 128, 8, 2)}
 
 
-def block_vs_one_device(sp, kv_heads=None):
+def block_vs_one_device(sp, kv_heads=None, async_tp=False):
     tp = comm.group_size()
     hidden, ffn, heads, kv = BLOCK_SHAPES[tp]
     kv = kv_heads or kv
@@ -157,7 +157,7 @@ def block_vs_one_device(sp, kv_heads=None):
     out_ref = ref(xr)
     (out_ref * w).sum().backward()
 
-    block = TPLlamaBlock(ref, None, sequence_parallel=sp).float()
+    block = TPLlamaBlock(ref, None, sequence_parallel=sp, async_tp=async_tp).float()
     xl = seq_shard(x.float(), sp).requires_grad_(True)
     with comm.CommLog() as log_fwd:
         out = block(xl)
@@ -183,6 +183,15 @@ def test_llama_block_matches_one_device(pools, world, sp):
         # backward: the adjoints, plus (SP) the all-reduce of each norm weight's gradient
         assert bwd == ({"all_gather": 2, "reduce_scatter": 2, "all_reduce": 2} if sp else {"all_reduce": 2})
         assert copies == (2 if world == 4 else 1)               # 2 kv heads on 4 ranks: each copied twice
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_async_tp_block_matches_one_device(pools, world):
+    """Ring-step all-gather/reduce-scatter overlapped with chunk GEMMs: same numbers as the plain SP path."""
+    for errors, fwd, bwd, _ in pools(world).run(block_vs_one_device, True, None, True):
+        assert max(errors.values()) < 1e-5, errors
+        assert fwd == {"async_tp_ag": 2 * (world - 1), "async_tp_rs": 2 * (world - 1)}
+        assert bwd == {"async_tp_ag": 4 * (world - 1), "async_tp_rs": 2 * (world - 1), "all_reduce": 2}
 
 
 def test_llama_block_kv_heads_divisible_by_tp(pools):

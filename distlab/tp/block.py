@@ -9,7 +9,8 @@ Tensor parallel: each rank keeps H/tp q heads (and their kv heads) of the fused 
 columns of O, and F/tp of the gate/up and down projections; one all-reduce after O and one after down
 (forward), one after each column layer's input grad (backward). With ``sequence_parallel`` the residual
 stream and the norms are sharded along the sequence; the all-reduces become an all-gather before each
-column layer and a reduce-scatter after each row layer.
+column layer and a reduce-scatter after each row layer; ``async_tp`` runs those as ring steps overlapped
+with chunked GEMMs (``distlab.tp.async_tp``).
 
 GQA with fewer kv heads than TP ranks: each rank needs one kv head, so kv head j is replicated on the
 tp/kv ranks that hold its q heads. Those copies are one parameter: ``sync_replicated_kv_grads()`` sums
@@ -73,7 +74,7 @@ class LlamaBlock(torch.nn.Module):
 class TPLlamaBlock(torch.nn.Module):
     """The block sharded over ``group`` (built from a ``LlamaBlock`` so both hold the same numbers)."""
 
-    def __init__(self, ref: LlamaBlock, group=None, sequence_parallel=False):
+    def __init__(self, ref: LlamaBlock, group=None, sequence_parallel=False, async_tp=False):
         super().__init__()
         tp, rank = comm.group_size(group), comm.group_rank(group)
         self.group, self.tp, self.sp = group, tp, sequence_parallel
@@ -98,12 +99,13 @@ class TPLlamaBlock(torch.nn.Module):
                                device=wq.device, dtype=wq.dtype)
         with torch.no_grad():
             full.weight.copy_(torch.cat([wq, wk, wv], 0))
-        self.qkv = ColumnParallelLinear.from_linear(full, group, sequence_parallel=sequence_parallel,
+        sp, at = sequence_parallel, async_tp
+        self.qkv = ColumnParallelLinear.from_linear(full, group, sequence_parallel=sp, async_tp=at,
                                                     segments=[wq.shape[0], wk.shape[0], wv.shape[0]])
-        self.o = RowParallelLinear.from_linear(ref.o, group, sequence_parallel=sequence_parallel)
-        self.gate_up = ColumnParallelLinear.from_linear(ref.gate_up, group, sequence_parallel=sequence_parallel,
+        self.o = RowParallelLinear.from_linear(ref.o, group, sequence_parallel=sp, async_tp=at)
+        self.gate_up = ColumnParallelLinear.from_linear(ref.gate_up, group, sequence_parallel=sp, async_tp=at,
                                                         segments=[ref.ffn, ref.ffn])
-        self.down = RowParallelLinear.from_linear(ref.down, group, sequence_parallel=sequence_parallel)
+        self.down = RowParallelLinear.from_linear(ref.down, group, sequence_parallel=sp, async_tp=at)
 
     def attn(self, x):
         y = self.qkv(x)                                   # (b, s, local q + 2 local kv heads)·d, full sequence

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from distlab import comm
+from distlab.tp.async_tp import all_gather_matmul, matmul_reduce_scatter
 
 
 def _check_divides(name: str, size: int, tp: int) -> None:
@@ -59,8 +60,11 @@ class ColumnParallelLinear(torch.nn.Module):
     """
 
     def __init__(self, in_features, out_features, bias=True, group=None, gather_output=False,
-                 sequence_parallel=False, segments=None, device=None, dtype=None):
+                 sequence_parallel=False, segments=None, device=None, dtype=None, async_tp=False):
         super().__init__()
+        if async_tp and not sequence_parallel:
+            raise ValueError("async_tp overlaps the sequence-parallel all-gather: it needs sequence_parallel")
+        self.async_tp = async_tp
         self.group, self.tp = group, comm.group_size(group)
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.segments = list(segments) if segments else [out_features]
@@ -78,11 +82,11 @@ class ColumnParallelLinear(torch.nn.Module):
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, group=None, gather_output=False, sequence_parallel=False,
-                    segments=None):
+                    segments=None, async_tp=False):
         """This rank's shard of a full ``nn.Linear`` (same numbers as the one-device layer)."""
         tp, rank = comm.group_size(group), comm.group_rank(group)
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group, gather_output,
-                    sequence_parallel, segments, linear.weight.device, linear.weight.dtype)
+                    sequence_parallel, segments, linear.weight.device, linear.weight.dtype, async_tp)
         with torch.no_grad():
             layer.weight.copy_(shard_rows(linear.weight, rank, tp, layer.segments))
             if linear.bias is not None:
@@ -90,6 +94,9 @@ class ColumnParallelLinear(torch.nn.Module):
         return layer
 
     def forward(self, x):
+        if self.async_tp:
+            y = all_gather_matmul(x, self.weight, self.group)
+            return y + self.bias if self.bias is not None else y
         if self.sequence_parallel:
             x = comm.all_gather(x, self.group, dim=1)
         else:
@@ -107,8 +114,11 @@ class RowParallelLinear(torch.nn.Module):
     """
 
     def __init__(self, in_features, out_features, bias=True, group=None, input_is_parallel=True,
-                 sequence_parallel=False, device=None, dtype=None):
+                 sequence_parallel=False, device=None, dtype=None, async_tp=False):
         super().__init__()
+        if async_tp and not sequence_parallel:
+            raise ValueError("async_tp overlaps the sequence-parallel reduce-scatter: it needs sequence_parallel")
+        self.async_tp = async_tp
         self.group, self.tp = group, comm.group_size(group)
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         if sequence_parallel and not input_is_parallel:
@@ -120,10 +130,11 @@ class RowParallelLinear(torch.nn.Module):
         torch.nn.init.normal_(self.weight, std=in_features ** -0.5)
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, group=None, input_is_parallel=True, sequence_parallel=False):
+    def from_linear(cls, linear: torch.nn.Linear, group=None, input_is_parallel=True, sequence_parallel=False,
+                    async_tp=False):
         tp, rank = comm.group_size(group), comm.group_rank(group)
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group, input_is_parallel,
-                    sequence_parallel, linear.weight.device, linear.weight.dtype)
+                    sequence_parallel, linear.weight.device, linear.weight.dtype, async_tp)
         with torch.no_grad():
             layer.weight.copy_(linear.weight.chunk(tp, 1)[rank])
             if linear.bias is not None:
@@ -133,6 +144,10 @@ class RowParallelLinear(torch.nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = comm.split_to_group(x, self.group, dim=-1)
+        if self.async_tp:
+            y = matmul_reduce_scatter(x, self.weight, self.group)
+            bias = comm.copy_to_group(self.bias, self.group) if self.bias is not None else None
+            return y + bias if bias is not None else y
         y = F.linear(x, self.weight)
         if self.sequence_parallel:
             y = comm.reduce_scatter(y, self.group, dim=1)
