@@ -181,7 +181,8 @@ def test_llama_block_matches_one_device(pools, world, sp):
         # the design's collectives: TP fwd 2 all-reduces; SP fwd 2 all-gathers + 2 reduce-scatters
         assert fwd == ({"all_gather": 2, "reduce_scatter": 2} if sp else {"all_reduce": 2})
         # backward: the adjoints, plus (SP) the all-reduce of each norm weight's gradient
-        assert bwd == ({"all_gather": 2, "reduce_scatter": 2, "all_reduce": 2} if sp else {"all_reduce": 2})
+        # (SP keeps only the local input of each column GEMM and all-gathers it again for dW, as Megatron)
+        assert bwd == ({"all_gather": 4, "reduce_scatter": 2, "all_reduce": 2} if sp else {"all_reduce": 2})
         assert copies == (2 if world == 4 else 1)               # 2 kv heads on 4 ranks: each copied twice
 
 
@@ -217,3 +218,29 @@ def tp_errors(case):
 def test_indivisible_dims_refused_on_every_rank(pools, case, message):
     outcome = pools(4).run_all(tp_errors, case, timeout_s=30)
     assert all(not ok and message in msg for ok, msg in outcome), outcome
+
+
+ENV = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+
+
+def test_tp_study_cli(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "tp.json"
+    base = [sys.executable, "-m", "distlab", "run", "--nproc", "2", "-m", "distlab.tp", "--hidden", "64", "--ffn", "128",
+            "--heads", "4", "--kv-heads", "2", "--seq", "32", "--device", "cpu", "--iters", "1", "--check"]
+    results = {}
+    for flags in ([], ["--sp"], ["--sp", "--async-tp"]):
+        proc = subprocess.run(base + flags + ["--json", str(out)], capture_output=True, text=True, timeout=120, env=ENV)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "PASS" in proc.stdout and "activation memory" in proc.stdout
+        results[" ".join(flags)] = json.loads(out.read_text())
+    assert results[""]["comm_forward"]["calls"] == {"all_reduce": 2}
+    assert results["--sp"]["comm_forward"]["calls"] == {"all_gather": 2, "reduce_scatter": 2}
+    # SP keeps less for backward than plain TP (norms and residual are sharded too)
+    assert results["--sp"]["ranks"][0]["activation_bytes"] < results[""]["ranks"][0]["activation_bytes"]
+    bad = subprocess.run(base[:-1] + ["--heads", "3", "--kv-heads", "3", "--hidden", "48"], capture_output=True, text=True,
+                         timeout=120, env=ENV)
+    assert bad.returncode != 0 and bad.stderr.count("q heads (3) are not divisible by the tensor-parallel size 2") == 2

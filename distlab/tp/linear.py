@@ -11,7 +11,8 @@ mode                        forward                                 backward
 ==========================  ======================================  ======================================
 TP: column input            identity (``copy_to_group``)            all-reduce of dX
 TP: row output              all-reduce of Y (``reduce_from_group``)  identity
-SP: column input            all-gather along seq (``all_gather``)   reduce-scatter of dX along seq
+SP: column input            all-gather along seq                    reduce-scatter of dX along seq (and
+                                                                    the input all-gathered again for dW)
 SP: row output              reduce-scatter along seq                all-gather of dY along seq
 ==========================  ======================================  ======================================
 
@@ -32,6 +33,25 @@ import torch.nn.functional as F
 
 from distlab import comm
 from distlab.tp.async_tp import all_gather_matmul, matmul_reduce_scatter
+
+
+class _GatherLinear(torch.autograd.Function):
+    """SP column GEMM that keeps only the local shard for backward (re-gathers it there, as Megatron does):
+    saving the gathered input would undo most of the memory SP saves."""
+
+    @staticmethod
+    def forward(ctx, x_local, weight, group):
+        ctx.save_for_backward(x_local, weight)
+        ctx.group = group
+        return F.linear(comm.all_gather_raw(x_local, group, 1), weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_local, weight = ctx.saved_tensors
+        x_full = comm.all_gather_raw(x_local, ctx.group, 1)
+        dw = dy.reshape(-1, dy.shape[-1]).t() @ x_full.reshape(-1, x_full.shape[-1])
+        dx = comm.reduce_scatter_raw(dy @ weight, ctx.group, 1)
+        return dx, dw, None
 
 
 def _check_divides(name: str, size: int, tp: int) -> None:
@@ -98,10 +118,10 @@ class ColumnParallelLinear(torch.nn.Module):
             y = all_gather_matmul(x, self.weight, self.group)
             return y + self.bias if self.bias is not None else y
         if self.sequence_parallel:
-            x = comm.all_gather(x, self.group, dim=1)
+            y = _GatherLinear.apply(x, self.weight, self.group)
+            y = y + self.bias if self.bias is not None else y
         else:
-            x = comm.copy_to_group(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+            y = F.linear(comm.copy_to_group(x, self.group), self.weight, self.bias)
         return comm.gather_from_group(y, self.group, dim=-1) if self.gather_output else y
 
 

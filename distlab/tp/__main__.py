@@ -1,0 +1,5 @@
+"""``python -m distlab.tp`` — see ``distlab/tp/study.py``."""
+
+from distlab.tp.study import main
+
+main()
