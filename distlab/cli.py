@@ -32,24 +32,33 @@ def torchrun_args(argv: list[str]) -> list[str]:
     return launcher + program_args
 
 
+def _torchrun_flags() -> set[str]:
+    """torchrun's options that take no value (everything else takes one)."""
+    from torch.distributed.run import get_args_parser
+
+    return {opt for action in get_args_parser()._actions if action.nargs == 0 for opt in action.option_strings}
+
+
 def split_program(argv: list[str]) -> tuple[list[str], list[str]]:
     """(torchrun's options with the module/script, the program's own arguments)."""
+    flags = _torchrun_flags()
     out, i, has_nodes = [], 0, False
     while i < len(argv):
         arg = argv[i]
         if arg in ("-m", "--module", "--no-python") or not arg.startswith("-"):
             break                                      # the program and its arguments follow, untouched
         name, eq, value = arg.partition("=")
+        if not eq and name not in flags:             # an option with its value in the next word
+            if i + 1 >= len(argv):
+                raise SystemExit(f"distlab run: {name} needs a value\n{USAGE}")
+            value = argv[i + 1]
+            i += 1
         if name in ("--nproc", "--nproc-per-node", "--nproc_per_node"):
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise SystemExit(f"distlab run: {name} needs a value\n{USAGE}")
-                i, value = i + 1, argv[i + 1]
             out += ["--nproc-per-node", value]
         else:
             has_nodes |= name in ("--nnodes", "--rdzv-endpoint", "--rdzv_endpoint", "--master-addr",
                                   "--master_addr", "--standalone")
-            out.append(arg)
+            out += [arg] if (eq or name in flags) else [name, value]
         i += 1
     rest = argv[i:]
     if rest and rest[0] in ("-m", "--module", "--no-python"):
