@@ -20,6 +20,7 @@ import sys
 from distlab.runtime import GPU_SAFE_ENV
 
 USAGE = """usage: distlab run [--nproc N | --nproc-per-node N] [torchrun options] (-m MODULE | SCRIPT) [args ...]
+       distlab submit [--cluster auto|slurm|local] [--nodes N] [--tasks-per-node N] ... -m MODULE [args ...]
 
 Launch N processes per node with torchrun. Example:
     distlab run --nproc 4 -m distlab.cp.ring --seq 8192 --check
@@ -74,6 +75,11 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
+        return
+    if argv[0] == "submit":
+        from distlab.submit import main as submit_main
+
+        submit_main(argv[1:])
         return
     if argv[0] != "run":
         raise SystemExit(f"distlab: unknown command {argv[0]!r}\n{USAGE}")

@@ -1,0 +1,6 @@
+"""``python -m launch.submit [options] -m MODULE [study flags]`` — see ``distlab/submit.py``."""
+
+from distlab.submit import main
+
+if __name__ == "__main__":
+    main()
