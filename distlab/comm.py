@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
@@ -159,6 +160,19 @@ def all_to_all_raw(x: torch.Tensor, group=None, scatter_dim: int = 0, gather_dim
 # --------------------------------------------------------------------------------------------------------
 # autograd mappings
 # --------------------------------------------------------------------------------------------------------
+def all_to_all_uneven_raw(x: torch.Tensor, in_splits: list[int], out_splits: list[int], group=None) -> torch.Tensor:
+    """Rows ``x[sum(in_splits[:j]) : ...+in_splits[j]]`` go to rank j; ``out_splits[j]`` rows come from rank j."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    row = x.element_size() * math.prod(x.shape[1:])
+    me = group_rank(group)
+    record("all_to_all", row * (sum(in_splits) - in_splits[me]))
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
 class _CopyToGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -238,6 +252,23 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, g):
         scatter_dim, gather_dim = ctx.dims
         return all_to_all_raw(g, ctx.group, gather_dim, scatter_dim), None, None, None
+
+
+class _AllToAllUneven(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, in_splits, out_splits, group):
+        ctx.args = (in_splits, out_splits, group)
+        return all_to_all_uneven_raw(x, in_splits, out_splits, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        in_splits, out_splits, group = ctx.args
+        return all_to_all_uneven_raw(g.contiguous(), out_splits, in_splits, group), None, None, None
+
+
+def all_to_all_uneven(x, in_splits, out_splits, group=None):
+    """Uneven all-to-all of rows (MoE dispatch/combine); backward sends the gradient rows back."""
+    return _AllToAllUneven.apply(x, list(in_splits), list(out_splits), group)
 
 
 def copy_to_group(x, group=None):

@@ -30,7 +30,8 @@ class StudyTask:
     def __call__(self):
         import submitit
 
-        env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        # overwrite: sbatch and the local executor pass the submitter's environment on, MASTER_* included
+        env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         argv = [self.module, *self.args, "--json", self.result_path]
         old_argv, sys.argv = sys.argv, argv
         try:

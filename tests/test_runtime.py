@@ -9,7 +9,8 @@ from distlab.runtime import ParallelDims, launch_env
 def test_launch_env_reads_torchrun_then_slurm_then_single(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
                 "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID", "SLURM_JOB_NODELIST"):
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(var, "x")   # so that monkeypatch restores the variable's absence afterwards too
+        monkeypatch.delenv(var)
     assert launch_env() == ("single", 0, 1, 0)
     monkeypatch.setenv("SLURM_PROCID", "5")
     monkeypatch.setenv("SLURM_NTASKS", "8")

@@ -1,0 +1,242 @@
+"""Grouped GEMM over variable-size row segments (MoE experts): a loop reference, torch._grouped_mm, Triton.
+
+    python -m kernels.grouped_gemm --experts 8 --rows 32768 --k 4096 --n 7168   # GPU benchmark vs torch._grouped_mm
+
+``x`` (M, K) holds the rows of E groups back to back (``counts[e]`` rows for group e, possibly 0);
+``w`` (E, K, N). ``grouped_mm(x, w, counts)`` returns (M, N) with rows of group e multiplied by ``w[e]``.
+Its backward is two more grouped GEMMs: ``dX = dY · w[e]ᵀ`` (the same kernel, ``w`` read transposed
+through its strides) and ``dW[e] = X_eᵀ · dY_e`` (a kernel whose reduction runs over each segment's rows;
+an empty segment gets a zero gradient).
+
+Backends (``backend=``): ``loop`` (one matmul per group; any device, the reference), ``torch``
+(``torch._grouped_mm``; CUDA bf16 on Hopper), ``triton`` (this file's kernels; CUDA, or CPU tensors under
+``TRITON_INTERPRET=1`` for tests — in fp32/fp16 there, the interpreter's bf16 dot is wrong).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+BACKENDS = ("auto", "loop", "torch", "triton")
+
+
+def offsets(counts, device):
+    """Exclusive-scan offsets (E+1,) int32 of the group row counts."""
+    c = torch.as_tensor(counts, dtype=torch.int64, device="cpu")
+    return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(c, 0)]).to(device=device, dtype=torch.int32)
+
+
+def grouped_mm_loop(x, w, counts):
+    out = x.new_empty(x.shape[0], w.shape[-1])
+    start = 0
+    for e, n in enumerate(counts):
+        out[start:start + n] = x[start:start + n] @ w[e]
+        start += n
+    return out
+
+
+def _triton_available(device) -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve(backend, x):
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown grouped GEMM backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+            return "torch"
+        return "loop"
+    if backend == "triton" and not _triton_available(x.device):
+        raise ValueError("the triton backend needs triton and a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
+    if backend == "torch" and not (x.is_cuda and hasattr(torch, "_grouped_mm")):
+        raise ValueError("the torch backend (torch._grouped_mm) needs CUDA tensors")
+    return backend
+
+
+# ------------------------------------------------------------------------------------------------------
+# Triton kernels (defined lazily so CPU-only installs import this file without triton)
+# ------------------------------------------------------------------------------------------------------
+_KERNELS = {}
+
+
+def _kernels():
+    if _KERNELS:
+        return _KERNELS
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def segment_mm(x_ptr, w_ptr, y_ptr, offs_ptr, tiles_m, N, K,
+                   sxm, sxk, swe, swk, swn, sym, syn,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """y[rows of group e] = x[rows] @ w[e]; program (e·tiles_m + tile, n-tile); w read through strides."""
+        pid, pid_n = tl.program_id(0), tl.program_id(1)
+        e, tile = pid // tiles_m, pid % tiles_m
+        start, end = tl.load(offs_ptr + e), tl.load(offs_ptr + e + 1)
+        row0 = start + tile * BM
+        if row0 >= end:
+            return
+        rm = row0 + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            a = tl.load(x_ptr + rm[:, None] * sxm + (k0 + rk)[None, :] * sxk,
+                        mask=(rm[:, None] < end) & ((k0 + rk)[None, :] < K), other=0.0)
+            b = tl.load(w_ptr + e * swe + (k0 + rk)[:, None] * swk + rn[None, :] * swn,
+                        mask=((k0 + rk)[:, None] < K) & (rn[None, :] < N), other=0.0)
+            acc += tl.dot(a, b)
+        tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < end) & (rn[None, :] < N))
+
+    @triton.jit
+    def segment_wgrad(x_ptr, dy_ptr, dw_ptr, offs_ptr, K, N, max_rows,
+                      sxm, sxk, sym, syn, swe, swk, swn,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """dw[e] = x[rows of e]ᵀ @ dy[rows of e]; program (e, k-tile, n-tile); empty groups write zeros."""
+        e, pid_k, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        start, end = tl.load(offs_ptr + e), tl.load(offs_ptr + e + 1)
+        rk = pid_k * BK + tl.arange(0, BK)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rm = tl.arange(0, BM)
+        acc = tl.zeros((BK, BN), dtype=tl.float32)
+        for m0 in range(0, max_rows, BM):
+            rows = start + m0 + rm
+            a = tl.load(x_ptr + rows[None, :] * sxm + rk[:, None] * sxk,
+                        mask=(rows[None, :] < end) & (rk[:, None] < K), other=0.0)
+            b = tl.load(dy_ptr + rows[:, None] * sym + rn[None, :] * syn,
+                        mask=(rows[:, None] < end) & (rn[None, :] < N), other=0.0)
+            acc += tl.dot(a, b)
+        tl.store(dw_ptr + e * swe + rk[:, None] * swk + rn[None, :] * swn, acc.to(dw_ptr.dtype.element_ty),
+                 mask=(rk[:, None] < K) & (rn[None, :] < N))
+
+    _KERNELS.update(segment_mm=segment_mm, segment_wgrad=segment_wgrad, triton=triton)
+    return _KERNELS
+
+
+def _blocks(dtype, interpret):
+    return (32, 32, 32) if interpret else (128, 128, 64)
+
+
+def triton_segment_mm(x, w, counts, transpose_w=False):
+    """(M, K) x per-group (K, N) [or w stored (E, N, K) used transposed] -> (M, N)."""
+    ks = _kernels()
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    bm, bn, bk = _blocks(x.dtype, interpret)
+    e = w.shape[0]
+    if transpose_w:   # logical (E, K, N) = stored (E, N, K) with swapped strides
+        K, N = w.shape[2], w.shape[1]
+        swe, swk, swn = w.stride(0), w.stride(2), w.stride(1)
+    else:
+        K, N = w.shape[1], w.shape[2]
+        swe, swk, swn = w.stride(0), w.stride(1), w.stride(2)
+    y = x.new_empty(x.shape[0], N)
+    if x.shape[0] == 0:
+        return y
+    offs = offsets(counts, x.device)
+    tiles_m = max(1, -(-max(counts) // bm))
+    grid = (e * tiles_m, -(-N // bn))
+    ks["segment_mm"][grid](x, w, y, offs, tiles_m, N, K, x.stride(0), x.stride(1), swe, swk, swn,
+                           y.stride(0), y.stride(1), BM=bm, BN=bn, BK=bk)
+    return y
+
+
+def triton_segment_wgrad(x, dy, counts):
+    """Per group e: x_eᵀ @ dy_e -> (E, K, N) (zeros for empty groups)."""
+    ks = _kernels()
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    bm, bn, bk = _blocks(x.dtype, interpret)
+    e, K, N = len(counts), x.shape[1], dy.shape[1]
+    dw = torch.empty(e, K, N, dtype=x.dtype, device=x.device)
+    offs = offsets(counts, x.device)
+    grid = (e, -(-K // bk), -(-N // bn))
+    ks["segment_wgrad"][grid](x, dy, dw, offs, K, N, max(max(counts), 1), x.stride(0), x.stride(1),
+                              dy.stride(0), dy.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
+                              BM=bm, BN=bn, BK=bk)
+    return dw
+
+
+# ------------------------------------------------------------------------------------------------------
+# autograd front end
+# ------------------------------------------------------------------------------------------------------
+class _GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, counts, backend):
+        ctx.save_for_backward(x, w)
+        ctx.counts, ctx.backend = counts, backend
+        return _forward(x, w, counts, backend)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        counts, backend = ctx.counts, ctx.backend
+        dy = dy.contiguous()
+        if backend == "triton":
+            dx = triton_segment_mm(dy, w, counts, transpose_w=True)
+            dw = triton_segment_wgrad(x, dy, counts)
+        elif backend == "torch":
+            offs = offsets(counts, x.device)[1:]
+            dx = torch._grouped_mm(dy, w.transpose(1, 2), offs=offs)
+            dw = torch._grouped_mm(x.t(), dy, offs=offs)
+        else:
+            dx = grouped_mm_loop(dy, w.transpose(1, 2), counts)
+            dw = torch.zeros_like(w)
+            start = 0
+            for e, n in enumerate(counts):
+                dw[e] = x[start:start + n].t() @ dy[start:start + n]
+                start += n
+        return dx, dw, None, None
+
+
+def _forward(x, w, counts, backend):
+    if backend == "triton":
+        return triton_segment_mm(x, w, counts)
+    if backend == "torch":
+        return torch._grouped_mm(x, w, offs=offsets(counts, x.device)[1:])
+    return grouped_mm_loop(x, w, counts)
+
+
+def grouped_mm(x, w, counts, backend="auto"):
+    """Rows of group e of ``x`` (M, K) times ``w[e]`` (K, N); ``counts`` (E,) rows per group, summing to M."""
+    counts = [int(c) for c in counts]
+    if len(counts) != w.shape[0] or sum(counts) != x.shape[0] or x.shape[1] != w.shape[1]:
+        raise ValueError(f"grouped_mm: x {tuple(x.shape)}, w {tuple(w.shape)} and counts (sum {sum(counts)}, "
+                         f"{len(counts)} groups) disagree")
+    return _GroupedMM.apply(x.contiguous(), w, counts, resolve(backend, x))
+
+
+def main(argv=None):
+    from kernels.bench import timeit
+
+    p = argparse.ArgumentParser(prog="python -m kernels.grouped_gemm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--rows", type=int, default=32768)
+    p.add_argument("--k", type=int, default=4096)
+    p.add_argument("--n", type=int, default=7168)
+    p.add_argument("--skew", type=float, default=0.0, help="0: uniform rows per group; >0 Zipf-like")
+    p.add_argument("--iters", type=int, default=20)
+    a = p.parse_args(argv)
+    dev = torch.device("cuda")
+    weights = torch.tensor([(e + 1.0) ** -a.skew for e in range(a.experts)])
+    counts = (weights / weights.sum() * a.rows).floor().long()
+    counts[0] += a.rows - counts.sum()
+    counts = [int(c) // 16 * 16 for c in counts]          # torch._grouped_mm wants 16-row aligned groups
+    counts[0] += a.rows - sum(counts)
+    x = torch.randn(a.rows, a.k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(a.experts, a.k, a.n, device=dev, dtype=torch.bfloat16)
+    flops = 2 * a.rows * a.k * a.n
+    print(f"grouped GEMM, {a.experts} groups, {a.rows} rows ({counts}), {a.k}->{a.n}, bf16, {torch.cuda.get_device_name()}")
+    for name in ("torch", "triton", "loop"):
+        t = timeit(lambda: _forward(x, w, counts, name), a.iters, 3, dev)
+        print(f"  {name:<7} {t * 1e3:8.3f} ms  {flops / t / 1e12:7.1f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
