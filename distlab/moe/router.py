@@ -33,6 +33,8 @@ def route(logits, topk, score="softmax", bias=None, renormalize=True):
 
 def load_balancing_loss(scores, experts, num_experts):
     """Switch/GShard auxiliary loss ``E · Σ_e f_e · P_e``; differentiable through ``scores``."""
+    if experts.numel() == 0:                     # a rank with no tokens
+        return scores.sum() * 0.0
     counts = torch.bincount(experts.flatten(), minlength=num_experts).float()
     f = counts / experts.numel()
     return num_experts * (f * scores.mean(0)).sum()

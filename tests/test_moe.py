@@ -1,0 +1,165 @@
+"""MoE with expert parallelism on real gloo groups against the one-device MoE.
+
+Each EP rank routes its own tokens; the one-device reference runs all ranks' tokens together. Outputs,
+input grads and every expert's grads must match at 1e-5 relative (fp32 vs fp64); the router's gradient
+summed over the group must match the reference's. A token sent to the wrong rank or expert, a wrong
+inverse permutation, or a weight applied twice moves these by O(1).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distlab import comm
+from distlab.moe import MoE, MoEReference, combine, dispatch, route
+from distlab.moe.router import Router, load_balancing_loss
+
+E, H, F_, K = 12, 16, 24, 2
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def tokens_of(rank, n, seed=5):
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    x = torch.randn(n, H, generator=g, dtype=torch.float64)
+    x[:, 0] = 3.0                     # with the router row below, expert 0 never gets a token
+    return x
+
+
+def make_reference(seed=0):
+    torch.manual_seed(seed)
+    ref = MoEReference(H, F_, E, K, dtype=torch.float64)
+    with torch.no_grad():
+        ref.router.weight[0, 0] = -20.0
+    return ref
+
+
+def token_counts(world):
+    return [0 if (world > 1 and r == 1) else 10 + 3 * r for r in range(world)]   # rank 1 sends no tokens
+
+
+def ep_vs_one_device(backend="loop", capacity_factor=None):
+    p, r = comm.group_size(), comm.group_rank()
+    counts = token_counts(p) if capacity_factor is None else [12] * p
+    xs = [tokens_of(s, n) for s, n in enumerate(counts)]
+    ref = make_reference()
+    xr = torch.cat(xs).requires_grad_(True)
+    ws = [torch.randn(n, H, generator=torch.Generator().manual_seed(77 + s), dtype=torch.float64)
+          for s, n in enumerate(counts)]
+    out_ref = ref(xr, capacity_factor=capacity_factor, chunks=p)
+    (out_ref * torch.cat(ws)).sum().backward()
+
+    layer = MoE.from_reference(ref, None, backend=backend, capacity_factor=capacity_factor).float()
+    x = xs[r].float().requires_grad_(True)
+    with comm.CommLog() as log:
+        out = layer(x)
+    (out * ws[r].float()).sum().backward()
+    mine = slice(sum(counts[:r]), sum(counts[:r + 1]))
+    errors = {"out": rel(out.detach(), out_ref[mine].detach()) if counts[r] else 0.0,
+              "dx": rel(x.grad, xr.grad[mine]) if counts[r] else 0.0,
+              "router": rel(comm.all_reduce_raw(layer.router.weight.grad), ref.router.weight.grad)}
+    for name in ("w_gate", "w_up", "w_down"):
+        errors[name] = rel(comm.all_gather_raw(getattr(layer, name).grad, None, 0), getattr(ref, name).grad)
+    expert_counts = comm.all_reduce_raw(layer.counts)
+    return errors, int(expert_counts[0]), layer.state.dropped, dict(log.calls)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ep_layer_matches_one_device(pools, world):
+    for errors, zero_expert, dropped, calls in pools(world).run(ep_vs_one_device):
+        assert max(errors.values()) < 1e-5, errors
+        assert zero_expert == 0 and dropped == 0        # an expert with no tokens; dropless
+        if world > 1:
+            assert calls == {"all_to_all": 3}           # counts, dispatch, combine
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_capacity_drops_exactly_what_the_reference_drops(pools, world):
+    results = pools(world).run(ep_vs_one_device, "loop", 0.5)
+    assert sum(d for _, _, d, _ in results) > 0
+    for errors, _, _, _ in results:
+        assert max(errors.values()) < 1e-5, errors
+
+
+def dispatch_combine_identity():
+    p, r = comm.group_size(), comm.group_rank()
+    n = token_counts(p)[r]
+    x = tokens_of(r, n).float().requires_grad_(True)
+    experts = torch.randint(0, E, (n, K), generator=torch.Generator().manual_seed(r))
+    weights = torch.full((n, K), 1.0 / K)
+    rows, state = dispatch(x, experts, weights, E, None)
+    y = combine(rows, state, None)
+    g = torch.randn(n, H, generator=torch.Generator().manual_seed(9 + r))
+    (y * g).sum().backward()
+    return (torch.allclose(y, x.detach(), atol=1e-6) and torch.allclose(x.grad, g, atol=1e-6),
+            sum(state.tokens_per_expert) == rows.shape[0])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_dispatch_then_combine_is_the_identity(pools, world):
+    assert pools(world).run(dispatch_combine_identity) == [(True, True)] * world
+
+
+def test_router_ties_weights_and_balancing():
+    logits = torch.tensor([[1.0, 2.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    weights, experts, _ = route(logits, 2)
+    assert experts.tolist() == [[1, 2], [0, 1]]                   # ties: the lower expert index first
+    assert torch.allclose(weights.sum(-1), torch.ones(2))
+    w_sig, e_sig, _ = route(logits, 2, score="sigmoid")
+    assert e_sig.tolist() == [[1, 2], [0, 1]] and torch.allclose(w_sig.sum(-1), torch.ones(2))
+    balanced = torch.arange(8).view(4, 2) % 4
+    assert load_balancing_loss(torch.full((4, 4), 0.25), balanced, 4).item() == pytest.approx(1.0)
+    router = Router(4, 4, 1, bias_rate=0.1)
+    router.update_bias(torch.tensor([10, 0, 5, 5]))
+    assert router.bias.tolist() == pytest.approx([-0.1, 0.1, 0.0, 0.0])
+    _, chosen, _ = route(torch.zeros(1, 4), 1, bias=router.bias)
+    assert chosen.item() == 1                                     # the bias moves the choice ...
+    w, _, _ = route(torch.zeros(1, 4), 1, bias=router.bias, renormalize=False)
+    assert w.item() == pytest.approx(0.25)                        # ... but not the weight
+
+
+def bad_moe(case):
+    if case == "experts":
+        return MoE(8, 8, 6, 2, None)
+    return Router(8, 4, 5)
+
+
+@pytest.mark.parametrize("case,message", [("experts", "6 experts cannot be split over 4"),
+                                          ("topk", "top-k (5) must be between 1 and the number of experts (4)")])
+def test_bad_moe_configs_refused_on_every_rank(pools, case, message):
+    outcome = pools(4).run_all(bad_moe, case, timeout_s=30)
+    assert all(not ok and message in msg for ok, msg in outcome), outcome
+
+
+TRITON_CHECK = r"""
+import torch
+from kernels.grouped_gemm import grouped_mm
+torch.manual_seed(0)
+counts = [5, 0, 17, 40, 0, 3]                       # empty groups included
+x = torch.randn(sum(counts), 24, requires_grad=True)
+w = torch.randn(len(counts), 24, 20, requires_grad=True)
+dy = torch.randn(sum(counts), 20)
+outs = {}
+for backend in ("loop", "triton"):
+    xx, ww = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    y = grouped_mm(xx, ww, counts, backend)
+    y.backward(dy)
+    outs[backend] = (y.detach(), xx.grad, ww.grad)
+for a, b in zip(outs["loop"], outs["triton"]):
+    err = ((a - b).abs().max() / b.abs().max()).item()
+    assert err < 1e-5, err
+assert (outs["triton"][2][1] == 0).all() and (outs["triton"][2][4] == 0).all()
+print("OK")
+"""
+
+
+def test_triton_grouped_gemm_equals_loop_in_the_interpreter():
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", TRITON_CHECK], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
