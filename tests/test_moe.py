@@ -163,3 +163,21 @@ def test_triton_grouped_gemm_equals_loop_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", TRITON_CHECK], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_moe_study_cli(tmp_path):
+    import json
+
+    out = tmp_path / "moe.json"
+    cmd = [sys.executable, "-m", "distlab", "run", "--nproc", "2", "-m", "distlab.moe", "--experts", "4", "--topk", "2",
+           "--hidden", "32", "--ffn", "48", "--tokens", "64", "--iters", "1", "--device", "cpu", "--check",
+           "--sweep", "0,2", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("PASS") == 2 and "expert   3" in proc.stdout
+    results = json.loads(out.read_text())["results"]
+    for r in results:
+        assert sum(r["tokens_per_expert"]) == 2 * 64 * 2 and r["a2a_calls_fwd"] == 3
+    assert results[1]["imbalance"] > results[0]["imbalance"]          # the skew piles tokens up
+    bad = subprocess.run(cmd[:8] + ["3", "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and bad.stderr.count("3 experts over 2 ranks") == 2

@@ -50,10 +50,12 @@ class Router(torch.nn.Module):
         self.bias_rate = bias_rate
         self.weight = torch.nn.Parameter(torch.randn(num_experts, hidden, device=device, dtype=dtype) * hidden ** -0.5)
         self.register_buffer("bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
+        # a fixed prior added to the logits (zero by default); the MoE study uses it to skew the load
+        self.register_buffer("logit_offset", torch.zeros(num_experts, device=device, dtype=torch.float32))
 
     def forward(self, x):
         """x (T, hidden) -> (weights, experts, aux_loss, counts per expert)."""
-        logits = x @ self.weight.t()
+        logits = (x @ self.weight.t()).float() + self.logit_offset
         weights, experts, scores = route(logits, self.topk, self.score, self.bias if self.bias_rate else None,
                                          self.renormalize)
         counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
