@@ -181,3 +181,33 @@ def test_moe_study_cli(tmp_path):
     assert results[1]["imbalance"] > results[0]["imbalance"]          # the skew piles tokens up
     bad = subprocess.run(cmd[:9] + ["3", "--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and bad.stderr.count("3 experts over 2 ranks") == 2
+
+
+def moe_block_vs_one_device():
+    """The Llama block with an EP MoE in place of its MLP: each rank one sequence, the reference all of them."""
+    import copy
+
+    from distlab.tp.block import LlamaBlock
+
+    p, r = comm.group_size(), comm.group_rank()
+    torch.manual_seed(11)
+    moe_ref = MoEReference(H, F_, E, K, dtype=torch.float64)
+    ref = LlamaBlock(H, 32, 4, 2, dtype=torch.float64, moe=moe_ref)
+    x = torch.randn(p, 8, H, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    block = copy.deepcopy(ref)
+    block.moe = MoE.from_reference(moe_ref, None)
+    xr = x.clone().requires_grad_(True)
+    out_ref = ref(xr)
+    out_ref.square().sum().backward()
+    xl = x[r:r + 1].clone().requires_grad_(True)
+    out = block(xl)
+    out.square().sum().backward()
+    return {"out": rel(out.detach(), out_ref[r:r + 1].detach()), "dx": rel(xl.grad, xr.grad[r:r + 1]),
+            "experts": rel(comm.all_gather_raw(block.moe.w_down.grad, None, 0), moe_ref.w_down.grad),
+            "attention (summed over ranks)": rel(comm.all_reduce_raw(block.qkv.weight.grad), ref.qkv.weight.grad)}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_llama_block_with_ep_moe_matches_one_device(pools, world):
+    for errors in pools(world).run(moe_block_vs_one_device):
+        assert max(errors.values()) < 1e-10, errors

@@ -42,7 +42,10 @@ def rope(x, base=10000.0, offset=0):
 class LlamaBlock(torch.nn.Module):
     """The one-device reference block (full weights, plain ``nn.Linear``)."""
 
-    def __init__(self, hidden, ffn, heads, kv_heads, rope_base=10000.0, eps=1e-6, device=None, dtype=None):
+    def __init__(self, hidden, ffn, heads, kv_heads, rope_base=10000.0, eps=1e-6, device=None, dtype=None,
+                 moe=None):
+        """``moe``: a module mapping (batch, seq, hidden) to the same shape (``distlab.moe.MoEReference`` or the
+        expert-parallel ``distlab.moe.MoE``) used in place of the SwiGLU MLP."""
         super().__init__()
         if hidden % heads or heads % kv_heads:
             raise ValueError(f"hidden {hidden} must split into {heads} heads, and heads into {kv_heads} kv heads")
@@ -54,6 +57,7 @@ class LlamaBlock(torch.nn.Module):
         self.o = torch.nn.Linear(hidden, hidden, bias=False, **kw)
         self.gate_up = torch.nn.Linear(hidden, 2 * ffn, bias=False, **kw)
         self.down = torch.nn.Linear(ffn, hidden, bias=False, **kw)
+        self.moe = moe
 
     def attn(self, x):
         b, s, _ = x.shape
@@ -63,6 +67,8 @@ class LlamaBlock(torch.nn.Module):
         return self.o(attention(q, k, v.view(b, s, -1, d), causal=True).reshape(b, s, -1))
 
     def mlp(self, x):
+        if self.moe is not None:
+            return self.moe(x)
         gate, up = self.gate_up(x).chunk(2, -1)
         return self.down(F.silu(gate) * up)
 
