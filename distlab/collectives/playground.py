@@ -255,6 +255,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PNG")
+    p.add_argument("--profile", choices=("none", "torch", "nsys"), default="none",
+                   help="trace a few calls of each op at the largest size")
+    p.add_argument("--profile-dir", default="traces/collectives")
     p.add_argument("--corrupt-rank", type=int, default=-1, help=argparse.SUPPRESS)  # shows #wrong firing
     return p.parse_args(argv)
 
@@ -286,6 +289,17 @@ def main(argv=None):
     results = {}
     for op in ops:
         results[op] = sweep(op, sizes, dtype, rt.device, iters, args.warmup, not args.no_check, args.corrupt_rank)
+        if args.profile != "none":
+            from distlab.profiling import phase, profile_steps
+
+            count = results[op][-1]["count"]
+            case = Case(op, count, dtype, rt.device, rt.rank, rt.world_size, in_place=False)
+
+            def traced(case=case, op=op):
+                with phase(f"comm.{op}"):
+                    case()
+
+            profile_steps(traced, args.profile, os.path.join(args.profile_dir, op), rt.rank)
     if rt.is_main:
         label = (f"nccl{' NCCL_ALGO=' + args.algo if args.algo else ''}{' NCCL_PROTO=' + args.proto if args.proto else ''}"
                  if rt.backend == "nccl" else "gloo: correctness only (gloo emulates reduce_scatter; CPU times are not NCCL's)")

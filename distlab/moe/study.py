@@ -27,6 +27,7 @@ import torch
 from distlab import comm
 from distlab.moe.dispatch import combine, dispatch
 from distlab.moe.layer import MoE, MoEReference
+from distlab.profiling import MODES, profile_steps
 from distlab.runtime import init_runtime, shutdown
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -49,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PNG")
+    p.add_argument("--profile", choices=MODES, default="none", help="trace a few forward+backward steps")
+    p.add_argument("--profile-dir", default="traces/moe")
     a = p.parse_args(argv)
     gpu = a.device.startswith("cuda") if a.device else torch.cuda.is_available()
     for name, g, c in (("hidden", 4096, 256), ("ffn", 14336, 512), ("tokens", 4096, 2048), ("dtype", "bf16", "fp32")):
@@ -125,6 +128,9 @@ def measure(args, rt, skew):
               "imbalance": (total.max() / total.float().mean()).item(), "bytes_sent_fwd": log.total_bytes(),
               "a2a_calls_fwd": log.calls["all_to_all"], "dropped": state.dropped,
               "expert_tflops": expert_flops / worst[2].item() / 1e12}  # busiest rank's rows over the slowest time
+    if args.profile != "none":
+        result["trace"] = profile_steps(lambda: layer(x).float().square().mean().backward(), args.profile,
+                                        f"{args.profile_dir}/skew{skew}", rt.rank)
     if args.check:
         xs = comm.all_gather_raw(x.detach(), None, 0)
         out = layer(x.detach())
