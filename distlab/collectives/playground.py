@@ -34,6 +34,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from distlab.report import pyplot
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
 DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64,
           "int32": torch.int32}
@@ -219,13 +221,8 @@ def format_table(rows, title) -> str:
 
 
 def plot(results, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(no plot: matplotlib is not installed; pip install 'distlab[plot]')")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(8, 5))
     for op, rows in results.items():

@@ -23,6 +23,7 @@ from distlab.cp.cost import cp_bytes
 from distlab.cp.study import (DTYPES, CPMethod, build_method, header, make_inputs, measure, one_device_timing,
                               parse_args, reference_on_rank0, summarize, write_json)
 from distlab.cp.ulysses import kv_replication
+from distlab.report import pyplot
 from distlab.runtime import init_runtime, shutdown
 from kernels.attention import attention, resolve_backend
 
@@ -74,13 +75,8 @@ def table(results, args) -> str:
 
 
 def plot(results, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(no plot: matplotlib is not installed; pip install 'distlab[plot]')")
+    plt = pyplot()
+    if plt is None:
         return
     names = [r["method"] for r in results]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))

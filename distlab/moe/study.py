@@ -28,6 +28,7 @@ from distlab import comm
 from distlab.moe.dispatch import combine, dispatch
 from distlab.moe.layer import MoE, MoEReference
 from distlab.profiling import MODES, profile_steps
+from distlab.report import pyplot
 from distlab.runtime import init_runtime, shutdown
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -186,13 +187,8 @@ def main(argv=None):
 
 
 def plot(results, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(no plot: matplotlib is not installed; pip install 'distlab[plot]')")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot([r["imbalance"] for r in results], [r["expert_tflops"] for r in results], marker="o")
