@@ -141,19 +141,20 @@ import torch
 from kernels.grouped_gemm import grouped_mm
 torch.manual_seed(0)
 counts = [5, 0, 17, 40, 0, 3]                       # empty groups included
-x = torch.randn(sum(counts), 24, requires_grad=True)
-w = torch.randn(len(counts), 24, 20, requires_grad=True)
-dy = torch.randn(sum(counts), 20)
-outs = {}
-for backend in ("loop", "triton"):
-    xx, ww = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
-    y = grouped_mm(xx, ww, counts, backend)
-    y.backward(dy)
-    outs[backend] = (y.detach(), xx.grad, ww.grad)
-for a, b in zip(outs["loop"], outs["triton"]):
-    err = ((a - b).abs().max() / b.abs().max()).item()
-    assert err < 1e-5, err
-assert (outs["triton"][2][1] == 0).all() and (outs["triton"][2][4] == 0).all()
+for k, n in ((24, 20), (64, 32)):                   # ragged tiles (masked loads), and whole tiles (unmasked K/N)
+    x = torch.randn(sum(counts), k, requires_grad=True)
+    w = torch.randn(len(counts), k, n, requires_grad=True)
+    dy = torch.randn(sum(counts), n)
+    outs = {}
+    for backend in ("loop", "triton"):
+        xx, ww = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+        y = grouped_mm(xx, ww, counts, backend)
+        y.backward(dy)
+        outs[backend] = (y.detach(), xx.grad, ww.grad)
+    for a, b in zip(outs["loop"], outs["triton"]):
+        err = ((a - b).abs().max() / b.abs().max()).item()
+        assert err < 1e-5, err
+    assert (outs["triton"][2][1] == 0).all() and (outs["triton"][2][4] == 0).all()
 print("OK")
 """
 
