@@ -75,7 +75,7 @@ def _kernels():
     @triton.jit
     def segment_mm(x_ptr, w_ptr, y_ptr, offs_ptr, tiles_m, N, K,
                    sxm, sxk, swe, swk, swn, sym, syn,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_KN: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         """y[rows of group e] = x[rows] @ w[e]; program (e·tiles_m + tile, n-tile); w read through strides."""
         pid, pid_n = tl.program_id(0), tl.program_id(1)
         e, tile = pid // tiles_m, pid % tiles_m
@@ -88,14 +88,10 @@ def _kernels():
         rk = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
-            if EVEN_KN:  # K % BK == 0 and N % BN == 0: only the segment's last rows need a mask
-                a = tl.load(x_ptr + rm[:, None] * sxm + (k0 + rk)[None, :] * sxk, mask=rm[:, None] < end, other=0.0)
-                b = tl.load(w_ptr + e * swe + (k0 + rk)[:, None] * swk + rn[None, :] * swn)
-            else:
-                a = tl.load(x_ptr + rm[:, None] * sxm + (k0 + rk)[None, :] * sxk,
-                            mask=(rm[:, None] < end) & ((k0 + rk)[None, :] < K), other=0.0)
-                b = tl.load(w_ptr + e * swe + (k0 + rk)[:, None] * swk + rn[None, :] * swn,
-                            mask=((k0 + rk)[:, None] < K) & (rn[None, :] < N), other=0.0)
+            a = tl.load(x_ptr + rm[:, None] * sxm + (k0 + rk)[None, :] * sxk,
+                        mask=(rm[:, None] < end) & ((k0 + rk)[None, :] < K), other=0.0)
+            b = tl.load(w_ptr + e * swe + (k0 + rk)[:, None] * swk + rn[None, :] * swn,
+                        mask=((k0 + rk)[:, None] < K) & (rn[None, :] < N), other=0.0)
             acc += tl.dot(a, b)
         tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty),
                  mask=(rm[:, None] < end) & (rn[None, :] < N))
@@ -156,8 +152,7 @@ def triton_segment_mm(x, w, counts, transpose_w=False):
     tiles_m = max(1, -(-max(counts) // bm))
     grid = (e * tiles_m, -(-N // bn))
     ks["segment_mm"][grid](x, w, y, offs, tiles_m, N, K, x.stride(0), x.stride(1), swe, swk, swn,
-                           y.stride(0), y.stride(1), BM=bm, BN=bn, BK=bk, EVEN_KN=(K % bk == 0 and N % bn == 0),
-                           num_warps=warps, num_stages=stages)
+                           y.stride(0), y.stride(1), BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
     return y
 
 
