@@ -1,0 +1,128 @@
+"""Context-parallel decode: the KV cache stays sharded over the CP ranks; partial results are LSE-merged.
+
+    distlab run --nproc 4 -m distlab.cp.decode --cache 16384 --steps 32 --check
+
+After a context-parallel prefill each rank holds the K/V of its own tokens. For a new token, rank r
+attends the token's query to its cache shard only, giving (o_r, lse_r); the attention over the whole
+cache is their log-sum-exp merge:
+
+    lse = log Σ_r exp(lse_r),   o = Σ_r exp(lse_r − lse) · o_r
+
+computed with two collectives per step: an all-gather of the small LSE (batch × heads × new tokens,
+float32), then an all-reduce of the weighted partial outputs. A rank whose shard is empty contributes
+lse_r = −inf, i.e. weight 0. Every cached token precedes the new one, so no mask is needed; the new
+token's own K/V is appended (``KVCacheShard.append``) to one rank — round-robin by position, which keeps
+the shards within one token of each other — before it attends. No anchor has this (TransformerEngine
+disables CP for decode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from distlab import comm
+from kernels.attention import attention_forward, check_qkv
+
+
+class KVCacheShard:
+    """This rank's part of a KV cache: (batch, tokens, kv_heads, head_dim) K and V, grown by ``append``."""
+
+    def __init__(self, k, v, group=None, next_position=0):
+        check_qkv(k, k, v, causal=False)
+        self.k, self.v, self.group = k, v, group
+        self.position = next_position   # global position of the next token
+
+    def owner(self, position: int) -> int:
+        return position % comm.group_size(self.group)
+
+    def append(self, k_new, v_new):
+        """Add one token's K/V (batch, 1, kv_heads, head_dim) on the rank that owns its position."""
+        if self.owner(self.position) == comm.group_rank(self.group):
+            self.k = torch.cat([self.k, k_new], 1)
+            self.v = torch.cat([self.v, v_new], 1)
+        self.position += 1
+
+
+def cp_decode_attention(q, cache: KVCacheShard, softmax_scale=None, backend="auto"):
+    """Attention of new queries q (batch, n, heads, head_dim) over the whole sharded cache; full output
+    (batch, n, heads, head_dim) on every rank."""
+    group = cache.group
+    if q.shape[0] != cache.k.shape[0] or q.shape[3] != cache.k.shape[3] or q.shape[2] % cache.k.shape[2]:
+        raise ValueError(f"query {tuple(q.shape)} does not fit the cache {tuple(cache.k.shape)} (batch, head_dim, "
+                         f"q heads a multiple of kv heads)")
+    b, n, h, d = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if cache.k.shape[1]:
+        o, lse = attention_forward(q, cache.k, cache.v, False, softmax_scale, backend)
+        o, lse = o.to(acc), lse.to(acc)
+    else:
+        o, lse = torch.zeros(b, n, h, d, dtype=acc, device=q.device), torch.full((b, h, n), float("-inf"),
+                                                                                 dtype=acc, device=q.device)
+    if comm.group_size(group) == 1:
+        return o.to(q.dtype)
+    lses = comm.all_gather_raw(lse[None], group, 0)                  # (W, b, h, n)
+    total = torch.logsumexp(lses, 0)
+    weight = torch.exp(lse - total).nan_to_num(0.0)                  # 0 for an empty shard
+    part = o * weight.transpose(1, 2).unsqueeze(-1)
+    return comm.all_reduce_raw(part, group).to(q.dtype)
+
+
+def main(argv=None):
+    from distlab.runtime import init_runtime, shutdown
+
+    p = argparse.ArgumentParser(prog="python -m distlab.cp.decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cache", type=int, default=16384, help="cached tokens before decoding (all ranks)")
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--check", action="store_true", help="compare every step with one-device attention")
+    p.add_argument("--device", default=None)
+    a = p.parse_args(argv)
+    rt = init_runtime(device=a.device)
+    gpu = rt.device.type == "cuda"
+    h, kv, d = a.heads or (32 if gpu else 4), a.kv_heads or (8 if gpu else 2), a.head_dim or (128 if gpu else 32)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    if a.cache % rt.world_size:
+        print(f"error: --cache {a.cache} is not divisible by the {rt.world_size} CP ranks", file=sys.stderr)
+        shutdown()
+        sys.exit(2)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    k_all = torch.randn(a.batch, a.cache + a.steps, kv, d, generator=g)
+    v_all = torch.randn(a.batch, a.cache + a.steps, kv, d, generator=g)
+    q_all = torch.randn(a.batch, a.steps, h, d, generator=g)
+    per = a.cache // rt.world_size
+    mine = slice(rt.rank * per, (rt.rank + 1) * per)
+    cache = KVCacheShard(k_all[:, mine].to(rt.device, dtype), v_all[:, mine].to(rt.device, dtype), None, a.cache)
+    worst, times = 0.0, []
+    for step in range(a.steps):
+        pos = a.cache + step
+        cache.append(k_all[:, pos:pos + 1].to(rt.device, dtype), v_all[:, pos:pos + 1].to(rt.device, dtype))
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = cp_decode_attention(q_all[:, step:step + 1].to(rt.device, dtype), cache)
+        if gpu:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        if a.check:
+            ref, _ = attention_forward(q_all[:, step:step + 1].double(), k_all[:, :pos + 1].double(),
+                                       v_all[:, :pos + 1].double(), backend="torch")
+            worst = max(worst, ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item())
+    if rt.is_main:
+        print(f"CP decode, W={rt.world_size}, {rt.device}: cache {a.cache} tokens (+{a.steps} decoded), heads {h} "
+              f"(kv {kv}), head_dim {d}, {str(dtype)[6:]}; per step median {sorted(times)[len(times) // 2] * 1e3:.3f} ms, "
+              f"cache per rank {cache.k.shape[1]} tokens")
+        if a.check:
+            tol = 1e-5 if dtype == torch.float32 else 3e-2
+            print(f"check vs one device over {a.steps} steps: max rel error {worst:.2e}: {'PASS' if worst < tol else 'FAIL'}")
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
