@@ -76,11 +76,18 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+NO_GROUP = "none"  # pass as a group to run a distributed function as if on one rank
+
+
 def group_size(group=None) -> int:
+    if group is NO_GROUP:
+        return 1
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 def group_rank(group=None) -> int:
+    if group is NO_GROUP:
+        return 0
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 

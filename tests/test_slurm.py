@@ -95,3 +95,10 @@ def test_submit_refuses_an_unknown_module(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "launch.submit", "--cluster", "local", "--folder", str(tmp_path),
                            "-m", "distlab.cp.nope"], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 2 and "no module named distlab.cp.nope" in proc.stderr
+
+
+def test_sbatch_training_script(slurm, tmp_path):
+    proc, log = sbatch(slurm, tmp_path, "launch/train.sh", "--config", "tiny", "--steps", "5", "--device", "cpu",
+                       env={"DISTLAB_NPROC_PER_NODE": "2"})
+    assert proc.returncode == 0, proc.stderr + log[-3000:]
+    assert "trained steps 0..4 on 2 data-parallel rank(s)" in log

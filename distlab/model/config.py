@@ -1,0 +1,58 @@
+"""Model and run configuration: a dataclass, and named presets in ``configs/NAME.json``.
+
+    python -m distlab.train --config tiny              # configs/tiny.json
+    python -m distlab.train --config path/to/run.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    vocab: int = 256               # byte-level tokens
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    ffn: int = 192
+    rope_base: float = 10000.0
+    moe_experts: int = 0           # 0: dense SwiGLU MLPs; else MoE in every layer
+    moe_topk: int = 2
+
+    def __post_init__(self):
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"hidden {self.hidden} must split into {self.heads} heads, and the heads into "
+                             f"{self.kv_heads} kv heads")
+        if self.moe_experts and not 1 <= self.moe_topk <= self.moe_experts:
+            raise ValueError(f"moe_topk {self.moe_topk} must be between 1 and moe_experts {self.moe_experts}")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    seq: int = 128
+    batch: int = 8                 # sequences per step, over all data-parallel ranks
+    steps: int = 200
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    warmup: int = 10
+    seed: int = 0
+    log_every: int = 10
+    checkpoint_every: int = 0      # 0: only at the end when --checkpoint-dir is given
+
+
+def load_config(name_or_path: str) -> tuple[ModelConfig, TrainConfig]:
+    """A preset name (``configs/NAME.json``) or a JSON path with "model" and "train" sections."""
+    path = name_or_path if os.path.exists(name_or_path) else os.path.join(CONFIG_DIR, f"{name_or_path}.json")
+    if not os.path.exists(path):
+        known = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".json")) if os.path.isdir(CONFIG_DIR) else []
+        raise ValueError(f"no config {name_or_path!r} (presets: {', '.join(known) or 'none'})")
+    with open(path) as f:
+        raw = json.load(f)
+    return ModelConfig(**raw.get("model", {})), TrainConfig(**raw.get("train", {}))

@@ -1,0 +1,43 @@
+"""The one-device mini Llama: byte embedding → N Llama blocks (dense or MoE) → RMSNorm → LM head.
+
+    python -m distlab.train --config tiny
+
+Built from distlab's own layers (``distlab.tp.block.LlamaBlock``, ``distlab.moe.MoEReference``), so the
+sharded model can be built from the same weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from distlab.model.config import ModelConfig
+from distlab.moe.layer import MoEReference
+from distlab.tp.block import LlamaBlock
+from distlab.tp.norm import RMSNorm
+
+
+class Llama(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        self.cfg = cfg
+        kw = {"device": device, "dtype": dtype}
+        self.embed = torch.nn.Embedding(cfg.vocab, cfg.hidden, **kw)
+        torch.nn.init.normal_(self.embed.weight, std=0.02)
+        self.blocks = torch.nn.ModuleList()
+        for _ in range(cfg.layers):
+            moe = MoEReference(cfg.hidden, cfg.ffn, cfg.moe_experts, cfg.moe_topk, **kw) if cfg.moe_experts else None
+            self.blocks.append(LlamaBlock(cfg.hidden, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.rope_base, moe=moe, **kw))
+        self.norm = RMSNorm(cfg.hidden, **kw)
+        self.head = torch.nn.Linear(cfg.hidden, cfg.vocab, bias=False, **kw)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    def loss(self, ids, targets):
+        logits = self(ids)
+        logits = logits if logits.dtype == torch.float64 else logits.float()   # the loss in at least fp32
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
