@@ -30,12 +30,14 @@ from kernels.attention import attention
 
 
 def rope(x, base=10000.0, offset=0):
-    """Rotary position embedding (rotate-half form) on ``(batch, seq, heads, head_dim)``, in float32."""
+    """Rotary position embedding (rotate-half form) on ``(batch, seq, heads, head_dim)``, computed in float32
+    (float64 for float64 inputs)."""
     b, s, h, d = x.shape
-    inv = base ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    ang = (torch.arange(offset, offset + s, device=x.device, dtype=torch.float32)[:, None] * inv[None])
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inv = base ** (-torch.arange(0, d, 2, device=x.device, dtype=ct) / d)
+    ang = (torch.arange(offset, offset + s, device=x.device, dtype=ct)[:, None] * inv[None])
     cos, sin = ang.cos()[None, :, None], ang.sin()[None, :, None]
-    x1, x2 = x.float()[..., : d // 2], x.float()[..., d // 2:]
+    x1, x2 = x.to(ct)[..., : d // 2], x.to(ct)[..., d // 2:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
 
 

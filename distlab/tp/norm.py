@@ -18,8 +18,8 @@ from distlab import comm
 
 
 def rms_norm(x, weight, eps=1e-6):
-    """Plain-PyTorch RMSNorm, computed in float32 (the one-device reference)."""
-    xf = x.float()
+    """Plain-PyTorch RMSNorm, computed in float32 (float64 for float64 inputs)."""
+    xf = x if x.dtype == torch.float64 else x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 

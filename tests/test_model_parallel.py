@@ -1,0 +1,74 @@
+"""The sharded mini Llama (DP × TP, with and without SP) against the one-device model: loss and every
+gradient at 1e-10 (float64), and one AdamW step giving equal weights."""
+
+import pytest
+import torch
+
+from distlab import comm
+from distlab.model import Llama, ModelConfig
+from distlab.model.data import batch, corpus
+from distlab.model.parallel import ParallelLlama
+from distlab.runtime import ParallelDims
+
+_MESH = {}
+
+
+def mesh_for(dp, tp):
+    if (dp, tp) not in _MESH:
+        _MESH[dp, tp] = ParallelDims(comm.group_size(), dp=dp, tp=tp).build_mesh("cpu")
+    return _MESH[dp, tp]
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def parallel_vs_one_device(dp, tp, sp):
+    cfg = ModelConfig(vocab=256, layers=2, hidden=64, heads=4, kv_heads=2, ffn=96)
+    torch.manual_seed(0)
+    ref = Llama(cfg, dtype=torch.float64)
+    with torch.no_grad():
+        for m in ref.modules():
+            if m.__class__.__name__ == "RMSNorm":
+                m.weight.uniform_(0.5, 1.5)
+    ids, targets = batch(corpus(), 3, 4, 16)
+    loss_ref = ref.loss(ids, targets)
+    loss_ref.backward()
+    mesh = mesh_for(dp, tp)
+    model = ParallelLlama(ref, mesh, sequence_parallel=sp)
+    tpg = model.tp_group
+    my_ids, my_targets = model.shard_batch(ids, targets)
+    with comm.CommLog() as log:
+        loss = model.loss(my_ids, my_targets)
+    loss.backward()
+    model.sync_gradients()
+    loss_all = comm.all_reduce_raw(loss.detach().reshape(1), model.dp_group) / dp
+    errors = {"loss": rel(loss_all, loss_ref.detach().reshape(1)),
+              "embed": rel(comm.all_gather_raw(model.embed.weight.grad, tpg, 0), ref.embed.weight.grad),
+              "head": rel(comm.all_gather_raw(model.head.weight.grad, tpg, 0), ref.head.weight.grad),
+              "norm": rel(model.norm.weight.grad, ref.norm.weight.grad)}
+    for i, (block, rblock) in enumerate(zip(model.blocks, ref.blocks)):
+        for name, g in block.full_grads().items():
+            errors[f"block{i}.{name}"] = rel(g, getattr(rblock, name).weight.grad)
+    return errors, dict(log.calls)
+
+
+LAYOUTS = [(4, 1, False), (1, 4, False), (2, 2, False), (2, 2, True), (1, 4, True), (1, 2, True)]
+
+
+@pytest.mark.parametrize("dp,tp,sp", LAYOUTS, ids=[f"dp{d}-tp{t}{'-sp' if s else ''}" for d, t, s in LAYOUTS])
+def test_sharded_model_matches_one_device(pools, dp, tp, sp):
+    world = dp * tp
+    for errors, calls in pools(world).run(parallel_vs_one_device, dp, tp, sp):
+        assert max(errors.values()) < 1e-10, {k: v for k, v in errors.items() if v >= 1e-10}
+        if tp > 1 and not sp:
+            assert calls["all_reduce"] >= 2 * 2 + 1            # 2 per block + the embedding (+ the CE's reductions)
+
+
+def bad_layout():
+    return ParallelLlama(Llama(ModelConfig(vocab=250)), mesh_for(1, 4))
+
+
+def test_indivisible_vocab_refused_on_every_rank(pools):
+    outcome = pools(4).run_all(bad_layout, timeout_s=60)
+    assert all(not ok and "vocabulary size (250) is not divisible" in msg for ok, msg in outcome), outcome
