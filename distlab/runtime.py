@@ -192,4 +192,5 @@ class ParallelDims:
 
         mesh = init_device_mesh(device_type, tuple(self.degrees().values()), mesh_dim_names=self.AXES)
         mesh["ring", "ulysses"]._flatten("cp")
+        mesh["dp", "ring", "ulysses"]._flatten("dp_cp")   # ranks that hold the same weights outside TP/EP
         return mesh

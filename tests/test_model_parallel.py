@@ -13,17 +13,18 @@ from distlab.runtime import ParallelDims
 _MESH = {}
 
 
-def mesh_for(dp, tp):
-    if (dp, tp) not in _MESH:
-        _MESH[dp, tp] = ParallelDims(comm.group_size(), dp=dp, tp=tp).build_mesh("cpu")
-    return _MESH[dp, tp]
+def mesh_for(dp, tp, ring=1, ulysses=1):
+    key = (dp, tp, ring, ulysses)
+    if key not in _MESH:
+        _MESH[key] = ParallelDims(comm.group_size(), dp=dp, tp=tp, ring=ring, ulysses=ulysses).build_mesh("cpu")
+    return _MESH[key]
 
 
 def rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def parallel_vs_one_device(dp, tp, sp):
+def parallel_vs_one_device(dp, tp, sp, ring=1, ulysses=1, layout="zigzag"):
     cfg = ModelConfig(vocab=256, layers=2, hidden=64, heads=4, kv_heads=2, ffn=96)
     torch.manual_seed(0)
     ref = Llama(cfg, dtype=torch.float64)
@@ -34,15 +35,15 @@ def parallel_vs_one_device(dp, tp, sp):
     ids, targets = batch(corpus(), 3, 4, 16)
     loss_ref = ref.loss(ids, targets)
     loss_ref.backward()
-    mesh = mesh_for(dp, tp)
-    model = ParallelLlama(ref, mesh, sequence_parallel=sp)
+    mesh = mesh_for(dp, tp, ring, ulysses)
+    model = ParallelLlama(ref, mesh, sequence_parallel=sp, cp_layout=layout)
     tpg = model.tp_group
     my_ids, my_targets = model.shard_batch(ids, targets)
     with comm.CommLog() as log:
         loss = model.loss(my_ids, my_targets)
     loss.backward()
     model.sync_gradients()
-    loss_all = comm.all_reduce_raw(loss.detach().reshape(1), model.dp_group) / dp
+    loss_all = comm.all_reduce_raw(loss.detach().reshape(1), model.replica_group) / (dp * ring * ulysses)
     errors = {"loss": rel(loss_all, loss_ref.detach().reshape(1)),
               "embed": rel(comm.all_gather_raw(model.embed.weight.grad, tpg, 0), ref.embed.weight.grad),
               "head": rel(comm.all_gather_raw(model.head.weight.grad, tpg, 0), ref.head.weight.grad),
@@ -63,6 +64,20 @@ def test_sharded_model_matches_one_device(pools, dp, tp, sp):
         assert max(errors.values()) < 1e-10, {k: v for k, v in errors.items() if v >= 1e-10}
         if tp > 1 and not sp:
             assert calls["all_reduce"] >= 2 * 2 + 1            # 2 per block + the embedding (+ the CE's reductions)
+
+
+CP_LAYOUTS = [  # (world, dp, tp, sp, ring, ulysses, layout)
+    (4, 1, 1, False, 4, 1, "zigzag"), (4, 1, 1, False, 4, 1, "contiguous"), (4, 1, 1, False, 1, 4, "contiguous"),
+    (4, 1, 1, False, 2, 2, "zigzag"), (4, 1, 2, True, 2, 1, "zigzag"), (4, 2, 1, False, 1, 2, "contiguous"),
+    (8, 2, 2, True, 2, 1, "zigzag"), (8, 1, 2, False, 2, 2, "zigzag"),
+]
+
+
+@pytest.mark.parametrize("world,dp,tp,sp,ring,ulysses,layout", CP_LAYOUTS,
+                         ids=[f"dp{d}-tp{t}{'-sp' if s else ''}-ring{r}-uly{u}-{lay}" for _, d, t, s, r, u, lay in CP_LAYOUTS])
+def test_sharded_model_with_context_parallelism(pools, world, dp, tp, sp, ring, ulysses, layout):
+    for errors, _ in pools(world).run(parallel_vs_one_device, dp, tp, sp, ring, ulysses, layout):
+        assert max(errors.values()) < 1e-10, {k: v for k, v in errors.items() if v >= 1e-10}
 
 
 def bad_layout():

@@ -1,4 +1,4 @@
-"""The plan that shards the mini Llama over a mesh — so far data and tensor (+ sequence) parallelism.
+"""The plan that shards the mini Llama over a mesh: data, context (ring × Ulysses) and tensor (+ SP).
 
     python -m pytest tests/test_model_parallel.py
 
@@ -9,12 +9,16 @@
   SP norms with all-reduced weight gradients);
 - the final RMSNorm (SP when SP), and the LM head column-parallel over ``tp`` without gathering the logits,
   with ``vocab_parallel_cross_entropy`` as the loss (the full logits never exist on any rank);
-- ``dp`` replicates all of it; ``sync_gradients()`` averages every gradient over ``dp`` and sums the copies
-  of replicated kv heads over ``tp`` — call it after ``backward()``, before the optimizer.
+- context parallelism over the ``ring`` × ``ulysses`` axes: each CP rank holds a piece of every sequence
+  (``cp_layout`` contiguous or zigzag, the USP piece order of ``distlab.cp.layout``); attention runs as
+  ring attention (ulysses = 1), Ulysses (ring = 1) or USP on the tp-local heads, and RoPE uses the
+  pieces' global positions; the loss is each rank's mean over its tokens;
+- ``dp`` replicates all of it; ``sync_gradients()`` averages every gradient over ``dp`` × ``cp`` (the
+  ranks holding the same weights) and sums the copies of replicated kv heads over ``tp`` — call it after
+  ``backward()``, before the optimizer.
 
-Each dp rank takes its slice of the batch; under SP each tp rank of a sequence takes its slice of the
-sequence (``shard_batch``). CP and EP enter the same plan next (attention through ``distlab.cp``, MoE
-through ``distlab.moe.MoE``).
+``shard_batch`` gives a rank its batch rows (dp) and its sequence piece (cp); under SP the embedding then
+splits that piece over tp. EP (``distlab.moe.MoE`` in place of the MLPs) enters the same plan next.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ from __future__ import annotations
 import torch
 
 from distlab import comm
+from distlab.cp.layout import check_divisible, shard_sequence
+from distlab.cp.ring import ring_attention
+from distlab.cp.ulysses import ulysses_attention
+from distlab.cp.usp import usp_attention
 from distlab.model.llama import Llama
 from distlab.tp.block import TPLlamaBlock
 from distlab.tp.linear import ColumnParallelLinear
@@ -30,12 +38,15 @@ from distlab.tp.vocab import VocabParallelEmbedding, vocab_parallel_cross_entrop
 
 
 class ParallelLlama(torch.nn.Module):
-    def __init__(self, ref: Llama, mesh, sequence_parallel=False):
+    def __init__(self, ref: Llama, mesh, sequence_parallel=False, cp_layout="zigzag"):
         super().__init__()
         if ref.cfg.moe_experts:
             raise ValueError("MoE layers are not in the parallel plan yet (dense models only)")
-        self.cfg, self.sp = ref.cfg, sequence_parallel
+        self.cfg, self.sp, self.cp_layout = ref.cfg, sequence_parallel, cp_layout
         self.tp_group, self.dp_group = mesh.get_group("tp"), mesh.get_group("dp")
+        self.ring_group, self.ulysses_group = mesh.get_group("ring"), mesh.get_group("ulysses")
+        self.replica_group = mesh.get_group("dp_cp")
+        ring, uly = comm.group_size(self.ring_group), comm.group_size(self.ulysses_group)
         tp = comm.group_size(self.tp_group)
         if ref.cfg.vocab % tp:
             raise ValueError(f"vocabulary size ({ref.cfg.vocab}) is not divisible by the tensor-parallel size {tp}")
@@ -43,18 +54,39 @@ class ParallelLlama(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(TPLlamaBlock(b, self.tp_group, sequence_parallel) for b in ref.blocks)
         self.norm = RMSNorm.from_norm(ref.norm, self.tp_group, sequence_parallel)
         self.head = ColumnParallelLinear.from_linear(ref.head, self.tp_group, sequence_parallel=sequence_parallel)
+        if uly > 1 and (ref.cfg.heads // tp) % uly:
+            raise ValueError(f"the Ulysses degree {uly} must divide the {ref.cfg.heads // tp} q heads per TP rank")
+        if ring > 1 and uly > 1:
+            attend = lambda q, k, v: usp_attention(q, k, v, self.ulysses_group, self.ring_group, True, cp_layout)  # noqa: E731
+        elif uly > 1:
+            attend = lambda q, k, v: ulysses_attention(q, k, v, self.ulysses_group, True)  # noqa: E731
+        elif ring > 1:
+            attend = lambda q, k, v: ring_attention(q, k, v, self.ring_group, True, cp_layout)  # noqa: E731
+        else:
+            attend = None
+        if uly > 1 and ring == 1 and cp_layout != "contiguous":
+            self.cp_layout = "contiguous"     # Ulysses alone gathers the sequence in order
+        for block in self.blocks:
+            block.attention_fn = attend
 
     def shard_batch(self, ids, targets):
-        """This rank's rows (dp) and, under SP, its sequence slice (tp) of a global batch."""
+        """This rank's rows (dp) and sequence piece (cp) of a global batch; sets the blocks' RoPE positions."""
         dp, r = comm.group_size(self.dp_group), comm.group_rank(self.dp_group)
         if ids.shape[0] % dp:
             raise ValueError(f"batch {ids.shape[0]} is not divisible by the data-parallel size {dp}")
         per = ids.shape[0] // dp
         ids, targets = ids[r * per:(r + 1) * per], targets[r * per:(r + 1) * per]
-        if self.sp:   # the loss is taken on the full sequence of this rank's logits slice: targets stay whole
+        ring, uly = comm.group_size(self.ring_group), comm.group_size(self.ulysses_group)
+        check_divisible(ids.shape[1], ring, self.cp_layout, uly)
+        piece = lambda t: shard_sequence(t, self.ring_group, self.cp_layout, 1, self.ulysses_group)  # noqa: E731
+        positions = piece(torch.arange(ids.shape[1])[None])[0]
+        for block in self.blocks:
+            block.positions = positions if ring * uly > 1 else None
+        ids, targets = piece(ids), piece(targets)
+        if self.sp:   # the embedding splits the piece over tp; the LM head gathers it back for the loss
             tp = comm.group_size(self.tp_group)
             if ids.shape[1] % tp:
-                raise ValueError(f"sequence {ids.shape[1]} is not divisible by the tensor-parallel size {tp}")
+                raise ValueError(f"sequence piece {ids.shape[1]} is not divisible by the tensor-parallel size {tp}")
         return ids, targets
 
     def loss(self, ids, targets):
@@ -69,10 +101,10 @@ class ParallelLlama(torch.nn.Module):
     def sync_gradients(self):
         for block in self.blocks:
             block.sync_replicated_kv_grads()
-        dp = comm.group_size(self.dp_group)
-        if dp > 1:
+        n = comm.group_size(self.replica_group)
+        if n > 1:
             grads = [p.grad for p in self.parameters() if p.grad is not None]
-            flat = comm.all_reduce_raw(torch.cat([g.reshape(-1) for g in grads]), self.dp_group) / dp
+            flat = comm.all_reduce_raw(torch.cat([g.reshape(-1) for g in grads]), self.replica_group) / n
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))

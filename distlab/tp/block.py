@@ -29,13 +29,15 @@ from distlab.tp.norm import RMSNorm
 from kernels.attention import attention
 
 
-def rope(x, base=10000.0, offset=0):
+def rope(x, base=10000.0, offset=0, positions=None):
     """Rotary position embedding (rotate-half form) on ``(batch, seq, heads, head_dim)``, computed in float32
-    (float64 for float64 inputs)."""
+    (float64 for float64 inputs). ``positions`` (seq,) gives each token's global position (a CP shard's
+    tokens are not 0..s-1); by default ``offset + arange(seq)``."""
     b, s, h, d = x.shape
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
     inv = base ** (-torch.arange(0, d, 2, device=x.device, dtype=ct) / d)
-    ang = (torch.arange(offset, offset + s, device=x.device, dtype=ct)[:, None] * inv[None])
+    pos = torch.arange(offset, offset + s, device=x.device) if positions is None else positions.to(x.device)
+    ang = pos.to(ct)[:, None] * inv[None]
     cos, sin = ang.cos()[None, :, None], ang.sin()[None, :, None]
     x1, x2 = x.to(ct)[..., : d // 2], x.to(ct)[..., d // 2:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
@@ -94,6 +96,8 @@ class TPLlamaBlock(torch.nn.Module):
         if kv % tp and tp % kv:
             raise ValueError(f"kv heads ({kv}) and the tensor-parallel size {tp}: one must divide the other")
         self.kv_copies = max(1, tp // kv)                 # ranks sharing one kv head
+        self.attention_fn = None   # context parallelism: e.g. ring_attention over the CP group (causal)
+        self.positions = None      # this rank's tokens' global positions, for RoPE under CP
         self.local_heads, self.local_kv = heads // tp, max(1, kv // tp)
         self.head_dim, self.rope_base = d, ref.rope_base
         self.norm1 = RMSNorm.from_norm(ref.norm1, group, sequence_parallel)
@@ -120,8 +124,10 @@ class TPLlamaBlock(torch.nn.Module):
         b, s, _ = y.shape
         d = self.head_dim
         q, k, v = y.split([self.local_heads * d, self.local_kv * d, self.local_kv * d], -1)
-        q, k = rope(q.view(b, s, -1, d), self.rope_base), rope(k.view(b, s, -1, d), self.rope_base)
-        return self.o(attention(q, k, v.view(b, s, -1, d), causal=True).reshape(b, s, -1))
+        q = rope(q.view(b, s, -1, d), self.rope_base, positions=self.positions)
+        k = rope(k.view(b, s, -1, d), self.rope_base, positions=self.positions)
+        attend = self.attention_fn or (lambda q_, k_, v_: attention(q_, k_, v_, causal=True))
+        return self.o(attend(q, k, v.view(b, s, -1, d)).reshape(b, s, -1))
 
     def mlp(self, x):
         gate, up = self.gate_up(x).chunk(2, -1)
