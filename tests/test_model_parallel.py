@@ -24,8 +24,8 @@ def rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def parallel_vs_one_device(dp, tp, sp, ring=1, ulysses=1, layout="zigzag"):
-    cfg = ModelConfig(vocab=256, layers=2, hidden=64, heads=4, kv_heads=2, ffn=96)
+def parallel_vs_one_device(dp, tp, sp, ring=1, ulysses=1, layout="zigzag", experts=0):
+    cfg = ModelConfig(vocab=256, layers=2, hidden=64, heads=4, kv_heads=2, ffn=96, moe_experts=experts)
     torch.manual_seed(0)
     ref = Llama(cfg, dtype=torch.float64)
     with torch.no_grad():
@@ -49,6 +49,14 @@ def parallel_vs_one_device(dp, tp, sp, ring=1, ulysses=1, layout="zigzag"):
               "head": rel(comm.all_gather_raw(model.head.weight.grad, tpg, 0), ref.head.weight.grad),
               "norm": rel(model.norm.weight.grad, ref.norm.weight.grad)}
     for i, (block, rblock) in enumerate(zip(model.blocks, ref.blocks)):
+        if experts:   # MoE block: attention weights replicated (tp = 1), experts sharded over dp x cp
+            for name in ("qkv", "o", "norm1", "norm2"):
+                errors[f"block{i}.{name}"] = rel(getattr(block, name).weight.grad, getattr(rblock, name).weight.grad)
+            errors[f"block{i}.router"] = rel(block.moe.router.weight.grad, rblock.moe.router.weight.grad)
+            for name in ("w_gate", "w_up", "w_down"):
+                full = comm.all_gather_raw(getattr(block.moe, name).grad, model.replica_group, 0)
+                errors[f"block{i}.{name}"] = rel(full, getattr(rblock.moe, name).grad)
+            continue
         for name, g in block.full_grads().items():
             errors[f"block{i}.{name}"] = rel(g, getattr(rblock, name).weight.grad)
     return errors, dict(log.calls)
@@ -78,6 +86,17 @@ CP_LAYOUTS = [  # (world, dp, tp, sp, ring, ulysses, layout)
 def test_sharded_model_with_context_parallelism(pools, world, dp, tp, sp, ring, ulysses, layout):
     for errors, _ in pools(world).run(parallel_vs_one_device, dp, tp, sp, ring, ulysses, layout):
         assert max(errors.values()) < 1e-10, {k: v for k, v in errors.items() if v >= 1e-10}
+
+
+EP_LAYOUTS = [(4, 4, 1, 1, 4), (4, 2, 2, 1, 4), (4, 1, 2, 2, 8), (8, 2, 2, 2, 8)]  # world, dp, ring, ulysses, experts
+
+
+@pytest.mark.parametrize("world,dp,ring,ulysses,experts", EP_LAYOUTS,
+                         ids=[f"dp{d}-ring{r}-uly{u}-ep{w}-e{e}" for w, d, r, u, e in EP_LAYOUTS])
+def test_sharded_moe_model_with_expert_parallelism(pools, world, dp, ring, ulysses, experts):
+    for errors, calls in pools(world).run(parallel_vs_one_device, dp, 1, False, ring, ulysses, "zigzag", experts):
+        assert max(errors.values()) < 1e-10, {k: v for k, v in errors.items() if v >= 1e-10}
+        assert calls["all_to_all"] >= 2 * 3                    # counts, dispatch, combine in each of 2 layers
 
 
 def bad_layout():

@@ -17,8 +17,11 @@
   ranks holding the same weights) and sums the copies of replicated kv heads over ``tp`` — call it after
   ``backward()``, before the optimizer.
 
+- MoE layers (``cfg.moe_experts``): the experts are sharded over the dp × cp ranks (expert parallelism
+  over the ranks that otherwise hold the same weights), each rank routing its own tokens; with tp = 1 only.
+
 ``shard_batch`` gives a rank its batch rows (dp) and its sequence piece (cp); under SP the embedding then
-splits that piece over tp. EP (``distlab.moe.MoE`` in place of the MLPs) enters the same plan next.
+splits that piece over tp.
 """
 
 from __future__ import annotations
@@ -40,18 +43,21 @@ from distlab.tp.vocab import VocabParallelEmbedding, vocab_parallel_cross_entrop
 class ParallelLlama(torch.nn.Module):
     def __init__(self, ref: Llama, mesh, sequence_parallel=False, cp_layout="zigzag"):
         super().__init__()
-        if ref.cfg.moe_experts:
-            raise ValueError("MoE layers are not in the parallel plan yet (dense models only)")
         self.cfg, self.sp, self.cp_layout = ref.cfg, sequence_parallel, cp_layout
         self.tp_group, self.dp_group = mesh.get_group("tp"), mesh.get_group("dp")
         self.ring_group, self.ulysses_group = mesh.get_group("ring"), mesh.get_group("ulysses")
         self.replica_group = mesh.get_group("dp_cp")
         ring, uly = comm.group_size(self.ring_group), comm.group_size(self.ulysses_group)
+        if ref.cfg.moe_experts and ref.cfg.moe_experts % comm.group_size(self.replica_group):
+            raise ValueError(f"{ref.cfg.moe_experts} experts cannot be split over the "
+                             f"{comm.group_size(self.replica_group)} expert-parallel (dp x cp) ranks")
         tp = comm.group_size(self.tp_group)
         if ref.cfg.vocab % tp:
             raise ValueError(f"vocabulary size ({ref.cfg.vocab}) is not divisible by the tensor-parallel size {tp}")
         self.embed = VocabParallelEmbedding.from_embedding(ref.embed, self.tp_group, sequence_parallel)
-        self.blocks = torch.nn.ModuleList(TPLlamaBlock(b, self.tp_group, sequence_parallel) for b in ref.blocks)
+        # MoE layers: experts sharded over every rank that holds the same dense weights (EP = dp x cp)
+        self.blocks = torch.nn.ModuleList(TPLlamaBlock(b, self.tp_group, sequence_parallel, ep_group=self.replica_group)
+                                          for b in ref.blocks)
         self.norm = RMSNorm.from_norm(ref.norm, self.tp_group, sequence_parallel)
         self.head = ColumnParallelLinear.from_linear(ref.head, self.tp_group, sequence_parallel=sequence_parallel)
         if uly > 1 and (ref.cfg.heads // tp) % uly:
@@ -103,7 +109,11 @@ class ParallelLlama(torch.nn.Module):
             block.sync_replicated_kv_grads()
         n = comm.group_size(self.replica_group)
         if n > 1:
-            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            experts = {id(p) for b in self.blocks if b.moe is not None for p in (b.moe.w_gate, b.moe.w_up, b.moe.w_down)}
+            for p in self.parameters():     # an expert lives on one rank and already holds every token's part
+                if id(p) in experts and p.grad is not None:
+                    p.grad /= n
+            grads = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in experts]
             flat = comm.all_reduce_raw(torch.cat([g.reshape(-1) for g in grads]), self.replica_group) / n
             offset = 0
             for g in grads:

@@ -84,7 +84,9 @@ class LlamaBlock(torch.nn.Module):
 class TPLlamaBlock(torch.nn.Module):
     """The block sharded over ``group`` (built from a ``LlamaBlock`` so both hold the same numbers)."""
 
-    def __init__(self, ref: LlamaBlock, group=None, sequence_parallel=False, async_tp=False):
+    def __init__(self, ref: LlamaBlock, group=None, sequence_parallel=False, async_tp=False, ep_group=None):
+        """``ep_group``: with a MoE reference block, its experts are sharded over this expert-parallel group
+        (tensor parallelism must then be 1: MoE under TP is not in the plan yet)."""
         super().__init__()
         tp, rank = comm.group_size(group), comm.group_rank(group)
         self.group, self.tp, self.sp = group, tp, sequence_parallel
@@ -118,6 +120,13 @@ class TPLlamaBlock(torch.nn.Module):
         self.gate_up = ColumnParallelLinear.from_linear(ref.gate_up, group, sequence_parallel=sp, async_tp=at,
                                                         segments=[ref.ffn, ref.ffn])
         self.down = RowParallelLinear.from_linear(ref.down, group, sequence_parallel=sp, async_tp=at)
+        self.moe = None
+        if ref.moe is not None:
+            from distlab.moe.layer import MoE
+
+            if tp > 1:
+                raise ValueError("a MoE block with tensor parallelism > 1 is not supported yet (use EP with tp=1)")
+            self.moe = MoE.from_reference(ref.moe, ep_group)
 
     def attn(self, x):
         y = self.qkv(x)                                   # (b, s, local q + 2 local kv heads)·d, full sequence
@@ -130,6 +139,8 @@ class TPLlamaBlock(torch.nn.Module):
         return self.o(attend(q, k, v.view(b, s, -1, d)).reshape(b, s, -1))
 
     def mlp(self, x):
+        if self.moe is not None:
+            return self.moe(x)
         gate, up = self.gate_up(x).chunk(2, -1)
         return self.down(F.silu(gate) * up)
 
