@@ -99,6 +99,42 @@ def test_sharded_moe_model_with_expert_parallelism(pools, world, dp, ring, ulyss
         assert calls["all_to_all"] >= 2 * 3                    # counts, dispatch, combine in each of 2 layers
 
 
+def one_clipped_step_vs_one_device(dp, tp, sp, ring, ulysses, experts):
+    """Gradient norm, then one clipped AdamW step: the loss after the step equals one device's to 1e-10."""
+    cfg = ModelConfig(vocab=256, layers=2, hidden=64, heads=4, kv_heads=2, ffn=96, moe_experts=experts)
+    torch.manual_seed(1)
+    ref = Llama(cfg, dtype=torch.float64)
+    model = ParallelLlama(ref, mesh_for(dp, tp, ring, ulysses), sequence_parallel=sp)
+    ids, targets = batch(corpus(), 7, 4, 16)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref.loss(ids, targets).backward()
+    norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item()
+    opt_ref.step()
+    my_ids, my_targets = model.shard_batch(ids, targets)
+    model.loss(my_ids, my_targets).backward()
+    model.sync_gradients()
+    norm = model.clip_grad_norm(0.5)
+    opt.step()
+    with torch.no_grad():
+        after_ref = ref.loss(ids, targets).item()
+        after = comm.all_reduce_raw(model.loss(my_ids, my_targets).reshape(1), model.replica_group).item()
+        after /= comm.group_size(model.replica_group)
+    return abs(norm - norm_ref) / norm_ref, abs(after - after_ref) / after_ref, norm_ref
+
+
+STEP_LAYOUTS = [(1, 2, True, 2, 1, 0), (2, 2, False, 1, 1, 0), (1, 4, False, 1, 1, 0), (2, 1, False, 1, 2, 4)]
+
+
+@pytest.mark.parametrize("dp,tp,sp,ring,ulysses,experts", STEP_LAYOUTS,
+                         ids=[f"dp{d}-tp{t}{'-sp' if s else ''}-ring{r}-uly{u}-e{e}" for d, t, s, r, u, e in STEP_LAYOUTS])
+def test_one_clipped_optimizer_step_equals_one_device(pools, dp, tp, sp, ring, ulysses, experts):
+    for norm_err, loss_err, norm in pools(dp * tp * ring * ulysses).run(one_clipped_step_vs_one_device, dp, tp, sp,
+                                                                         ring, ulysses, experts):
+        assert norm > 0.5                     # the clip is active
+        assert norm_err < 1e-10 and loss_err < 1e-10, (norm_err, loss_err)
+
+
 def bad_layout():
     return ParallelLlama(Llama(ModelConfig(vocab=250)), mesh_for(1, 4))
 

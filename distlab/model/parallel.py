@@ -104,6 +104,44 @@ class ParallelLlama(torch.nn.Module):
         return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
 
     @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """The 2-norm of the whole model's gradient (as one device would compute it), after ``sync_gradients``:
+        tp-sharded weights summed over tp (a kv head copied on c ranks counted 1/c each), experts over ep,
+        replicated parameters once."""
+        experts = {id(p) for b in self.blocks if b.moe is not None for p in (b.moe.w_gate, b.moe.w_up, b.moe.w_down)}
+        sharded = {id(self.embed.weight), id(self.head.weight)}
+        for b in self.blocks:
+            sharded |= {id(b.qkv.weight), id(b.o.weight), id(b.gate_up.weight), id(b.down.weight)}
+        rep = torch.zeros((), dtype=torch.float64)
+        tp = torch.zeros((), dtype=torch.float64)
+        ep = torch.zeros((), dtype=torch.float64)
+        for p in self.parameters():
+            if p.grad is None:
+                continue
+            sq = p.grad.double().square().sum()
+            if id(p) in experts:
+                ep += sq
+            elif id(p) in sharded:
+                tp += sq
+            else:
+                rep += sq
+        for b in self.blocks:                              # kv-head copies: count each head once
+            if b.kv_copies > 1 and b.qkv.weight.grad is not None:
+                kv_rows = b.qkv.weight.grad[b.local_heads * b.head_dim:].double().square().sum()
+                tp -= kv_rows * (1 - 1 / b.kv_copies)
+        total = rep + comm.all_reduce_raw(tp, self.tp_group) + comm.all_reduce_raw(ep, self.replica_group)
+        return total.sqrt()
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float) -> float:
+        norm = self.grad_norm()
+        scale = min(1.0, max_norm / (norm.item() + 1e-6))
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        return norm.item()
+
+    @torch.no_grad()
     def sync_gradients(self):
         for block in self.blocks:
             block.sync_replicated_kv_grads()
