@@ -3,6 +3,7 @@
     python -m distlab.train --config tiny                                  # one process, loss falls in ~1 min
     distlab run --nproc 2 -m distlab.train --config tiny --checkpoint-dir ckpt --json losses.json
     distlab run --nproc 2 -m distlab.train --config tiny --resume ckpt/step_100
+    distlab run --nproc 4 -m distlab.train --config tiny --tp 2 --sp --ring 2
 
 Data parallelism over all ranks: every rank builds the same model from the seed, takes its slice of each
 step's global batch (the batch is a pure function of the step, see ``distlab.model.data``), and the
@@ -11,8 +12,11 @@ every rank keeps identical weights. The learning rate warms up linearly, then fo
 
 Checkpoints use ``torch.distributed.checkpoint``: model and optimizer state (``get_state_dict``) and the
 step. Because batches and the schedule depend only on the step, a run resumed from step k gives exactly
-the losses of an uninterrupted run (tested bit for bit on CPU). Sharding the model itself (TP, CP, EP)
-is not wired into training yet: this file is the data-parallel core.
+the losses of an uninterrupted run (tested bit for bit on CPU).
+
+``--tp``, ``--sp``, ``--ring``, ``--ulysses`` shard the model itself (``distlab.model.parallel``; dp is
+what remains of the world size, and MoE experts spread over dp × cp); its gradient norm for clipping is
+the one-device norm. Checkpoints of such runs are not supported yet (refused with a message).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from distlab import comm
 from distlab.model.config import TrainConfig, load_config
 from distlab.model.data import batch, corpus
 from distlab.model.llama import Llama
-from distlab.runtime import init_runtime, shutdown
+from distlab.model.parallel import ParallelLlama
+from distlab.runtime import ParallelDims, init_runtime, shutdown
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -61,15 +66,21 @@ def average_gradients(params, group=None) -> None:
 
 
 def train_step(model, optimizer, ids, targets, step, cfg: TrainConfig, group=None) -> float:
-    """One optimizer step on this rank's rows; returns the loss averaged over the group."""
+    """One optimizer step on this rank's share of the batch; returns the loss averaged over the ranks that
+    hold different data. A sharded model (``ParallelLlama``) synchronises and clips its own gradients."""
     for group_ in optimizer.param_groups:
         group_["lr"] = lr_at(step, cfg)
     optimizer.zero_grad(set_to_none=False)
     loss = model.loss(ids, targets)
     loss.backward()
-    params = [p for p in model.parameters() if p.grad is not None]
-    average_gradients(params, group)
-    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    if hasattr(model, "sync_gradients"):
+        model.sync_gradients()
+        model.clip_grad_norm(cfg.grad_clip)
+        group = model.replica_group
+    else:
+        params = [p for p in model.parameters() if p.grad is not None]
+        average_gradients(params, group)
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
     optimizer.step()
     return (comm.all_reduce_raw(loss.detach().reshape(1), group) / comm.group_size(group)).item()
 
@@ -101,6 +112,11 @@ def main(argv=None):
     p.add_argument("--resume", default=None, help="a checkpoint folder (…/step_N)")
     p.add_argument("--json", metavar="PATH", help="write the loss curve (rank 0)")
     p.add_argument("--device", default=None)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism inside TP")
+    p.add_argument("--ring", type=int, default=1, help="context parallelism: ring degree")
+    p.add_argument("--ulysses", type=int, default=1, help="context parallelism: Ulysses degree")
+    p.add_argument("--cp-layout", choices=("zigzag", "contiguous"), default="zigzag")
     a = p.parse_args(argv)
     try:
         mcfg, tcfg = load_config(a.config)
@@ -110,12 +126,25 @@ def main(argv=None):
     if a.steps:
         tcfg.steps = a.steps
     rt = init_runtime(device=a.device, seed=tcfg.seed)
-    if tcfg.batch % rt.world_size:
-        print(f"error: batch {tcfg.batch} is not divisible by the {rt.world_size} data-parallel ranks", file=sys.stderr)
+    model_parallel = a.tp * a.ring * a.ulysses
+    try:
+        if rt.world_size % model_parallel:
+            raise ValueError(f"tp {a.tp} x ring {a.ring} x ulysses {a.ulysses} does not divide the world size "
+                             f"{rt.world_size}")
+        dims = ParallelDims(rt.world_size, dp=rt.world_size // model_parallel, tp=a.tp, ring=a.ring, ulysses=a.ulysses)
+        if tcfg.batch % dims.dp:
+            raise ValueError(f"batch {tcfg.batch} is not divisible by the {dims.dp} data-parallel ranks")
+        if model_parallel > 1 and (a.checkpoint_dir or a.resume):
+            raise ValueError("checkpoints of a model-parallel run are not supported yet (its shards are plain "
+                             "tensors, which DCP would deduplicate); use data parallelism only")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         shutdown()
         sys.exit(2)
     torch.manual_seed(tcfg.seed)
     model = Llama(mcfg, device=rt.device)
+    if model_parallel > 1:
+        model = ParallelLlama(model, dims.build_mesh(rt.device.type), a.sp, a.cp_layout)
     optimizer = make_optimizer(model, tcfg)
     start = load_checkpoint(a.resume, model, optimizer) if a.resume else 0
     data = corpus()
@@ -125,7 +154,11 @@ def main(argv=None):
     losses, t0, tokens = {}, time.perf_counter(), 0
     for step in range(start, end):
         ids, targets = batch(data, step, tcfg.batch, tcfg.seq, tcfg.seed)
-        losses[step] = train_step(model, optimizer, ids[rows].to(rt.device), targets[rows].to(rt.device), step, tcfg)
+        if model_parallel > 1:
+            ids, targets = model.shard_batch(ids, targets)
+        else:
+            ids, targets = ids[rows], targets[rows]
+        losses[step] = train_step(model, optimizer, ids.to(rt.device), targets.to(rt.device), step, tcfg)
         tokens += tcfg.batch * tcfg.seq
         if rt.is_main and (step % tcfg.log_every == 0 or step == end - 1):
             print(progress(step + 1, tcfg.steps, losses[step], tokens / (time.perf_counter() - t0)), flush=True)
@@ -135,7 +168,8 @@ def main(argv=None):
         save_checkpoint(os.path.join(a.checkpoint_dir, f"step_{end}"), model, optimizer, end)
     if rt.is_main:
         if losses:
-            print(f"trained steps {start}..{end - 1} on {rt.world_size} data-parallel rank(s): loss "
+            layout = f"dp {dims.dp} x tp {a.tp}{' (SP)' if a.sp else ''} x ring {a.ring} x ulysses {a.ulysses}"
+            print(f"trained steps {start}..{end - 1} on {rt.world_size} rank(s), {layout}: loss "
                   f"{losses[start]:.4f} -> {losses[end - 1]:.4f}")
         if a.json:
             with open(a.json, "w") as f:

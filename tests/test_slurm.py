@@ -101,4 +101,4 @@ def test_sbatch_training_script(slurm, tmp_path):
     proc, log = sbatch(slurm, tmp_path, "launch/train.sh", "--config", "tiny", "--steps", "5", "--device", "cpu",
                        env={"DISTLAB_NPROC_PER_NODE": "2"})
     assert proc.returncode == 0, proc.stderr + log[-3000:]
-    assert "trained steps 0..4 on 2 data-parallel rank(s)" in log
+    assert "trained steps 0..4 on 2 rank(s), dp 2 x tp 1 x ring 1 x ulysses 1" in log

@@ -80,3 +80,18 @@ def test_configs_and_tokenizer():
         load_config("nope")
     with pytest.raises(ValueError, match="must split into"):
         ModelConfig(hidden=30, heads=4)
+
+
+def test_model_parallel_training_follows_the_data_parallel_loss_curve(tmp_path):
+    def losses(*flags):
+        out = tmp_path / f"{'_'.join(flags) or 'dp'}.json"
+        cmd = [sys.executable, "-m", "distlab", "run", "--nproc", "4", "-m", "distlab.train", "--config", "tiny",
+               "--steps", "6", "--device", "cpu", "--json", str(out), *flags]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=ENV)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(out.read_text())["losses"]
+
+    dp = losses()
+    for flags in (["--tp", "2", "--sp", "--ring", "2"], ["--ulysses", "2", "--ring", "2"]):
+        curve = losses(*flags)
+        assert all(abs(curve[s] - dp[s]) < 1e-4 for s in dp), (flags, curve, dp)   # fp32 summation order only
