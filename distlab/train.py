@@ -34,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from distlab import comm
-from distlab.model.config import TrainConfig, load_config
+from distlab.model.config import TrainConfig, load_config, load_layout
 from distlab.model.data import batch, corpus
 from distlab.model.llama import Llama
 from distlab.model.parallel import ParallelLlama
@@ -112,17 +112,21 @@ def main(argv=None):
     p.add_argument("--resume", default=None, help="a checkpoint folder (…/step_N)")
     p.add_argument("--json", metavar="PATH", help="write the loss curve (rank 0)")
     p.add_argument("--device", default=None)
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    p.add_argument("--sp", action="store_true", help="sequence parallelism inside TP")
-    p.add_argument("--ring", type=int, default=1, help="context parallelism: ring degree")
-    p.add_argument("--ulysses", type=int, default=1, help="context parallelism: Ulysses degree")
-    p.add_argument("--cp-layout", choices=("zigzag", "contiguous"), default="zigzag")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: the config's layout, or 1)")
+    p.add_argument("--sp", action="store_true", default=None, help="sequence parallelism inside TP")
+    p.add_argument("--ring", type=int, default=None, help="context parallelism: ring degree")
+    p.add_argument("--ulysses", type=int, default=None, help="context parallelism: Ulysses degree")
+    p.add_argument("--cp-layout", choices=("zigzag", "contiguous"), default=None)
     a = p.parse_args(argv)
     try:
         mcfg, tcfg = load_config(a.config)
+        layout = {"tp": 1, "sp": False, "ring": 1, "ulysses": 1, "cp_layout": "zigzag", **load_layout(a.config)}
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    for key in layout:                      # command-line flags override the preset's layout
+        if getattr(a, key) is None:
+            setattr(a, key, layout[key])
     if a.steps:
         tcfg.steps = a.steps
     rt = init_runtime(device=a.device, seed=tcfg.seed)

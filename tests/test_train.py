@@ -73,6 +73,14 @@ def test_killed_and_resumed_run_is_bit_identical(tmp_path):
 
 
 def test_configs_and_tokenizer():
+    from distlab.model.config import CONFIG_DIR, load_layout
+
+    for name in sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".json")):
+        mcfg, tcfg = load_config(name)                  # every preset parses and validates
+        layout = load_layout(name)
+        world = layout.get("tp", 1) * layout.get("ring", 1) * layout.get("ulysses", 1)
+        assert mcfg.heads % layout.get("tp", 1) == 0 and tcfg.seq % world == 0, name
+    assert load_layout("tp2-cp2") == {"tp": 2, "sp": True, "ring": 2}
     mcfg, tcfg = load_config("tiny")
     assert mcfg.vocab == 256 and tcfg.batch % 2 == 0
     assert decode(encode("distlab — ok")) == "distlab — ok"

@@ -47,12 +47,28 @@ class TrainConfig:
     checkpoint_every: int = 0      # 0: only at the end when --checkpoint-dir is given
 
 
-def load_config(name_or_path: str) -> tuple[ModelConfig, TrainConfig]:
-    """A preset name (``configs/NAME.json``) or a JSON path with "model" and "train" sections."""
+LAYOUT_KEYS = ("tp", "sp", "ring", "ulysses", "cp_layout")
+
+
+def _read(name_or_path: str) -> dict:
     path = name_or_path if os.path.exists(name_or_path) else os.path.join(CONFIG_DIR, f"{name_or_path}.json")
     if not os.path.exists(path):
         known = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".json")) if os.path.isdir(CONFIG_DIR) else []
         raise ValueError(f"no config {name_or_path!r} (presets: {', '.join(known) or 'none'})")
     with open(path) as f:
-        raw = json.load(f)
+        return json.load(f)
+
+
+def load_layout(name_or_path: str) -> dict:
+    """The preset's "layout" section (tp, sp, ring, ulysses, cp_layout); data parallelism takes the rest."""
+    layout = _read(name_or_path).get("layout", {})
+    unknown = set(layout) - set(LAYOUT_KEYS)
+    if unknown:
+        raise ValueError(f"unknown layout keys {sorted(unknown)}; use {', '.join(LAYOUT_KEYS)}")
+    return layout
+
+
+def load_config(name_or_path: str) -> tuple[ModelConfig, TrainConfig]:
+    """A preset name (``configs/NAME.json``) or a JSON path with "model" and "train" sections."""
+    raw = _read(name_or_path)
     return ModelConfig(**raw.get("model", {})), TrainConfig(**raw.get("train", {}))
