@@ -10,13 +10,14 @@ step's global batch (the batch is a pure function of the step, see ``distlab.mod
 gradients are averaged over the group in one flattened all-reduce before clipping and the AdamW step, so
 every rank keeps identical weights. The learning rate warms up linearly, then follows a cosine to 10%.
 
-Checkpoints use ``torch.distributed.checkpoint``: model and optimizer state (``get_state_dict``) and the
-step. Because batches and the schedule depend only on the step, a run resumed from step k gives exactly
-the losses of an uninterrupted run (tested bit for bit on CPU).
+Checkpoints (``distlab.model.checkpoint``, ``torch.distributed.checkpoint`` underneath) hold the weights
+and AdamW's moments in the one-device layout, and the step. Because batches and the schedule depend only
+on the step, a run resumed from step k gives exactly the losses of an uninterrupted run (tested bit for
+bit on CPU), and it may resume in another layout (TP 2 × CP 2 → DP 2, say).
 
 ``--tp``, ``--sp``, ``--ring``, ``--ulysses`` shard the model itself (``distlab.model.parallel``; dp is
 what remains of the world size, and MoE experts spread over dp × cp); its gradient norm for clipping is
-the one-device norm. Checkpoints of such runs are not supported yet (refused with a message).
+the one-device norm.
 """
 
 from __future__ import annotations
@@ -30,10 +31,9 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from distlab import comm
+from distlab.model import checkpoint
 from distlab.model.config import TrainConfig, load_config, load_layout
 from distlab.model.data import batch, corpus
 from distlab.model.llama import Llama
@@ -85,19 +85,6 @@ def train_step(model, optimizer, ids, targets, step, cfg: TrainConfig, group=Non
     return (comm.all_reduce_raw(loss.detach().reshape(1), group) / comm.group_size(group)).item()
 
 
-def save_checkpoint(path, model, optimizer, step) -> None:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}, checkpoint_id=path)
-
-
-def load_checkpoint(path, model, optimizer) -> int:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0)}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return int(state["step"])
-
-
 def progress(step, total, loss, tokens_per_s, width=24) -> str:
     done = round(width * step / total)
     return f"[{'#' * done}{'.' * (width - done)}] step {step:>5}/{total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s"
@@ -138,19 +125,19 @@ def main(argv=None):
         dims = ParallelDims(rt.world_size, dp=rt.world_size // model_parallel, tp=a.tp, ring=a.ring, ulysses=a.ulysses)
         if tcfg.batch % dims.dp:
             raise ValueError(f"batch {tcfg.batch} is not divisible by the {dims.dp} data-parallel ranks")
-        if model_parallel > 1 and (a.checkpoint_dir or a.resume):
-            raise ValueError("checkpoints of a model-parallel run are not supported yet (its shards are plain "
-                             "tensors, which DCP would deduplicate); use data parallelism only")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         shutdown()
         sys.exit(2)
-    torch.manual_seed(tcfg.seed)
-    model = Llama(mcfg, device=rt.device)
-    if model_parallel > 1:
-        model = ParallelLlama(model, dims.build_mesh(rt.device.type), a.sp, a.cp_layout)
-    optimizer = make_optimizer(model, tcfg)
-    start = load_checkpoint(a.resume, model, optimizer) if a.resume else 0
+    mesh = dims.build_mesh(rt.device.type) if model_parallel > 1 else None
+    build = (lambda ref: ParallelLlama(ref.to(rt.device), mesh, a.sp, a.cp_layout)) if mesh else (lambda ref: ref.to(rt.device))
+    if a.resume:   # consolidated checkpoint: any layout can resume any other's
+        model, optimizer, start = checkpoint.load(a.resume, mcfg, build, lambda m: make_optimizer(m, tcfg))
+    else:
+        torch.manual_seed(tcfg.seed)
+        model = build(Llama(mcfg))
+        optimizer = make_optimizer(model, tcfg)
+        start = 0
     data = corpus()
     per = tcfg.batch // rt.world_size
     rows = slice(rt.rank * per, (rt.rank + 1) * per)
@@ -167,9 +154,9 @@ def main(argv=None):
         if rt.is_main and (step % tcfg.log_every == 0 or step == end - 1):
             print(progress(step + 1, tcfg.steps, losses[step], tokens / (time.perf_counter() - t0)), flush=True)
         if a.checkpoint_dir and tcfg.checkpoint_every and (step + 1) % tcfg.checkpoint_every == 0:
-            save_checkpoint(os.path.join(a.checkpoint_dir, f"step_{step + 1}"), model, optimizer, step + 1)
+            checkpoint.save(os.path.join(a.checkpoint_dir, f"step_{step + 1}"), model, optimizer, step + 1)
     if a.checkpoint_dir and end > start:
-        save_checkpoint(os.path.join(a.checkpoint_dir, f"step_{end}"), model, optimizer, end)
+        checkpoint.save(os.path.join(a.checkpoint_dir, f"step_{end}"), model, optimizer, end)
     if rt.is_main:
         if losses:
             layout = f"dp {dims.dp} x tp {a.tp}{' (SP)' if a.sp else ''} x ring {a.ring} x ulysses {a.ulysses}"

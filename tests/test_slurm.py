@@ -66,7 +66,7 @@ def test_submitit_job_on_slurm_returns_the_study_json(slurm, tmp_path):
     os.environ["SLURM_CONF"] = slurm.conf
     try:
         result = submit("distlab.cp.ring", ["--seq", "128", "--check", "--device", "cpu", "--iters", "1"],
-                        tasks_per_node=2, cluster="slurm", folder=str(tmp_path / "submitit"), timeout_s=120)
+                        tasks_per_node=2, cluster="slurm", folder=str(tmp_path / "submitit"), timeout_s=300)
     finally:
         if old is None:
             os.environ.pop("SLURM_CONF")
@@ -80,7 +80,7 @@ def test_submitit_local_executor_without_slurm(tmp_path):
     from distlab.submit import submit
 
     result = submit("distlab.cp.ulysses", ["--seq", "128", "--check", "--device", "cpu", "--iters", "1"],
-                    tasks_per_node=2, cluster="local", folder=str(tmp_path / "submitit"), timeout_s=120)
+                    tasks_per_node=2, cluster="local", folder=str(tmp_path / "submitit"), timeout_s=300)
     assert result["method"] == "ulysses" and result["world_size"] == 2 and result["check_passed"]
 
 

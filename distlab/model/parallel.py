@@ -104,6 +104,23 @@ class ParallelLlama(torch.nn.Module):
         return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
 
     @torch.no_grad()
+    def full_tensors(self, get) -> dict:
+        """``get(param)`` for every parameter, gathered into the one-device ``Llama``'s state-dict names (plus
+        the routers' buffers): what a consolidated checkpoint stores."""
+        tp = self.tp_group
+        out = {"embed.weight": comm.all_gather_raw(get(self.embed.weight), tp, 0),
+               "norm.weight": get(self.norm.weight), "head.weight": comm.all_gather_raw(get(self.head.weight), tp, 0)}
+        for i, block in enumerate(self.blocks):
+            for name, t in block.full_tensors(get).items():
+                out[f"blocks.{i}.{name}.weight"] = t
+            if block.moe is not None:
+                out[f"blocks.{i}.moe.router.weight"] = get(block.moe.router.weight)
+                for name in ("w_gate", "w_up", "w_down"):
+                    out[f"blocks.{i}.moe.{name}"] = comm.all_gather_raw(get(getattr(block.moe, name)),
+                                                                      self.replica_group, 0)
+        return out
+
+    @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
         """The 2-norm of the whole model's gradient (as one device would compute it), after ``sync_gradients``:
         tp-sharded weights summed over tp (a kv head copied on c ranks counted 1/c each), experts over ep,

@@ -164,20 +164,25 @@ class TPLlamaBlock(torch.nn.Module):
 
     def full_grads(self):
         """Gather every weight's gradient into the one-device layout (for parity checks): a dict by name."""
+        return self.full_tensors(lambda p: p.grad)
+
+    def full_tensors(self, get):
+        """``get(param)`` (a weight, its gradient, an optimizer state) of every weight, gathered into the
+        one-device layout: a dict by layer name (qkv, o, gate_up, down, norm1, norm2)."""
         heads_q = self.local_heads * self.head_dim
-        g = self.qkv.weight.grad
+        g = get(self.qkv.weight)
         gq = comm.all_gather_raw(g[:heads_q], self.group, 0)
         gk = comm.all_gather_raw(g[heads_q:heads_q + self.local_kv * self.head_dim], self.group, 0)
         gv = comm.all_gather_raw(g[heads_q + self.local_kv * self.head_dim:], self.group, 0)
-        if self.kv_copies > 1:  # copies already summed by sync_replicated_kv_grads: keep one per head
+        if self.kv_copies > 1:  # the copies are equal (grads after sync_replicated_kv_grads): keep one per head
             gk, gv = (t.view(-1, self.kv_copies, self.head_dim, t.shape[-1])[:, 0].reshape(-1, t.shape[-1])
                       for t in (gk, gv))
-        gate, up = self.gate_up.weight.grad.chunk(2, 0)
+        gate, up = get(self.gate_up.weight).chunk(2, 0)
         return {"qkv": torch.cat([gq, gk, gv], 0),
-                "o": comm.all_gather_raw(self.o.weight.grad, self.group, 1),
+                "o": comm.all_gather_raw(get(self.o.weight), self.group, 1),
                 "gate_up": torch.cat([comm.all_gather_raw(gate, self.group, 0), comm.all_gather_raw(up, self.group, 0)], 0),
-                "down": comm.all_gather_raw(self.down.weight.grad, self.group, 1),
-                "norm1": self.norm1.weight.grad, "norm2": self.norm2.weight.grad}
+                "down": comm.all_gather_raw(get(self.down.weight), self.group, 1),
+                "norm1": get(self.norm1.weight), "norm2": get(self.norm2.weight)}
 
 
 __all__ = ["LlamaBlock", "TPLlamaBlock", "rope", "shard_rows"]

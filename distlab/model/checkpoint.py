@@ -1,0 +1,74 @@
+"""Consolidated checkpoints: saved in the one-device layout, loadable into any parallel layout.
+
+    distlab run --nproc 4 -m distlab.train --config tp2-cp2 --checkpoint-dir ckpt --stop-after 50
+    distlab run --nproc 2 -m distlab.train --config tiny --resume ckpt/step_50          # now DP 2
+
+What is saved (with ``torch.distributed.checkpoint``) is the model's weights and AdamW's two moments,
+each gathered into the one-device ``Llama``'s names and shapes (``ParallelLlama.full_tensors``), plus the
+step. Every rank holds the same full tensors, so DCP writes each once. Loading builds the one-device
+model from the weights and shards it for the new layout with the same code that built the old one; the
+moments are sharded the same way by building two more one-device models that hold them "as weights".
+A resumed run in the same layout repeats the uninterrupted run bit for bit; in another layout it follows
+it to float32 summation order. The price is that each rank materialises the full state when saving and
+loading — right for a lab model, not for a 70B one (which would save DTensor shards instead).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from distlab.model.llama import Llama
+
+
+def _is_parallel(model) -> bool:
+    return hasattr(model, "full_tensors")
+
+
+def _full(model, get) -> dict:
+    if _is_parallel(model):
+        return model.full_tensors(get)
+    return {name: get(p) for name, p in model.named_parameters()}
+
+
+def _buffers(model) -> dict:
+    """Router buffers (bias, logit offset) under their one-device names (replicated on every rank)."""
+    out = {}
+    for i, block in enumerate(model.blocks):
+        moe = block.moe
+        if moe is not None:
+            out[f"blocks.{i}.moe.router.bias"] = moe.router.bias
+            out[f"blocks.{i}.moe.router.logit_offset"] = moe.router.logit_offset
+    return out
+
+
+def save(path, model, optimizer, step: int) -> None:
+    def moment(key):
+        return lambda p: optimizer.state[p][key] if key in optimizer.state.get(p, {}) else torch.zeros_like(p)
+
+    adam_step = next((s["step"] for s in optimizer.state.values() if "step" in s), torch.tensor(0.0))
+    state = {"model": {**_full(model, lambda p: p.detach()), **_buffers(model)},
+             "exp_avg": _full(model, moment("exp_avg")), "exp_avg_sq": _full(model, moment("exp_avg_sq")),
+             "step": torch.tensor(step), "adam_step": adam_step.detach().clone().float()}
+    dcp.save(state, checkpoint_id=path)
+
+
+def load(path, cfg, build, make_optimizer):
+    """(model, optimizer, step): ``build(one_device_llama)`` returns the model in the wanted layout."""
+    template_model = Llama(cfg)
+    template = {"model": dict(template_model.state_dict()),
+                "exp_avg": {n: torch.zeros_like(p) for n, p in template_model.named_parameters()},
+                "exp_avg_sq": {n: torch.zeros_like(p) for n, p in template_model.named_parameters()},
+                "step": torch.tensor(0), "adam_step": torch.tensor(0.0)}
+    dcp.load(template, checkpoint_id=path)
+    ref = Llama(cfg)
+    ref.load_state_dict(template["model"])
+    model = build(ref)
+    optimizer = make_optimizer(model)
+    for key in ("exp_avg", "exp_avg_sq"):
+        holder = Llama(cfg)
+        holder.load_state_dict({**template["model"], **template[key]})
+        for p, q in zip(model.parameters(), build(holder).parameters()):
+            optimizer.state[p][key] = q.detach().clone()
+            optimizer.state[p]["step"] = template["adam_step"].clone()
+    return model, optimizer, int(template["step"])
