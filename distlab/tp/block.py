@@ -43,7 +43,21 @@ def rope(x, base=10000.0, offset=0, positions=None):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
 
 
-class LlamaBlock(torch.nn.Module):
+class _Residual:
+    """What both blocks share: the MLP (SwiGLU, or the MoE put in its place) and the two residual branches."""
+
+    def mlp(self, x):
+        if self.moe is not None:
+            return self.moe(x)
+        gate, up = self.gate_up(x).chunk(2, -1)
+        return self.down(F.silu(gate) * up)
+
+    def forward(self, x):
+        h = x + self.attn(self.norm1(x))
+        return h + self.mlp(self.norm2(h))
+
+
+class LlamaBlock(_Residual, torch.nn.Module):
     """The one-device reference block (full weights, plain ``nn.Linear``)."""
 
     def __init__(self, hidden, ffn, heads, kv_heads, rope_base=10000.0, eps=1e-6, device=None, dtype=None,
@@ -70,18 +84,9 @@ class LlamaBlock(torch.nn.Module):
         q, k = rope(q.view(b, s, -1, d), self.rope_base), rope(k.view(b, s, -1, d), self.rope_base)
         return self.o(attention(q, k, v.view(b, s, -1, d), causal=True).reshape(b, s, -1))
 
-    def mlp(self, x):
-        if self.moe is not None:
-            return self.moe(x)
-        gate, up = self.gate_up(x).chunk(2, -1)
-        return self.down(F.silu(gate) * up)
-
-    def forward(self, x):
-        h = x + self.attn(self.norm1(x))
-        return h + self.mlp(self.norm2(h))
 
 
-class TPLlamaBlock(torch.nn.Module):
+class TPLlamaBlock(_Residual, torch.nn.Module):
     """The block sharded over ``group`` (built from a ``LlamaBlock`` so both hold the same numbers)."""
 
     def __init__(self, ref: LlamaBlock, group=None, sequence_parallel=False, async_tp=False, ep_group=None):
@@ -138,15 +143,6 @@ class TPLlamaBlock(torch.nn.Module):
         attend = self.attention_fn or (lambda q_, k_, v_: attention(q_, k_, v_, causal=True))
         return self.o(attend(q, k, v.view(b, s, -1, d)).reshape(b, s, -1))
 
-    def mlp(self, x):
-        if self.moe is not None:
-            return self.moe(x)
-        gate, up = self.gate_up(x).chunk(2, -1)
-        return self.down(F.silu(gate) * up)
-
-    def forward(self, x):
-        h = x + self.attn(self.norm1(x))
-        return h + self.mlp(self.norm2(h))
 
     def sync_replicated_kv_grads(self):
         """Sum the gradients of kv-head copies over the ranks sharing them (no-op when kv ≥ tp)."""
