@@ -167,6 +167,18 @@ def all_to_all_raw(x: torch.Tensor, group=None, scatter_dim: int = 0, gather_dim
 # --------------------------------------------------------------------------------------------------------
 # autograd mappings
 # --------------------------------------------------------------------------------------------------------
+def all_reduce_mean_(tensors, group=None) -> None:
+    """Replace each tensor by its mean over the group, in one flattened all-reduce (gradient averaging)."""
+    n = group_size(group)
+    if n == 1 or not tensors:
+        return
+    flat = all_reduce_raw(torch.cat([t.reshape(-1) for t in tensors]), group) / n
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def all_to_all_uneven_raw(x: torch.Tensor, in_splits: list[int], out_splits: list[int], group=None) -> torch.Tensor:
     """Rows ``x[sum(in_splits[:j]) : ...+in_splits[j]]`` go to rank j; ``out_splits[j]`` rows come from rank j."""
     n = group_size(group)

@@ -54,15 +54,7 @@ def make_optimizer(model, cfg: TrainConfig):
 
 def average_gradients(params, group=None) -> None:
     """Mean of every gradient over the data-parallel group, in one flattened all-reduce."""
-    n = comm.group_size(group)
-    if n == 1:
-        return
-    grads = [p.grad for p in params]
-    flat = comm.all_reduce_raw(torch.cat([g.reshape(-1) for g in grads]), group) / n
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    comm.all_reduce_mean_([p.grad for p in params], group)
 
 
 def train_step(model, optimizer, ids, targets, step, cfg: TrainConfig, group=None) -> float:

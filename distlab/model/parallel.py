@@ -168,9 +168,5 @@ class ParallelLlama(torch.nn.Module):
             for p in self.parameters():     # an expert lives on one rank and already holds every token's part
                 if id(p) in experts and p.grad is not None:
                     p.grad /= n
-            grads = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in experts]
-            flat = comm.all_reduce_raw(torch.cat([g.reshape(-1) for g in grads]), self.replica_group) / n
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            comm.all_reduce_mean_([p.grad for p in self.parameters() if p.grad is not None and id(p) not in experts],
+                                  self.replica_group)
