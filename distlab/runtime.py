@@ -140,7 +140,8 @@ class ParallelDims:
     then follows). ``validate()`` raises a ValueError naming the bad degree (call it on every rank before
     any collective). ``build_mesh()`` returns one ``DeviceMesh`` with axes ``dp``, ``ring``, ``ulysses``,
     ``tp`` (outer to inner: tp, then ulysses neighbours are adjacent ranks, which on a node share the
-    fastest links) and the flattened ``cp`` = ring × ulysses axis.
+    fastest links) and the flattened axes ``cp`` = ring × ulysses, ``dp_cp`` (the ranks holding the same
+    dense weights) and ``dp_cp_tp`` (every rank: MoE experts spread over it under TP).
     """
 
     world_size: int
@@ -193,4 +194,5 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, tuple(self.degrees().values()), mesh_dim_names=self.AXES)
         mesh["ring", "ulysses"]._flatten("cp")
         mesh["dp", "ring", "ulysses"]._flatten("dp_cp")   # ranks that hold the same weights outside TP/EP
+        mesh["dp", "ring", "ulysses", "tp"]._flatten("dp_cp_tp")   # all ranks: the expert-parallel group under TP
         return mesh

@@ -49,12 +49,13 @@ def parallel_vs_one_device(dp, tp, sp, ring=1, ulysses=1, layout="zigzag", exper
               "head": rel(comm.all_gather_raw(model.head.weight.grad, tpg, 0), ref.head.weight.grad),
               "norm": rel(model.norm.weight.grad, ref.norm.weight.grad)}
     for i, (block, rblock) in enumerate(zip(model.blocks, ref.blocks)):
-        if experts:   # MoE block: attention weights replicated (tp = 1), experts sharded over dp x cp
+        if experts:   # MoE block: attention over tp, experts sharded over dp x cp x tp, no dense MLP
+            grads = block.full_tensors(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
             for name in ("qkv", "o", "norm1", "norm2"):
-                errors[f"block{i}.{name}"] = rel(getattr(block, name).weight.grad, getattr(rblock, name).weight.grad)
+                errors[f"block{i}.{name}"] = rel(grads[name], getattr(rblock, name).weight.grad)
             errors[f"block{i}.router"] = rel(block.moe.router.weight.grad, rblock.moe.router.weight.grad)
             for name in ("w_gate", "w_up", "w_down"):
-                full = comm.all_gather_raw(getattr(block.moe, name).grad, model.replica_group, 0)
+                full = comm.all_gather_raw(getattr(block.moe, name).grad, model.ep_group, 0)
                 errors[f"block{i}.{name}"] = rel(full, getattr(rblock.moe, name).grad)
             continue
         for name, g in block.full_grads().items():
@@ -88,13 +89,16 @@ def test_sharded_model_with_context_parallelism(pools, world, dp, tp, sp, ring, 
         assert max(errors.values()) < 1e-10, {k: v for k, v in errors.items() if v >= 1e-10}
 
 
-EP_LAYOUTS = [(4, 4, 1, 1, 4), (4, 2, 2, 1, 4), (4, 1, 2, 2, 8), (8, 2, 2, 2, 8)]  # world, dp, ring, ulysses, experts
+EP_LAYOUTS = [  # (world, dp, tp, sp, ring, ulysses, experts); EP = every rank
+    (4, 4, 1, False, 1, 1, 4), (4, 2, 1, False, 2, 1, 4), (4, 1, 1, False, 2, 2, 8), (8, 2, 1, False, 2, 2, 8),
+    (4, 1, 2, False, 2, 1, 4), (4, 1, 2, True, 2, 1, 8), (8, 2, 2, True, 2, 1, 8), (8, 1, 2, False, 2, 2, 8),
+]
 
 
-@pytest.mark.parametrize("world,dp,ring,ulysses,experts", EP_LAYOUTS,
-                         ids=[f"dp{d}-ring{r}-uly{u}-ep{w}-e{e}" for w, d, r, u, e in EP_LAYOUTS])
-def test_sharded_moe_model_with_expert_parallelism(pools, world, dp, ring, ulysses, experts):
-    for errors, calls in pools(world).run(parallel_vs_one_device, dp, 1, False, ring, ulysses, "zigzag", experts):
+@pytest.mark.parametrize("world,dp,tp,sp,ring,ulysses,experts", EP_LAYOUTS,
+                         ids=[f"dp{d}-tp{t}{'-sp' if s else ''}-ring{r}-uly{u}-ep{w}-e{e}" for w, d, t, s, r, u, e in EP_LAYOUTS])
+def test_sharded_moe_model_with_expert_parallelism(pools, world, dp, tp, sp, ring, ulysses, experts):
+    for errors, calls in pools(world).run(parallel_vs_one_device, dp, tp, sp, ring, ulysses, "zigzag", experts):
         assert max(errors.values()) < 1e-10, {k: v for k, v in errors.items() if v >= 1e-10}
         assert calls["all_to_all"] >= 2 * 3                    # counts, dispatch, combine in each of 2 layers
 
@@ -123,7 +127,8 @@ def one_clipped_step_vs_one_device(dp, tp, sp, ring, ulysses, experts):
     return abs(norm - norm_ref) / norm_ref, abs(after - after_ref) / after_ref, norm_ref
 
 
-STEP_LAYOUTS = [(1, 2, True, 2, 1, 0), (2, 2, False, 1, 1, 0), (1, 4, False, 1, 1, 0), (2, 1, False, 1, 2, 4)]
+STEP_LAYOUTS = [(1, 2, True, 2, 1, 0), (2, 2, False, 1, 1, 0), (1, 4, False, 1, 1, 0), (2, 1, False, 1, 2, 4),
+                (1, 2, False, 2, 1, 4)]
 
 
 @pytest.mark.parametrize("dp,tp,sp,ring,ulysses,experts", STEP_LAYOUTS,

@@ -17,8 +17,10 @@
   ranks holding the same weights) and sums the copies of replicated kv heads over ``tp`` — call it after
   ``backward()``, before the optimizer.
 
-- MoE layers (``cfg.moe_experts``): the experts are sharded over the dp × cp ranks (expert parallelism
-  over the ranks that otherwise hold the same weights), each rank routing its own tokens; with tp = 1 only.
+- MoE layers (``cfg.moe_experts``): the experts are sharded over every rank, dp × cp × tp (expert
+  parallelism over the ranks that otherwise hold the same weights, and over tp: each TP rank routes its
+  own share of the tokens — its SP shard, or a 1/tp slice of the replicated tokens — so the router's
+  gradient is summed over tp).
 
 ``shard_batch`` gives a rank its batch rows (dp) and its sequence piece (cp); under SP the embedding then
 splits that piece over tp.
@@ -48,15 +50,16 @@ class ParallelLlama(torch.nn.Module):
         self.ring_group, self.ulysses_group = mesh.get_group("ring"), mesh.get_group("ulysses")
         self.replica_group = mesh.get_group("dp_cp")
         ring, uly = comm.group_size(self.ring_group), comm.group_size(self.ulysses_group)
-        if ref.cfg.moe_experts and ref.cfg.moe_experts % comm.group_size(self.replica_group):
-            raise ValueError(f"{ref.cfg.moe_experts} experts cannot be split over the "
-                             f"{comm.group_size(self.replica_group)} expert-parallel (dp x cp) ranks")
         tp = comm.group_size(self.tp_group)
+        self.ep_group = self.replica_group if tp == 1 else mesh.get_group("dp_cp_tp")
+        if ref.cfg.moe_experts and ref.cfg.moe_experts % comm.group_size(self.ep_group):
+            raise ValueError(f"{ref.cfg.moe_experts} experts cannot be split over the "
+                             f"{comm.group_size(self.ep_group)} expert-parallel (dp x cp x tp) ranks")
         if ref.cfg.vocab % tp:
             raise ValueError(f"vocabulary size ({ref.cfg.vocab}) is not divisible by the tensor-parallel size {tp}")
         self.embed = VocabParallelEmbedding.from_embedding(ref.embed, self.tp_group, sequence_parallel)
-        # MoE layers: experts sharded over every rank that holds the same dense weights (EP = dp x cp)
-        self.blocks = torch.nn.ModuleList(TPLlamaBlock(b, self.tp_group, sequence_parallel, ep_group=self.replica_group)
+        # MoE layers: experts sharded over all ranks (EP = dp x cp x tp)
+        self.blocks = torch.nn.ModuleList(TPLlamaBlock(b, self.tp_group, sequence_parallel, ep_group=self.ep_group)
                                           for b in ref.blocks)
         self.norm = RMSNorm.from_norm(ref.norm, self.tp_group, sequence_parallel)
         self.head = ColumnParallelLinear.from_linear(ref.head, self.tp_group, sequence_parallel=sequence_parallel)
@@ -117,7 +120,7 @@ class ParallelLlama(torch.nn.Module):
                 out[f"blocks.{i}.moe.router.weight"] = get(block.moe.router.weight)
                 for name in ("w_gate", "w_up", "w_down"):
                     out[f"blocks.{i}.moe.{name}"] = comm.all_gather_raw(get(getattr(block.moe, name)),
-                                                                      self.replica_group, 0)
+                                                                      self.ep_group, 0)
         return out
 
     @torch.no_grad()
@@ -146,7 +149,7 @@ class ParallelLlama(torch.nn.Module):
             if b.kv_copies > 1 and b.qkv.weight.grad is not None:
                 kv_rows = b.qkv.weight.grad[b.local_heads * b.head_dim:].double().square().sum()
                 tp -= kv_rows * (1 - 1 / b.kv_copies)
-        total = rep + comm.all_reduce_raw(tp, self.tp_group) + comm.all_reduce_raw(ep, self.replica_group)
+        total = rep + comm.all_reduce_raw(tp, self.tp_group) + comm.all_reduce_raw(ep, self.ep_group)
         return total.sqrt()
 
     @torch.no_grad()
@@ -162,6 +165,7 @@ class ParallelLlama(torch.nn.Module):
     def sync_gradients(self):
         for block in self.blocks:
             block.sync_replicated_kv_grads()
+            block.sync_router_grads()
         n = comm.group_size(self.replica_group)
         if n > 1:
             experts = {id(p) for b in self.blocks if b.moe is not None for p in (b.moe.w_gate, b.moe.w_up, b.moe.w_down)}

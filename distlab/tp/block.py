@@ -90,8 +90,9 @@ class TPLlamaBlock(_Residual, torch.nn.Module):
     """The block sharded over ``group`` (built from a ``LlamaBlock`` so both hold the same numbers)."""
 
     def __init__(self, ref: LlamaBlock, group=None, sequence_parallel=False, async_tp=False, ep_group=None):
-        """``ep_group``: with a MoE reference block, its experts are sharded over this expert-parallel group
-        (tensor parallelism must then be 1: MoE under TP is not in the plan yet)."""
+        """``ep_group``: with a MoE reference block, its experts are sharded over this expert-parallel group.
+        Under TP the EP group must span the TP ranks too: each TP rank routes a distinct share of the tokens
+        (its sequence shard under SP; else a 1/tp slice of the replicated tokens, gathered back after)."""
         super().__init__()
         tp, rank = comm.group_size(group), comm.group_rank(group)
         self.group, self.tp, self.sp = group, tp, sequence_parallel
@@ -129,9 +130,16 @@ class TPLlamaBlock(_Residual, torch.nn.Module):
         if ref.moe is not None:
             from distlab.moe.layer import MoE
 
-            if tp > 1:
-                raise ValueError("a MoE block with tensor parallelism > 1 is not supported yet (use EP with tp=1)")
             self.moe = MoE.from_reference(ref.moe, ep_group)
+
+    def mlp(self, x):
+        if self.moe is None or self.tp == 1 or self.sp:
+            return super().mlp(x)
+        # tokens replicated over tp: each rank routes a 1/tp slice (its gradient all-gathered backward), and
+        # the outputs are gathered back (backward keeps this rank's slice: the rest is replicated compute)
+        b, s, h = x.shape
+        mine = comm.split_to_group(x.reshape(b * s, h), self.group, 0)
+        return comm.gather_from_group(super().mlp(mine), self.group, 0).view(b, s, h)
 
     def attn(self, x):
         y = self.qkv(x)                                   # (b, s, local q + 2 local kv heads)·d, full sequence
@@ -157,6 +165,11 @@ class TPLlamaBlock(_Residual, torch.nn.Module):
         padded[mine] = kv_rows
         summed = comm.all_reduce_raw(padded, self.group)
         grad[hq:] = summed[mine]
+
+    def sync_router_grads(self):
+        """Under TP each rank routed its own share of the tokens: sum the router's gradient over tp."""
+        if self.moe is not None and self.tp > 1 and self.moe.router.weight.grad is not None:
+            self.moe.router.weight.grad.copy_(comm.all_reduce_raw(self.moe.router.weight.grad, self.group))
 
     def full_grads(self):
         """Gather every weight's gradient into the one-device layout (for parity checks): a dict by name."""
