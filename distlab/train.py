@@ -15,6 +15,9 @@ and AdamW's moments in the one-device layout, and the step. Because batches and 
 on the step, a run resumed from step k gives exactly the losses of an uninterrupted run (tested bit for
 bit on CPU), and it may resume in another layout (TP 2 × CP 2 → DP 2, say).
 
+On a GPU the forward runs under bf16 autocast (float32 weights and AdamW) and the progress line shows MFU:
+tokens/s × ``flops_per_token`` / (GPUs × the GPU's dense bf16 peak).
+
 ``--tp``, ``--sp``, ``--ring``, ``--ulysses`` shard the model itself (``distlab.model.parallel``; dp is
 what remains of the world size, and MoE experts spread over dp × cp); its gradient norm for clipping is
 the one-device norm.
@@ -34,7 +37,7 @@ import torch.distributed as dist
 
 from distlab import comm
 from distlab.model import checkpoint
-from distlab.model.config import TrainConfig, load_config, load_layout
+from distlab.model.config import ModelConfig, TrainConfig, load_config, load_layout
 from distlab.model.data import batch, corpus
 from distlab.model.llama import Llama
 from distlab.model.parallel import ParallelLlama
@@ -57,13 +60,38 @@ def average_gradients(params, group=None) -> None:
     comm.all_reduce_mean_([p.grad for p in params], group)
 
 
-def train_step(model, optimizer, ids, targets, step, cfg: TrainConfig, group=None) -> float:
+def flops_per_token(cfg: ModelConfig, seq: int) -> float:
+    """Training FLOPs per token, the PaLM / torchtitan convention: 6 × the weights a token multiplies
+    (embedding lookup excluded; a MoE token meets top-k experts and the router) + 12 × layers × hidden × seq
+    for attention's two matmuls (fwd + bwd, causal half not subtracted, as torchtitan counts)."""
+    d = cfg.hidden // cfg.heads
+    attn = cfg.hidden * (cfg.heads + 2 * cfg.kv_heads) * d + cfg.hidden * cfg.hidden
+    mlp = (cfg.moe_topk * 3 * cfg.hidden * cfg.ffn + cfg.hidden * cfg.moe_experts) if cfg.moe_experts \
+        else 3 * cfg.hidden * cfg.ffn
+    weights = cfg.layers * (attn + mlp) + cfg.hidden * cfg.vocab
+    return 6 * weights + 12 * cfg.layers * cfg.hidden * seq
+
+
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "A100": 312.0, "B200": 2250.0}   # dense
+
+
+def peak_tflops(device) -> float | None:
+    """The GPU's dense bf16 peak by product name (spec sheets), or None (no MFU shown)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def train_step(model, optimizer, ids, targets, step, cfg: TrainConfig, group=None, amp_dtype=None) -> float:
     """One optimizer step on this rank's share of the batch; returns the loss averaged over the ranks that
-    hold different data. A sharded model (``ParallelLlama``) synchronises and clips its own gradients."""
+    hold different data. A sharded model (``ParallelLlama``) synchronises and clips its own gradients.
+    ``amp_dtype`` (bf16 on GPU): autocast the forward, weights and optimizer stay float32."""
     for group_ in optimizer.param_groups:
         group_["lr"] = lr_at(step, cfg)
     optimizer.zero_grad(set_to_none=False)
-    loss = model.loss(ids, targets)
+    with torch.autocast(ids.device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
+        loss = model.loss(ids, targets)
     loss.backward()
     if hasattr(model, "sync_gradients"):
         model.sync_gradients()
@@ -77,9 +105,10 @@ def train_step(model, optimizer, ids, targets, step, cfg: TrainConfig, group=Non
     return (comm.all_reduce_raw(loss.detach().reshape(1), group) / comm.group_size(group)).item()
 
 
-def progress(step, total, loss, tokens_per_s, width=24) -> str:
+def progress(step, total, loss, tokens_per_s, width=24, mfu=None) -> str:
     done = round(width * step / total)
-    return f"[{'#' * done}{'.' * (width - done)}] step {step:>5}/{total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s"
+    line = f"[{'#' * done}{'.' * (width - done)}] step {step:>5}/{total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s"
+    return line if mfu is None else f"{line}  MFU {100 * mfu:.1f}%"
 
 
 def main(argv=None):
@@ -96,6 +125,8 @@ def main(argv=None):
     p.add_argument("--ring", type=int, default=None, help="context parallelism: ring degree")
     p.add_argument("--ulysses", type=int, default=None, help="context parallelism: Ulysses degree")
     p.add_argument("--cp-layout", choices=("zigzag", "contiguous"), default=None)
+    p.add_argument("--amp", choices=("bf16", "none"), default=None, help="autocast (default: bf16 on GPU, none on CPU)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="per-GPU peak for MFU (default: by GPU name)")
     a = p.parse_args(argv)
     try:
         mcfg, tcfg = load_config(a.config)
@@ -134,17 +165,27 @@ def main(argv=None):
     per = tcfg.batch // rt.world_size
     rows = slice(rt.rank * per, (rt.rank + 1) * per)
     end = min(tcfg.steps, start + a.stop_after) if a.stop_after else tcfg.steps
-    losses, t0, tokens = {}, time.perf_counter(), 0
+    amp = {"bf16": torch.bfloat16, "none": None}[a.amp or ("bf16" if rt.device.type == "cuda" else "none")]
+    peak = a.peak_tflops or peak_tflops(rt.device)
+    flops = flops_per_token(mcfg, tcfg.seq)
+    losses, t0, tokens, rates = {}, time.perf_counter(), 0, []
     for step in range(start, end):
         ids, targets = batch(data, step, tcfg.batch, tcfg.seq, tcfg.seed)
         if model_parallel > 1:
             ids, targets = model.shard_batch(ids, targets)
         else:
             ids, targets = ids[rows], targets[rows]
-        losses[step] = train_step(model, optimizer, ids.to(rt.device), targets.to(rt.device), step, tcfg)
+        losses[step] = train_step(model, optimizer, ids.to(rt.device), targets.to(rt.device), step, tcfg,
+                                  amp_dtype=amp)   # .item() of the loss: the step has finished here
         tokens += tcfg.batch * tcfg.seq
-        if rt.is_main and (step % tcfg.log_every == 0 or step == end - 1):
-            print(progress(step + 1, tcfg.steps, losses[step], tokens / (time.perf_counter() - t0)), flush=True)
+        if step % tcfg.log_every == 0 or step == end - 1:   # rate over the steps since the last line
+            rate = tokens / (time.perf_counter() - t0)
+            mfu = rate * flops / (rt.world_size * peak * 1e12) if peak else None
+            if step > start:
+                rates.append((rate, mfu))
+            if rt.is_main:
+                print(progress(step + 1, tcfg.steps, losses[step], rate, mfu=mfu), flush=True)
+            t0, tokens = time.perf_counter(), 0
         if a.checkpoint_dir and tcfg.checkpoint_every and (step + 1) % tcfg.checkpoint_every == 0:
             checkpoint.save(os.path.join(a.checkpoint_dir, f"step_{step + 1}"), model, optimizer, step + 1)
     if a.checkpoint_dir and end > start:
@@ -154,9 +195,15 @@ def main(argv=None):
             layout = f"dp {dims.dp} x tp {a.tp}{' (SP)' if a.sp else ''} x ring {a.ring} x ulysses {a.ulysses}"
             print(f"trained steps {start}..{end - 1} on {rt.world_size} rank(s), {layout}: loss "
                   f"{losses[start]:.4f} -> {losses[end - 1]:.4f}")
+        if rates:
+            rate, mfu = rates[-1]
+            print(f"throughput (last window): {rate:,.0f} tok/s" + (f", MFU {100 * mfu:.1f}% of {peak:g} TFLOP/s "
+                  f"x {rt.world_size} ({flops / 1e9:.2f} GFLOP/token)" if mfu else ""))
         if a.json:
             with open(a.json, "w") as f:
-                json.dump({"losses": {str(k): v for k, v in losses.items()}, "world_size": rt.world_size}, f)
+                json.dump({"losses": {str(k): v for k, v in losses.items()}, "world_size": rt.world_size,
+                           "tokens_per_s": [r for r, _ in rates], "mfu": [m for _, m in rates],
+                           "flops_per_token": flops, "peak_tflops": peak, "device": str(rt.device)}, f)
     dist.barrier()
     shutdown()
 

@@ -105,3 +105,16 @@ def test_checkpoint_saved_in_one_layout_resumes_in_another(tmp_path):
     other = run(2, "tiny", "--resume", str(tmp_path / "ckpt" / "step_4"))  # TP 2 x CP 2 -> DP 2
     assert sorted(other, key=int) == ["4", "5", "6", "7"]
     assert all(abs(other[s] - straight[s]) < 1e-4 for s in other), (other, straight)
+
+
+@pytest.mark.parametrize("experts", [0, 4])
+def test_flops_per_token_counts_the_weights_a_token_meets(experts):
+    from distlab.train import flops_per_token
+
+    cfg = ModelConfig(vocab=256, layers=3, hidden=64, heads=4, kv_heads=2, ffn=96, moe_experts=experts, moe_topk=2)
+    model = Llama(cfg)
+    weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("embed"))
+    if experts:   # the dense MLP of a MoE block is unused, and a token meets 2 of the 4 experts
+        weights -= sum(b.gate_up.weight.numel() + b.down.weight.numel() for b in model.blocks)
+        weights -= sum(p.numel() for b in model.blocks for p in (b.moe.w_gate, b.moe.w_up, b.moe.w_down)) // 2
+    assert flops_per_token(cfg, seq=128) == 6 * weights + 12 * 3 * 64 * 128

@@ -53,6 +53,15 @@ def save(path, model, optimizer, step: int) -> None:
     dcp.save(state, checkpoint_id=path)
 
 
+def load_weights(path, cfg) -> Llama:
+    """Only the weights (and router buffers) of a checkpoint, as the one-device ``Llama`` (for inference)."""
+    model = Llama(cfg)
+    state = {"model": dict(model.state_dict())}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    return model
+
+
 def load(path, cfg, build, make_optimizer):
     """(model, optimizer, step): ``build(one_device_llama)`` returns the model in the wanted layout."""
     template_model = Llama(cfg)

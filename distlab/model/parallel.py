@@ -48,7 +48,7 @@ class ParallelLlama(torch.nn.Module):
         self.cfg, self.sp, self.cp_layout = ref.cfg, sequence_parallel, cp_layout
         self.tp_group, self.dp_group = mesh.get_group("tp"), mesh.get_group("dp")
         self.ring_group, self.ulysses_group = mesh.get_group("ring"), mesh.get_group("ulysses")
-        self.replica_group = mesh.get_group("dp_cp")
+        self.replica_group, self.cp_group = mesh.get_group("dp_cp"), mesh.get_group("cp")
         ring, uly = comm.group_size(self.ring_group), comm.group_size(self.ulysses_group)
         tp = comm.group_size(self.tp_group)
         self.ep_group = self.replica_group if tp == 1 else mesh.get_group("dp_cp_tp")
@@ -98,13 +98,17 @@ class ParallelLlama(torch.nn.Module):
                 raise ValueError(f"sequence piece {ids.shape[1]} is not divisible by the tensor-parallel size {tp}")
         return ids, targets
 
-    def loss(self, ids, targets):
-        """Mean cross-entropy over this dp rank's tokens (the vocabulary split over tp)."""
+    def forward(self, ids):
+        """This rank's logits (b, s, vocab/tp) for its ids (its piece of the sequence; the column layer
+        gathers the sequence back under SP)."""
         x = self.embed(ids)
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.norm(x))          # (b, s, vocab/tp): the column layer gathered the sequence
-        return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
+        return self.head(self.norm(x))
+
+    def loss(self, ids, targets):
+        """Mean cross-entropy over this dp rank's tokens (the vocabulary split over tp)."""
+        return vocab_parallel_cross_entropy(self(ids), targets, self.tp_group)
 
     @torch.no_grad()
     def full_tensors(self, get) -> dict:

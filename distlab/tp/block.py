@@ -136,10 +136,14 @@ class TPLlamaBlock(_Residual, torch.nn.Module):
         if self.moe is None or self.tp == 1 or self.sp:
             return super().mlp(x)
         # tokens replicated over tp: each rank routes a 1/tp slice (its gradient all-gathered backward), and
-        # the outputs are gathered back (backward keeps this rank's slice: the rest is replicated compute)
+        # the outputs are gathered back (backward keeps this rank's slice: the rest is replicated compute).
+        # Zero rows pad the tokens to a multiple of tp (one decoded token, say); their outputs are dropped,
+        # so they add nothing to any gradient.
         b, s, h = x.shape
-        mine = comm.split_to_group(x.reshape(b * s, h), self.group, 0)
-        return comm.gather_from_group(super().mlp(mine), self.group, 0).view(b, s, h)
+        pad = -(b * s) % self.tp
+        rows = F.pad(x.reshape(b * s, h), (0, 0, 0, pad))
+        mine = comm.split_to_group(rows, self.group, 0)
+        return comm.gather_from_group(super().mlp(mine), self.group, 0)[:b * s].view(b, s, h)
 
     def attn(self, x):
         y = self.qkv(x)                                   # (b, s, local q + 2 local kv heads)·d, full sequence

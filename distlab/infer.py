@@ -1,0 +1,201 @@
+"""Inference: context-parallel prefill, then greedy decode with the KV cache sharded over the CP ranks.
+
+    python -m distlab.infer --config tiny --steps 32 --check                      # one process
+    distlab run --nproc 4 -m distlab.infer --config tiny --ring 4 --steps 32 --check
+    distlab run --nproc 4 -m distlab.infer --config tiny --tp 2 --ring 2 --checkpoint ckpt/step_150
+
+Prefill runs the prompt through the sharded model (``distlab.model.parallel``) exactly as training does —
+each CP rank holds a piece of the prompt (zigzag or contiguous; ring, Ulysses or USP attention), TP splits
+the heads — and every layer keeps the K/V of *this rank's* tokens as its cache shard
+(``distlab.cp.decode.KVCacheShard``, K after RoPE). The next token comes from the logits at the prompt's
+last position, held by one CP rank and shared with an all-reduce; the vocabulary is gathered over TP only
+for that one row. Each decode step embeds the new token on every rank, appends its K/V to the one rank that
+owns its position (round-robin), and attends it to every shard with ``cp_decode_attention`` (partial
+(O, LSE) per rank, LSE-merged with two collectives). MoE layers route the token as in training.
+
+``--check`` decodes the same prompt with the one-device ``Llama`` (no cache: the whole sequence again at
+every step) and compares the tokens and the logits. SP is a training layout (a one-token step cannot be
+split over the sequence); inference uses TP without it. No anchor has CP decode (TransformerEngine
+disables CP for decoding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from distlab import comm
+from distlab.cp.decode import KVCacheShard, cp_decode_attention
+from distlab.model import checkpoint
+from distlab.model.config import load_config, load_layout
+from distlab.model.data import corpus, decode, encode
+from distlab.model.llama import Llama
+from distlab.model.parallel import ParallelLlama
+from distlab.runtime import ParallelDims, init_runtime, shutdown
+from kernels.attention import attention
+
+
+def _last_logits(model: ParallelLlama, logits, positions, last: int):
+    """Full-vocabulary logits (b, vocab) at global position ``last``: one CP rank holds it, all get it."""
+    b = logits.shape[0]
+    here = (positions == last).nonzero().flatten() if positions is not None else torch.tensor([last])
+    row = logits[:, here[0]] if len(here) else logits.new_zeros(b, logits.shape[-1])
+    row = comm.all_reduce_raw(row, model.cp_group)          # zeros elsewhere: an exact copy
+    return comm.all_gather_raw(row, model.tp_group, -1)       # the vocabulary, gathered over tp
+
+
+@torch.no_grad()
+def generate(model: ParallelLlama, ids, steps: int, timings: dict | None = None):
+    """Greedy decode: (new tokens (b, steps), their logits (b, steps, vocab)) for this dp rank's rows of
+    the global prompt batch ``ids`` (B, L). Collective: every rank of the model's mesh calls it.
+    ``timings`` (a dict) receives ``prefill_s`` and ``decode_s`` (a list, one per decoded token)."""
+    timings = {} if timings is None else timings
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    if model.sp:
+        raise ValueError("inference runs TP without sequence parallelism (build the model with sp=False)")
+    length = ids.shape[1]
+    piece, _ = model.shard_batch(ids, ids)
+    positions = model.blocks[0].positions
+    caches = [None] * len(model.blocks)
+    saved = [(b.attention_fn, b.positions) for b in model.blocks]
+
+    def keeping_cache(i, attend):
+        def fn(q, k, v):
+            caches[i] = KVCacheShard(k.contiguous(), v.contiguous(), model.cp_group, next_position=length)
+            return attend(q, k, v)
+        return fn
+
+    def decoding(cache):
+        def fn(q, k, v):
+            cache.append(k, v)
+            return cp_decode_attention(q, cache)
+        return fn
+
+    try:
+        for i, block in enumerate(model.blocks):
+            block.attention_fn = keeping_cache(i, block.attention_fn or (lambda q, k, v: attention(q, k, v, causal=True)))
+        t0 = time.perf_counter()
+        logits = [_last_logits(model, model(piece), positions, length - 1)]
+        tokens = [logits[-1].argmax(-1)]
+        sync()
+        timings["prefill_s"], timings["decode_s"] = time.perf_counter() - t0, []
+        for step in range(1, steps):
+            t0 = time.perf_counter()
+            pos = length + step - 1                      # the position of the token being fed
+            for block, cache in zip(model.blocks, caches):
+                block.attention_fn, block.positions = decoding(cache), torch.tensor([pos])
+            logits.append(comm.all_gather_raw(model(tokens[-1][:, None])[:, 0], model.tp_group, -1))
+            tokens.append(logits[-1].argmax(-1))
+            sync()
+            timings["decode_s"].append(time.perf_counter() - t0)
+    finally:
+        for block, (fn, pos) in zip(model.blocks, saved):
+            block.attention_fn, block.positions = fn, pos
+    return torch.stack(tokens, 1), torch.stack(logits, 1)
+
+
+@torch.no_grad()
+def greedy_reference(model: Llama, ids, steps: int):
+    """The one-device greedy decode without a cache: (tokens (B, steps), logits (B, steps, vocab))."""
+    tokens, logits = [], []
+    for _ in range(steps):
+        logits.append(model(ids)[:, -1])
+        tokens.append(logits[-1].argmax(-1))
+        ids = torch.cat([ids, tokens[-1][:, None]], 1)
+    return torch.stack(tokens, 1), torch.stack(logits, 1)
+
+
+def prompt_ids(text, length: int, batch: int, multiple: int):
+    """(B, L) prompt: ``text`` (or the start of the shipped corpus, ``length`` bytes) left-trimmed to a
+    multiple of ``multiple`` (what the CP layout needs), repeated over the batch."""
+    ids = encode(text) if text is not None else corpus()[:length]
+    keep = len(ids) // multiple * multiple
+    if keep == 0:
+        raise ValueError(f"the prompt has {len(ids)} tokens; the layout needs a multiple of {multiple}")
+    return ids[len(ids) - keep:][None].repeat(batch, 1)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m distlab.infer", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="tiny", help="a preset in configs/ or a JSON path (its model section)")
+    p.add_argument("--checkpoint", default=None, help="a training checkpoint (…/step_N); default: the seeded init")
+    p.add_argument("--prompt", default=None, help="prompt text (default: the first --prompt-len corpus bytes)")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1, help="prompt copies (split over the data-parallel ranks)")
+    p.add_argument("--steps", type=int, default=32, help="tokens to generate")
+    p.add_argument("--tp", type=int, default=None)
+    p.add_argument("--ring", type=int, default=None)
+    p.add_argument("--ulysses", type=int, default=None)
+    p.add_argument("--cp-layout", choices=("zigzag", "contiguous"), default=None)
+    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32")
+    p.add_argument("--check", action="store_true", help="compare with the one-device model's greedy decode")
+    p.add_argument("--json", metavar="PATH", help="write tokens, timings and the check (rank 0)")
+    p.add_argument("--device", default=None)
+    a = p.parse_args(argv)
+    rt = init_runtime(device=a.device)
+    try:
+        mcfg, tcfg = load_config(a.config)
+        layout = {"tp": 1, "ring": 1, "ulysses": 1, "cp_layout": "zigzag", **load_layout(a.config)}
+        for key in ("tp", "ring", "ulysses", "cp_layout"):   # flags override the preset; its sp is ignored
+            if getattr(a, key) is None:
+                setattr(a, key, layout[key])
+        model_parallel = a.tp * a.ring * a.ulysses
+        if rt.world_size % model_parallel:
+            raise ValueError(f"tp {a.tp} x ring {a.ring} x ulysses {a.ulysses} does not divide the world size "
+                             f"{rt.world_size}")
+        dims = ParallelDims(rt.world_size, dp=rt.world_size // model_parallel, tp=a.tp, ring=a.ring, ulysses=a.ulysses)
+        if a.batch % dims.dp:
+            raise ValueError(f"batch {a.batch} is not divisible by the {dims.dp} data-parallel ranks")
+        layout_name = a.cp_layout if a.ring > 1 else "contiguous"
+        multiple = a.ring * a.ulysses * (2 if layout_name == "zigzag" else 1)
+        ids = prompt_ids(a.prompt, a.prompt_len, a.batch, multiple)
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        shutdown()
+        sys.exit(2)
+    dtype = getattr(torch, a.dtype)
+    torch.manual_seed(tcfg.seed)
+    ref = checkpoint.load_weights(a.checkpoint, mcfg) if a.checkpoint else Llama(mcfg)
+    ref = ref.to(rt.device, dtype)
+    model = ParallelLlama(ref, dims.build_mesh(rt.device.type), False, layout_name)
+    generate(model, ids.to(rt.device), 2)                      # warm-up (allocator, kernels, groups)
+    timings = {}
+    tokens, logits = generate(model, ids.to(rt.device), a.steps, timings)
+    decode_ms = sorted(timings["decode_s"])[len(timings["decode_s"]) // 2] * 1e3 if timings["decode_s"] else 0.0
+    tokens = comm.all_gather_raw(tokens, model.dp_group, 0).cpu()
+    logits = comm.all_gather_raw(logits, model.dp_group, 0).float().cpu()
+    result = {"world_size": rt.world_size, "layout": dims.degrees(), "cp_layout": layout_name, "dtype": a.dtype,
+              "prompt_tokens": ids.shape[1], "steps": a.steps, "tokens": tokens.tolist(),
+              "prefill_s": timings["prefill_s"], "decode_ms_per_token_median": decode_ms}
+    if a.check:
+        ref_tokens, ref_logits = greedy_reference(ref, ids.to(rt.device), a.steps)
+        ref_logits = ref_logits.float().cpu()
+        same = int((tokens == ref_tokens.cpu()).all(0).long().cumprod(0).sum())
+        err = ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
+        result.update(same_tokens=same, logits_max_rel_err=err)
+    if rt.is_main:
+        shown = " x ".join(f"{k} {v}" for k, v in dims.degrees().items())
+        print(f"greedy decode on {rt.world_size} rank(s) ({shown}, {layout_name}), {rt.device}, {a.dtype}: "
+              f"prompt {ids.shape[1]} tokens, {a.steps} new")
+        print(f"prefill {timings['prefill_s'] * 1e3:.1f} ms ({ids.numel() / timings['prefill_s']:,.0f} tok/s), "
+              f"decode {decode_ms:.2f} ms/token (median)")
+        print(f"prompt : {decode(ids[0])!r}")
+        print(f"decoded: {decode(tokens[0])!r}")
+        if a.check:
+            ok = same == a.steps
+            print(f"check vs one-device greedy: {same}/{a.steps} tokens equal, logits max rel error {err:.2e}: "
+                  f"{'PASS' if ok else 'FAIL'}")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(result, f, indent=1)
+    shutdown()
+    if a.check and same != a.steps:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
