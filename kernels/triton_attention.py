@@ -1,0 +1,362 @@
+"""Flash attention in Triton (FA2-style): forward with LSE, backward, causal, GQA, and an accumulate mode.
+
+    python -m kernels.bench --only attention          # GPU: against cuDNN / flash SDPA
+    TRITON_INTERPRET=1 python -m pytest tests/test_triton_kernels.py -k attention   # CPU, fp32/fp16
+
+Layout as in ``kernels.attention``: q ``(batch, seq_q, heads, D)``, k/v ``(batch, seq_k, kv_heads, D)``
+(any strides with the last dim contiguous), LSE float32 ``(batch, heads, seq_q)``. D is a power of two
+from 16 to 256.
+
+Forward: one program per (BLOCK_M query rows, query head). It streams the kv head's K/V in BLOCK_N tiles,
+keeps the running max ``m`` and sum ``l`` of exp2-domain scores (the softmax scale times log2 e is folded
+into the scores, so one ``exp2`` per score) and the unnormalised output in registers, and writes
+``out = acc / l`` and ``lse = (m + log2 l) · ln 2``. Causal rows see keys ``j <= i`` (``seq_q == seq_k``):
+tiles strictly below the diagonal run without a mask, only the tiles crossing it are masked; programs are
+launched heaviest (last query rows) first.
+
+Accumulate mode (``accumulate=True``, what a ring step uses instead of a separate merge launch): ``out``
+and ``lse`` are float32 running results, possibly views of some rows of a larger buffer; the kernel merges
+its block into them in place, ``lse' = logaddexp(lse, lse_b)``, ``out' = out·e^(lse−lse') +
+out_b·e^(lse_b−lse')`` (a row whose running LSE is −inf takes the block's result).
+
+Backward (given the *final* out and LSE, as every backend here): a small kernel computes
+``delta = rowsum(dO ∘ O)``; one kernel per (BLOCK_N keys, kv head) loops over the query tiles of *every*
+q head of its group and accumulates dK, dV in registers (no atomics, GQA summed in place); one kernel per
+(BLOCK_M queries, q head) accumulates dQ over the key tiles.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# tile configs: (BLOCK_M, BLOCK_N, num_warps, num_stages); env DISTLAB_TRITON_ATTN_{FWD,DKV,DQ}="128,64,8,3"
+_GPU_DEFAULTS = {"FWD": (128, 64, 8, 3), "DKV": (64, 128, 8, 2), "DQ": (128, 64, 8, 2)}
+_CPU = {"FWD": (32, 16, 4, 1), "DKV": (16, 32, 4, 1), "DQ": (32, 16, 4, 1)}   # the interpreter: small tiles
+# causal loops need BLOCK_M % BLOCK_N == 0 (FWD, DQ) and BLOCK_N % BLOCK_M == 0 (DKV)
+
+
+def tile_config(kind: str, device: torch.device, head_dim: int):
+    env = os.environ.get(f"DISTLAB_TRITON_ATTN_{kind}")
+    if env:
+        bm, bn, w, s = (int(x) for x in env.split(","))
+    elif device.type != "cuda":
+        bm, bn, w, s = _CPU[kind]
+    else:
+        bm, bn, w, s = _GPU_DEFAULTS[kind]
+        if head_dim > 128:
+            bm, bn, s = min(bm, 64), min(bn, 64), 1
+    big, small = (bn, bm) if kind == "DKV" else (bm, bn)
+    if big % small:
+        raise ValueError(f"{kind} tiles {bm}x{bn}: the {'key' if kind == 'DKV' else 'query'} tile must be a multiple "
+                         f"of the other")
+    return bm, bn, w, s
+
+
+# ----------------------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, lo, hi, seq_k, qk_scale,
+               BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + offs_n
+        if MASK:
+            k = tl.load(k_ptrs + start * stride_kn, mask=(cols < seq_k)[:, None], other=0.0)
+            v = tl.load(v_ptrs + start * stride_vn, mask=(cols < seq_k)[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs + start * stride_kn)
+            v = tl.load(v_ptrs + start * stride_vn)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if MASK:
+            visible = cols[None, :] < seq_k
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= rows[:, None])
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, seq_q, seq_k, heads, groups, qk_scale,
+                sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, PREC: tl.constexpr):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)          # heaviest causal rows first
+    bh = tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    hk = h // groups
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + offs_d[None, :], mask=(rows < seq_q)[:, None], other=0.0)
+    k_ptrs = K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :]
+    v_ptrs = V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :]
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    if CAUSAL:   # unmasked tiles left of the diagonal block, then the masked diagonal tiles
+        diag = pid_m * BLOCK_M
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, rows, 0, diag, seq_k, qk_scale,
+                                   BLOCK_N, False, True, PREC)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, rows, diag,
+                                   tl.minimum(diag + BLOCK_M, seq_k), seq_k, qk_scale, BLOCK_N, True, True, PREC)
+    else:
+        full = seq_k - seq_k % BLOCK_N
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, rows, 0, full, seq_k, qk_scale,
+                                   BLOCK_N, False, False, PREC)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, rows, full, seq_k, seq_k, qk_scale,
+                                   BLOCK_N, True, False, PREC)
+    lse = (m_i + tl.math.log2(l_i)) / 1.4426950408889634
+    out = acc / l_i[:, None]
+    in_rows = rows < seq_q
+    o_ptrs = O + b * sob + h * soh + rows[:, None] * sos + offs_d[None, :]
+    l_ptrs = LSE + b * slb + h * slh + rows
+    if ACCUMULATE:   # merge into the running float32 (out, lse)
+        prev = tl.load(l_ptrs, mask=in_rows, other=float("-inf"))
+        new = tl.maximum(prev, lse) + tl.log(1.0 + tl.exp(-tl.abs(prev - lse)))
+        new = tl.where(prev == float("-inf"), lse, new)
+        w_prev = tl.where(prev == float("-inf"), 0.0, tl.exp(prev - new))
+        w_blk = tl.exp(lse - new)
+        o_prev = tl.load(o_ptrs, mask=in_rows[:, None], other=0.0)
+        out = o_prev * w_prev[:, None] + out * w_blk[:, None]
+        lse = new
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=in_rows[:, None])
+    tl.store(l_ptrs, lse, mask=in_rows)
+
+
+def check_triton_inputs(q, k, v, causal):
+    d = q.shape[-1]
+    if d not in (16, 32, 64, 128, 256):
+        raise ValueError(f"the Triton attention kernel takes head_dim 16, 32, 64, 128 or 256; got {d}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"the Triton attention kernel takes fp16, bf16 or fp32; got {q.dtype}")
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal attention needs seq_q == seq_k; got {q.shape[1]} and {k.shape[1]}")
+    if k.shape[1] == 0:
+        raise ValueError("the Triton attention kernel needs at least one key")
+
+
+def _precision(q):
+    """fp32 inputs: exact fp32 dots (not TF32) — the fp32 path is for checking, not speed."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def _last_contiguous(*ts):
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
+
+
+def flash_forward(q, k, v, causal=False, softmax_scale=None, out=None, lse=None, accumulate=False):
+    """``(out, lse)``. Without ``out``/``lse``: new tensors (out in q's dtype). With them: written there
+    (e.g. float32 accumulators); ``accumulate=True`` merges into what they hold (see module doc)."""
+    check_triton_inputs(q, k, v, causal)
+    q, k, v = _last_contiguous(q, k, v)
+    b, sq, h, d = q.shape
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs the running out and lse")
+        out = torch.empty_like(q)
+        lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
+    if out.shape != q.shape or lse.shape != (b, h, sq) or lse.dtype != torch.float32 or out.stride(-1) != 1 \
+            or lse.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} (last dim contiguous) and lse float32 {(b, h, sq)}; "
+                         f"got {tuple(out.shape)} and {tuple(lse.shape)} {lse.dtype}")
+    bm, bn, warps, stages = tile_config("FWD", q.device, d)
+    grid = (triton.cdiv(sq, bm), b * h)
+    _fwd_kernel[grid](q, k, v, out, lse, sq, k.shape[1], h, h // k.shape[2], scale * LOG2E,
+                      q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                      v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+                      lse.stride(0), lse.stride(1),
+                      BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, ACCUMULATE=accumulate, PREC=_precision(q),
+                      num_warps=warps, num_stages=stages)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _delta_kernel(O, DO, DELTA, seq, heads, sob, sos, soh, sdb, sds, sdh,
+                  BLOCK: tl.constexpr, D: tl.constexpr):
+    bh = tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, D)
+    m = (rows < seq)[:, None]
+    o = tl.load(O + b * sob + h * soh + rows[:, None] * sos + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sds + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(DELTA + bh * seq + rows, tl.sum(o * do, 1), mask=rows < seq)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, stride_qm, stride_dom, cols, lo, hi, seq_q, qk_scale,
+                BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+    offs_m = tl.arange(0, BLOCK_M)
+    for start in range(lo, hi, BLOCK_M):
+        rows = start + offs_m
+        if MASK:
+            q = tl.load(q_ptrs + start * stride_qm, mask=(rows < seq_q)[:, None], other=0.0)
+            do = tl.load(do_ptrs + start * stride_dom, mask=(rows < seq_q)[:, None], other=0.0)
+            lse2 = tl.load(l_ptrs + start, mask=rows < seq_q, other=float("inf"))
+            delta = tl.load(d_ptrs + start, mask=rows < seq_q, other=0.0)
+        else:
+            q = tl.load(q_ptrs + start * stride_qm)
+            do = tl.load(do_ptrs + start * stride_dom)
+            lse2 = tl.load(l_ptrs + start)
+            delta = tl.load(d_ptrs + start)
+        st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale                     # (BLOCK_N, BLOCK_M) = scores^T
+        pt = tl.math.exp2(st - lse2[None, :])
+        if MASK:
+            if CAUSAL:
+                pt = tl.where(cols[:, None] <= rows[None, :], pt, 0.0)
+        dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+        dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+        dst = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, seq_q, seq_k, heads, groups, qk_scale, scale,
+                 sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
+                 PREC: tl.constexpr):
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    kv_heads = heads // groups
+    b, hk = bhk // kv_heads, bhk % kv_heads
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    offs_m = tl.arange(0, BLOCK_M)
+    in_cols = (cols < seq_k)[:, None]
+    k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + offs_d[None, :], mask=in_cols, other=0.0)
+    v = tl.load(V + b * svb + hk * svh + cols[:, None] * svs + offs_d[None, :], mask=in_cols, other=0.0)
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    dv = tl.zeros([BLOCK_N, D], tl.float32)
+    for g in range(groups):
+        h = hk * groups + g
+        q_ptrs = Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :]
+        do_ptrs = DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :]
+        l_ptrs = LSE2 + (b * heads + h) * seq_q + offs_m
+        d_ptrs = DELTA + (b * heads + h) * seq_q + offs_m
+        full = seq_q - seq_q % BLOCK_M
+        if CAUSAL:   # query tiles crossing the diagonal (masked), then those wholly below it
+            lo = pid_n * BLOCK_N
+            mid = tl.minimum(lo + BLOCK_N, full)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, sqs, sdos, cols, lo, mid, seq_q,
+                                 qk_scale, BLOCK_M, True, True, PREC)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, sqs, sdos, cols, mid, full, seq_q,
+                                 qk_scale, BLOCK_M, False, True, PREC)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, sqs, sdos, cols,
+                                 tl.maximum(full, lo), seq_q, seq_q, qk_scale, BLOCK_M, True, True, PREC)
+        else:
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, sqs, sdos, cols, 0, full, seq_q,
+                                 qk_scale, BLOCK_M, False, False, PREC)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, sqs, sdos, cols, full, seq_q, seq_q,
+                                 qk_scale, BLOCK_M, True, False, PREC)
+    tl.store(DK + b * sdkb + hk * sdkh + cols[:, None] * sdks + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
+             mask=in_cols)
+    tl.store(DV + b * sdvb + hk * sdvh + cols[:, None] * sdvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=in_cols)
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, lo, hi, seq_k, qk_scale,
+              BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + offs_n
+        if MASK:
+            k = tl.load(k_ptrs + start * stride_kn, mask=(cols < seq_k)[:, None], other=0.0)
+            v = tl.load(v_ptrs + start * stride_vn, mask=(cols < seq_k)[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs + start * stride_kn)
+            v = tl.load(v_ptrs + start * stride_vn)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        p = tl.math.exp2(s - lse2[:, None])
+        if MASK:
+            visible = cols[None, :] < seq_k
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= rows[:, None])
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    return dq
+
+
+@triton.jit
+def _dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, seq_q, seq_k, heads, groups, qk_scale, scale,
+               sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
+                 PREC: tl.constexpr):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    hk = h // groups
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    in_rows = rows < seq_q
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + offs_d[None, :], mask=in_rows[:, None], other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdos + offs_d[None, :], mask=in_rows[:, None], other=0.0)
+    lse2 = tl.load(LSE2 + bh * seq_q + rows, mask=in_rows, other=float("inf"))
+    delta = tl.load(DELTA + bh * seq_q + rows, mask=in_rows, other=0.0)
+    k_ptrs = K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :]
+    v_ptrs = V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :]
+    dq = tl.zeros([BLOCK_M, D], tl.float32)
+    if CAUSAL:
+        diag = pid_m * BLOCK_M
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, sks, svs, rows, 0, diag, seq_k, qk_scale,
+                       BLOCK_N, False, True, PREC)
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, sks, svs, rows, diag,
+                       tl.minimum(diag + BLOCK_M, seq_k), seq_k, qk_scale, BLOCK_N, True, True, PREC)
+    else:
+        full = seq_k - seq_k % BLOCK_N
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, sks, svs, rows, 0, full, seq_k, qk_scale,
+                       BLOCK_N, False, False, PREC)
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, sks, svs, rows, full, seq_k, seq_k, qk_scale,
+                       BLOCK_N, True, False, PREC)
+    tl.store(DQ + b * sdqb + h * sdqh + rows[:, None] * sdqs + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=in_rows[:, None])
+
+
+def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None):
+    """``(dq, dk, dv)`` in the inputs' dtype, from the final ``out`` and float32 ``lse``."""
+    check_triton_inputs(q, k, v, causal)
+    q, k, v, out, dout = _last_contiguous(q, k, v, out, dout)
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    delta = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
+    _delta_kernel[(triton.cdiv(sq, 64), b * h)](out, dout, delta, sq, h, out.stride(0), out.stride(1), out.stride(2),
+                                                dout.stride(0), dout.stride(1), dout.stride(2), BLOCK=64, D=d)
+    # exp2-domain LSE; a row that saw no key (-inf) gets +inf so that its probabilities are 0
+    lse2 = torch.where(torch.isfinite(lse), lse.float() * LOG2E, float("inf")).contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
+    bm, bn, warps, stages = tile_config("DKV", q.device, d)
+    _dkdv_kernel[(triton.cdiv(sk, bn), b * hk)](
+        q, k, v, dout, lse2, delta, dk, dv, sq, sk, h, h // hk, scale * LOG2E, scale, *strides,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), num_warps=warps, num_stages=stages)
+    bm, bn, warps, stages = tile_config("DQ", q.device, d)
+    _dq_kernel[(triton.cdiv(sq, bm), b * h)](
+        q, k, v, dout, lse2, delta, dq, sq, sk, h, h // hk, scale * LOG2E, scale, *strides,
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), num_warps=warps, num_stages=stages)
+    return dq, dk, dv
