@@ -19,6 +19,9 @@ Backends (``backend=``):
   never holds more than one block of query rows' scores (``block_bytes``).
 - ``sdpa-cudnn``, ``sdpa-flash``, ``sdpa-efficient``: PyTorch's LSE-returning SDPA ops and their backward
   ops (CUDA only; cuDNN and flash take fp16/bf16, efficient fp32 — see ``_SDPA_DTYPES``).
+- ``triton``: distlab's own FA2-style kernel (``kernels.triton_attention``): fp16/bf16/fp32 on CUDA (or on
+  CPU under ``TRITON_INTERPRET=1``), head_dim a power of two; it can also accumulate into a running
+  (out, LSE), which the ring uses to skip its merge launches. Never picked by ``auto``.
 - ``auto``: the fastest present for the tensors given: cuDNN for fp16/bf16 on CUDA, then flash; efficient
   for fp32 on CUDA; ``torch`` on CPU and for float64.
 """
@@ -26,10 +29,11 @@ Backends (``backend=``):
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
-BACKENDS = ("auto", "torch", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient")
+BACKENDS = ("auto", "torch", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "triton")
 _SDPA_DTYPES = {
     "sdpa-cudnn": (torch.float16, torch.bfloat16),
     "sdpa-flash": (torch.float16, torch.bfloat16),
@@ -72,7 +76,20 @@ def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[s
         for name in ("sdpa-cudnn", "sdpa-flash", "sdpa-efficient"):
             if dtype in _SDPA_DTYPES[name] and _sdpa_op_present(name):
                 names.append(name)
+    if dtype in (torch.float16, torch.bfloat16, torch.float32) and triton_runs_on(device):
+        names.append("triton")
     return names + ["torch"]
+
+
+def triton_runs_on(device) -> bool:
+    """Triton is importable and the tensors are on CUDA (or on CPU with ``TRITON_INTERPRET=1``)."""
+    if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def resolve_backend(backend: str, device: torch.device | str, dtype: torch.dtype) -> str:
@@ -81,7 +98,7 @@ def resolve_backend(backend: str, device: torch.device | str, dtype: torch.dtype
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     present = available_backends(device, dtype)
     if backend == "auto":
-        return present[0]
+        return next(n for n in present if n != "triton")
     if backend not in present:
         raise ValueError(f"attention backend {backend!r} cannot run {dtype} on {torch.device(device).type}; "
                          f"present here: {', '.join(present)}")
@@ -110,6 +127,10 @@ def attention_forward(q, k, v, causal=False, softmax_scale=None, backend="auto")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if backend == "torch":
         return _torch_forward(q, k, v, causal, scale)
+    if backend == "triton":
+        from kernels.triton_attention import flash_forward
+
+        return flash_forward(q, k, v, causal, scale)
     return _sdpa_forward(backend, q, k, v, causal, scale)
 
 
@@ -125,6 +146,10 @@ def attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if backend == "torch":
         return _torch_backward(dout, q, k, v, out, lse, causal, scale)
+    if backend == "triton":
+        from kernels.triton_attention import flash_backward
+
+        return flash_backward(dout, q, k, v, out, lse, causal, scale)
     return _sdpa_backward(backend, dout, q, k, v, out, lse, causal, scale)
 
 

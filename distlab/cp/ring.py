@@ -32,7 +32,7 @@ from distlab import comm
 from distlab.cp.layout import check_layout
 from distlab.cp.merge import merge_attention, merge_into
 from distlab.profiling import phase
-from kernels.attention import attention_backward, attention_forward, check_qkv, resolve_backend
+from kernels.attention import attention_backward, attention_forward, check_qkv, resolve_backend, triton_runs_on
 
 
 def ring_blocks(step_src: int, rank: int, seq: int, causal: bool, layout: str):
@@ -50,6 +50,39 @@ def ring_blocks(step_src: int, rank: int, seq: int, causal: bool, layout: str):
     return [(slice(half, seq), everything, False)]   # only my late chunk sees their (earlier) chunks
 
 
+def _block_into(out, lse, q, k, v, rows, causal, scale, backend):
+    """Attention of q[:, rows] against k, v merged into the float32 running (out, lse); creates them at
+    step 0 (whose block covers every row). The ``triton`` backend accumulates inside its kernel; other
+    backends on CUDA merge with one Triton kernel (``kernels.lse_merge``), on CPU with ``merge_into``."""
+    if backend == "triton":
+        from kernels.triton_attention import flash_forward
+
+        if out is None:
+            acc = torch.float32
+            out = torch.empty(q.shape, dtype=acc, device=q.device)
+            lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=acc, device=q.device)
+            with phase("ring.block"):
+                flash_forward(q, k, v, causal, scale, out, lse)
+        else:
+            with phase("ring.block"):
+                flash_forward(q[:, rows], k, v, causal, scale, out[:, rows], lse[:, :, rows], accumulate=True)
+        return out, lse
+    with phase("ring.block"):
+        o, l = attention_forward(q[:, rows], k, v, causal, scale, backend)
+    with phase("ring.merge"):
+        if out is None:
+            return merge_attention(None, None, o, l)
+        d = q.shape[-1]
+        if q.is_cuda and out.dtype == torch.float32 and o.stride(-1) == 1 and not d & (d - 1) \
+                and triton_runs_on(q.device):
+            from kernels.lse_merge import lse_merge_
+
+            lse_merge_(out[:, rows], lse[:, :, rows], o, l)
+        else:
+            merge_into(out, lse, o, l, rows)
+    return out, lse
+
+
 def _ring_forward(q, k, v, ring, causal, layout, scale, backend):
     s = q.shape[1]
     out = lse = None  # step 0 (own K/V) always covers every query row, and starts the accumulators
@@ -59,13 +92,7 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend):
             pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
         src = (ring.rank - step) % ring.size
         for rows, cols, blk_causal in ring_blocks(src, ring.rank, s, causal, layout):
-            with phase("ring.block"):
-                o, l = attention_forward(q[:, rows], kv[0][:, cols], kv[1][:, cols], blk_causal, scale, backend)
-            with phase("ring.merge"):
-                if out is None:
-                    out, lse = merge_attention(None, None, o, l)
-                else:
-                    merge_into(out, lse, o, l, rows)
+            out, lse = _block_into(out, lse, q, kv[0][:, cols], kv[1][:, cols], rows, blk_causal, scale, backend)
         if pending is not None:
             with phase("ring.wait"):
                 kv = tuple(pending.wait())

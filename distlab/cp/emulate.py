@@ -1,0 +1,198 @@
+"""One ring rank's schedule on one GPU, with no communication, against one fused attention call.
+
+    python -m distlab.cp.emulate --world 8 --seq 8192 --causal --layout zigzag --backend triton --graphs
+    python -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend sdpa-cudnn triton --json emulate.json
+
+A ring rank runs W block kernels (zigzag causal: its diagonal block and W−1 half blocks) and merges each
+into its running (out, LSE). Once communication hides behind compute, that is all the rank does, so its
+speed against one big kernel with the same FLOPs is the ceiling of ring attention on this GPU. This
+runs exactly the rank's code path of ``distlab.cp.ring`` — ``_ring_forward`` / ``_ring_backward`` — with
+a stand-in exchanger whose "received" K/V of every step is already on the device (``ResidentRing``), so
+the kernels, merges and their order are the real ones and nothing else is.
+
+The fused anchor is one causal (or not) attention call over the whole sequence with H/W heads — exactly
+one rank's share of the FLOPs, in one launch — with the fastest backend present (cuDNN), timed the
+same way. Efficiency = the schedule's TFLOP/s / the anchor's. What helps, and is here: the ``triton``
+backend accumulates each block into the running (out, LSE) inside its kernel (no merge launches), other
+backends merge with one Triton kernel (``kernels.lse_merge``), and ``--graphs`` replays the whole step
+sequence as one CUDA graph (no launch gaps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+from distlab.cp.layout import check_divisible, chunks_per_rank, rank_chunks
+from distlab.cp.local_kernels import block_flops
+from distlab.cp.ring import _ring_backward, _ring_forward, ring_blocks
+from kernels.attention import attention_backward, attention_forward, resolve_backend
+from kernels.bench import DTYPES, timeit
+
+
+class _Ready:
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def wait(self):
+        return self.tensors
+
+
+class ResidentRing:
+    """Stands in for ``comm.RingExchanger``: step i's K/V (those of rank r − i) are already resident; a
+    dK/dV accumulator comes back as sent (its ``add_`` still runs, as on a real rank)."""
+
+    def __init__(self, world, rank, kv_by_step):
+        self.size, self.rank, self.kv = world, rank, kv_by_step
+
+    def exchange(self, tensors, tag):
+        if tag == "ring_kv":
+            i = next(i for i, kv in enumerate(self.kv) if kv[0] is tensors[0])
+            return _Ready(self.kv[i + 1])
+        return _Ready(tensors)
+
+
+def rank_rows(rank, world, seq, layout):
+    """The global sequence positions rank ``rank`` holds (its shard, in order)."""
+    chunk = seq // (world * chunks_per_rank(layout))
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in rank_chunks(rank, world, layout)])
+
+
+def schedule_flops(world, rank, seq, heads, head_dim, causal, layout, batch=1):
+    local = seq // world
+    blocks = [(r.stop - r.start, c.stop - c.start, cz) for step in range(world)
+              for r, c, cz in ring_blocks((rank - step) % world, rank, local, causal, layout)]
+    return block_flops(batch, head_dim, heads, blocks)
+
+
+def emulate_rank(world, seq, heads, kv_heads, head_dim, rank, layout, causal, backend, dtype, device,
+                 backward=True, keep_output=False, graphs=False, iters=10, warmup=3, batch=1):
+    """Time rank ``rank``'s forward (and backward) schedule; returns a dict of seconds and FLOPs (and,
+    with ``keep_output``, the full q/k/v, the rank's rows and its output, for checks)."""
+    check_divisible(seq, world, layout)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, seq, heads, head_dim, generator=g).to(device, dtype)
+    k = torch.randn(batch, seq, kv_heads, head_dim, generator=g).to(device, dtype)
+    v = torch.randn(batch, seq, kv_heads, head_dim, generator=g).to(device, dtype)
+    shard = {r: rank_rows(r, world, seq, layout).to(device) for r in range(world)}
+    kv_by_step = [(k[:, shard[(rank - i) % world]].contiguous(), v[:, shard[(rank - i) % world]].contiguous())
+                  for i in range(world)]
+    ring = ResidentRing(world, rank, kv_by_step)
+    q_r = q[:, shard[rank]].contiguous()
+    dout = torch.randn(q_r.shape, generator=g).to(device, dtype)
+    scale = 1.0 / math.sqrt(head_dim)
+    backend = resolve_backend(backend, device, dtype)
+
+    def fwd():
+        return _ring_forward(q_r, *kv_by_step[0], ring, causal, layout, scale, backend)
+
+    out, lse = fwd()
+    out = out.to(dtype)
+
+    def bwd():
+        return _ring_backward(dout, q_r, *kv_by_step[0], out, lse, ring, causal, layout, scale, backend)
+
+    run_f, run_b = fwd, bwd
+    if graphs and device.type == "cuda":
+        run_f, run_b = _graphed(fwd), (_graphed(bwd) if backward else None)
+    result = {"world": world, "rank": rank, "seq": seq, "layout": layout, "causal": causal, "backend": backend,
+              "graphs": bool(graphs and device.type == "cuda"),
+              "flops_fwd": schedule_flops(world, rank, seq, heads, head_dim, causal, layout, batch)}
+    result["fwd_s"] = timeit(run_f, iters, warmup, device)
+    if backward:
+        result["bwd_s"] = timeit(run_b, iters, warmup, device)
+    if keep_output:
+        result.update(q=q, k=k, v=v, rows=shard[rank].cpu(), out=out)
+    return result
+
+
+def _graphed(fn):
+    """Capture ``fn`` (a fixed sequence of kernels on static tensors) once; replays it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def fused_anchor(world, seq, heads, kv_heads, head_dim, causal, dtype, device, iters=10, warmup=3, batch=1):
+    """One attention call over the whole sequence with H/W heads (one rank's FLOPs), fastest backend."""
+    h = max(1, heads // world)
+    hk = max(1, kv_heads * h // heads)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(batch, seq, h, head_dim, generator=g).to(device, dtype)
+    k = torch.randn(batch, seq, hk, head_dim, generator=g).to(device, dtype)
+    v = torch.randn(batch, seq, hk, head_dim, generator=g).to(device, dtype)
+    backend = resolve_backend("auto", device, dtype)
+    out, lse = attention_forward(q, k, v, causal, backend=backend)
+    dout = torch.randn_like(q)
+    flops = 4 * batch * seq * seq * h * head_dim * (0.5 if causal else 1.0)
+    return {"backend": backend, "flops_fwd": flops,
+            "fwd_s": timeit(lambda: attention_forward(q, k, v, causal, backend=backend), iters, warmup, device),
+            "bwd_s": timeit(lambda: attention_backward(dout, q, k, v, out, lse, causal, backend=backend),
+                            iters, warmup, device)}
+
+
+def main(argv=None):
+    gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(prog="python -m distlab.cp.emulate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=8)
+    p.add_argument("--seq", type=int, nargs="+", default=[8192] if gpu else [1024])
+    p.add_argument("--heads", type=int, default=32 if gpu else 8)
+    p.add_argument("--kv-heads", type=int, default=8 if gpu else 2)
+    p.add_argument("--head-dim", type=int, default=128 if gpu else 32)
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--layout", nargs="+", default=["zigzag"], choices=("zigzag", "contiguous"))
+    p.add_argument("--backend", nargs="+", default=["triton", "sdpa-cudnn"] if gpu else ["torch"])
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=gpu, help="replay as a CUDA graph")
+    p.add_argument("--rank", type=int, default=None, help="default: the busiest rank (W-1 contiguous, 0 zigzag)")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16" if gpu else "fp32")
+    p.add_argument("--iters", type=int, default=20 if gpu else 2)
+    p.add_argument("--no-backward", action="store_true")
+    p.add_argument("--json", metavar="PATH")
+    a = p.parse_args(argv)
+    device = torch.device("cuda" if gpu else "cpu")
+    dtype = DTYPES[a.dtype]
+    rows = []
+    print(f"one ring rank's schedule, no communication, {device} {a.dtype}: W={a.world}, heads {a.heads} "
+          f"(kv {a.kv_heads}), head_dim {a.head_dim}, causal {a.causal}; anchor = one call, H/W heads, same FLOPs")
+    print(f"{'seq':>6} {'layout':>10} {'backend':>11} {'graph':>5} | {'fwd ms':>8} {'TFLOP/s':>8} {'eff':>6} | "
+          f"{'f+b ms':>8} {'TFLOP/s':>8} {'eff':>6}")
+    for seq in a.seq:
+        anchor = fused_anchor(a.world, seq, a.heads, a.kv_heads, a.head_dim, a.causal, dtype, device, a.iters)
+        a_f = anchor["flops_fwd"] / anchor["fwd_s"]
+        a_fb = 3.5 * anchor["flops_fwd"] / (anchor["fwd_s"] + anchor["bwd_s"])
+        print(f"{seq:>6} {'fused':>10} {anchor['backend']:>11} {'-':>5} | {anchor['fwd_s'] * 1e3:>8.3f} "
+              f"{a_f / 1e12:>8.1f} {'100%':>6} | {(anchor['fwd_s'] + anchor['bwd_s']) * 1e3:>8.3f} {a_fb / 1e12:>8.1f} "
+              f"{'100%':>6}")
+        for layout in a.layout:
+            rank = a.rank if a.rank is not None else (a.world - 1 if layout == "contiguous" else 0)
+            for backend in a.backend:
+                r = emulate_rank(a.world, seq, a.heads, a.kv_heads, a.head_dim, rank, layout, a.causal, backend,
+                                 dtype, device, backward=not a.no_backward, graphs=a.graphs, iters=a.iters)
+                f = r["flops_fwd"] / r["fwd_s"]
+                r.update(anchor=anchor, tflops_fwd=f / 1e12, efficiency_fwd=f / a_f)
+                line = (f"{seq:>6} {layout:>10} {r['backend']:>11} {'yes' if r['graphs'] else 'no':>5} | "
+                        f"{r['fwd_s'] * 1e3:>8.3f} {f / 1e12:>8.1f} {100 * f / a_f:>5.1f}%")
+                if not a.no_backward:
+                    fb = 3.5 * r["flops_fwd"] / (r["fwd_s"] + r["bwd_s"])
+                    r.update(tflops_fwd_bwd=fb / 1e12, efficiency_fwd_bwd=fb / a_fb)
+                    line += f" | {(r['fwd_s'] + r['bwd_s']) * 1e3:>8.3f} {fb / 1e12:>8.1f} {100 * fb / a_fb:>5.1f}%"
+                print(line, flush=True)
+                rows.append(r)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if gpu else "cpu", "args": vars(a), "results": rows}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()

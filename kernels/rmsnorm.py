@@ -1,0 +1,124 @@
+"""Fused residual add + RMSNorm in Triton (forward and backward), and its plain-PyTorch reference.
+
+    python -m kernels.bench --only rmsnorm            # GPU: % of copy bandwidth, vs torch.compile
+
+``rmsnorm_residual(x, residual, weight, eps)`` returns ``(y, h)`` with ``h = x + residual`` (the new
+residual stream; ``residual=None`` means ``h = x``) and ``y = h / sqrt(mean(h²) + eps) · weight``, the
+statistics in float32, as in a pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))`` calls it
+once per norm with the branch output as ``x``. One program per row reads x, residual and weight once and
+writes y and h (and the row's 1/rms); the backward reads dy, dh (the gradient reaching h from the
+residual path), h, weight and 1/rms, writes dx (= dresidual), and each program sums its rows' share of
+dweight, the partial sums added once at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def rmsnorm_residual_reference(x, residual, weight, eps=1e-6):
+    h = x if residual is None else x + residual
+    hf = h.float() if h.dtype != torch.float64 else h
+    y = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(hf.dtype)).to(x.dtype)
+    return y, h
+
+
+@triton.jit
+def _fwd(X, R, W, Y, H, RSTD, n, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    h = tl.load(X + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        h += tl.load(R + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(H + row * n + cols, h.to(H.dtype.element_ty), mask=mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / n + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * n + cols, (h * rstd * w).to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _bwd(DY, DH, H, W, RSTD, DX, DW_PARTIAL, rows, n, rows_per_program,
+         HAS_DH: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], tl.float32)
+    first = pid * rows_per_program
+    for row in range(first, tl.minimum(first + rows_per_program, rows)):
+        h = tl.load(H + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row)
+        hat = h * rstd
+        dw += dy * hat
+        g = dy * w
+        dx = rstd * (g - hat * (tl.sum(g * hat, 0) / n))
+        if HAS_DH:
+            dx += tl.load(DH + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + row * n + cols, dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DW_PARTIAL + pid * n + cols, dw, mask=mask)
+
+
+def _launch_shape(n):
+    block = triton.next_power_of_2(n)
+    return block, min(16, max(1, block // 256))
+
+
+def rmsnorm_residual_forward(x, residual, weight, eps=1e-6):
+    """(y, h, rstd) on rows of ``x`` (…, n); ``h`` is ``x`` itself without a residual."""
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight {tuple(weight.shape)} must be ({x.shape[-1]},)")
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n).contiguous()
+    r2 = residual.reshape(-1, n).contiguous() if residual is not None else x2
+    y = torch.empty_like(x2)
+    h = torch.empty_like(x2) if residual is not None else x2
+    rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+    block, warps = _launch_shape(n)
+    _fwd[(x2.shape[0],)](x2, r2, weight, y, h, rstd, n, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+                         num_warps=warps)
+    return y.view(x.shape), h.view(x.shape), rstd
+
+
+def rmsnorm_residual_backward(dy, dh, h, weight, rstd):
+    """(dx, dweight): dx is also the residual's gradient; ``dh`` (or None) is what reached ``h`` directly."""
+    n = h.shape[-1]
+    rows = h.numel() // n
+    dx = torch.empty(rows, n, dtype=h.dtype, device=h.device)
+    programs = min(rows, 4 * (torch.cuda.get_device_properties(h.device).multi_processor_count
+                              if h.is_cuda else 2)) or 1
+    per = triton.cdiv(rows, programs)
+    partial = torch.empty(programs, n, dtype=torch.float32, device=h.device)
+    block, warps = _launch_shape(n)
+    dh2 = dh.reshape(rows, n).contiguous() if dh is not None else dx
+    _bwd[(programs,)](dy.reshape(rows, n).contiguous(), dh2, h.reshape(rows, n).contiguous(), weight, rstd, dx,
+                      partial, rows, n, per, HAS_DH=dh is not None, BLOCK=block, num_warps=warps)
+    return dx.view(h.shape), partial.sum(0).to(weight.dtype)
+
+
+class _RMSNormResidual(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps):
+        y, h, rstd = rmsnorm_residual_forward(x, residual, weight, eps)
+        ctx.save_for_backward(h, weight, rstd)
+        ctx.has_residual = residual is not None
+        return (y, h) if ctx.has_residual else y
+
+    @staticmethod
+    def backward(ctx, dy, dh=None):
+        h, weight, rstd = ctx.saved_tensors
+        dx, dw = rmsnorm_residual_backward(dy, dh, h, weight, rstd)
+        return dx, (dx if ctx.has_residual else None), dw, None
+
+
+def rmsnorm_residual(x, residual, weight, eps=1e-6):
+    """Differentiable ``(y, h)`` (see module doc); with ``residual=None``, ``(y, x)``."""
+    if residual is None:
+        return _RMSNormResidual.apply(x, None, weight, eps), x
+    return _RMSNormResidual.apply(x, residual, weight, eps)

@@ -1,0 +1,229 @@
+"""The Triton kernels of ``kernels/`` against their plain-PyTorch references, on any device.
+
+    TRITON_INTERPRET=1 python tests/kernel_checks.py attention rmsnorm rope swiglu merge emulate   # CPU
+    python tests/kernel_checks.py --device cuda --dtype bfloat16 attention ...                     # GPU
+
+``tests/test_triton_kernels.py`` runs the CPU half in a subprocess (the interpreter must be switched on
+before the kernels are defined, and an out-of-bounds access there kills the process) and the GPU half in
+process. Every float tensor the kernels allocate is poisoned with NaN first (``torch.empty`` is wrapped),
+so an element a kernel forgets to write fails the check. Prints ``OK <name>`` per passing check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+_empty, _empty_like = torch.empty, torch.empty_like
+
+
+def _poison(t):
+    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-(2**30) if t.dtype != torch.bool else True)
+
+
+def poison_allocations():
+    torch.empty = lambda *a, **k: _poison(_empty(*a, **k))
+    torch.empty_like = lambda *a, **k: _poison(_empty_like(*a, **k))
+
+
+def rel(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert not torch.isnan(a).any(), "NaN in the result (an unwritten element?)"
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def tol(dtype):
+    return {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+
+
+def rand(*shape, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(device, dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+def check_attention(device, dtype, big=False):
+    from kernels.attention import attention_backward, attention_forward
+    from kernels.triton_attention import flash_backward, flash_forward
+
+    cases = [(2, 37, 37, 4, 2, 16, True), (1, 50, 23, 2, 1, 32, False), (1, 64, 64, 4, 4, 64, True),
+             (1, 33, 70, 6, 2, 16, False), (1, 100, 100, 2, 1, 32, True)]
+    if big:
+        cases = [(2, 1000, 1000, 8, 2, 64, True), (1, 768, 1280, 8, 8, 128, False), (1, 2048, 2048, 16, 4, 128, True)]
+    for i, (b, sq, sk, h, hk, d, causal) in enumerate(cases):
+        q, k, v = (rand(b, n, hh, d, dtype=dtype, device=device, seed=i * 3 + j)
+                   for j, (n, hh) in enumerate([(sq, h), (sk, hk), (sk, hk)]))
+        dout = rand(b, sq, h, d, dtype=dtype, device=device, seed=99)
+        ro, rl = attention_forward(q.double(), k.double(), v.double(), causal, backend="torch")
+        grads = attention_backward(dout.double(), q.double(), k.double(), v.double(), ro, rl, causal, backend="torch")
+        o, lse = flash_forward(q, k, v, causal)
+        got = (o, lse, *flash_backward(dout, q, k, v, o, lse, causal))
+        for name, g_, w in zip(("out", "lse", "dq", "dk", "dv"), got, (ro, rl, *grads)):
+            err = rel(g_, w)
+            assert err < tol(dtype) * (4 if name in ("dq", "dk", "dv") else 1), (i, name, err)
+    # through the backend registry, and strided inputs (a slice of a fused qkv)
+    b, s, h, hk, d = 1, 24, 4, 2, 16 if not big else 128
+    qkv = rand(b, s, (h + 2 * hk) * d, dtype=dtype, device=device).view(b, s, h + 2 * hk, d)
+    q, k, v = qkv[:, :, :h], qkv[:, :, h:h + hk], qkv[:, :, h + hk:]
+    o, lse = attention_forward(q, k, v, True, backend="triton")
+    ro, rl = attention_forward(q.double(), k.double(), v.double(), True, backend="torch")
+    assert rel(o, ro) < tol(dtype) and rel(lse, rl) < tol(dtype)
+    print("OK attention")
+
+
+def check_attention_accumulate(device, dtype, big=False):
+    """Key blocks accumulated into float32 running results equal attention over all keys; a block that
+    covers only some query rows (a zigzag half block) accumulates into a view."""
+    from kernels.attention import attention_forward
+    from kernels.triton_attention import flash_forward
+
+    b, sq, h, hk, d = (2, 40, 4, 2, 32) if not big else (1, 1024, 8, 2, 128)
+    q = rand(b, sq, h, d, dtype=dtype, device=device, seed=1)
+    k = rand(b, 3 * sq, hk, d, dtype=dtype, device=device, seed=2)
+    v = rand(b, 3 * sq, hk, d, dtype=dtype, device=device, seed=3)
+    out = torch.empty(b, sq, h, d, dtype=torch.float32, device=device)
+    lse = torch.empty(b, h, sq, dtype=torch.float32, device=device)
+    flash_forward(q, k[:, :sq], v[:, :sq], False, None, out, lse)            # writes, poisoned buffers
+    flash_forward(q, k[:, sq:2 * sq], v[:, sq:2 * sq], False, None, out, lse, accumulate=True)
+    half = sq // 2                                  # rows [half, sq) also see the third block
+    flash_forward(q[:, half:], k[:, 2 * sq:], v[:, 2 * sq:], False, None, out[:, half:], lse[:, :, half:],
+                  accumulate=True)
+    qd, kd, vd = q.double(), k.double(), v.double()
+    top, top_l = attention_forward(qd[:, :half], kd[:, :2 * sq], vd[:, :2 * sq], backend="torch")
+    bot, bot_l = attention_forward(qd[:, half:], kd, vd, backend="torch")
+    assert rel(out[:, :half], top) < tol(dtype) and rel(out[:, half:], bot) < tol(dtype)
+    assert rel(lse[:, :, :half], top_l) < tol(dtype) and rel(lse[:, :, half:], bot_l) < tol(dtype)
+    # causal diagonal block first, then a full earlier block: a ring step's pattern
+    out2 = torch.empty(b, sq, h, d, dtype=torch.float32, device=device)
+    lse2 = torch.empty(b, h, sq, dtype=torch.float32, device=device)
+    flash_forward(q, k[:, sq:2 * sq], v[:, sq:2 * sq], True, None, out2, lse2)
+    flash_forward(q, k[:, :sq], v[:, :sq], False, None, out2, lse2, accumulate=True)
+    mask = torch.ones(sq, 2 * sq, dtype=torch.bool, device="cpu").tril(sq)
+    scores = torch.einsum("bqhd,bkhd->bhqk", qd.cpu(), kd[:, :2 * sq].repeat_interleave(h // hk, 2).cpu()) / d ** 0.5
+    want = torch.einsum("bhqk,bkhd->bqhd", scores.masked_fill(~mask, float("-inf")).softmax(-1),
+                        vd[:, :2 * sq].repeat_interleave(h // hk, 2).cpu())
+    assert rel(out2, want) < tol(dtype)
+    print("OK accumulate")
+
+
+def check_rmsnorm(device, dtype, big=False):
+    from kernels.rmsnorm import rmsnorm_residual, rmsnorm_residual_reference
+
+    for rows, n, residual in ((7, 100, True), (5, 64, False), (3, 130, True), (4, 2, True)):
+        shape = (2, rows, n) if not big else (4, 1024, 4096 + n)
+        x = rand(*shape, dtype=dtype, device=device, seed=1).requires_grad_(True)
+        r = rand(*shape, dtype=dtype, device=device, seed=2).requires_grad_(True) if residual else None
+        w = (1 + 0.3 * rand(shape[-1], dtype=torch.float32, device=device, seed=3)).requires_grad_(True)
+        dy, dh = rand(*shape, dtype=dtype, device=device, seed=4), rand(*shape, dtype=dtype, device=device, seed=5)
+        results = []
+        for fn in (rmsnorm_residual, rmsnorm_residual_reference):
+            for t in (x, r, w):
+                if t is not None:
+                    t.grad = None
+            y, h = fn(x, r, w)
+            (y.float() * dy.float()).sum().backward(retain_graph=True) if not residual else \
+                ((y.float() * dy.float()).sum() + (h.float() * dh.float()).sum()).backward()
+            results.append((y.detach(), h.detach(), x.grad.clone(), w.grad.clone(), None if r is None else r.grad.clone()))
+        for name, a, b in zip(("y", "h", "dx", "dw", "dres"), *results):
+            if b is not None:
+                assert rel(a, b) < tol(dtype) * 2, (name, rel(a, b))
+    print("OK rmsnorm")
+
+
+def check_rope(device, dtype, big=False):
+    from distlab.tp.block import rope
+    from kernels.rope import rope_qk, rope_tables
+
+    b, s, hq, hk, d = (2, 11, 3, 1, 16) if not big else (2, 4096, 32, 8, 128)
+    positions = torch.randperm(4 * s, generator=torch.Generator().manual_seed(0))[:s]   # a CP shard's positions
+    q = rand(b, s, hq, d, dtype=dtype, device=device, seed=1).requires_grad_(True)
+    k = rand(b, s, hk, d, dtype=dtype, device=device, seed=2).requires_grad_(True)
+    cos, sin = rope_tables(positions, d, 10000.0, device)
+    qo, ko = rope_qk(q, k, cos, sin)
+    dq_, dk_ = rand(*qo.shape, dtype=dtype, device=device, seed=3), rand(*ko.shape, dtype=dtype, device=device, seed=4)
+    ((qo.float() * dq_.float()).sum() + (ko.float() * dk_.float()).sum()).backward()
+    gq, gk = q.grad.clone(), k.grad.clone()
+    q.grad = k.grad = None
+    rq, rk = rope(q, positions=positions.to(device)), rope(k, positions=positions.to(device))
+    ((rq.float() * dq_.float()).sum() + (rk.float() * dk_.float()).sum()).backward()
+    for name, a, w in (("q", qo, rq), ("k", ko, rk), ("dq", gq, q.grad), ("dk", gk, k.grad)):
+        assert rel(a, w) < tol(dtype), (name, rel(a, w))
+    print("OK rope")
+
+
+def check_swiglu(device, dtype, big=False):
+    from kernels.swiglu import swiglu, swiglu_reference
+
+    shape = (3, 5, 2 * 37) if not big else (4096, 2 * 14336)
+    gu = rand(*shape, dtype=dtype, device=device, seed=1).requires_grad_(True)
+    dy = rand(*shape[:-1], shape[-1] // 2, dtype=dtype, device=device, seed=2)
+    got = swiglu(gu)
+    got.backward(dy)
+    g1 = gu.grad.clone()
+    gu.grad = None
+    want = swiglu_reference(gu.float())
+    want.backward(dy.float())
+    assert rel(got, want) < tol(dtype) and rel(g1, gu.grad) < tol(dtype) * 2, (rel(got, want), rel(g1, gu.grad))
+    print("OK swiglu")
+
+
+def check_merge(device, dtype, big=False):
+    from distlab.cp.merge import merge_into
+    from kernels.lse_merge import lse_merge_
+
+    b, s, h, d = (2, 45, 3, 16) if not big else (1, 4096, 32, 128)
+    out = rand(b, s, h, d, dtype=torch.float32, device=device, seed=1)
+    lse = rand(b, h, s, dtype=torch.float32, device=device, seed=2)
+    bo = rand(b, s // 2, h, d, dtype=dtype, device=device, seed=3)
+    bl = rand(b, h, s // 2, dtype=torch.float32, device=device, seed=4)
+    lse[:, 0, :5] = float("-inf")                    # running rows that saw nothing yet
+    bl[:, 1, :3] = float("-inf")                     # block rows with no visible key (their out is garbage)
+    bo[:, :3, 1] = float("nan")
+    lse[:, 2, :2] = bl[:, 2, :2] = float("-inf")     # rows empty on both sides stay empty
+    want_o, want_l = merge_into(out.clone(), lse.clone(), bo, bl, slice(s - s // 2, s))
+    rows = slice(s - s // 2, s)
+    lse_merge_(out[:, rows], lse[:, :, rows], bo, bl)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_l))
+    fin = torch.isfinite(want_l)
+    assert (lse[fin] - want_l[fin]).abs().max() < 1e-5 and rel(out, want_o) < 1e-5
+    print("OK merge")
+
+
+def check_emulate(device, dtype, big=False):
+    """One rank's ring schedule on one device equals the rows of full attention it owns (triton backend)."""
+    from distlab.cp.emulate import emulate_rank
+    from kernels.attention import attention_forward
+
+    world, seq, h, hk, d = (3, 48, 2, 1, 16) if not big else (8, 8192, 8, 2, 128)
+    for layout in ("zigzag", "contiguous"):
+        for rank in (0, world - 1):
+            res = emulate_rank(world, seq, h, hk, d, rank, layout, True, "triton", dtype, device, backward=False,
+                               keep_output=True)
+            q, k, v, out, rows = res["q"], res["k"], res["v"], res["out"], res["rows"]   # full q/k/v
+            full, _ = attention_forward(q.double(), k.double(), v.double(), True, backend="torch")
+            assert rel(out, full[:, rows]) < tol(dtype) * 2, (layout, rank, rel(out, full[:, rows]))
+    print("OK emulate")
+
+
+CHECKS = {"attention": check_attention, "accumulate": check_attention_accumulate, "rmsnorm": check_rmsnorm,
+          "rope": check_rope, "swiglu": check_swiglu, "merge": check_merge, "emulate": check_emulate}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("names", nargs="+", choices=list(CHECKS))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--big", action="store_true", help="real sizes (GPU)")
+    a = p.parse_args(argv)
+    poison_allocations()
+    for name in a.names:
+        CHECKS[name](torch.device(a.device), getattr(torch, a.dtype), a.big)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, __file__.rsplit("/", 2)[0])
+    main()

@@ -1,0 +1,80 @@
+"""The Triton kernels (attention fwd/bwd/accumulate, RMSNorm+residual, RoPE, SwiGLU, LSE merge) and the ring
+emulator against their references: on CPU under ``TRITON_INTERPRET=1`` in fp32 and fp16 at small odd
+shapes (the interpreter's bf16 dot is broken), on a GPU at real sizes in bf16/fp16 too. The checks
+themselves are in ``tests/kernel_checks.py`` (outputs poisoned with NaN before each kernel runs)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NAMES = ["attention", "accumulate", "rmsnorm", "rope", "swiglu", "merge", "emulate"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_kernels_in_the_interpreter(dtype):
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.path.dirname(HERE)}
+    names = NAMES if dtype == "float32" else NAMES[:-1]
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "kernel_checks.py"), "--dtype", dtype, *names],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert all(f"OK {n}" in proc.stdout for n in names), proc.stdout
+
+
+WRONG_KERNEL = """
+import kernels.triton_attention as t
+import tests.kernel_checks as checks
+
+orig = t.flash_forward
+
+def forgets_the_last_row(q, k, v, *args, **kwargs):
+    out, lse = orig(q, k, v, *args, **kwargs)
+    out[:, -1] = float("nan")          # as if the kernel never wrote it (the buffer was poisoned)
+    return out, lse
+
+t.flash_forward = forgets_the_last_row
+checks.main(["attention"])
+"""
+
+
+def test_a_kernel_that_leaves_an_element_unwritten_fails_the_checks():
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.path.dirname(HERE)}
+    proc = subprocess.run([sys.executable, "-c", WRONG_KERNEL], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=os.path.dirname(HERE))
+    assert proc.returncode != 0 and "NaN in the result" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_triton_backend_refuses_what_it_cannot_run():
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    from kernels.triton_attention import check_triton_inputs, tile_config
+
+    q = torch.zeros(1, 4, 2, 48)
+    with pytest.raises(ValueError, match="head_dim 16, 32, 64, 128 or 256"):
+        check_triton_inputs(q, q, q, False)
+    with pytest.raises(ValueError, match="causal attention needs seq_q == seq_k"):
+        check_triton_inputs(torch.zeros(1, 4, 2, 32), torch.zeros(1, 5, 2, 32), torch.zeros(1, 5, 2, 32), True)
+    os.environ["DISTLAB_TRITON_ATTN_FWD"] = "64,128,4,2"
+    try:
+        with pytest.raises(ValueError, match="must be a multiple"):
+            tile_config("FWD", torch.device("cpu"), 64)
+    finally:
+        del os.environ["DISTLAB_TRITON_ATTN_FWD"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_kernels_on_the_gpu(dtype):
+    sys.path.insert(0, HERE)
+    import kernel_checks
+
+    kernel_checks.poison_allocations()
+    try:
+        for name in NAMES:
+            kernel_checks.CHECKS[name](torch.device("cuda"), getattr(torch, dtype), big=True)
+    finally:
+        torch.empty, torch.empty_like = kernel_checks._empty, kernel_checks._empty_like
