@@ -1,6 +1,11 @@
-"""Benchmark the attention backends against PyTorch's own SDPA on the same GPU, in one run.
+"""Every kernel of ``kernels/`` against its anchor on the same GPU, in one run and one table.
 
     python -m kernels.bench --seq 8192 --heads 32 --head-dim 128 --causal --json bench.json
+    python -m kernels.bench --only memory          # RMSNorm+residual, RoPE, SwiGLU, LSE merge only
+
+Memory-bound kernels (Triton: RMSNorm with the residual add, RoPE on q and k, SwiGLU, the LSE merge) are
+reported in GB/s of the bytes they must move, as a percentage of a device-to-device copy measured in
+the same run, next to ``torch.compile`` of their PyTorch reference (fwd, and fwd+bwd through autograd).
 
 For each backend of ``kernels.attention`` present for the dtype: forward (``attention_forward``) and
 backward (``attention_backward``, given the forward's out and lse) times, and TFLOP/s as FlashAttention
@@ -69,6 +74,91 @@ def bench_sdpa_anchor(kernel, q, k, v, dout, causal, iters, warmup):
     return t_f, t_b
 
 
+def copy_bandwidth(device, iters, warmup, nbytes=2**30):
+    """Device-to-device copy: bytes read + written per second (the memory-bound kernels' anchor)."""
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    return 2 * nbytes / timeit(lambda: y.copy_(x), iters, warmup, device)
+
+
+def memory_bound_cases(dev, dtype):
+    """(name, make inputs, triton fn, reference fn, bytes fwd, bytes fwd+bwd) at Llama-8B-like sizes."""
+    from kernels.lse_merge import lse_merge_
+    from kernels.rmsnorm import rmsnorm_residual, rmsnorm_residual_reference
+    from kernels.rope import rope_qk, rope_reference, rope_tables
+    from kernels.swiglu import swiglu, swiglu_reference
+    from distlab.cp.merge import merge_into
+
+    gpu = dev.type == "cuda"
+    rows, hidden, ffn = (16384, 4096, 14336) if gpu else (256, 256, 512)
+    b, s, hq, hk, d = (4, 4096, 32, 8, 128) if gpu else (1, 128, 4, 2, 32)
+    e = torch.tensor([], dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape, dt=dtype, grad=True):
+        return torch.randn(*shape, generator=g).to(dev, dt).requires_grad_(grad)
+
+    def norm_inputs():
+        return (rnd(rows, hidden), rnd(rows, hidden), rnd(hidden, dt=torch.float32)), \
+            (rnd(rows, hidden, grad=False), rnd(rows, hidden, grad=False))
+
+    def rope_inputs():
+        cos, sin = rope_tables(torch.arange(s), d, 10000.0, dev)
+        return (rnd(b, s, hq, d), rnd(b, s, hk, d), cos, sin), (rnd(b, s, hq, d, grad=False), rnd(b, s, hk, d, grad=False))
+
+    def rope_ref(q, k, cos, sin):
+        return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
+
+    def swiglu_inputs():
+        return (rnd(rows // 2, 2 * ffn),), (rnd(rows // 2, ffn, grad=False),)
+
+    def merge_inputs():
+        return (rnd(b // 4 or 1, 2 * s, hq, d, dt=torch.float32, grad=False), rnd(b // 4 or 1, hq, 2 * s, dt=torch.float32, grad=False),
+                rnd(b // 4 or 1, 2 * s, hq, d, grad=False), rnd(b // 4 or 1, hq, 2 * s, dt=torch.float32, grad=False)), None
+
+    n_norm, n_q, n_k, n_sw = rows * hidden, b * s * hq * d, b * s * hk * d, rows // 2 * ffn
+    n_m = (b // 4 or 1) * 2 * s * hq
+    return [
+        ("rmsnorm+residual", norm_inputs, rmsnorm_residual, rmsnorm_residual_reference,
+         4 * n_norm * e, 4 * n_norm * e + 4 * n_norm * e),        # fwd: x, r -> y, h; bwd: dy, dh, h -> dx
+        ("rope q+k", rope_inputs, rope_qk, rope_ref, 2 * (n_q + n_k) * e, 4 * (n_q + n_k) * e),
+        ("swiglu", swiglu_inputs, swiglu, swiglu_reference, 3 * n_sw * e, 3 * n_sw * e + 5 * n_sw * e),
+        ("lse merge", merge_inputs, lambda o, l, bo, bl: lse_merge_(o, l, bo, bl),
+         lambda o, l, bo, bl: merge_into(o, l, bo, bl), n_m * d * (8 + e) + 3 * n_m * 4, None),
+    ]
+
+
+def _fwd_bwd(fn, inputs, grads):
+    def run():
+        outs = fn(*inputs)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        torch.autograd.backward(outs, grads)
+    return run
+
+
+def bench_memory_bound(dev, dtype, iters, warmup, compile_ref=True):
+    """Rows for the table: each kernel's GB/s fwd and fwd+bwd, % of copy bandwidth, vs torch.compile."""
+    bw = copy_bandwidth(dev, iters, warmup) if dev.type == "cuda" else None
+    rows = []
+    for name, make, fn, ref, bytes_f, bytes_fb in memory_bound_cases(dev, dtype):
+        inputs, grads = make()
+        compiled = torch.compile(ref) if compile_ref and dev.type == "cuda" else None
+        for pass_, nbytes in (("fwd", bytes_f), ("fwd+bwd", bytes_fb)):
+            if nbytes is None:
+                continue
+            if pass_ == "fwd":
+                with torch.no_grad():
+                    t = timeit(lambda: fn(*inputs), iters, warmup, dev)
+                    t_c = timeit(lambda: compiled(*inputs), iters, warmup, dev) if compiled else None
+            else:
+                t = timeit(_fwd_bwd(fn, inputs, grads), iters, warmup, dev)
+                t_c = timeit(_fwd_bwd(compiled, inputs, grads), iters, warmup, dev) if compiled else None
+            rows.append({"kernel": name, "pass": pass_, "ms": t * 1e3, "rate": nbytes / t / 1e9, "unit": "GB/s",
+                         "anchor": "device copy", "anchor_rate": bw / 1e9 if bw else None,
+                         "ratio": nbytes / t / bw if bw else None, "compile_ms": t_c * 1e3 if t_c else None})
+    return rows
+
+
 def main(argv=None):
     gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
@@ -81,47 +171,78 @@ def main(argv=None):
     p.add_argument("--dtype", choices=DTYPES, default="bf16" if gpu else "fp32")
     p.add_argument("--iters", type=int, default=20 if gpu else 3)
     p.add_argument("--warmup", type=int, default=5 if gpu else 1)
+    p.add_argument("--only", choices=("attention", "memory"), default=None,
+                   help="attention backends only, or the memory-bound kernels only (default: both)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     dev = torch.device("cuda" if gpu else "cpu")
     dtype = DTYPES[args.dtype]
     kvh = args.kv_heads or args.heads
+    name = torch.cuda.get_device_name() if gpu else "cpu"
+    table = []
+    if args.only in (None, "attention"):
+        table += bench_attention(args, dev, dtype, kvh)
+    if args.only in (None, "memory") and (gpu or _interpreting()):
+        table += bench_memory_bound(dev, dtype, args.iters, args.warmup)
+    print(f"kernels on {name}, torch {torch.__version__}, {args.dtype}; attention: batch {args.batch} · seq "
+          f"{args.seq} · heads {args.heads} (kv {kvh}) · head_dim {args.head_dim} · "
+          f"{'causal' if args.causal else 'full'}")
+    print(f"{'kernel':<30} {'pass':<8} {'ms':>8} {'rate':>9} {'unit':<8} {'anchor':<22} {'anchor rate':>11} "
+          f"{'ratio':>6} {'compile ms':>10}")
+    for r in table:
+        anchor_rate = f"{r['anchor_rate']:>11.1f}" if r.get("anchor_rate") else f"{'-':>11}"
+        ratio = f"{100 * r['ratio']:>5.0f}%" if r.get("ratio") else f"{'-':>6}"
+        comp = f"{r['compile_ms']:>10.3f}" if r.get("compile_ms") else f"{'-':>10}"
+        print(f"{r['kernel']:<30} {r['pass']:<8} {r['ms']:>8.3f} {r['rate']:>9.1f} {r['unit']:<8} "
+              f"{r.get('anchor') or '-':<22} {anchor_rate} {ratio} {comp}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"device": name, "torch": torch.__version__, "args": vars(args), "results": table}, fh, indent=2)
+        print(f"wrote {args.json}")
+    return table
+
+
+def _interpreting():
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def bench_attention(args, dev, dtype, kvh):
+    """Rows: every attention backend present (fwd, bwd TFLOP/s) against F.sdpa pinned to cuDNN (the
+    anchor of the ratio column) and to flash."""
+    gpu = dev.type == "cuda"
     g = torch.Generator(device="cpu").manual_seed(0)
     q = torch.randn(args.batch, args.seq, args.heads, args.head_dim, generator=g).to(dev, dtype)
     k = torch.randn(args.batch, args.seq, kvh, args.head_dim, generator=g).to(dev, dtype)
     v = torch.randn(args.batch, args.seq, kvh, args.head_dim, generator=g).to(dev, dtype)
     dout = torch.randn_like(q)
     f = flops(args.batch, args.seq, args.heads, args.head_dim, args.causal)
-
-    rows = []
+    timed = []
     for name in available_backends(dev, dtype):
         if name == "torch" and gpu:
             continue  # the reference is for correctness, not speed
-        rows.append((name, *bench_backend(name, q, k, v, dout, args.causal, args.iters, args.warmup)))
+        if name == "triton" and not gpu:
+            continue  # the interpreter: correct, not a speed
+        timed.append((name, *bench_backend(name, q, k, v, dout, args.causal, args.iters, args.warmup)))
+    anchors = {}
     if gpu and dtype != torch.float32:
         for kernel in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
             try:
-                rows.append((f"anchor: F.sdpa {kernel.split('_')[0].lower()}",
-                             *bench_sdpa_anchor(kernel, q, k, v, dout, args.causal, args.iters, args.warmup)))
+                label = f"F.sdpa {kernel.split('_')[0].lower()}"
+                anchors[label] = bench_sdpa_anchor(kernel, q, k, v, dout, args.causal, args.iters, args.warmup)
+                timed.append((f"anchor: {label}", *anchors[label]))
             except RuntimeError as e:  # kernel not available for this shape/GPU
                 print(f"(anchor {kernel} skipped: {str(e).splitlines()[0]})")
-
-    name = torch.cuda.get_device_name() if gpu else "cpu"
-    print(f"attention on {name}, torch {torch.__version__}: batch {args.batch} · seq {args.seq} · heads "
-          f"{args.heads} (kv {kvh}) · head_dim {args.head_dim} · {args.dtype} · "
-          f"{'causal' if args.causal else 'full'}")
-    print(f"{'backend':<26} {'fwd ms':>9} {'fwd TFLOP/s':>12} {'bwd ms':>9} {'bwd TFLOP/s':>12}")
-    results = []
-    for label, t_f, t_b in rows:
-        tf, tb = f / t_f / 1e12, 2.5 * f / t_b / 1e12
-        print(f"{label:<26} {t_f * 1e3:>9.3f} {tf:>12.1f} {t_b * 1e3:>9.3f} {tb:>12.1f}")
-        results.append({"backend": label, "fwd_s": t_f, "bwd_s": t_b, "fwd_tflops": tf, "bwd_tflops": tb})
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"device": name, "torch": torch.__version__, "args": vars(args), "results": results}, fh,
-                      indent=2)
-        print(f"wrote {args.json}")
-    return results
+    ref = anchors.get("F.sdpa cudnn")
+    rows = []
+    for label, t_f, t_b in timed:
+        for pass_, t, fl, t_ref in (("fwd", t_f, f, ref and ref[0]), ("bwd", t_b, 2.5 * f, ref and ref[1])):
+            rows.append({"kernel": f"attention {label}", "pass": pass_, "ms": t * 1e3, "rate": fl / t / 1e12,
+                         "unit": "TFLOP/s", "anchor": "F.sdpa cudnn" if t_ref else None,
+                         "anchor_rate": fl / t_ref / 1e12 if t_ref else None, "ratio": t_ref / t if t_ref else None,
+                         "compile_ms": None})
+    return rows
 
 
 if __name__ == "__main__":

@@ -73,12 +73,21 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def segment_mm(x_ptr, w_ptr, y_ptr, offs_ptr, tiles_m, N, K,
+    def segment_mm(x_ptr, w_ptr, y_ptr, offs_ptr, tiles_m, tiles_n, N, K,
                    sxm, sxk, swe, swk, swn, sym, syn,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """y[rows of group e] = x[rows] @ w[e]; program (e·tiles_m + tile, n-tile); w read through strides."""
-        pid, pid_n = tl.program_id(0), tl.program_id(1)
-        e, tile = pid // tiles_m, pid % tiles_m
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+        """y[rows of group e] = x[rows] @ w[e]; one program per (e, m-tile, n-tile), w read through strides.
+        Within a group the tiles go in bands of GROUP_M m-tiles, n fastest inside a band's columns, so the
+        programs resident together share A rows and B columns in L2 (not every n-tile re-reading all of A)."""
+        pid = tl.program_id(0)
+        per_e = tiles_m * tiles_n
+        e, local = pid // per_e, pid % per_e
+        band = GROUP_M * tiles_n
+        first_m = (local // band) * GROUP_M
+        size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        tile = first_m + (local % band) % size_m
+        pid_n = (local % band) // size_m
         start, end = tl.load(offs_ptr + e), tl.load(offs_ptr + e + 1)
         row0 = start + tile * BM
         if row0 >= end:
@@ -86,13 +95,22 @@ def _kernels():
         rm = row0 + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
+        a_ptrs = x_ptr + rm[:, None] * sxm + rk[None, :] * sxk
+        b_ptrs = w_ptr + e * swe + rk[:, None] * swk + rn[None, :] * swn
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
-            a = tl.load(x_ptr + rm[:, None] * sxm + (k0 + rk)[None, :] * sxk,
-                        mask=(rm[:, None] < end) & ((k0 + rk)[None, :] < K), other=0.0)
-            b = tl.load(w_ptr + e * swe + (k0 + rk)[:, None] * swk + rn[None, :] * swn,
-                        mask=((k0 + rk)[:, None] < K) & (rn[None, :] < N), other=0.0)
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=rm[:, None] < end, other=0.0)
+                if EVEN_N:
+                    b = tl.load(b_ptrs)
+                else:
+                    b = tl.load(b_ptrs, mask=rn[None, :] < N, other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=(rm[:, None] < end) & ((k0 + rk)[None, :] < K), other=0.0)
+                b = tl.load(b_ptrs, mask=((k0 + rk)[:, None] < K) & (rn[None, :] < N), other=0.0)
             acc += tl.dot(a, b)
+            a_ptrs += BK * sxk
+            b_ptrs += BK * swk
         tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty),
                  mask=(rm[:, None] < end) & (rn[None, :] < N))
 
@@ -149,10 +167,12 @@ def triton_segment_mm(x, w, counts, transpose_w=False):
     if x.shape[0] == 0:
         return y
     offs = offsets(counts, x.device)
-    tiles_m = max(1, -(-max(counts) // bm))
-    grid = (e * tiles_m, -(-N // bn))
-    ks["segment_mm"][grid](x, w, y, offs, tiles_m, N, K, x.stride(0), x.stride(1), swe, swk, swn,
-                           y.stride(0), y.stride(1), BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+    tiles_m, tiles_n = max(1, -(-max(counts) // bm)), -(-N // bn)
+    group_m = int(os.environ.get("DISTLAB_GROUPED_GEMM_GROUP_M", "8"))
+    ks["segment_mm"][(e * tiles_m * tiles_n,)](
+        x, w, y, offs, tiles_m, tiles_n, N, K, x.stride(0), x.stride(1), swe, swk, swn, y.stride(0), y.stride(1),
+        BM=bm, BN=bn, BK=bk, GROUP_M=max(1, group_m), EVEN_K=K % bk == 0, EVEN_N=N % bn == 0,
+        num_warps=warps, num_stages=stages)
     return y
 
 
@@ -231,6 +251,7 @@ def main(argv=None):
     p.add_argument("--n", type=int, default=7168)
     p.add_argument("--skew", type=float, default=0.0, help="0: uniform rows per group; >0 Zipf-like")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
     dev = torch.device("cuda")
     weights = torch.tensor([(e + 1.0) ** -a.skew for e in range(a.experts)])
@@ -242,9 +263,19 @@ def main(argv=None):
     w = torch.randn(a.experts, a.k, a.n, device=dev, dtype=torch.bfloat16)
     flops = 2 * a.rows * a.k * a.n
     print(f"grouped GEMM, {a.experts} groups, {a.rows} rows ({counts}), {a.k}->{a.n}, bf16, {torch.cuda.get_device_name()}")
+    rows = []
     for name in ("torch", "triton", "loop"):
         t = timeit(lambda: _forward(x, w, counts, name), a.iters, 3, dev)
+        rows.append({"backend": name, "ms": t * 1e3, "tflops": flops / t / 1e12})
         print(f"  {name:<7} {t * 1e3:8.3f} ms  {flops / t / 1e12:7.1f} TFLOP/s")
+    print(f"  triton / torch._grouped_mm: {rows[1]['tflops'] / rows[0]['tflops']:.1%}")
+    if a.json:
+        import json
+
+        with open(a.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "args": vars(a), "counts": counts,
+                       "config": os.environ.get("DISTLAB_GROUPED_GEMM_CONFIG", "default"),
+                       "group_m": os.environ.get("DISTLAB_GROUPED_GEMM_GROUP_M", "8"), "results": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,77 @@
+"""Tile sweep of the Triton attention kernels on this GPU: TFLOP/s per (BLOCK_M, BLOCK_N, warps, stages).
+
+    python -m kernels.tune_attention --json tune.json          # B1·H32·S8192·D128 causal bf16
+
+For the forward, then the dK/dV kernel (backward timed whole, dQ at its default), then the dQ kernel
+(dK/dV at the best found): one line per config, the best of each marked. The chosen tiles go into
+``kernels/triton_attention.py``'s ``_GPU_DEFAULTS`` by hand (or ``DISTLAB_TRITON_ATTN_{FWD,DKV,DQ}``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from kernels.bench import timeit
+from kernels.triton_attention import flash_backward, flash_forward
+
+SWEEP = {
+    "FWD": [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3),
+            (128, 32, 4, 3), (256, 64, 8, 3)],
+    "DKV": [(64, 128, 8, 2), (32, 128, 4, 5), (32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4),
+            (64, 128, 4, 2)],
+    "DQ": [(128, 64, 8, 2), (128, 32, 4, 5), (128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 2),
+           (128, 128, 8, 2)],
+}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m kernels.tune_attention", description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--json", metavar="PATH")
+    a = p.parse_args(argv)
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, a.seq, a.heads, a.head_dim, generator=g).to(dev, torch.bfloat16)
+    k = torch.randn(1, a.seq, a.kv_heads, a.head_dim, generator=g).to(dev, torch.bfloat16)
+    v = torch.randn(1, a.seq, a.kv_heads, a.head_dim, generator=g).to(dev, torch.bfloat16)
+    dout = torch.randn_like(q)
+    flops = 4 * a.seq * a.seq * a.heads * a.head_dim * (0.5 if a.causal else 1.0)
+    out, lse = flash_forward(q, k, v, a.causal)
+    results, best = [], {}
+    for kind in ("FWD", "DKV", "DQ"):
+        for cfg in SWEEP[kind]:
+            os.environ[f"DISTLAB_TRITON_ATTN_{kind}"] = ",".join(map(str, cfg))
+            try:
+                if kind == "FWD":
+                    t = timeit(lambda: flash_forward(q, k, v, a.causal), a.iters, 2, dev)
+                    tf = flops / t / 1e12
+                else:
+                    t = timeit(lambda: flash_backward(dout, q, k, v, out, lse, a.causal), a.iters, 2, dev)
+                    tf = 2.5 * flops / t / 1e12
+            except Exception as e:   # out of shared memory / registers for this tile
+                print(f"{kind:<4} {cfg}: failed ({type(e).__name__}: {str(e).splitlines()[0][:80]})", flush=True)
+                continue
+            results.append({"kernel": kind, "config": cfg, "ms": t * 1e3, "tflops": tf})
+            print(f"{kind:<4} {str(cfg):<20} {t * 1e3:8.3f} ms {tf:8.1f} TFLOP/s", flush=True)
+            if tf > best.get(kind, (None, 0))[1]:
+                best[kind] = (cfg, tf)
+        if kind in best:
+            os.environ[f"DISTLAB_TRITON_ATTN_{kind}"] = ",".join(map(str, best[kind][0]))
+            print(f"best {kind}: {best[kind][0]} at {best[kind][1]:.1f} TFLOP/s", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "args": vars(a), "results": results,
+                       "best": {k: {"config": c, "tflops": t} for k, (c, t) in best.items()}}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
