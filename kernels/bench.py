@@ -128,6 +128,15 @@ def memory_bound_cases(dev, dtype):
     ]
 
 
+def _maybe(timed):
+    """torch.compile's time, or None (printed) when it cannot compile the reference."""
+    try:
+        return timed()
+    except Exception as e:  # noqa: BLE001 - inductor raises many kinds
+        print(f"(torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:100]})")
+        return None
+
+
 def _fwd_bwd(fn, inputs, grads):
     def run():
         outs = fn(*inputs)
@@ -149,10 +158,10 @@ def bench_memory_bound(dev, dtype, iters, warmup, compile_ref=True):
             if pass_ == "fwd":
                 with torch.no_grad():
                     t = timeit(lambda: fn(*inputs), iters, warmup, dev)
-                    t_c = timeit(lambda: compiled(*inputs), iters, warmup, dev) if compiled else None
+                    t_c = _maybe(lambda: timeit(lambda: compiled(*inputs), iters, warmup, dev)) if compiled else None
             else:
                 t = timeit(_fwd_bwd(fn, inputs, grads), iters, warmup, dev)
-                t_c = timeit(_fwd_bwd(compiled, inputs, grads), iters, warmup, dev) if compiled else None
+                t_c = _maybe(lambda: timeit(_fwd_bwd(compiled, inputs, grads), iters, warmup, dev)) if compiled else None
             rows.append({"kernel": name, "pass": pass_, "ms": t * 1e3, "rate": nbytes / t / 1e9, "unit": "GB/s",
                          "anchor": "device copy", "anchor_rate": bw / 1e9 if bw else None,
                          "ratio": nbytes / t / bw if bw else None, "compile_ms": t_c * 1e3 if t_c else None})

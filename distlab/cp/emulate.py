@@ -176,8 +176,12 @@ def main(argv=None):
         for layout in a.layout:
             rank = a.rank if a.rank is not None else (a.world - 1 if layout == "contiguous" else 0)
             for backend in a.backend:
-                r = emulate_rank(a.world, seq, a.heads, a.kv_heads, a.head_dim, rank, layout, a.causal, backend,
-                                 dtype, device, backward=not a.no_backward, graphs=a.graphs, iters=a.iters)
+                try:
+                    r = emulate_rank(a.world, seq, a.heads, a.kv_heads, a.head_dim, rank, layout, a.causal, backend,
+                                     dtype, device, backward=not a.no_backward, graphs=a.graphs, iters=a.iters)
+                except (RuntimeError, ValueError) as e:   # a backend that cannot run (or be captured) here
+                    print(f"{seq:>6} {layout:>10} {backend:>11}: failed: {str(e).splitlines()[0][:100]}", flush=True)
+                    continue
                 f = r["flops_fwd"] / r["fwd_s"]
                 r.update(anchor=anchor, tflops_fwd=f / 1e12, efficiency_fwd=f / a_f)
                 line = (f"{seq:>6} {layout:>10} {r['backend']:>11} {'yes' if r['graphs'] else 'no':>5} | "
