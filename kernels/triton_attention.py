@@ -38,16 +38,19 @@ LOG2E = 1.4426950408889634
 
 # tile configs: (BLOCK_M, BLOCK_N, num_warps, num_stages); env DISTLAB_TRITON_ATTN_{FWD,DKV,DQ}="128,64,8,3"
 _GPU_DEFAULTS = {"FWD": (128, 64, 8, 3), "DKV": (64, 128, 8, 2), "DQ": (128, 64, 8, 2)}
+_GPU_FP32 = {"FWD": (64, 32, 4, 2), "DKV": (32, 64, 4, 2), "DQ": (64, 32, 4, 2)}
 _CPU = {"FWD": (32, 16, 4, 1), "DKV": (16, 32, 4, 1), "DQ": (32, 16, 4, 1)}   # the interpreter: small tiles
 # causal loops need BLOCK_M % BLOCK_N == 0 (FWD, DQ) and BLOCK_N % BLOCK_M == 0 (DKV)
 
 
-def tile_config(kind: str, device: torch.device, head_dim: int):
+def tile_config(kind: str, device: torch.device, head_dim: int, dtype=torch.bfloat16):
     env = os.environ.get(f"DISTLAB_TRITON_ATTN_{kind}")
     if env:
         bm, bn, w, s = (int(x) for x in env.split(","))
     elif device.type != "cuda":
         bm, bn, w, s = _CPU[kind]
+    elif dtype == torch.float32:   # a checking path: small tiles (4-byte operands, three-pass TF32 dots)
+        bm, bn, w, s = _GPU_FP32[kind]
     else:
         bm, bn, w, s = _GPU_DEFAULTS[kind]
         if head_dim > 128:
@@ -150,8 +153,9 @@ def check_triton_inputs(q, k, v, causal):
 
 
 def _precision(q):
-    """fp32 inputs: exact fp32 dots (not TF32) — the fp32 path is for checking, not speed."""
-    return "ieee" if q.dtype == torch.float32 else "tf32"
+    """fp32 inputs: three-pass TF32 dots (fp32-level accuracy on the tensor cores; plain-FMA "ieee" dots
+    of these tiles compile for minutes) — the fp32 path is for checking, not speed."""
+    return "tf32x3" if q.dtype == torch.float32 else "tf32"
 
 
 def _last_contiguous(*ts):
@@ -174,7 +178,7 @@ def flash_forward(q, k, v, causal=False, softmax_scale=None, out=None, lse=None,
             or lse.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} (last dim contiguous) and lse float32 {(b, h, sq)}; "
                          f"got {tuple(out.shape)} and {tuple(lse.shape)} {lse.dtype}")
-    bm, bn, warps, stages = tile_config("FWD", q.device, d)
+    bm, bn, warps, stages = tile_config("FWD", q.device, d, q.dtype)
     grid = (triton.cdiv(sq, bm), b * h)
     _fwd_kernel[grid](q, k, v, out, lse, sq, k.shape[1], h, h // k.shape[2], scale * LOG2E,
                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -349,12 +353,12 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
-    bm, bn, warps, stages = tile_config("DKV", q.device, d)
+    bm, bn, warps, stages = tile_config("DKV", q.device, d, q.dtype)
     _dkdv_kernel[(triton.cdiv(sk, bn), b * hk)](
         q, k, v, dout, lse2, delta, dk, dv, sq, sk, h, h // hk, scale * LOG2E, scale, *strides,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), num_warps=warps, num_stages=stages)
-    bm, bn, warps, stages = tile_config("DQ", q.device, d)
+    bm, bn, warps, stages = tile_config("DQ", q.device, d, q.dtype)
     _dq_kernel[(triton.cdiv(sq, bm), b * h)](
         q, k, v, dout, lse2, delta, dq, sq, sk, h, h // hk, scale * LOG2E, scale, *strides,
         dq.stride(0), dq.stride(1), dq.stride(2),

@@ -1,42 +1,35 @@
 #!/usr/bin/env bash
-# One-GPU checks behind docs/PERF.md for the Triton kernels, the ring emulator, the grouped GEMM and the model.
-#   bash launch/gpu_kernels_check.sh OUTDIR correctness   # GPU tests of the kernels, attention tile sweep,
-#                                                         # grouped-GEMM band/tile sweep
-#   bash launch/gpu_kernels_check.sh OUTDIR speed         # kernels.bench, cp.emulate, train small + the
-#                                                         # llama-block model on one GPU, infer
+# One-GPU checks behind docs/PERF.md for the Triton kernels, the ring emulator, the grouped GEMM and the model,
+# in one device call of under 10 minutes (each command under its own time limit, most important first):
+#   bash launch/gpu_kernels_check.sh OUTDIR all
+# GPU tests of the Triton kernels; attention backends vs cuDNN/flash SDPA; one ring rank emulated at W=8;
+# Triton grouped GEMM vs torch._grouped_mm; training the small preset and the llama-block model on one GPU
+# (MFU); the memory-bound kernels vs copy bandwidth and torch.compile; CP decode's --check on the GPU.
+# (The attention tile sweep, python -m kernels.tune_attention, is a separate call.)
 # Every command's full output goes to OUTDIR/<name>.log (and JSON where the command writes one).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-out=${1:-${OUT:-out}}; part=${2:-correctness}; mkdir -p "$out"
+out=${1:-${OUT:-out}}; part=${2:-all}; mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}; status=0
-run() { local name=$1; shift; echo "== $name: $*"; local t0=$SECONDS
-        "$@" > "$out/$name.log" 2>&1 || { echo "   FAILED ($name)"; status=1; }
+run() { local name=$1; shift; echo "== $name: $*"; local t0=$SECONDS   # each command at most $LIMIT s
+        timeout "${LIMIT:-240}" "$@" > "$out/$name.log" 2>&1 || { echo "   FAILED or timed out ($name)"; status=1; }
         tail -n 4 "$out/$name.log"; echo "   ($((SECONDS - t0)) s)"; }
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv > "$out/gpu.txt" 2>&1
-if [ "$part" = correctness ]; then
-  run gpu_tests $py -m pytest -q -x -m gpu tests/test_triton_kernels.py tests/test_attention_kernels.py -p no:cacheprovider
-  run tune_attention $py -m kernels.tune_attention --json "$out/tune_attention.json"
-  for gm in 1 4 8 16; do
-    for skew in 0 1.5; do
-      DISTLAB_GROUPED_GEMM_GROUP_M=$gm run gg_gm${gm}_skew$skew $py -m kernels.grouped_gemm --skew $skew --json "$out/gg_gm${gm}_skew$skew.json"
-    done
+if [ "$part" = all ]; then   # one call of under 10 minutes, in order of importance
+  LIMIT=110 run gpu_tests $py -m pytest -v -m gpu tests/test_triton_kernels.py tests/test_attention_kernels.py -k triton \
+      -p no:cacheprovider --timeout 40 -o faulthandler_timeout=35
+  LIMIT=60 run bench_attention $py -m kernels.bench --kv-heads 32 --only attention --json "$out/bench_attention.json"
+  LIMIT=90 run emulate $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend triton sdpa-cudnn \
+      --iters 10 --json "$out/emulate.json"
+  for run_ in "8 0" "8 1.5" "1 0"; do set -- $run_
+    LIMIT=35 run gg_gm$1_skew$2 env DISTLAB_GROUPED_GEMM_GROUP_M=$1 $py -m kernels.grouped_gemm --skew $2 --iters 10 \
+        --json "$out/gg_gm$1_skew$2.json"
   done
-  for cfg in 128,256,64,8,4 256,128,64,8,3 128,128,64,4,4; do
-    DISTLAB_GROUPED_GEMM_CONFIG=$cfg run gg_cfg${cfg//,/_} $py -m kernels.grouped_gemm --json "$out/gg_cfg${cfg//,/_}.json"
-  done
-fi
-if [ "$part" = speed ]; then
-  run bench $py -m kernels.bench --kv-heads 32 --json "$out/bench.json"
-  run bench_gqa $py -m kernels.bench --kv-heads 8 --only attention --json "$out/bench_gqa.json"
-  run emulate $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --layout zigzag contiguous \
-      --backend triton sdpa-cudnn sdpa-flash --json "$out/emulate.json"
-  run emulate_nograph $py -m distlab.cp.emulate --world 8 --seq 8192 --backend triton sdpa-cudnn --no-graphs \
-      --json "$out/emulate_nograph.json"
-  run train_small $py -m distlab.train --config small --steps 120 --json "$out/train_small.json"
-  run train_block $py -m distlab.train --config llama-block-8gpu --tp 1 --ring 1 --ulysses 1 --steps 6 \
+  LIMIT=50 run train_small $py -m distlab.train --config small --steps 60 --json "$out/train_small.json"
+  LIMIT=50 run train_block $py -m distlab.train --config llama-block-8gpu --tp 1 --ring 1 --ulysses 1 --steps 3 \
       --json "$out/train_block.json"
-  run infer_check $py -m distlab.infer --config small --steps 32 --check --json "$out/infer_check.json"
-  run infer_bf16 $py -m distlab.infer --config small --dtype bfloat16 --prompt-len 4096 --steps 64 --json "$out/infer_bf16.json"
+  LIMIT=80 run bench_memory $py -m kernels.bench --only memory --iters 10 --json "$out/bench_memory.json"
+  LIMIT=30 run infer_check $py -m distlab.infer --config small --steps 32 --check --json "$out/infer_check.json"
 fi
 exit $status
