@@ -42,25 +42,30 @@ def _fwd(X, R, W, Y, H, RSTD, n, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.cons
 
 @triton.jit
 def _bwd(DY, DH, H, W, RSTD, DX, DW_PARTIAL, rows, n, rows_per_program,
-         HAS_DH: tl.constexpr, BLOCK: tl.constexpr):
+         HAS_DH: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """ROWS rows at a time (more bytes in flight per program); each program sums its rows' dweight."""
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK], tl.float32)
+    in_cols = cols < n
+    w = tl.load(W + cols, mask=in_cols, other=0.0).to(tl.float32)
+    dw = tl.zeros([ROWS, BLOCK], tl.float32)
     first = pid * rows_per_program
-    for row in range(first, tl.minimum(first + rows_per_program, rows)):
-        h = tl.load(H + row * n + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row * n + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + row)
-        hat = h * rstd
+    last = tl.minimum(first + rows_per_program, rows)
+    for start in range(first, last, ROWS):
+        r = start + tl.arange(0, ROWS)
+        mask = (r < last)[:, None] & in_cols[None, :]
+        offs = r[:, None] * n + cols[None, :]
+        h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + r, mask=r < last, other=0.0)
+        hat = h * rstd[:, None]
         dw += dy * hat
-        g = dy * w
-        dx = rstd * (g - hat * (tl.sum(g * hat, 0) / n))
+        g = dy * w[None, :]
+        dx = rstd[:, None] * (g - hat * (tl.sum(g * hat, 1) / n)[:, None])
         if HAS_DH:
-            dx += tl.load(DH + row * n + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + row * n + cols, dx.to(DX.dtype.element_ty), mask=mask)
-    tl.store(DW_PARTIAL + pid * n + cols, dw, mask=mask)
+            dx += tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DW_PARTIAL + pid * n + cols, tl.sum(dw, 0), mask=in_cols)
 
 
 def _launch_shape(n):
@@ -91,14 +96,16 @@ def rmsnorm_residual_backward(dy, dh, h, weight, rstd):
     n = h.shape[-1]
     rows = h.numel() // n
     dx = torch.empty(rows, n, dtype=h.dtype, device=h.device)
-    programs = min(rows, 4 * (torch.cuda.get_device_properties(h.device).multi_processor_count
-                              if h.is_cuda else 2)) or 1
+    programs = min(rows, 8 * (torch.cuda.get_device_properties(h.device).multi_processor_count
+                              if h.is_cuda else 1)) or 1
     per = triton.cdiv(rows, programs)
     partial = torch.empty(programs, n, dtype=torch.float32, device=h.device)
     block, warps = _launch_shape(n)
+    rows_at_once = max(1, min(4, 8192 // block))             # ~8K elements per load: 4 rows at hidden 2048
     dh2 = dh.reshape(rows, n).contiguous() if dh is not None else dx
     _bwd[(programs,)](dy.reshape(rows, n).contiguous(), dh2, h.reshape(rows, n).contiguous(), weight, rstd, dx,
-                      partial, rows, n, per, HAS_DH=dh is not None, BLOCK=block, num_warps=warps)
+                      partial, rows, n, per, HAS_DH=dh is not None, BLOCK=block, ROWS=rows_at_once,
+                      num_warps=max(warps, 8) if h.is_cuda else 4)
     return dx.view(h.shape), partial.sum(0).to(weight.dtype)
 
 

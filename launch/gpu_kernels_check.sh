@@ -32,4 +32,13 @@ if [ "$part" = all ]; then   # one call of under 10 minutes, in order of importa
   LIMIT=80 run bench_memory $py -m kernels.bench --only memory --iters 10 --json "$out/bench_memory.json"
   LIMIT=30 run infer_check $py -m distlab.infer --config small --steps 32 --check --json "$out/infer_check.json"
 fi
+if [ "$part" = tune ]; then   # second call: GPU tests (bf16/fp16 at real sizes), tile sweep, emulator, memory kernels
+  LIMIT=150 run gpu_tests2 $py -m pytest -v -m gpu tests/test_triton_kernels.py tests/test_attention_kernels.py \
+      -k "triton and not float32" -p no:cacheprovider --timeout 140 -o faulthandler_timeout=130
+  LIMIT=110 run tune_attention $py -m kernels.tune_attention --json "$out/tune_attention.json"
+  LIMIT=60 run emulate2 $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend triton sdpa-cudnn \
+      --iters 10 --json "$out/emulate2.json"
+  LIMIT=60 run bench_memory2 $py -m kernels.bench --only memory --iters 10 --json "$out/bench_memory2.json"
+fi
+tar czf "$out/logs.tar.gz" -C "$out" --exclude logs.tar.gz . 2>/dev/null && find "$out" -type f ! -name logs.tar.gz -delete
 exit $status
