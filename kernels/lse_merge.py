@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.launch import num_warps
+
 
 @triton.jit
 def _merge_kernel(O, LSE, BO, BLSE, seq, heads, sob, sos, soh, slb, slh, sbb, sbs, sbh, sblb, sblh,
@@ -58,5 +60,5 @@ def lse_merge_(out, lse, block_out, block_lse):
     _merge_kernel[(triton.cdiv(s, block), b * h)](
         out, lse, block_out, block_lse, s, h, out.stride(0), out.stride(1), out.stride(2), lse.stride(0),
         lse.stride(1), block_out.stride(0), block_out.stride(1), block_out.stride(2), block_lse.stride(0),
-        block_lse.stride(1), BLOCK=block, D=d, num_warps=4)
+        block_lse.stride(1), BLOCK=block, D=d, num_warps=num_warps(4))
     return out, lse

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import num_warps
+
 
 def rmsnorm_residual_reference(x, residual, weight, eps=1e-6):
     h = x if residual is None else x + residual
@@ -70,7 +72,7 @@ def _bwd(DY, DH, H, W, RSTD, DX, DW_PARTIAL, rows, n, rows_per_program,
 
 def _launch_shape(n):
     block = triton.next_power_of_2(n)
-    return block, min(16, max(1, block // 256))
+    return block, num_warps(4 if block < 2048 else 8 if block < 8192 else 16)
 
 
 def rmsnorm_residual_forward(x, residual, weight, eps=1e-6):
@@ -105,7 +107,7 @@ def rmsnorm_residual_backward(dy, dh, h, weight, rstd):
     dh2 = dh.reshape(rows, n).contiguous() if dh is not None else dx
     _bwd[(programs,)](dy.reshape(rows, n).contiguous(), dh2, h.reshape(rows, n).contiguous(), weight, rstd, dx,
                       partial, rows, n, per, HAS_DH=dh is not None, BLOCK=block, ROWS=rows_at_once,
-                      num_warps=max(warps, 8) if h.is_cuda else 4)
+                      num_warps=warps)
     return dx.view(h.shape), partial.sum(0).to(weight.dtype)
 
 

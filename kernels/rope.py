@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import num_warps
+
 
 def rope_tables(positions, head_dim, base=10000.0, device=None):
     """(cos, sin) float32 (seq, head_dim/2), as ``distlab.tp.block.rope`` computes them."""
@@ -72,7 +74,7 @@ def rope_qk_forward(q, k, cos, sin, inverse=False):
     _rope_kernel[(b * s,)](q, k, qo, ko, cos.float().contiguous(), sin.float().contiguous(), s, hq, k.shape[2],
                            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                            -1.0 if inverse else 1.0, HQB=triton.next_power_of_2(hq),
-                           HKB=triton.next_power_of_2(k.shape[2]), HALF=d // 2, num_warps=4)
+                           HKB=triton.next_power_of_2(k.shape[2]), HALF=d // 2, num_warps=num_warps(4))
     return qo, ko
 
 

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.launch import num_warps
+
 
 def swiglu_reference(gu):
     gate, up = gu.chunk(2, -1)
@@ -56,7 +58,7 @@ def swiglu_forward(gu):
     gu = gu.contiguous()
     f, block, grid = _grid(gu)
     y = torch.empty(*gu.shape[:-1], f, dtype=gu.dtype, device=gu.device)
-    _fwd[grid](gu, y, f, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    _fwd[grid](gu, y, f, BLOCK=block, num_warps=num_warps(4 if block <= 1024 else 8))
     return y
 
 
@@ -64,7 +66,7 @@ def swiglu_backward(gu, dy):
     gu, dy = gu.contiguous(), dy.contiguous()
     f, block, grid = _grid(gu)
     dgu = torch.empty_like(gu)
-    _bwd[grid](gu, dy, dgu, f, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    _bwd[grid](gu, dy, dgu, f, BLOCK=block, num_warps=num_warps(4 if block <= 1024 else 8))
     return dgu
 
 

@@ -21,8 +21,10 @@ out_b·e^(lse_b−lse')`` (a row whose running LSE is −inf takes the block's r
 
 Backward (given the *final* out and LSE, as every backend here): a small kernel computes
 ``delta = rowsum(dO ∘ O)``; one kernel per (BLOCK_N keys, kv head) loops over the query tiles of *every*
-q head of its group and accumulates dK, dV in registers (no atomics, GQA summed in place); one kernel per
-(BLOCK_M queries, q head) accumulates dQ over the key tiles.
+q head of its group and accumulates dK, dV in registers (no atomics, GQA summed in place) — or, when
+that grid is too small to fill the GPU (a short ring block), one per (BLOCK_N keys, q head) writing float32
+partial sums that are added up after; one kernel per (BLOCK_M queries, q head) accumulates dQ over the
+key tiles.
 """
 
 from __future__ import annotations
@@ -234,14 +236,19 @@ def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, stride_qm, stride
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, seq_q, seq_k, heads, groups, qk_scale, scale,
+def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, seq_q, seq_k, heads, groups, per_program, qk_scale, scale,
                  sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
                  PREC: tl.constexpr):
+    """Program (key tile, batch · kv head · split): the q heads [split·per_program, (split+1)·per_program) of
+    the kv head's group; writes its dK/dV to head slot ``kv head · splits + split`` of DK/DV (splits = 1:
+    the gradient itself; more: partial sums the host adds up)."""
     pid_n = tl.program_id(0)
-    bhk = tl.program_id(1)
+    pid = tl.program_id(1)
     kv_heads = heads // groups
-    b, hk = bhk // kv_heads, bhk % kv_heads
+    splits = groups // per_program
+    b, slot = pid // (kv_heads * splits), pid % (kv_heads * splits)
+    hk, split = slot // splits, slot % splits
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     offs_m = tl.arange(0, BLOCK_M)
@@ -250,7 +257,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, seq_q, seq_k, heads, groups, 
     v = tl.load(V + b * svb + hk * svh + cols[:, None] * svs + offs_d[None, :], mask=in_cols, other=0.0)
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
-    for g in range(groups):
+    for g in range(split * per_program, (split + 1) * per_program):
         h = hk * groups + g
         q_ptrs = Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :]
         do_ptrs = DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :]
@@ -271,9 +278,9 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, seq_q, seq_k, heads, groups, 
                                  qk_scale, BLOCK_M, False, False, PREC)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, sqs, sdos, cols, full, seq_q, seq_q,
                                  qk_scale, BLOCK_M, True, False, PREC)
-    tl.store(DK + b * sdkb + hk * sdkh + cols[:, None] * sdks + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
-             mask=in_cols)
-    tl.store(DV + b * sdvb + hk * sdvh + cols[:, None] * sdvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
+    tl.store(DK + b * sdkb + slot * sdkh + cols[:, None] * sdks + offs_d[None, :],
+             (dk * scale).to(DK.dtype.element_ty), mask=in_cols)
+    tl.store(DV + b * sdvb + slot * sdvh + cols[:, None] * sdvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
              mask=in_cols)
 
 
@@ -338,8 +345,12 @@ def _dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, seq_q, seq_k, heads, groups, qk_sca
              mask=in_rows[:, None])
 
 
-def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None):
-    """``(dq, dk, dv)`` in the inputs' dtype, from the final ``out`` and float32 ``lse``."""
+def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, split_groups=None):
+    """``(dq, dk, dv)`` in the inputs' dtype, from the final ``out`` and float32 ``lse``.
+
+    ``split_groups``: with GQA, one dK/dV program per *q* head (float32 partial sums added up after) instead
+    of one per kv head looping over its group — more programs when there are few key tiles (a ring block
+    of a short shard). ``None``: when the per-kv-head grid would not fill the GPU twice over."""
     check_triton_inputs(q, k, v, causal)
     q, k, v, out, dout = _last_contiguous(q, k, v, out, dout)
     b, sq, h, d = q.shape
@@ -354,10 +365,24 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None):
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
     bm, bn, warps, stages = tile_config("DKV", q.device, d, q.dtype)
-    _dkdv_kernel[(triton.cdiv(sk, bn), b * hk)](
-        q, k, v, dout, lse2, delta, dk, dv, sq, sk, h, h // hk, scale * LOG2E, scale, *strides,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), num_warps=warps, num_stages=stages)
+    groups, tiles = h // hk, triton.cdiv(sk, bn)
+    if split_groups is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
+        split_groups = groups > 1 and tiles * b * hk < 2 * sms
+    splits = groups if split_groups else 1
+    if splits > 1:   # float32 partial sums per q head, added up below
+        dk_part = torch.empty(b, sk, hk * splits, d, dtype=torch.float32, device=q.device)
+        dv_part = torch.empty_like(dk_part)
+    else:
+        dk_part, dv_part = dk, dv
+    _dkdv_kernel[(tiles, b * hk * splits)](
+        q, k, v, dout, lse2, delta, dk_part, dv_part, sq, sk, h, groups, groups // splits, scale * LOG2E, scale,
+        *strides, dk_part.stride(0), dk_part.stride(1), dk_part.stride(2), dv_part.stride(0), dv_part.stride(1),
+        dv_part.stride(2), BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), num_warps=warps,
+        num_stages=stages)
+    if splits > 1:
+        dk = dk_part.view(b, sk, hk, splits, d).sum(3).to(k.dtype)
+        dv = dv_part.view(b, sk, hk, splits, d).sum(3).to(v.dtype)
     bm, bn, warps, stages = tile_config("DQ", q.device, d, q.dtype)
     _dq_kernel[(triton.cdiv(sq, bm), b * h)](
         q, k, v, dout, lse2, delta, dq, sq, sk, h, h // hk, scale * LOG2E, scale, *strides,

@@ -40,12 +40,18 @@ if [ "$part" = tune ]; then   # second call: GPU tests (bf16/fp16 at real sizes)
       --iters 10 --json "$out/emulate2.json"
   LIMIT=60 run bench_memory2 $py -m kernels.bench --only memory --iters 10 --json "$out/bench_memory2.json"
 fi
-if [ "$part" = final ]; then   # third call: the tuned tiles in the one-table bench, the emulator, fp32 GPU tests
-  LIMIT=60 run bench_attention3 $py -m kernels.bench --kv-heads 32 --only attention --json "$out/bench_attention3.json"
-  LIMIT=50 run emulate3 $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend triton sdpa-cudnn \
+if [ "$part" = final ]; then   # third call: tuned tiles, GQA split dK/dV, warps sweep of the memory kernels
+  LIMIT=35 run emulate3 $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend triton sdpa-cudnn \
       --iters 10 --json "$out/emulate3.json"
-  LIMIT=90 run gpu_tests3 $py -m pytest -v -m gpu tests/test_triton_kernels.py tests/test_attention_kernels.py \
-      -k "triton and float32" -p no:cacheprovider --timeout 80
+  LIMIT=25 run bench_attention3 $py -m kernels.bench --kv-heads 32 --only attention --iters 10 --json "$out/bench_attention3.json"
+  LIMIT=25 run bench_gqa3 $py -m kernels.bench --kv-heads 8 --only attention --iters 10 --json "$out/bench_gqa3.json"
+  LIMIT=35 run bench_memory3 $py -m kernels.bench --only memory --iters 10 --json "$out/bench_memory3.json"
+  LIMIT=35 run bench_memory3_w8 env DISTLAB_KERNEL_WARPS=8 $py -m kernels.bench --only memory --iters 10 \
+      --json "$out/bench_memory3_w8.json"
+  LIMIT=60 run gpu_tests3 $py -m pytest -v -m gpu tests/test_triton_kernels.py -k "bfloat16 or float32" \
+      -p no:cacheprovider --timeout 55
+  LIMIT=12 run gg_cfg4 env DISTLAB_GROUPED_GEMM_CONFIG=128,256,64,8,4 $py -m kernels.grouped_gemm --iters 10
+  LIMIT=12 run gg_gm16 env DISTLAB_GROUPED_GEMM_GROUP_M=16 $py -m kernels.grouped_gemm --iters 10
 fi
 tar czf "$out/logs.tar.gz" -C "$out" --exclude logs.tar.gz . 2>/dev/null && find "$out" -type f ! -name logs.tar.gz -delete
 exit $status
