@@ -19,8 +19,8 @@ Backends (``backend=``):
   never holds more than one block of query rows' scores (``block_bytes``).
 - ``sdpa-cudnn``, ``sdpa-flash``, ``sdpa-efficient``: PyTorch's LSE-returning SDPA ops and their backward
   ops (CUDA only; cuDNN and flash take fp16/bf16, efficient fp32 — see ``_SDPA_DTYPES``).
-- ``triton``: distlab's own FA2-style kernel (``kernels.triton_attention``): fp16/bf16/fp32 on CUDA (or on
-  CPU under ``TRITON_INTERPRET=1``), head_dim a power of two; it can also accumulate into a running
+- ``triton``: distlab's own FA2-style kernel (``kernels.triton_attention``): fp16/bf16 on CUDA (fp32/fp16 on
+  CPU under ``TRITON_INTERPRET=1``, the tests' path), head_dim a power of two; it can also accumulate into a running
   (out, LSE), which the ring uses to skip its merge launches. Never picked by ``auto``.
 - ``auto``: the fastest present for the tensors given: cuDNN for fp16/bf16 on CUDA, then flash; efficient
   for fp32 on CUDA; ``torch`` on CPU and for float64.
@@ -76,7 +76,8 @@ def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[s
         for name in ("sdpa-cudnn", "sdpa-flash", "sdpa-efficient"):
             if dtype in _SDPA_DTYPES[name] and _sdpa_op_present(name):
                 names.append(name)
-    if dtype in (torch.float16, torch.bfloat16, torch.float32) and triton_runs_on(device):
+    if triton_runs_on(device) and (dtype in (torch.float16, torch.bfloat16) or
+                                   (dtype == torch.float32 and device.type != "cuda")):
         names.append("triton")
     return names + ["torch"]
 

@@ -5,7 +5,7 @@
 
 Layout as in ``kernels.attention``: q ``(batch, seq_q, heads, D)``, k/v ``(batch, seq_k, kv_heads, D)``
 (any strides with the last dim contiguous), LSE float32 ``(batch, heads, seq_q)``. D is a power of two
-from 16 to 256.
+from 16 to 256; fp16/bf16 on a GPU, fp32 too under ``TRITON_INTERPRET=1`` (the CPU checks).
 
 Forward: one program per (BLOCK_M query rows, query head). It streams the kv head's K/V in BLOCK_N tiles,
 keeps the running max ``m`` and sum ``l`` of exp2-domain scores (the softmax scale times log2 e is folded
@@ -40,19 +40,16 @@ LOG2E = 1.4426950408889634
 
 # tile configs: (BLOCK_M, BLOCK_N, num_warps, num_stages); env DISTLAB_TRITON_ATTN_{FWD,DKV,DQ}="128,64,8,3"
 _GPU_DEFAULTS = {"FWD": (128, 64, 8, 3), "DKV": (64, 128, 8, 3), "DQ": (128, 64, 8, 3)}   # swept on the H200
-_GPU_FP32 = {"FWD": (64, 32, 4, 2), "DKV": (32, 64, 4, 2), "DQ": (64, 32, 4, 2)}
 _CPU = {"FWD": (32, 16, 4, 1), "DKV": (16, 32, 4, 1), "DQ": (32, 16, 4, 1)}   # the interpreter: small tiles
 # causal loops need BLOCK_M % BLOCK_N == 0 (FWD, DQ) and BLOCK_N % BLOCK_M == 0 (DKV)
 
 
-def tile_config(kind: str, device: torch.device, head_dim: int, dtype=torch.bfloat16):
+def tile_config(kind: str, device: torch.device, head_dim: int):
     env = os.environ.get(f"DISTLAB_TRITON_ATTN_{kind}")
     if env:
         bm, bn, w, s = (int(x) for x in env.split(","))
     elif device.type != "cuda":
         bm, bn, w, s = _CPU[kind]
-    elif dtype == torch.float32:   # a checking path: small tiles (4-byte operands, three-pass TF32 dots)
-        bm, bn, w, s = _GPU_FP32[kind]
     else:
         bm, bn, w, s = _GPU_DEFAULTS[kind]
         if head_dim > 128:
@@ -148,6 +145,10 @@ def check_triton_inputs(q, k, v, causal):
         raise ValueError(f"the Triton attention kernel takes head_dim 16, 32, 64, 128 or 256; got {d}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"the Triton attention kernel takes fp16, bf16 or fp32; got {q.dtype}")
+    if q.dtype == torch.float32 and q.is_cuda:
+        # fp32 is the interpreter's checking path; on the H200 its kernels did not compile within a minute
+        raise ValueError("the Triton attention kernel runs fp16/bf16 on a GPU (fp32 only under TRITON_INTERPRET=1); "
+                         "use sdpa-efficient or torch for fp32")
     if causal and q.shape[1] != k.shape[1]:
         raise ValueError(f"causal attention needs seq_q == seq_k; got {q.shape[1]} and {k.shape[1]}")
     if k.shape[1] == 0:
@@ -155,9 +156,8 @@ def check_triton_inputs(q, k, v, causal):
 
 
 def _precision(q):
-    """fp32 inputs: three-pass TF32 dots (fp32-level accuracy on the tensor cores; plain-FMA "ieee" dots
-    of these tiles compile for minutes) — the fp32 path is for checking, not speed."""
-    return "tf32x3" if q.dtype == torch.float32 else "tf32"
+    """fp32 inputs (the interpreter's checking path): exact fp32 dots, not TF32."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
 def _last_contiguous(*ts):
@@ -180,7 +180,7 @@ def flash_forward(q, k, v, causal=False, softmax_scale=None, out=None, lse=None,
             or lse.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} (last dim contiguous) and lse float32 {(b, h, sq)}; "
                          f"got {tuple(out.shape)} and {tuple(lse.shape)} {lse.dtype}")
-    bm, bn, warps, stages = tile_config("FWD", q.device, d, q.dtype)
+    bm, bn, warps, stages = tile_config("FWD", q.device, d)
     grid = (triton.cdiv(sq, bm), b * h)
     _fwd_kernel[grid](q, k, v, out, lse, sq, k.shape[1], h, h // k.shape[2], scale * LOG2E,
                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -364,7 +364,7 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
-    bm, bn, warps, stages = tile_config("DKV", q.device, d, q.dtype)
+    bm, bn, warps, stages = tile_config("DKV", q.device, d)
     groups, tiles = h // hk, triton.cdiv(sk, bn)
     if split_groups is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
@@ -383,7 +383,7 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
     if splits > 1:
         dk = dk_part.view(b, sk, hk, splits, d).sum(3).to(k.dtype)
         dv = dv_part.view(b, sk, hk, splits, d).sum(3).to(v.dtype)
-    bm, bn, warps, stages = tile_config("DQ", q.device, d, q.dtype)
+    bm, bn, warps, stages = tile_config("DQ", q.device, d)
     _dq_kernel[(triton.cdiv(sq, bm), b * h)](
         q, k, v, dout, lse2, delta, dq, sq, sk, h, h // hk, scale * LOG2E, scale, *strides,
         dq.stride(0), dq.stride(1), dq.stride(2),
