@@ -10,7 +10,9 @@
 # 3. CP scaling at 8k tokens per GPU, Llama-3-8B attention (32/8 heads, d 128, bf16, causal): every
 #    method vs one GPU, with a torch trace per rank and the overlap analyser's exposed communication;
 # 4. the TP/SP block at TP 2/4/8 (where N allows), with and without async TP;
-# 5. the MoE layer at EP N on the Mixtral proxy.
+# 5. the MoE layer at EP N on the Mixtral proxy;
+# 6. the mini Llama: llama-block-8gpu (tp 2 · SP · ulysses 2 · ring 2) training with MFU on 8, MoE under
+#    TP × CP on 4, and CP prefill + decode against the one-device greedy tokens.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
@@ -56,4 +58,14 @@ $py -m distlab.tp.shard_gemms --tp 1 2 4 8 --json "$out/shard_gemms.json" | tail
 
 echo "== 5. MoE at EP $n, Mixtral proxy =="
 run "$n" distlab.moe --experts 8 --topk 2 --hidden 4096 --ffn 14336 --tokens 4096 --json "$out/moe_ep$n.json" || status=1
+
+echo "== 6. the whole model under NCCL: training layouts (MFU), CP prefill + decode parity =="
+if [ "$n" -ge 8 ]; then
+  run 8 distlab.train --config llama-block-8gpu --steps 6 --json "$out/train_llama_block_8gpu.json" | tail -3 || status=1
+fi
+if [ "$n" -ge 4 ]; then
+  run 4 distlab.train --config moe-tp2-cp2 --steps 30 --json "$out/train_moe_tp2_cp2.json" | tail -2 || status=1
+  run 4 distlab.infer --config small --ring 2 --tp 2 --steps 32 --check --json "$out/infer_tp2_ring2.json" | tail -1 || status=1
+fi
+run "$n" distlab.infer --config small --ring "$n" --steps 32 --check --json "$out/infer_ring$n.json" | tail -1 || status=1
 exit $status
