@@ -30,12 +30,24 @@ from kernels.attention import attention_forward, check_qkv
 
 
 class KVCacheShard:
-    """This rank's part of a KV cache: (batch, tokens, kv_heads, head_dim) K and V, grown by ``append``."""
+    """This rank's part of a KV cache: (batch, tokens, kv_heads, head_dim) K and V, grown by ``append``.
+
+    The tokens live in buffers with spare room that double when full, so a decode step writes one row
+    instead of copying the whole shard (``k``/``v`` are views of the filled part)."""
 
     def __init__(self, k, v, group=None, next_position=0):
         check_qkv(k, k, v, causal=False)
-        self.k, self.v, self.group = k, v, group
+        self.group, self.length = group, k.shape[1]
+        self._k, self._v = k, v
         self.position = next_position   # global position of the next token
+
+    @property
+    def k(self):
+        return self._k[:, :self.length]
+
+    @property
+    def v(self):
+        return self._v[:, :self.length]
 
     def owner(self, position: int) -> int:
         return position % comm.group_size(self.group)
@@ -43,8 +55,14 @@ class KVCacheShard:
     def append(self, k_new, v_new):
         """Add one token's K/V (batch, 1, kv_heads, head_dim) on the rank that owns its position."""
         if self.owner(self.position) == comm.group_rank(self.group):
-            self.k = torch.cat([self.k, k_new], 1)
-            self.v = torch.cat([self.v, v_new], 1)
+            if self.length == self._k.shape[1]:          # full: double the room (at least 16 tokens)
+                room = max(16, 2 * self.length)
+                grow = lambda t: torch.cat([t[:, :self.length], t.new_empty(t.shape[0], room - self.length,  # noqa: E731
+                                                                          *t.shape[2:])], 1)
+                self._k, self._v = grow(self._k), grow(self._v)
+            self._k[:, self.length] = k_new[:, 0]
+            self._v[:, self.length] = v_new[:, 0]
+            self.length += 1
         self.position += 1
 
 
