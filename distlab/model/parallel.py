@@ -51,7 +51,7 @@ class ParallelLlama(torch.nn.Module):
         self.replica_group, self.cp_group = mesh.get_group("dp_cp"), mesh.get_group("cp")
         ring, uly = comm.group_size(self.ring_group), comm.group_size(self.ulysses_group)
         tp = comm.group_size(self.tp_group)
-        self.ep_group = self.replica_group if tp == 1 else mesh.get_group("dp_cp_tp")
+        self.ep_group = mesh.get_group("dp_cp_tp")      # every rank (= dp_cp when tp is 1)
         if ref.cfg.moe_experts and ref.cfg.moe_experts % comm.group_size(self.ep_group):
             raise ValueError(f"{ref.cfg.moe_experts} experts cannot be split over the "
                              f"{comm.group_size(self.ep_group)} expert-parallel (dp x cp x tp) ranks")
