@@ -1,0 +1,38 @@
+"""The ring-rank emulator and the kernel bench as commands on CPU: they run, write their JSON, and the
+emulator's FLOP count of a rank's schedule is its exact share of the whole attention."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from distlab.cp.emulate import rank_rows, schedule_flops
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_zigzag_gives_every_rank_an_equal_share_of_causal_flops(world):
+    seq, heads, d = 96 * world, 4, 16
+    whole = 4 * seq * seq * heads * d / 2                                     # causal, FlashAttention's count
+    shares = [schedule_flops(world, r, seq, heads, d, True, "zigzag") for r in range(world)]
+    assert all(abs(s - whole / world) / whole < 1e-12 for s in shares), shares
+    contiguous = [schedule_flops(world, r, seq, heads, d, True, "contiguous") for r in range(world)]
+    assert contiguous == sorted(contiguous) and abs(sum(contiguous) - whole) / whole < 1e-12   # last rank busiest
+    rows = sorted(i for r in range(world) for i in rank_rows(r, world, seq, "zigzag").tolist())
+    assert rows == list(range(seq))                                          # the shards cover the sequence once
+
+
+def test_emulate_and_bench_commands_write_their_json(tmp_path):
+    em, be = tmp_path / "emulate.json", tmp_path / "bench.json"
+    out = subprocess.run([sys.executable, "-m", "distlab.cp.emulate", "--world", "4", "--seq", "256", "--iters", "1",
+                          "--layout", "zigzag", "contiguous", "--json", str(em)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = json.loads(em.read_text())["results"]
+    assert [r["layout"] for r in results] == ["zigzag", "contiguous"] and [r["rank"] for r in results] == [0, 3]
+    assert all(r["fwd_s"] > 0 and r["bwd_s"] > 0 and r["backend"] == "torch" for r in results)
+    out = subprocess.run([sys.executable, "-m", "kernels.bench", "--seq", "128", "--iters", "1", "--warmup", "0",
+                          "--only", "attention", "--json", str(be)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(be.read_text())["results"]
+    assert {(r["kernel"], r["pass"]) for r in rows} == {("attention torch", "fwd"), ("attention torch", "bwd")}
