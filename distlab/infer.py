@@ -31,11 +31,11 @@ import torch
 from distlab import comm
 from distlab.cp.decode import KVCacheShard, cp_decode_attention
 from distlab.model import checkpoint
-from distlab.model.config import load_config, load_layout
+from distlab.model.config import layout_dims, load_config, load_layout
 from distlab.model.data import corpus, decode, encode
 from distlab.model.llama import Llama
 from distlab.model.parallel import ParallelLlama
-from distlab.runtime import ParallelDims, init_runtime, shutdown
+from distlab.runtime import init_runtime, shutdown
 from kernels.attention import attention
 
 
@@ -143,13 +143,7 @@ def main(argv=None):
         for key in ("tp", "ring", "ulysses", "cp_layout"):   # flags override the preset; its sp is ignored
             if getattr(a, key) is None:
                 setattr(a, key, layout[key])
-        model_parallel = a.tp * a.ring * a.ulysses
-        if rt.world_size % model_parallel:
-            raise ValueError(f"tp {a.tp} x ring {a.ring} x ulysses {a.ulysses} does not divide the world size "
-                             f"{rt.world_size}")
-        dims = ParallelDims(rt.world_size, dp=rt.world_size // model_parallel, tp=a.tp, ring=a.ring, ulysses=a.ulysses)
-        if a.batch % dims.dp:
-            raise ValueError(f"batch {a.batch} is not divisible by the {dims.dp} data-parallel ranks")
+        dims = layout_dims(rt.world_size, a.tp, a.ring, a.ulysses, a.batch)
         layout_name = a.cp_layout if a.ring > 1 else "contiguous"
         multiple = a.ring * a.ulysses * (2 if layout_name == "zigzag" else 1)
         ids = prompt_ids(a.prompt, a.prompt_len, a.batch, multiple)

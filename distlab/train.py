@@ -37,11 +37,11 @@ import torch.distributed as dist
 
 from distlab import comm
 from distlab.model import checkpoint
-from distlab.model.config import ModelConfig, TrainConfig, load_config, load_layout
+from distlab.model.config import ModelConfig, TrainConfig, layout_dims, load_config, load_layout
 from distlab.model.data import batch, corpus
 from distlab.model.llama import Llama
 from distlab.model.parallel import ParallelLlama
-from distlab.runtime import ParallelDims, init_runtime, shutdown
+from distlab.runtime import init_runtime, shutdown
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -142,12 +142,7 @@ def main(argv=None):
     rt = init_runtime(device=a.device, seed=tcfg.seed)
     model_parallel = a.tp * a.ring * a.ulysses
     try:
-        if rt.world_size % model_parallel:
-            raise ValueError(f"tp {a.tp} x ring {a.ring} x ulysses {a.ulysses} does not divide the world size "
-                             f"{rt.world_size}")
-        dims = ParallelDims(rt.world_size, dp=rt.world_size // model_parallel, tp=a.tp, ring=a.ring, ulysses=a.ulysses)
-        if tcfg.batch % dims.dp:
-            raise ValueError(f"batch {tcfg.batch} is not divisible by the {dims.dp} data-parallel ranks")
+        dims = layout_dims(rt.world_size, a.tp, a.ring, a.ulysses, tcfg.batch)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         shutdown()

@@ -65,17 +65,24 @@ def tile_config(kind: str, device: torch.device, head_dim: int):
 # forward
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
+def _kv_tile(k_ptrs, v_ptrs, start, stride_kn, stride_vn, cols, seq_k, MASK: tl.constexpr):
+    """The K and V tile of keys ``start + [0, BLOCK_N)`` (rows past seq_k as zeros when MASK)."""
+    if MASK:
+        k = tl.load(k_ptrs + start * stride_kn, mask=(cols < seq_k)[:, None], other=0.0)
+        v = tl.load(v_ptrs + start * stride_vn, mask=(cols < seq_k)[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs + start * stride_kn)
+        v = tl.load(v_ptrs + start * stride_vn)
+    return k, v
+
+
+@triton.jit
 def _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, lo, hi, seq_k, qk_scale,
                BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         cols = start + offs_n
-        if MASK:
-            k = tl.load(k_ptrs + start * stride_kn, mask=(cols < seq_k)[:, None], other=0.0)
-            v = tl.load(v_ptrs + start * stride_vn, mask=(cols < seq_k)[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs + start * stride_kn)
-            v = tl.load(v_ptrs + start * stride_vn)
+        k, v = _kv_tile(k_ptrs, v_ptrs, start, stride_kn, stride_vn, cols, seq_k, MASK)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         if MASK:
             visible = cols[None, :] < seq_k
@@ -290,12 +297,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, rows
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         cols = start + offs_n
-        if MASK:
-            k = tl.load(k_ptrs + start * stride_kn, mask=(cols < seq_k)[:, None], other=0.0)
-            v = tl.load(v_ptrs + start * stride_vn, mask=(cols < seq_k)[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs + start * stride_kn)
-            v = tl.load(v_ptrs + start * stride_vn)
+        k, v = _kv_tile(k_ptrs, v_ptrs, start, stride_kn, stride_vn, cols, seq_k, MASK)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         p = tl.math.exp2(s - lse2[:, None])
         if MASK:
