@@ -135,7 +135,45 @@ def _kernels():
         tl.store(dw_ptr + e * swe + rk[:, None] * swk + rn[None, :] * swn, acc.to(dw_ptr.dtype.element_ty),
                  mask=(rk[:, None] < K) & (rn[None, :] < N))
 
-    _KERNELS.update(segment_mm=segment_mm, segment_wgrad=segment_wgrad, triton=triton)
+    @triton.jit
+    def segment_mm_tma(x_desc, w_desc, y_desc, y_ptr, tiles_ptr, offs_ptr, num_m_tiles, tiles_n, N, K, sym, syn,
+                       NUM_PROGS, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                       TRANS_W: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+        """The same product through TMA descriptors, persistent: NUM_PROGS programs walk the list of
+        (m-tile, n-tile) pairs in bands of GROUP_M m-tiles. ``tiles_ptr`` lists each m-tile's (group,
+        first row), so no program is launched for the empty tail of a short group. A's rows past the
+        group's end belong to the next group (or are zero-filled past M): they only feed output rows that
+        are not stored. W is a 3-d descriptor (E, K, N) [or (E, N, K) read transposed], so a K tail is
+        zero-filled inside the group. Whole tiles are stored by TMA, a group's last partial tile masked."""
+        total = num_m_tiles * tiles_n
+        band = GROUP_M * tiles_n
+        for t in tl.range(tl.program_id(0), total, NUM_PROGS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+            first_m = (t // band) * GROUP_M
+            size_m = tl.minimum(num_m_tiles - first_m, GROUP_M)
+            mt = first_m + (t % band) % size_m
+            n0 = ((t % band) // size_m) * BN
+            e = tl.load(tiles_ptr + 2 * mt)
+            row0 = tl.load(tiles_ptr + 2 * mt + 1)
+            end = tl.load(offs_ptr + e + 1)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                a = x_desc.load([row0, k0])
+                if TRANS_W:
+                    b = tl.trans(w_desc.load([e, n0, k0]).reshape(BN, BK))
+                else:
+                    b = w_desc.load([e, k0, n0]).reshape(BK, BN)
+                acc = tl.dot(a, b, acc)
+            out = acc.to(y_desc.dtype)
+            if row0 + BM <= end:
+                y_desc.store([row0, n0], out)          # TMA clips columns past N
+            else:
+                rm = row0 + tl.arange(0, BM)
+                rn = n0 + tl.arange(0, BN)
+                tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, out,
+                         mask=(rm[:, None] < end) & (rn[None, :] < N))
+
+    _KERNELS.update(segment_mm=segment_mm, segment_mm_tma=segment_mm_tma, segment_wgrad=segment_wgrad,
+                    triton=triton)
     return _KERNELS
 
 
@@ -151,11 +189,65 @@ def _config(dtype, interpret):
     return 128, 256, 64, 8, 3
 
 
+def _tma_ok(interpret, *tensors):
+    """TMA descriptors need 16-byte aligned bases and row strides, unit last stride, and sm_90+.
+    ``DISTLAB_GROUPED_GEMM_TMA=0`` forces the pointer kernel (for comparisons)."""
+    if os.environ.get("DISTLAB_GROUPED_GEMM_TMA", "1") == "0":
+        return False
+    if not interpret and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        return False
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
+
+
+def _m_tiles(counts, bm, device):
+    """(group, first row) of every bm-row tile of every non-empty group, flattened int32."""
+    pairs, start = [], 0
+    for e, c in enumerate(counts):
+        pairs += [v for r in range(start, start + c, bm) for v in (e, r)]
+        start += c
+    return torch.tensor(pairs, dtype=torch.int32).to(device, non_blocking=True)
+
+
+def _num_programs(total, device, interpret):
+    """Persistent grid: one program per SM (the 128x256 bf16 tile fills an SM's shared memory);
+    ``DISTLAB_GROUPED_GEMM_PERSISTENT=0``: one program per tile."""
+    if os.environ.get("DISTLAB_GROUPED_GEMM_PERSISTENT", "1") == "0":
+        return total
+    sms = 3 if interpret else torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(total, sms))
+
+
+def _triton_segment_mm_tma(x, w, counts, transpose_w, y, cfg, interpret):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    ks = _kernels()
+    bm, bn, bk, warps, stages = cfg
+    N, K = y.shape[1], x.shape[1]
+    tiles = _m_tiles(counts, bm, x.device)
+    num_m_tiles, tiles_n = tiles.numel() // 2, -(-N // bn)
+    total = num_m_tiles * tiles_n
+    progs = _num_programs(total, x.device, interpret)
+    w_block = [1, bn, bk] if transpose_w else [1, bk, bn]
+    ks["segment_mm_tma"][(progs,)](
+        TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, w_block),
+        TensorDescriptor.from_tensor(y, [bm, bn]), y, tiles, offsets(counts, x.device), num_m_tiles, tiles_n,
+        N, K, y.stride(0), y.stride(1), progs, BM=bm, BN=bn, BK=bk,
+        GROUP_M=max(1, int(os.environ.get("DISTLAB_GROUPED_GEMM_GROUP_M", "8"))), TRANS_W=transpose_w,
+        FLATTEN=os.environ.get("DISTLAB_GROUPED_GEMM_FLATTEN", "0") == "1",
+        WARP_SPECIALIZE=os.environ.get("DISTLAB_GROUPED_GEMM_WS", "0") == "1", num_warps=warps, num_stages=stages)
+    return y
+
+
 def triton_segment_mm(x, w, counts, transpose_w=False):
     """(M, K) x per-group (K, N) [or w stored (E, N, K) used transposed] -> (M, N)."""
     ks = _kernels()
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    bm, bn, bk, warps, stages = _config(x.dtype, interpret)
+    cfg = bm, bn, bk, warps, stages = _config(x.dtype, interpret)
+    if x.shape[0] and _tma_ok(interpret, x, w):
+        y = torch.empty(x.shape[0], w.shape[1] if transpose_w else w.shape[2], dtype=x.dtype, device=x.device)
+        if _tma_ok(interpret, y):
+            return _triton_segment_mm_tma(x, w, counts, transpose_w, y, cfg, interpret)
     e = w.shape[0]
     if transpose_w:   # logical (E, K, N) = stored (E, N, K) with swapped strides
         K, N = w.shape[2], w.shape[1]
@@ -163,7 +255,7 @@ def triton_segment_mm(x, w, counts, transpose_w=False):
     else:
         K, N = w.shape[1], w.shape[2]
         swe, swk, swn = w.stride(0), w.stride(1), w.stride(2)
-    y = x.new_empty(x.shape[0], N)
+    y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return y
     offs = offsets(counts, x.device)
@@ -268,14 +360,19 @@ def main(argv=None):
         t = timeit(lambda: _forward(x, w, counts, name), a.iters, 3, dev)
         rows.append({"backend": name, "ms": t * 1e3, "tflops": flops / t / 1e12})
         print(f"  {name:<7} {t * 1e3:8.3f} ms  {flops / t / 1e12:7.1f} TFLOP/s")
-    print(f"  triton / torch._grouped_mm: {rows[1]['tflops'] / rows[0]['tflops']:.1%}")
+    ref, out = _forward(x, w, counts, "torch").float(), _forward(x, w, counts, "triton").float()
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    print(f"  triton / torch._grouped_mm: {rows[1]['tflops'] / rows[0]['tflops']:.1%}   (max rel. difference {err:.1e})")
+    if not err < 2e-2:
+        raise SystemExit(f"the Triton grouped GEMM disagrees with torch._grouped_mm: {err:.3e}")
     if a.json:
         import json
 
         with open(a.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "args": vars(a), "counts": counts,
-                       "config": os.environ.get("DISTLAB_GROUPED_GEMM_CONFIG", "default"),
-                       "group_m": os.environ.get("DISTLAB_GROUPED_GEMM_GROUP_M", "8"), "results": rows}, f, indent=1)
+                       "env": {k: v for k, v in os.environ.items() if k.startswith("DISTLAB_GROUPED_GEMM")},
+                       "config": _config(x.dtype, False), "triton_vs_torch_rel_err": err, "results": rows},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,19 @@ if [ "$part" = final ]; then   # third call: tuned tiles, GQA split dK/dV, warps
   LIMIT=12 run gg_cfg4 env DISTLAB_GROUPED_GEMM_CONFIG=128,256,64,8,4 $py -m kernels.grouped_gemm --iters 10
   LIMIT=12 run gg_gm16 env DISTLAB_GROUPED_GEMM_GROUP_M=16 $py -m kernels.grouped_gemm --iters 10
 fi
+if [ "$part" = gg ]; then   # the grouped GEMM's TMA kernel: persistent or not, stages, flatten, warp specialisation
+  for v in "ptr DISTLAB_GROUPED_GEMM_TMA=0" "tma DISTLAB_GROUPED_GEMM_TMA=1" \
+           "tma_s4 DISTLAB_GROUPED_GEMM_CONFIG=128,256,64,8,4" "tma_np DISTLAB_GROUPED_GEMM_PERSISTENT=0" \
+           "tma_flat DISTLAB_GROUPED_GEMM_FLATTEN=1" "tma_ws DISTLAB_GROUPED_GEMM_WS=1" \
+           "tma_s4_flat DISTLAB_GROUPED_GEMM_CONFIG=128,256,64,8,4 DISTLAB_GROUPED_GEMM_FLATTEN=1" \
+           "tma_128 DISTLAB_GROUPED_GEMM_CONFIG=128,128,64,8,4" "tma_gm16 DISTLAB_GROUPED_GEMM_GROUP_M=16"; do
+    set -- $v; name=$1; shift
+    LIMIT=40 run gg_$name env "$@" $py -m kernels.grouped_gemm --iters 20 --json "$out/gg_$name.json"
+  done
+  LIMIT=40 run gg_tma_skew env DISTLAB_GROUPED_GEMM_TMA=1 $py -m kernels.grouped_gemm --skew 1.5 --iters 20 \
+      --json "$out/gg_tma_skew.json"
+  LIMIT=150 run moe_check bash launch/gpu_moe_check.sh "$out"
+fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
 tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"
 exit $status
