@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -30,13 +31,23 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def timeit(fn, iters, warmup, device):
-    """Median seconds of ``fn()`` (CUDA events on GPU, perf_counter on CPU)."""
+    """Median seconds of ``fn()`` (CUDA events on GPU, perf_counter on CPU). On a GPU each timed call is
+    queued behind a spin kernel (``torch.cuda._sleep``) that outlasts its CPU-side launch work, so the
+    events time the GPU's work and not Python's launch latency (as under a CUDA graph or a busy stream);
+    without it a 0.1 ms kernel would be timed 10–30% slow."""
+    cpu = 0.0
     for _ in range(warmup):
+        t0 = time.perf_counter()
         fn()
+        cpu = time.perf_counter() - t0        # the last warm call's enqueue time (compiles are done by then)
     times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        spin = int(min(2 * cpu + 50e-6, 0.02) * 2e9)   # cycles at ~2 GHz: twice the enqueue time, ≤ 20 ms
     for _ in range(iters):
         if device.type == "cuda":
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(spin)
             start.record()
             fn()
             stop.record()
@@ -182,6 +193,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=5 if gpu else 1)
     p.add_argument("--only", choices=("attention", "memory"), default=None,
                    help="attention backends only, or the memory-bound kernels only (default: both)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile anchors (tuning sweeps)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     dev = torch.device("cuda" if gpu else "cpu")
@@ -192,7 +204,7 @@ def main(argv=None):
     if args.only in (None, "attention"):
         table += bench_attention(args, dev, dtype, kvh)
     if args.only in (None, "memory") and (gpu or _interpreting()):
-        table += bench_memory_bound(dev, dtype, args.iters, args.warmup)
+        table += bench_memory_bound(dev, dtype, args.iters, args.warmup, compile_ref=not args.no_compile)
     print(f"kernels on {name}, torch {torch.__version__}, {args.dtype}; attention: batch {args.batch} · seq "
           f"{args.seq} · heads {args.heads} (kv {kvh}) · head_dim {args.head_dim} · "
           f"{'causal' if args.causal else 'full'}")
@@ -206,7 +218,9 @@ def main(argv=None):
               f"{r.get('anchor') or '-':<22} {anchor_rate} {ratio} {comp}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"device": name, "torch": torch.__version__, "args": vars(args), "results": table}, fh, indent=2)
+            knobs = {k: v for k, v in os.environ.items() if k.startswith(("DISTLAB_KERNEL", "DISTLAB_TRITON"))}
+            json.dump({"device": name, "torch": torch.__version__, "args": vars(args), "env": knobs, "results": table},
+                      fh, indent=2)
         print(f"wrote {args.json}")
     return table
 

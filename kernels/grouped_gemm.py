@@ -138,7 +138,8 @@ def _kernels():
     @triton.jit
     def segment_mm_tma(x_desc, w_desc, y_desc, y_ptr, tiles_ptr, offs_ptr, num_m_tiles, tiles_n, N, K, sym, syn,
                        NUM_PROGS, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                       TRANS_W: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                       TRANS_W: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                       SPLIT_EPILOGUE: tl.constexpr):
         """The same product through TMA descriptors, persistent: NUM_PROGS programs walk the list of
         (m-tile, n-tile) pairs in bands of GROUP_M m-tiles. ``tiles_ptr`` lists each m-tile's (group,
         first row), so no program is launched for the empty tail of a short group. A's rows past the
@@ -164,8 +165,13 @@ def _kernels():
                     b = w_desc.load([e, k0, n0]).reshape(BK, BN)
                 acc = tl.dot(a, b, acc)
             out = acc.to(y_desc.dtype)
-            if row0 + BM <= end:
-                y_desc.store([row0, n0], out)          # TMA clips columns past N
+            if row0 + BM <= end:                       # TMA clips columns past N
+                if SPLIT_EPILOGUE:                     # two (BM, BN/2) stores: half the staging memory
+                    lo, hi = tl.split(tl.permute(tl.reshape(out, (BM, 2, BN // 2)), (0, 2, 1)))
+                    y_desc.store([row0, n0], lo)
+                    y_desc.store([row0, n0 + BN // 2], hi)
+                else:
+                    y_desc.store([row0, n0], out)
             else:
                 rm = row0 + tl.arange(0, BM)
                 rn = n0 + tl.arange(0, BN)
@@ -182,8 +188,8 @@ def _config(dtype, interpret):
     over 8 warps and 3 stages (147 KB of shared memory), a smaller one for fp32 (4-byte tiles)."""
     if interpret:
         return 32, 32, 32, 4, 1
-    if os.environ.get("DISTLAB_GROUPED_GEMM_CONFIG"):   # tuning knob: "BM,BN,BK,warps,stages"
-        return tuple(int(v) for v in os.environ["DISTLAB_GROUPED_GEMM_CONFIG"].split(","))
+    if os.environ.get("DISTLAB_GROUPED_GEMM_CONFIG"):   # tuning knob: "BM,BN,BK,warps,stages" (or x-separated)
+        return tuple(int(v) for v in os.environ["DISTLAB_GROUPED_GEMM_CONFIG"].replace("x", ",").split(","))
     if dtype == torch.float32:
         return 64, 64, 32, 4, 2
     return 128, 256, 64, 8, 3
@@ -229,13 +235,14 @@ def _triton_segment_mm_tma(x, w, counts, transpose_w, y, cfg, interpret):
     total = num_m_tiles * tiles_n
     progs = _num_programs(total, x.device, interpret)
     w_block = [1, bn, bk] if transpose_w else [1, bk, bn]
+    split = os.environ.get("DISTLAB_GROUPED_GEMM_SPLIT_EPILOGUE", "0") == "1"
     ks["segment_mm_tma"][(progs,)](
         TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, w_block),
-        TensorDescriptor.from_tensor(y, [bm, bn]), y, tiles, offsets(counts, x.device), num_m_tiles, tiles_n,
+        TensorDescriptor.from_tensor(y, [bm, bn // 2 if split else bn]), y, tiles, offsets(counts, x.device), num_m_tiles, tiles_n,
         N, K, y.stride(0), y.stride(1), progs, BM=bm, BN=bn, BK=bk,
         GROUP_M=max(1, int(os.environ.get("DISTLAB_GROUPED_GEMM_GROUP_M", "8"))), TRANS_W=transpose_w,
         FLATTEN=os.environ.get("DISTLAB_GROUPED_GEMM_FLATTEN", "0") == "1",
-        WARP_SPECIALIZE=os.environ.get("DISTLAB_GROUPED_GEMM_WS", "0") == "1", num_warps=warps, num_stages=stages)
+        WARP_SPECIALIZE=os.environ.get("DISTLAB_GROUPED_GEMM_WS", "0") == "1", SPLIT_EPILOGUE=split, num_warps=warps, num_stages=stages)
     return y
 
 
@@ -333,7 +340,22 @@ def grouped_mm(x, w, counts, backend="auto"):
     return _GroupedMM.apply(x.contiguous(), w, counts, resolve(backend, x))
 
 
+def _with_env(settings, fn):
+    """Run ``fn`` with DISTLAB_GROUPED_GEMM_<KEY>=<value> set for each "KEY=value" in ``settings``."""
+    keys = {f"DISTLAB_GROUPED_GEMM_{kv.split('=')[0].upper()}": kv.split("=", 1)[1] for kv in settings if kv}
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(keys)
+    try:
+        return fn()
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
 def main(argv=None):
+    import statistics
+    import time
+
     from kernels.bench import timeit
 
     p = argparse.ArgumentParser(prog="python -m kernels.grouped_gemm", description=__doc__.split("\n\n")[0])
@@ -342,7 +364,12 @@ def main(argv=None):
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--n", type=int, default=7168)
     p.add_argument("--skew", type=float, default=0.0, help="0: uniform rows per group; >0 Zipf-like")
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=20, help="timed calls per backend per round")
+    p.add_argument("--rounds", type=int, default=5, help="rounds; each times every backend in turn")
+    p.add_argument("--cooldown", type=float, default=0.0, help="seconds idle before each timing (boost clocks)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=V,KEY=V",
+                   help="a Triton variant, KEY a DISTLAB_GROUPED_GEMM_<KEY> knob (e.g. ws:WS=1,GROUP_M=16); "
+                        "repeatable, all timed in the same rounds")
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
     dev = torch.device("cuda")
@@ -355,24 +382,45 @@ def main(argv=None):
     w = torch.randn(a.experts, a.k, a.n, device=dev, dtype=torch.bfloat16)
     flops = 2 * a.rows * a.k * a.n
     print(f"grouped GEMM, {a.experts} groups, {a.rows} rows ({counts}), {a.k}->{a.n}, bf16, {torch.cuda.get_device_name()}")
+    runs = {"torch": ("torch", []), "loop": ("loop", [])}
+    for v in a.variant or ["triton:"]:
+        name, _, settings = v.partition(":")
+        runs[name] = ("triton", settings.split(","))
+    ref = _forward(x, w, counts, "torch").float()
+    errs = {}
+    for name, (backend, settings) in list(runs.items()):   # check each variant against torch._grouped_mm first
+        try:
+            out = _with_env(settings, lambda: _forward(x, w, counts, backend)).float()
+        except Exception as exc:                      # e.g. a tile config that does not fit shared memory
+            print(f"  {name}: does not run ({type(exc).__name__}: {str(exc).splitlines()[-1][:120]})")
+            del runs[name]
+            continue
+        errs[name] = ((out - ref).abs().max() / ref.abs().max()).item()
+        if not errs[name] < 2e-2:
+            raise SystemExit(f"{name} disagrees with torch._grouped_mm: {errs[name]:.3e}")
+    times = {name: [] for name in runs}
+    for _ in range(a.rounds):                           # interleaved, so clock drift hits every backend alike
+        for name, (backend, settings) in runs.items():
+            time.sleep(a.cooldown)
+            times[name].append(_with_env(settings, lambda: timeit(lambda: _forward(x, w, counts, backend),
+                                                                  a.iters, 3, dev)))
     rows = []
-    for name in ("torch", "triton", "loop"):
-        t = timeit(lambda: _forward(x, w, counts, name), a.iters, 3, dev)
-        rows.append({"backend": name, "ms": t * 1e3, "tflops": flops / t / 1e12})
-        print(f"  {name:<7} {t * 1e3:8.3f} ms  {flops / t / 1e12:7.1f} TFLOP/s")
-    ref, out = _forward(x, w, counts, "torch").float(), _forward(x, w, counts, "triton").float()
-    err = ((out - ref).abs().max() / ref.abs().max()).item()
-    print(f"  triton / torch._grouped_mm: {rows[1]['tflops'] / rows[0]['tflops']:.1%}   (max rel. difference {err:.1e})")
-    if not err < 2e-2:
-        raise SystemExit(f"the Triton grouped GEMM disagrees with torch._grouped_mm: {err:.3e}")
+    print(f"  {'backend':<14} {'ms':>8} {'TFLOP/s':>8} {'vs torch':>9}   (median of {a.rounds} rounds; "
+          f"ratio = median of the per-round ratios; {a.cooldown} s idle before each)")
+    for name, (backend, settings) in runs.items():
+        t = statistics.median(times[name])
+        ratio = statistics.median(tt / t_ for tt, t_ in zip(times["torch"], times[name]))
+        rows.append({"backend": backend, "variant": name, "settings": settings, "ms": t * 1e3,
+                     "tflops": flops / t / 1e12, "vs_torch": ratio, "rel_err": errs[name],
+                     "rounds_ms": [v * 1e3 for v in times[name]]})
+        print(f"  {name:<14} {t * 1e3:8.3f} {flops / t / 1e12:8.1f} {ratio:9.1%}   {','.join(settings)}")
     if a.json:
         import json
 
         with open(a.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "args": vars(a), "counts": counts,
                        "env": {k: v for k, v in os.environ.items() if k.startswith("DISTLAB_GROUPED_GEMM")},
-                       "config": _config(x.dtype, False), "triton_vs_torch_rel_err": err, "results": rows},
-                      f, indent=1)
+                       "config": _config(x.dtype, False), "results": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.launch import num_warps
+from kernels.launch import knob, num_warps
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def lse_merge_(out, lse, block_out, block_lse):
         raise ValueError("merge: the last dims must be contiguous")
     if d & (d - 1):
         raise ValueError(f"the Triton merge takes a power-of-two head_dim; got {d}")
-    block = 32
+    block = knob("MERGE_BLOCK", 32)
     _merge_kernel[(triton.cdiv(s, block), b * h)](
         out, lse, block_out, block_lse, s, h, out.stride(0), out.stride(1), out.stride(2), lse.stride(0),
         lse.stride(1), block_out.stride(0), block_out.stride(1), block_out.stride(2), block_lse.stride(0),

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import num_warps
+from kernels.launch import knob, num_warps
 
 
 def rmsnorm_residual_reference(x, residual, weight, eps=1e-6):
@@ -28,18 +28,21 @@ def rmsnorm_residual_reference(x, residual, weight, eps=1e-6):
 
 
 @triton.jit
-def _fwd(X, R, W, Y, H, RSTD, n, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _fwd(X, R, W, Y, H, RSTD, rows, n, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """ROWS rows per program (the weight read once for them)."""
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n
-    h = tl.load(X + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+    in_rows = r < rows
+    mask = in_rows[:, None] & (cols < n)[None, :]
+    offs = r[:, None] * n + cols[None, :]
+    w = tl.load(W + cols, mask=cols < n, other=0.0).to(tl.float32)
+    h = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        h += tl.load(R + row * n + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(H + row * n + cols, h.to(H.dtype.element_ty), mask=mask)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / n + eps)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * n + cols, (h * rstd * w).to(Y.dtype.element_ty), mask=mask)
-    tl.store(RSTD + row, rstd)
+        h += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(H + offs, h.to(H.dtype.element_ty), mask=mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, 1) / n + eps)
+    tl.store(Y + offs, (h * rstd[:, None] * w[None, :]).to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + r, rstd, mask=in_rows)
 
 
 @triton.jit
@@ -88,8 +91,9 @@ def rmsnorm_residual_forward(x, residual, weight, eps=1e-6):
     h = torch.empty_like(x2) if residual is not None else x2
     rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
     block, warps = _launch_shape(n)
-    _fwd[(x2.shape[0],)](x2, r2, weight, y, h, rstd, n, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-                         num_warps=warps)
+    per = knob("RMSNORM_ROWS", 1)                          # a power of two
+    _fwd[(triton.cdiv(x2.shape[0], per),)](x2, r2, weight, y, h, rstd, x2.shape[0], n, eps,
+                                           HAS_RESIDUAL=residual is not None, BLOCK=block, ROWS=per, num_warps=warps)
     return y.view(x.shape), h.view(x.shape), rstd
 
 
@@ -103,7 +107,7 @@ def rmsnorm_residual_backward(dy, dh, h, weight, rstd):
     per = triton.cdiv(rows, programs)
     partial = torch.empty(programs, n, dtype=torch.float32, device=h.device)
     block, warps = _launch_shape(n)
-    rows_at_once = max(1, min(4, 8192 // block))             # ~8K elements per load: 4 rows at hidden 2048
+    rows_at_once = knob("RMSNORM_BWD_ROWS", max(1, min(4, 8192 // block)))   # ~8K elements per load
     dh2 = dh.reshape(rows, n).contiguous() if dh is not None else dx
     _bwd[(programs,)](dy.reshape(rows, n).contiguous(), dh2, h.reshape(rows, n).contiguous(), weight, rstd, dx,
                       partial, rows, n, per, HAS_DH=dh is not None, BLOCK=block, ROWS=rows_at_once,

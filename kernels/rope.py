@@ -6,7 +6,8 @@ Rotate-half RoPE as ``distlab.tp.block.rope``: for each head, with ``x = [x1, x2
 and angle ``θ_i = pos · base^(−2i/d)``: ``[x1 cos θ − x2 sin θ, x2 cos θ + x1 sin θ]``. The cos/sin tables
 ``(seq, d/2)`` float32 are computed once per positions with the reference's own formula (so the kernel's
 angles are bit-identical to it; computing ``pos · base^(−2i/d)`` inside would differ by ~pos · 1 ulp).
-One program per token rotates all of its q heads and k heads, reading the table row once; the backward is
+One program per token (or ``DISTLAB_KERNEL_ROPE_TOKENS`` tokens) rotates all of its q heads and k heads,
+reading the table row once; the backward is
 the same kernel rotating by −θ (a rotation's transpose).
 """
 
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import num_warps
+from kernels.launch import knob, num_warps
 
 
 def rope_tables(positions, head_dim, base=10000.0, device=None):
@@ -49,15 +50,18 @@ def _rotate_heads(X, OUT, row, seq, heads, cos, sin, sxb, sxs, sxh, HB: tl.const
 
 
 @triton.jit
-def _rope_kernel(Q, K, QO, KO, COS, SIN, seq, hq, hk, sqb, sqs, sqh, skb, sks, skh, sign,
-                 HQB: tl.constexpr, HKB: tl.constexpr, HALF: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _rope_kernel(Q, K, QO, KO, COS, SIN, seq, tokens, hq, hk, sqb, sqs, sqh, skb, sks, skh, sign,
+                 HQB: tl.constexpr, HKB: tl.constexpr, HALF: tl.constexpr, TOKENS: tl.constexpr):
+    """TOKENS consecutive tokens per program, all their q and k heads."""
     offs_d = tl.arange(0, HALF)
-    s = row % seq
-    cos = tl.load(COS + s * HALF + offs_d)
-    sin = tl.load(SIN + s * HALF + offs_d) * sign
-    _rotate_heads(Q, QO, row, seq, hq, cos, sin, sqb, sqs, sqh, HQB, HALF)
-    _rotate_heads(K, KO, row, seq, hk, cos, sin, skb, sks, skh, HKB, HALF)
+    for i in range(TOKENS):
+        row = tl.program_id(0).to(tl.int64) * TOKENS + i
+        if row < tokens:
+            s = row % seq
+            cos = tl.load(COS + s * HALF + offs_d)
+            sin = tl.load(SIN + s * HALF + offs_d) * sign
+            _rotate_heads(Q, QO, row, seq, hq, cos, sin, sqb, sqs, sqh, HQB, HALF)
+            _rotate_heads(K, KO, row, seq, hk, cos, sin, skb, sks, skh, HKB, HALF)
 
 
 def rope_qk_forward(q, k, cos, sin, inverse=False):
@@ -71,10 +75,12 @@ def rope_qk_forward(q, k, cos, sin, inverse=False):
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         q, k = q.contiguous(), k.contiguous()
     qo, ko = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    _rope_kernel[(b * s,)](q, k, qo, ko, cos.float().contiguous(), sin.float().contiguous(), s, hq, k.shape[2],
-                           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                           -1.0 if inverse else 1.0, HQB=triton.next_power_of_2(hq),
-                           HKB=triton.next_power_of_2(k.shape[2]), HALF=d // 2, num_warps=num_warps(4))
+    per = knob("ROPE_TOKENS", 1)
+    _rope_kernel[(triton.cdiv(b * s, per),)](
+        q, k, qo, ko, cos.float().contiguous(), sin.float().contiguous(), s, b * s, hq, k.shape[2],
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), -1.0 if inverse else 1.0,
+        HQB=triton.next_power_of_2(hq), HKB=triton.next_power_of_2(k.shape[2]), HALF=d // 2, TOKENS=per,
+        num_warps=num_warps(4))
     return qo, ko
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.launch import num_warps
+from kernels.launch import knob, num_warps
 
 
 def swiglu_reference(gu):
@@ -48,7 +48,7 @@ def _bwd(GU, DY, DGU, f, BLOCK: tl.constexpr):
 
 def _grid(gu):
     f = gu.shape[-1] // 2
-    block = min(2048, triton.next_power_of_2(f))
+    block = min(knob("SWIGLU_BLOCK", 2048), triton.next_power_of_2(f))
     return f, block, (gu.numel() // (2 * f), triton.cdiv(f, block))
 
 

@@ -13,8 +13,9 @@ out=${1:-${OUT:-out}}; part=${2:-all}; mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}; status=0
 run() { local name=$1; shift; echo "== $name: $*"; local t0=$SECONDS   # each command at most $LIMIT s
+        if [ $SECONDS -gt "${BUDGET:-540}" ]; then echo "   skipped: past the call's ${BUDGET:-540} s"; status=1; return; fi
         timeout "${LIMIT:-240}" "$@" > "$out/$name.log" 2>&1 || { echo "   FAILED or timed out ($name)"; status=1; }
-        tail -n 4 "$out/$name.log"; echo "   ($((SECONDS - t0)) s)"; }
+        tail -n ${TAIL:-4} "$out/$name.log"; echo "   ($((SECONDS - t0)) s)"; }
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv > "$out/gpu.txt" 2>&1
 if [ "$part" = all ]; then   # one call of under 10 minutes, in order of importance
   LIMIT=110 run gpu_tests $py -m pytest -v -m gpu tests/test_triton_kernels.py tests/test_attention_kernels.py -k triton \
@@ -53,18 +54,39 @@ if [ "$part" = final ]; then   # third call: tuned tiles, GQA split dK/dV, warps
   LIMIT=12 run gg_cfg4 env DISTLAB_GROUPED_GEMM_CONFIG=128,256,64,8,4 $py -m kernels.grouped_gemm --iters 10
   LIMIT=12 run gg_gm16 env DISTLAB_GROUPED_GEMM_GROUP_M=16 $py -m kernels.grouped_gemm --iters 10
 fi
-if [ "$part" = gg ]; then   # the grouped GEMM's TMA kernel: persistent or not, stages, flatten, warp specialisation
-  for v in "ptr DISTLAB_GROUPED_GEMM_TMA=0" "tma DISTLAB_GROUPED_GEMM_TMA=1" \
-           "tma_s4 DISTLAB_GROUPED_GEMM_CONFIG=128,256,64,8,4" "tma_np DISTLAB_GROUPED_GEMM_PERSISTENT=0" \
-           "tma_flat DISTLAB_GROUPED_GEMM_FLATTEN=1" "tma_ws DISTLAB_GROUPED_GEMM_WS=1" \
-           "tma_s4_flat DISTLAB_GROUPED_GEMM_CONFIG=128,256,64,8,4 DISTLAB_GROUPED_GEMM_FLATTEN=1" \
-           "tma_128 DISTLAB_GROUPED_GEMM_CONFIG=128,128,64,8,4" "tma_gm16 DISTLAB_GROUPED_GEMM_GROUP_M=16"; do
-    set -- $v; name=$1; shift
-    LIMIT=40 run gg_$name env "$@" $py -m kernels.grouped_gemm --iters 20 --json "$out/gg_$name.json"
+if [ "$part" = gg ]; then   # the grouped GEMM's kernels, every variant timed in the same interleaved rounds
+  c4=CONFIG=128x256x64x8x4
+  vs=(--variant ptr:TMA=0 --variant tma: --variant gm16:GROUP_M=16 --variant ws:WS=1 --variant ws_gm16:WS=1,GROUP_M=16
+      --variant np:PERSISTENT=0 --variant split4:SPLIT_EPILOGUE=1,$c4 --variant split4_ws:SPLIT_EPILOGUE=1,WS=1,$c4
+      --variant split4_ws_gm16:SPLIT_EPILOGUE=1,WS=1,GROUP_M=16,$c4 --variant np_split4:PERSISTENT=0,SPLIT_EPILOGUE=1,$c4
+      --variant split3_ws:SPLIT_EPILOGUE=1,WS=1)
+  LIMIT=150 run gg_uniform $py -m kernels.grouped_gemm "${vs[@]}" --json "$out/gg_uniform.json"
+  LIMIT=150 run gg_skew $py -m kernels.grouped_gemm --skew 1.5 "${vs[@]}" --json "$out/gg_skew.json"
+fi
+if [ "$part" = sweep ]; then   # launch-latency-free timing; knob sweeps of attention (warp specialisation),
+  # the memory-bound kernels (warps, rows/tokens/block per program) and the grouped GEMM (also after idling)
+  gv=(--variant ptr:TMA=0 --variant tma: --variant gm16:GROUP_M=16 --variant ws:WS=1 --variant ws_gm16:WS=1,GROUP_M=16
+      --variant split4:SPLIT_EPILOGUE=1,CONFIG=128x256x64x8x4 --variant split4_ws:SPLIT_EPILOGUE=1,WS=1,CONFIG=128x256x64x8x4)
+  LIMIT=100 run gg_sustained $py -m kernels.grouped_gemm "${gv[@]}" --json "$out/gg_sustained.json"
+  LIMIT=100 run gg_cooldown $py -m kernels.grouped_gemm "${gv[@]}" --cooldown 1 --rounds 3 --json "$out/gg_cooldown.json"
+  LIMIT=60 run gg_skew_cooldown $py -m kernels.grouped_gemm --skew 1.5 "${gv[@]}" --cooldown 1 --rounds 3 \
+      --json "$out/gg_skew_cooldown.json"
+  for ws in none FWD DKV DQ; do
+    LIMIT=60 run attn_ws_$ws env DISTLAB_TRITON_ATTN_WS=$ws $py -m kernels.bench --kv-heads 32 --only attention \
+        --json "$out/attn_ws_$ws.json"
   done
-  LIMIT=40 run gg_tma_skew env DISTLAB_GROUPED_GEMM_TMA=1 $py -m kernels.grouped_gemm --skew 1.5 --iters 20 \
-      --json "$out/gg_tma_skew.json"
-  LIMIT=150 run moe_check bash launch/gpu_moe_check.sh "$out"
+  LIMIT=100 run mem_base $py -m kernels.bench --only memory --json "$out/mem_base.json"
+  for v in "w4 WARPS=4" "w8 WARPS=8" "w16 WARPS=16" \
+           "r2 RMSNORM_ROWS=2 ROPE_TOKENS=2 SWIGLU_BLOCK=1024 MERGE_BLOCK=64 RMSNORM_BWD_ROWS=1" \
+           "r4 RMSNORM_ROWS=4 ROPE_TOKENS=4 SWIGLU_BLOCK=4096 MERGE_BLOCK=16 RMSNORM_BWD_ROWS=4" \
+           "r4w16 RMSNORM_ROWS=4 ROPE_TOKENS=8 SWIGLU_BLOCK=8192 MERGE_BLOCK=128 RMSNORM_BWD_ROWS=8 WARPS=16" \
+           "r2w4 RMSNORM_ROWS=2 ROPE_TOKENS=4 SWIGLU_BLOCK=512 MERGE_BLOCK=8 WARPS=4"; do
+    set -- $v; name=$1; shift; envs=(); for kv in "$@"; do envs+=("DISTLAB_KERNEL_$kv"); done
+    LIMIT=40 run mem_$name env "${envs[@]}" $py -m kernels.bench --only memory --no-compile --json "$out/mem_$name.json"
+  done
+  LIMIT=70 run emulate $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend triton sdpa-cudnn \
+      --iters 10 --json "$out/emulate.json"
+  LIMIT=90 run gpu_tests $py -m pytest -q -m gpu tests/test_triton_kernels.py -k "bfloat16" -p no:cacheprovider --timeout 80
 fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
 tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"

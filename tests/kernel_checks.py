@@ -12,6 +12,7 @@ so an element a kernel forgets to write fails the check. Prints ``OK <name>`` pe
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -113,7 +114,9 @@ def check_attention_accumulate(device, dtype, big=False):
 def check_rmsnorm(device, dtype, big=False):
     from kernels.rmsnorm import rmsnorm_residual, rmsnorm_residual_reference
 
-    for rows, n, residual in ((7, 100, True), (5, 64, False), (3, 130, True), (4, 2, True)):
+    cases = ((7, 100, True, "1"), (5, 64, False, "2"), (3, 130, True, "4"), (4, 2, True, "1"), (7, 100, True, "4"))
+    for rows, n, residual, per in cases:            # per: rows per forward program (a ragged last program)
+        os.environ["DISTLAB_KERNEL_RMSNORM_ROWS"] = per
         shape = (2, rows, n) if not big else (4, 1024, 4096 + n)
         x = rand(*shape, dtype=dtype, device=device, seed=1).requires_grad_(True)
         r = rand(*shape, dtype=dtype, device=device, seed=2).requires_grad_(True) if residual else None
@@ -131,6 +134,7 @@ def check_rmsnorm(device, dtype, big=False):
         for name, a, b in zip(("y", "h", "dx", "dw", "dres"), *results):
             if b is not None:
                 assert rel(a, b) < tol(dtype) * 2, (name, rel(a, b))
+    os.environ.pop("DISTLAB_KERNEL_RMSNORM_ROWS")
     print("OK rmsnorm")
 
 
@@ -143,15 +147,18 @@ def check_rope(device, dtype, big=False):
     q = rand(b, s, hq, d, dtype=dtype, device=device, seed=1).requires_grad_(True)
     k = rand(b, s, hk, d, dtype=dtype, device=device, seed=2).requires_grad_(True)
     cos, sin = rope_tables(positions, d, 10000.0, device)
-    qo, ko = rope_qk(q, k, cos, sin)
-    dq_, dk_ = rand(*qo.shape, dtype=dtype, device=device, seed=3), rand(*ko.shape, dtype=dtype, device=device, seed=4)
-    ((qo.float() * dq_.float()).sum() + (ko.float() * dk_.float()).sum()).backward()
-    gq, gk = q.grad.clone(), k.grad.clone()
-    q.grad = k.grad = None
+    dq_, dk_ = rand(*q.shape, dtype=dtype, device=device, seed=3), rand(*k.shape, dtype=dtype, device=device, seed=4)
     rq, rk = rope(q, positions=positions.to(device)), rope(k, positions=positions.to(device))
     ((rq.float() * dq_.float()).sum() + (rk.float() * dk_.float()).sum()).backward()
-    for name, a, w in (("q", qo, rq), ("k", ko, rk), ("dq", gq, q.grad), ("dk", gk, k.grad)):
-        assert rel(a, w) < tol(dtype), (name, rel(a, w))
+    want = rq, rk, q.grad.clone(), k.grad.clone()
+    for per in ("1", "4"):                          # tokens per program; 4 leaves a ragged last program
+        os.environ["DISTLAB_KERNEL_ROPE_TOKENS"] = per
+        q.grad = k.grad = None
+        qo, ko = rope_qk(q, k, cos, sin)
+        ((qo.float() * dq_.float()).sum() + (ko.float() * dk_.float()).sum()).backward()
+        for name, a, w in zip(("q", "k", "dq", "dk"), (qo, ko, q.grad, k.grad), want):
+            assert rel(a, w) < tol(dtype), (per, name, rel(a, w))
+    os.environ.pop("DISTLAB_KERNEL_ROPE_TOKENS")
     print("OK rope")
 
 
