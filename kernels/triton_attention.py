@@ -222,9 +222,9 @@ def _delta_kernel(O, DO, DELTA, seq, heads, sob, sos, soh, sdb, sds, sdh,
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, stride_qm, stride_dom, cols, lo, hi, seq_q, qk_scale,
-                BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
-                WS: tl.constexpr):
+def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, stride_qm, stride_dom, stride_dqm, cols, lo,
+                hi, seq_q, qk_scale, scale, BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                PREC: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     offs_m = tl.arange(0, BLOCK_M)
     for start in tl.range(lo, hi, BLOCK_M, warp_specialize=WS):
         rows = start + offs_m
@@ -247,14 +247,20 @@ def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, stride_qm, stride
         dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
         dst = pt * (dpt - delta[None, :])
         dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
+        if ATOMIC_DQ:   # this key tile's share of dQ = dS·K, added into the float32 dQ
+            dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=PREC) * scale
+            if MASK:
+                tl.atomic_add(dq_ptrs + start * stride_dqm, dq, mask=(rows < seq_q)[:, None], sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs + start * stride_dqm, dq, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, seq_q, seq_k, heads, groups, per_program, qk_scale, scale,
+def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, seq_q, seq_k, heads, groups, per_program, qk_scale, scale,
                  sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
-                 PREC: tl.constexpr, WS: tl.constexpr):
+                 sdqb, sdqs, sdqh, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                 CAUSAL: tl.constexpr, PREC: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """Program (key tile, batch · kv head · split): the q heads [split·per_program, (split+1)·per_program) of
     the kv head's group; writes its dK/dV to head slot ``kv head · splits + split`` of DK/DV (splits = 1:
     the gradient itself; more: partial sums the host adds up)."""
@@ -278,21 +284,22 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, seq_q, seq_k, heads, groups, 
         do_ptrs = DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :]
         l_ptrs = LSE2 + (b * heads + h) * seq_q + offs_m
         d_ptrs = DELTA + (b * heads + h) * seq_q + offs_m
+        dq_ptrs = DQA + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :]
         full = seq_q - seq_q % BLOCK_M
         if CAUSAL:   # query tiles crossing the diagonal (masked), then those wholly below it
             lo = pid_n * BLOCK_N
             mid = tl.minimum(lo + BLOCK_N, full)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, sqs, sdos, cols, lo, mid, seq_q,
-                                 qk_scale, BLOCK_M, True, True, PREC, WS)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, sqs, sdos, cols, mid, full, seq_q,
-                                 qk_scale, BLOCK_M, False, True, PREC, WS)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, sqs, sdos, cols,
-                                 tl.maximum(full, lo), seq_q, seq_q, qk_scale, BLOCK_M, True, True, PREC, WS)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols, lo, mid, seq_q,
+                                 qk_scale, scale, BLOCK_M, True, True, PREC, WS, ATOMIC_DQ)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols, mid, full, seq_q,
+                                 qk_scale, scale, BLOCK_M, False, True, PREC, WS, ATOMIC_DQ)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols,
+                                 tl.maximum(full, lo), seq_q, seq_q, qk_scale, scale, BLOCK_M, True, True, PREC, WS, ATOMIC_DQ)
         else:
-            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, sqs, sdos, cols, 0, full, seq_q,
-                                 qk_scale, BLOCK_M, False, False, PREC, WS)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, sqs, sdos, cols, full, seq_q, seq_q,
-                                 qk_scale, BLOCK_M, True, False, PREC, WS)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols, 0, full, seq_q,
+                                 qk_scale, scale, BLOCK_M, False, False, PREC, WS, ATOMIC_DQ)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols, full, seq_q, seq_q,
+                                 qk_scale, scale, BLOCK_M, True, False, PREC, WS, ATOMIC_DQ)
     tl.store(DK + b * sdkb + slot * sdkh + cols[:, None] * sdks + offs_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=in_cols)
     tl.store(DV + b * sdvb + slot * sdvh + cols[:, None] * sdvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
@@ -386,14 +393,19 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
         dv_part = torch.empty_like(dk_part)
     else:
         dk_part, dv_part = dk, dv
+    atomic = os.environ.get("DISTLAB_TRITON_ATTN_DQ_MODE", "kernel") == "atomic"
+    dq_acc = torch.zeros(b, sq, h, d, dtype=torch.float32, device=q.device) if atomic else dq
     _dkdv_kernel[(tiles, b * hk * splits)](
-        q, k, v, dout, lse2, delta, dk_part, dv_part, sq, sk, h, groups, groups // splits, scale * LOG2E, scale,
-        *strides, dk_part.stride(0), dk_part.stride(1), dk_part.stride(2), dv_part.stride(0), dv_part.stride(1),
-        dv_part.stride(2), BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q),
-        WS=_warp_specialize("DKV", q), num_warps=warps, num_stages=stages)
+        q, k, v, dout, lse2, delta, dk_part, dv_part, dq_acc, sq, sk, h, groups, groups // splits, scale * LOG2E,
+        scale, *strides, dk_part.stride(0), dk_part.stride(1), dk_part.stride(2), dv_part.stride(0),
+        dv_part.stride(1), dv_part.stride(2), dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2),
+        BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), WS=_warp_specialize("DKV", q),
+        ATOMIC_DQ=atomic, num_warps=warps, num_stages=stages)
     if splits > 1:
         dk = dk_part.view(b, sk, hk, splits, d).sum(3).to(k.dtype)
         dv = dv_part.view(b, sk, hk, splits, d).sum(3).to(v.dtype)
+    if atomic:
+        return dq_acc.to(q.dtype), dk, dv
     bm, bn, warps, stages = tile_config("DQ", q.device, d)
     _dq_kernel[(triton.cdiv(sq, bm), b * h)](
         q, k, v, dout, lse2, delta, dq, sq, sk, h, h // hk, scale * LOG2E, scale, *strides,

@@ -71,9 +71,11 @@ if [ "$part" = sweep ]; then   # launch-latency-free timing; knob sweeps of atte
   LIMIT=100 run gg_cooldown $py -m kernels.grouped_gemm "${gv[@]}" --cooldown 1 --rounds 3 --json "$out/gg_cooldown.json"
   LIMIT=60 run gg_skew_cooldown $py -m kernels.grouped_gemm --skew 1.5 "${gv[@]}" --cooldown 1 --rounds 3 \
       --json "$out/gg_skew_cooldown.json"
-  for ws in none FWD DKV DQ; do
-    LIMIT=60 run attn_ws_$ws env DISTLAB_TRITON_ATTN_WS=$ws $py -m kernels.bench --kv-heads 32 --only attention \
-        --json "$out/attn_ws_$ws.json"
+  for v in "base WS=none" "ws_fwd WS=FWD" "ws_dkv WS=DKV" "ws_dq WS=DQ" "atomic DQ_MODE=atomic" \
+           "atomic_s2 DQ_MODE=atomic DKV=64,128,8,2" "atomic_ws DQ_MODE=atomic WS=DKV"; do
+    set -- $v; name=$1; shift; envs=(); for kv in "$@"; do envs+=("DISTLAB_TRITON_ATTN_$kv"); done
+    LIMIT=50 run attn_$name env "${envs[@]}" $py -m kernels.bench --kv-heads 32 --only attention --iters 10 \
+        --json "$out/attn_$name.json"
   done
   LIMIT=100 run mem_base $py -m kernels.bench --only memory --json "$out/mem_base.json"
   for v in "w4 WARPS=4" "w8 WARPS=8" "w16 WARPS=16" \

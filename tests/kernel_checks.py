@@ -61,11 +61,14 @@ def check_attention(device, dtype, big=False):
         ro, rl = attention_forward(q.double(), k.double(), v.double(), causal, backend="torch")
         grads = attention_backward(dout.double(), q.double(), k.double(), v.double(), ro, rl, causal, backend="torch")
         o, lse = flash_forward(q, k, v, causal)
-        for split in ((False, True) if h > hk else (None,)):   # GQA: per-kv-head and per-q-head dK/dV programs
+        # GQA: per-kv-head and per-q-head dK/dV programs; dQ from its own kernel or added atomically by dK/dV's
+        for split, dq_mode in [(sp, m) for sp in ((False, True) if h > hk else (None,)) for m in ("kernel", "atomic")]:
+            os.environ["DISTLAB_TRITON_ATTN_DQ_MODE"] = dq_mode
             got = (o, lse, *flash_backward(dout, q, k, v, o, lse, causal, split_groups=split))
             for name, g_, w in zip(("out", "lse", "dq", "dk", "dv"), got, (ro, rl, *grads)):
                 err = rel(g_, w)
-                assert err < tol(dtype) * (4 if name in ("dq", "dk", "dv") else 1), (i, split, name, err)
+                assert err < tol(dtype) * (4 if name in ("dq", "dk", "dv") else 1), (i, split, dq_mode, name, err)
+    os.environ.pop("DISTLAB_TRITON_ATTN_DQ_MODE")
     # through the backend registry, and strided inputs (a slice of a fused qkv)
     b, s, h, hk, d = 1, 24, 4, 2, 16 if not big else 128
     qkv = rand(b, s, (h + 2 * hk) * d, dtype=dtype, device=device).view(b, s, h + 2 * hk, d)
