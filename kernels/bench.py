@@ -149,18 +149,24 @@ def _maybe(timed):
 
 
 def _fwd_bwd(fn, inputs, grads):
+    """Forward and backward to the inputs' gradients, returned (autograd.grad), not accumulated into the
+    leaves' ``.grad`` (which would add a read-add-write of every gradient to each timed pass)."""
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+
     def run():
         outs = fn(*inputs)
         outs = outs if isinstance(outs, tuple) else (outs,)
-        torch.autograd.backward(outs, grads)
+        torch.autograd.grad(outs, leaves, grads)
     return run
 
 
-def bench_memory_bound(dev, dtype, iters, warmup, compile_ref=True):
+def bench_memory_bound(dev, dtype, iters, warmup, compile_ref=True, only=None):
     """Rows for the table: each kernel's GB/s fwd and fwd+bwd, % of copy bandwidth, vs torch.compile."""
     bw = copy_bandwidth(dev, iters, warmup) if dev.type == "cuda" else None
     rows = []
     for name, make, fn, ref, bytes_f, bytes_fb in memory_bound_cases(dev, dtype):
+        if only and only not in name:
+            continue
         inputs, grads = make()
         compiled = torch.compile(ref) if compile_ref and dev.type == "cuda" else None
         for pass_, nbytes in (("fwd", bytes_f), ("fwd+bwd", bytes_fb)):
@@ -194,6 +200,7 @@ def main(argv=None):
     p.add_argument("--only", choices=("attention", "memory"), default=None,
                    help="attention backends only, or the memory-bound kernels only (default: both)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile anchors (tuning sweeps)")
+    p.add_argument("--kernel", default=None, help="memory-bound kernels whose name contains this (e.g. swiglu)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     dev = torch.device("cuda" if gpu else "cpu")
@@ -204,7 +211,8 @@ def main(argv=None):
     if args.only in (None, "attention"):
         table += bench_attention(args, dev, dtype, kvh)
     if args.only in (None, "memory") and (gpu or _interpreting()):
-        table += bench_memory_bound(dev, dtype, args.iters, args.warmup, compile_ref=not args.no_compile)
+        table += bench_memory_bound(dev, dtype, args.iters, args.warmup, compile_ref=not args.no_compile,
+                                    only=args.kernel)
     print(f"kernels on {name}, torch {torch.__version__}, {args.dtype}; attention: batch {args.batch} · seq "
           f"{args.seq} · heads {args.heads} (kv {kvh}) · head_dim {args.head_dim} · "
           f"{'causal' if args.causal else 'full'}")

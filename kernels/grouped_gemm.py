@@ -11,6 +11,13 @@ an empty segment gets a zero gradient).
 Backends (``backend=``): ``loop`` (one matmul per group; any device, the reference), ``torch``
 (``torch._grouped_mm``; CUDA bf16 on Hopper), ``triton`` (this file's kernels; CUDA, or CPU tensors under
 ``TRITON_INTERPRET=1`` for tests — in fp32/fp16 there, the interpreter's bf16 dot is wrong).
+
+The Triton forward and dX kernel (``segment_mm_tma``) is persistent — one program per SM walks a list of
+(m-tile, n-tile) pairs of the non-empty groups, in bands of 16 m-tiles — and moves its tiles with TMA
+descriptors (A and the output 2-d, the weights 3-d so a K tail never reads the next expert). Where TMA
+cannot be used (rows not 16-byte aligned, pre-Hopper GPUs) a pointer kernel (``segment_mm``, one program per
+tile) does the same product. Tuning knobs (env): ``DISTLAB_GROUPED_GEMM_{CONFIG,GROUP_M,TMA,PERSISTENT,WS,
+SPLIT_EPILOGUE}``; ``--variant`` times several in the same interleaved rounds.
 """
 
 from __future__ import annotations
@@ -240,7 +247,7 @@ def _triton_segment_mm_tma(x, w, counts, transpose_w, y, cfg, interpret):
         TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, w_block),
         TensorDescriptor.from_tensor(y, [bm, bn // 2 if split else bn]), y, tiles, offsets(counts, x.device), num_m_tiles, tiles_n,
         N, K, y.stride(0), y.stride(1), progs, BM=bm, BN=bn, BK=bk,
-        GROUP_M=max(1, int(os.environ.get("DISTLAB_GROUPED_GEMM_GROUP_M", "8"))), TRANS_W=transpose_w,
+        GROUP_M=max(1, int(os.environ.get("DISTLAB_GROUPED_GEMM_GROUP_M", "16"))), TRANS_W=transpose_w,
         FLATTEN=os.environ.get("DISTLAB_GROUPED_GEMM_FLATTEN", "0") == "1",
         WARP_SPECIALIZE=os.environ.get("DISTLAB_GROUPED_GEMM_WS", "0") == "1", SPLIT_EPILOGUE=split, num_warps=warps, num_stages=stages)
     return y

@@ -209,8 +209,10 @@ def flash_forward(q, k, v, causal=False, softmax_scale=None, out=None, lse=None,
 # backward
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
-def _delta_kernel(O, DO, DELTA, seq, heads, sob, sos, soh, sdb, sds, sdh,
+def _delta_kernel(O, DO, LSE, DELTA, LSE2, seq, heads, sob, sos, soh, sdb, sds, sdh, slb, slh, log2e,
                   BLOCK: tl.constexpr, D: tl.constexpr):
+    """delta = rowsum(dO ∘ O), and the exp2-domain LSE (+inf for a row that saw no key, so its
+    probabilities are 0), both float32 (batch · heads, seq)."""
     bh = tl.program_id(1)
     b, h = bh // heads, bh % heads
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -219,6 +221,9 @@ def _delta_kernel(O, DO, DELTA, seq, heads, sob, sos, soh, sdb, sds, sdh,
     o = tl.load(O + b * sob + h * soh + rows[:, None] * sos + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
     do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sds + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
     tl.store(DELTA + bh * seq + rows, tl.sum(o * do, 1), mask=rows < seq)
+    lse = tl.load(LSE + b * slb + h * slh + rows, mask=rows < seq, other=0.0)
+    finite = (lse == lse) & (tl.abs(lse) != float("inf"))
+    tl.store(LSE2 + bh * seq + rows, tl.where(finite, lse * log2e, float("inf")), mask=rows < seq)
 
 
 @triton.jit
@@ -375,10 +380,10 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
     sk, hk = k.shape[1], k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     delta = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
-    _delta_kernel[(triton.cdiv(sq, 64), b * h)](out, dout, delta, sq, h, out.stride(0), out.stride(1), out.stride(2),
-                                                dout.stride(0), dout.stride(1), dout.stride(2), BLOCK=64, D=d)
-    # exp2-domain LSE; a row that saw no key (-inf) gets +inf so that its probabilities are 0
-    lse2 = torch.where(torch.isfinite(lse), lse.float() * LOG2E, float("inf")).contiguous()
+    lse2 = torch.empty_like(delta)
+    _delta_kernel[(triton.cdiv(sq, 64), b * h)](out, dout, lse, delta, lse2, sq, h, out.stride(0), out.stride(1),
+                                                out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+                                                lse.stride(0), lse.stride(1), LOG2E, BLOCK=64, D=d)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))

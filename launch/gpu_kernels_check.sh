@@ -65,12 +65,11 @@ if [ "$part" = gg ]; then   # the grouped GEMM's kernels, every variant timed in
 fi
 if [ "$part" = sweep ]; then   # launch-latency-free timing; knob sweeps of attention (warp specialisation),
   # the memory-bound kernels (warps, rows/tokens/block per program) and the grouped GEMM (also after idling)
+  LIMIT=90 run gpu_tests $py -m pytest -q -m gpu tests/test_triton_kernels.py -k "bfloat16" -p no:cacheprovider --timeout 80
   gv=(--variant ptr:TMA=0 --variant tma: --variant gm16:GROUP_M=16 --variant ws:WS=1 --variant ws_gm16:WS=1,GROUP_M=16
       --variant split4:SPLIT_EPILOGUE=1,CONFIG=128x256x64x8x4 --variant split4_ws:SPLIT_EPILOGUE=1,WS=1,CONFIG=128x256x64x8x4)
   LIMIT=100 run gg_sustained $py -m kernels.grouped_gemm "${gv[@]}" --json "$out/gg_sustained.json"
   LIMIT=100 run gg_cooldown $py -m kernels.grouped_gemm "${gv[@]}" --cooldown 1 --rounds 3 --json "$out/gg_cooldown.json"
-  LIMIT=60 run gg_skew_cooldown $py -m kernels.grouped_gemm --skew 1.5 "${gv[@]}" --cooldown 1 --rounds 3 \
-      --json "$out/gg_skew_cooldown.json"
   for v in "base WS=none" "ws_fwd WS=FWD" "ws_dkv WS=DKV" "ws_dq WS=DQ" "atomic DQ_MODE=atomic" \
            "atomic_s2 DQ_MODE=atomic DKV=64,128,8,2" "atomic_ws DQ_MODE=atomic WS=DKV"; do
     set -- $v; name=$1; shift; envs=(); for kv in "$@"; do envs+=("DISTLAB_TRITON_ATTN_$kv"); done
@@ -86,9 +85,27 @@ if [ "$part" = sweep ]; then   # launch-latency-free timing; knob sweeps of atte
     set -- $v; name=$1; shift; envs=(); for kv in "$@"; do envs+=("DISTLAB_KERNEL_$kv"); done
     LIMIT=40 run mem_$name env "${envs[@]}" $py -m kernels.bench --only memory --no-compile --json "$out/mem_$name.json"
   done
+  LIMIT=60 run gg_skew_cooldown $py -m kernels.grouped_gemm --skew 1.5 "${gv[@]}" --cooldown 1 --rounds 3 \
+      --json "$out/gg_skew_cooldown.json"
   LIMIT=70 run emulate $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend triton sdpa-cudnn \
       --iters 10 --json "$out/emulate.json"
-  LIMIT=90 run gpu_tests $py -m pytest -q -m gpu tests/test_triton_kernels.py -k "bfloat16" -p no:cacheprovider --timeout 80
+fi
+if [ "$part" = final2 ]; then   # the chosen defaults: GPU tests, attention, memory kernels, grouped GEMM, MoE, emulator
+  LIMIT=100 run gpu_tests $py -m pytest -q -m gpu tests/test_triton_kernels.py -k "bfloat16" -p no:cacheprovider --timeout 90
+  LIMIT=40 run attention $py -m kernels.bench --kv-heads 32 --only attention --json "$out/attention.json"
+  LIMIT=40 run attention_gqa $py -m kernels.bench --kv-heads 8 --only attention --json "$out/attention_gqa.json"
+  LIMIT=60 run memory $py -m kernels.bench --only memory --json "$out/memory.json"
+  for v in "evict SWIGLU_EVICT=1" "b8192w16 SWIGLU_BLOCK=8192 WARPS=16" "evict_b8192w16 SWIGLU_EVICT=1 SWIGLU_BLOCK=8192 WARPS=16"; do
+    set -- $v; name=$1; shift; envs=(); for kv in "$@"; do envs+=("DISTLAB_KERNEL_$kv"); done
+    LIMIT=30 run swiglu_$name env "${envs[@]}" $py -m kernels.bench --only memory --kernel swiglu --json "$out/swiglu_$name.json"
+  done
+  for skew in 0 1.5; do
+    LIMIT=60 run gg_skew$skew $py -m kernels.grouped_gemm --skew $skew --variant triton: --variant pointer:TMA=0 \
+        --cooldown 1 --rounds 5 --json "$out/gg_skew$skew.json"
+  done
+  LIMIT=40 run emulate $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend triton sdpa-cudnn \
+      --iters 10 --json "$out/emulate.json"
+  LIMIT=120 run moe_check bash launch/gpu_moe_check.sh "$out"
 fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
 tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"
