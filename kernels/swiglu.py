@@ -1,11 +1,12 @@
 """SwiGLU ``silu(gate) · up`` in Triton (forward and backward) on the fused gate/up projection, and its reference.
 
-    python -m kernels.bench --only swiglu
+    python -m kernels.bench --only memory --kernel swiglu
 
 Input ``gu`` is the output of the fused gate-up GEMM, ``(…, 2F)`` = ``[gate | up]`` (as
 ``distlab.tp.block`` splits it); output ``(…, F)``. Forward reads 2F and writes F per row; backward reads
 dy, gate and up and writes the ``(…, 2F)`` gradient: ``d gate = dy · up · σ(g)(1 + g(1 − σ(g)))``,
-``d up = dy · silu(g)``, in float32 registers. Elementwise: programs of BLOCK columns of one row.
+``d up = dy · silu(g)``, in float32 registers. Elementwise: programs of BLOCK columns of one row, on a
+1-d grid whose consecutive programs walk along a row (memory order; any number of rows).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ def swiglu_reference(gu):
 
 
 @triton.jit
-def _fwd(GU, Y, f, BLOCK: tl.constexpr, EVICT: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+def _fwd(GU, Y, f, col_blocks, BLOCK: tl.constexpr, EVICT: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // col_blocks
+    cols = (pid % col_blocks) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < f
     if EVICT:   # streaming reads: keep them from evicting other data in L2
         g = tl.load(GU + row * 2 * f + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
@@ -38,9 +40,10 @@ def _fwd(GU, Y, f, BLOCK: tl.constexpr, EVICT: tl.constexpr):
 
 
 @triton.jit
-def _bwd(GU, DY, DGU, f, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+def _bwd(GU, DY, DGU, f, col_blocks, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // col_blocks
+    cols = (pid % col_blocks) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < f
     g = tl.load(GU + row * 2 * f + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(GU + row * 2 * f + f + cols, mask=mask, other=0.0).to(tl.float32)
@@ -53,25 +56,27 @@ def _bwd(GU, DY, DGU, f, BLOCK: tl.constexpr):
 def _grid(gu):
     f = gu.shape[-1] // 2
     block = min(knob("SWIGLU_BLOCK", 2048), triton.next_power_of_2(f))
-    return f, block, (gu.numel() // (2 * f), triton.cdiv(f, block))
+    return f, block, triton.cdiv(f, block)
 
 
 def swiglu_forward(gu):
     if gu.shape[-1] % 2:
         raise ValueError(f"the fused gate/up input needs an even last dim; got {gu.shape[-1]}")
     gu = gu.contiguous()
-    f, block, grid = _grid(gu)
+    f, block, col_blocks = _grid(gu)
     y = torch.empty(*gu.shape[:-1], f, dtype=gu.dtype, device=gu.device)
-    _fwd[grid](gu, y, f, BLOCK=block, EVICT=bool(knob("SWIGLU_EVICT", 0)),
-               num_warps=num_warps(4 if block <= 1024 else 8))
+    _fwd[(gu.numel() // (2 * f) * col_blocks,)](gu, y, f, col_blocks, BLOCK=block,
+                                                 EVICT=bool(knob("SWIGLU_EVICT", 0)),
+                                                 num_warps=num_warps(4 if block <= 1024 else 8))
     return y
 
 
 def swiglu_backward(gu, dy):
     gu, dy = gu.contiguous(), dy.contiguous()
-    f, block, grid = _grid(gu)
+    f, block, col_blocks = _grid(gu)
     dgu = torch.empty_like(gu)
-    _bwd[grid](gu, dy, dgu, f, BLOCK=block, num_warps=num_warps(4 if block <= 1024 else 8))
+    _bwd[(gu.numel() // (2 * f) * col_blocks,)](gu, dy, dgu, f, col_blocks, BLOCK=block,
+                                                 num_warps=num_warps(4 if block <= 1024 else 8))
     return dgu
 
 

@@ -107,6 +107,12 @@ if [ "$part" = final2 ]; then   # the chosen defaults: GPU tests, attention, mem
       --iters 10 --json "$out/emulate.json"
   LIMIT=120 run moe_check bash launch/gpu_moe_check.sh "$out"
 fi
+if [ "$part" = swiglu ]; then   # SwiGLU on a 1-d row-major grid: correctness at real size, then vs torch.compile
+  LIMIT=60 run swiglu_check $py tests/kernel_checks.py swiglu rmsnorm rope --device cuda --dtype bfloat16 --big
+  LIMIT=60 run memory $py -m kernels.bench --only memory --json "$out/memory.json"
+  LIMIT=40 run swiglu_b8192w16 env DISTLAB_KERNEL_SWIGLU_BLOCK=8192 DISTLAB_KERNEL_WARPS=16 $py -m kernels.bench \
+      --only memory --kernel swiglu --json "$out/swiglu_b8192w16.json"
+fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
 tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"
 exit $status
