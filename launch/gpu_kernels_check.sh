@@ -113,6 +113,10 @@ if [ "$part" = swiglu ]; then   # SwiGLU on a 1-d row-major grid: correctness at
   LIMIT=40 run swiglu_b8192w16 env DISTLAB_KERNEL_SWIGLU_BLOCK=8192 DISTLAB_KERNEL_WARPS=16 $py -m kernels.bench \
       --only memory --kernel swiglu --json "$out/swiglu_b8192w16.json"
 fi
+if [ "$part" = emulate ]; then   # the emulator with each backend's own fused anchor
+  LIMIT=100 run emulate $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend triton sdpa-cudnn \
+      --iters 10 --json "$out/emulate.json"
+fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
 tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"
 exit $status
