@@ -1,29 +1,37 @@
 #!/usr/bin/env bash
-# Everything the multi-GPU issue asks for, in one call on one host with N GPUs (run it as soon as a
-# nvidia-h200-x2/x4/x8 machine is lent; writes logs, JSON, plots and traces into OUTDIR):
+# Everything the multi-GPU issue asks for, on one host with N GPUs (run it as soon as a nvidia-h200-x2/x4/x8
+# machine is lent; writes logs, JSON, plots and traces into OUTDIR, packed into OUTDIR/logs.tar.gz at the
+# end because the device tool returns at most 8 files). A device call lasts at most 10 minutes, so the work
+# is split into parts, one call each, every command under its own time limit:
 #
-#   bash launch/multigpu_check.sh OUTDIR [N]        # N defaults to the GPUs nvidia-smi sees
+#   bash launch/multigpu_check.sh OUTDIR [N] [PART]   # N: the GPUs nvidia-smi sees; PART: all (default),
+#                                                     # parity, collectives, cp, tp, moe, model
 #
-# 1. parity under NCCL: every CP method, TP/SP/async TP and EP with --check (each study exits 1 above its
-#    tolerance), fp32 and bf16; the bf16 error at W=N is printed next to W=1's for the same problem;
-# 2. the collectives playground, every op, 8 B to 4 GiB (busbw table + plot);
-# 3. CP scaling at 8k tokens per GPU, Llama-3-8B attention (32/8 heads, d 128, bf16, causal): every
+# parity: every CP method, TP/SP/async TP and EP with --check (each study exits 1 above its tolerance),
+#    fp32 and bf16; the bf16 error at W=N is printed next to W=1's for the same problem;
+# collectives: the playground, every op, 8 B to 4 GiB (busbw table + plot);
+# cp: CP scaling at 8k tokens per GPU, Llama-3-8B attention (32/8 heads, d 128, bf16, causal): every
 #    method vs one GPU, with a torch trace per rank and the overlap analyser's exposed communication;
-# 4. the TP/SP block at TP 2/4/8 (where N allows), with and without async TP;
-# 5. the MoE layer at EP N on the Mixtral proxy;
-# 6. the mini Llama: llama-block-8gpu (tp 2 · SP · ulysses 2 · ring 2) training with MFU on 8, MoE under
-#    TP × CP on 4, and CP prefill + decode against the one-device greedy tokens.
+# tp: the TP/SP block at TP 2/4/8 (where N allows), with and without async TP;
+# moe: the MoE layer at EP N on the Mixtral proxy;
+# model: llama-block-8gpu (tp 2 · SP · ulysses 2 · ring 2) training with MFU on 8, MoE under TP × CP on
+#    4, and CP prefill + decode against the one-device greedy tokens.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 out=${1:-${OUT:-out}}; mkdir -p "$out"
 n=${2:-$(nvidia-smi -L | wc -l)}
+part=${3:-all}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
-run() { $py -m distlab run --nproc-per-node "$1" -m "${@:2}"; }
 status=0
+# one torchrun job, at most $LIMIT s (default 240), skipped once the call has used $BUDGET s (default 540)
+run() { if [ $SECONDS -gt "${BUDGET:-540}" ]; then echo "skipped (past ${BUDGET:-540} s): $*"; return 1; fi
+        timeout "${LIMIT:-240}" $py -m distlab run --nproc-per-node "$1" -m "${@:2}"; }
+want() { [ "$part" = all ] || [ "$part" = "$1" ]; }
 seq=$((8192 * n))
 
+if want parity; then
 echo "== 1. parity under NCCL on $n GPUs =="
 for dtype in fp32 bf16; do
   for m in "distlab.cp.ring --layout contiguous" "distlab.cp.ring --layout zigzag" "distlab.cp.ulysses" \
@@ -37,16 +45,22 @@ for dtype in fp32 bf16; do
 done
 run 1 distlab.cp.ring --seq 16384 --dtype bf16 --check --iters 1 --json "$out/parity_w1_bf16.json" | grep "check vs"
 
+fi
+if want collectives; then
 echo "== 2. collectives playground =="
-run "$n" distlab.collectives --op all --min 8 --max 4G --factor 2 --json "$out/collectives.json" \
+LIMIT=500 run "$n" distlab.collectives --op all --min 8 --max 4G --factor 2 --json "$out/collectives.json" \
   --plot "$out/collectives.png" > "$out/collectives.txt" || status=1
 grep -E "^# [a-z_]+,|Avg bus" "$out/collectives.txt"
 
+fi
+if want cp; then
 echo "== 3. CP scaling, 8k tokens per GPU =="
 run "$n" distlab.cp.compare --seq "$seq" --heads 32 --kv-heads 8 --head-dim 128 --dtype bf16 --iters 5 \
   --json "$out/cp_compare.json" --plot "$out/cp_compare.png" --profile torch --profile-dir "$out/cp_traces" || status=1
 for d in "$out"/cp_traces/*/; do $py -m distlab.profiling.overlap "$d"trace_rank*.json | head -$((n + 1)); done
 
+fi
+if want tp; then
 echo "== 4. TP/SP block =="
 for tp in 2 4 8; do
   [ "$tp" -le "$n" ] || continue
@@ -56,9 +70,13 @@ for tp in 2 4 8; do
 done
 $py -m distlab.tp.shard_gemms --tp 1 2 4 8 --json "$out/shard_gemms.json" | tail -5
 
+fi
+if want moe; then
 echo "== 5. MoE at EP $n, Mixtral proxy =="
 run "$n" distlab.moe --experts 8 --topk 2 --hidden 4096 --ffn 14336 --tokens 4096 --json "$out/moe_ep$n.json" || status=1
 
+fi
+if want model; then
 echo "== 6. the whole model under NCCL: training layouts (MFU), CP prefill + decode parity =="
 if [ "$n" -ge 8 ]; then
   run 8 distlab.train --config llama-block-8gpu --steps 6 --json "$out/train_llama_block_8gpu.json" | tail -3 || status=1
@@ -68,4 +86,7 @@ if [ "$n" -ge 4 ]; then
   run 4 distlab.infer --config small --ring 2 --tp 2 --steps 32 --check --json "$out/infer_tp2_ring2.json" | tail -1 || status=1
 fi
 run "$n" distlab.infer --config small --ring "$n" --steps 32 --check --json "$out/infer_ring$n.json" | tail -1 || status=1
+fi
+# the device tool returns at most 8 files: everything in one (built outside $out, which it reads)
+tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"
 exit $status
