@@ -99,7 +99,7 @@ def _kernels():
         row0 = start + tile * BM
         if row0 >= end:
             return
-        rm = row0 + tl.arange(0, BM)
+        rm = row0.to(tl.int64) + tl.arange(0, BM)               # int64: M·K or M·N may pass 2^31
         rn = pid_n * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
         a_ptrs = x_ptr + rm[:, None] * sxm + rk[None, :] * sxk
@@ -133,7 +133,7 @@ def _kernels():
         rm = tl.arange(0, BM)
         acc = tl.zeros((BK, BN), dtype=tl.float32)
         for m0 in range(0, max_rows, BM):
-            rows = start + m0 + rm
+            rows = (start + m0 + rm).to(tl.int64)
             a = tl.load(x_ptr + rows[None, :] * sxm + rk[:, None] * sxk,
                         mask=(rows[None, :] < end) & (rk[:, None] < K), other=0.0)
             b = tl.load(dy_ptr + rows[:, None] * sym + rn[None, :] * syn,
@@ -145,8 +145,7 @@ def _kernels():
     @triton.jit
     def segment_mm_tma(x_desc, w_desc, y_desc, y_ptr, tiles_ptr, offs_ptr, num_m_tiles, tiles_n, N, K, sym, syn,
                        NUM_PROGS, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                       TRANS_W: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                       SPLIT_EPILOGUE: tl.constexpr):
+                       TRANS_W: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr):
         """The same product through TMA descriptors, persistent: NUM_PROGS programs walk the list of
         (m-tile, n-tile) pairs in bands of GROUP_M m-tiles. ``tiles_ptr`` lists each m-tile's (group,
         first row), so no program is launched for the empty tail of a short group. A's rows past the
@@ -155,7 +154,7 @@ def _kernels():
         zero-filled inside the group. Whole tiles are stored by TMA, a group's last partial tile masked."""
         total = num_m_tiles * tiles_n
         band = GROUP_M * tiles_n
-        for t in tl.range(tl.program_id(0), total, NUM_PROGS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+        for t in tl.range(tl.program_id(0), total, NUM_PROGS, warp_specialize=WARP_SPECIALIZE):
             first_m = (t // band) * GROUP_M
             size_m = tl.minimum(num_m_tiles - first_m, GROUP_M)
             mt = first_m + (t % band) % size_m
@@ -180,7 +179,7 @@ def _kernels():
                 else:
                     y_desc.store([row0, n0], out)
             else:
-                rm = row0 + tl.arange(0, BM)
+                rm = row0.to(tl.int64) + tl.arange(0, BM)       # int64: M·N may pass 2^31
                 rn = n0 + tl.arange(0, BN)
                 tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, out,
                          mask=(rm[:, None] < end) & (rn[None, :] < N))
@@ -245,11 +244,11 @@ def _triton_segment_mm_tma(x, w, counts, transpose_w, y, cfg, interpret):
     split = os.environ.get("DISTLAB_GROUPED_GEMM_SPLIT_EPILOGUE", "0") == "1"
     ks["segment_mm_tma"][(progs,)](
         TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, w_block),
-        TensorDescriptor.from_tensor(y, [bm, bn // 2 if split else bn]), y, tiles, offsets(counts, x.device), num_m_tiles, tiles_n,
-        N, K, y.stride(0), y.stride(1), progs, BM=bm, BN=bn, BK=bk,
+        TensorDescriptor.from_tensor(y, [bm, bn // 2 if split else bn]), y, tiles, offsets(counts, x.device),
+        num_m_tiles, tiles_n, N, K, y.stride(0), y.stride(1), progs, BM=bm, BN=bn, BK=bk,
         GROUP_M=max(1, int(os.environ.get("DISTLAB_GROUPED_GEMM_GROUP_M", "16"))), TRANS_W=transpose_w,
-        FLATTEN=os.environ.get("DISTLAB_GROUPED_GEMM_FLATTEN", "0") == "1",
-        WARP_SPECIALIZE=os.environ.get("DISTLAB_GROUPED_GEMM_WS", "0") == "1", SPLIT_EPILOGUE=split, num_warps=warps, num_stages=stages)
+        WARP_SPECIALIZE=os.environ.get("DISTLAB_GROUPED_GEMM_WS", "0") == "1", SPLIT_EPILOGUE=split,
+        num_warps=warps, num_stages=stages)
     return y
 
 
