@@ -78,10 +78,9 @@ def _kv_tile(k_ptrs, v_ptrs, start, stride_kn, stride_vn, cols, seq_k, MASK: tl.
 
 @triton.jit
 def _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, lo, hi, seq_k, qk_scale,
-               BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
-               WS: tl.constexpr):
+               BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
-    for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+    for start in range(lo, hi, BLOCK_N):
         cols = start + offs_n
         k, v = _kv_tile(k_ptrs, v_ptrs, start, stride_kn, stride_vn, cols, seq_k, MASK)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
@@ -103,7 +102,7 @@ def _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, lo,
 def _fwd_kernel(Q, K, V, O, LSE, seq_q, seq_k, heads, groups, qk_scale,
                 sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, PREC: tl.constexpr, WS: tl.constexpr):
+                CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, PREC: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)          # heaviest causal rows first
     bh = tl.program_id(1)
     b, h = bh // heads, bh % heads
@@ -120,15 +119,15 @@ def _fwd_kernel(Q, K, V, O, LSE, seq_q, seq_k, heads, groups, qk_scale,
     if CAUSAL:   # unmasked tiles left of the diagonal block, then the masked diagonal tiles
         diag = pid_m * BLOCK_M
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, rows, 0, diag, seq_k, qk_scale,
-                                   BLOCK_N, False, True, PREC, WS)
+                                   BLOCK_N, False, True, PREC)
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, rows, diag,
-                                   tl.minimum(diag + BLOCK_M, seq_k), seq_k, qk_scale, BLOCK_N, True, True, PREC, WS)
+                                   tl.minimum(diag + BLOCK_M, seq_k), seq_k, qk_scale, BLOCK_N, True, True, PREC)
     else:
         full = seq_k - seq_k % BLOCK_N
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, rows, 0, full, seq_k, qk_scale,
-                                   BLOCK_N, False, False, PREC, WS)
+                                   BLOCK_N, False, False, PREC)
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, rows, full, seq_k, seq_k, qk_scale,
-                                   BLOCK_N, True, False, PREC, WS)
+                                   BLOCK_N, True, False, PREC)
     lse = (m_i + tl.math.log2(l_i)) / 1.4426950408889634
     out = acc / l_i[:, None]
     in_rows = rows < seq_q
@@ -168,12 +167,6 @@ def _precision(q):
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _warp_specialize(kind, q):
-    """Warp-specialised K/V (or Q) loop for ``kind`` when it is listed in ``DISTLAB_TRITON_ATTN_WS``
-    (e.g. "FWD,DQ"; a tuning knob, GPU only)."""
-    return q.is_cuda and kind in os.environ.get("DISTLAB_TRITON_ATTN_WS", "").upper().split(",")
-
-
 def _last_contiguous(*ts):
     return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
 
@@ -201,7 +194,7 @@ def flash_forward(q, k, v, causal=False, softmax_scale=None, out=None, lse=None,
                       v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
                       lse.stride(0), lse.stride(1),
                       BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, ACCUMULATE=accumulate, PREC=_precision(q),
-                      WS=_warp_specialize("FWD", q), num_warps=warps, num_stages=stages)
+                      num_warps=warps, num_stages=stages)
     return out, lse
 
 
@@ -229,9 +222,9 @@ def _delta_kernel(O, DO, LSE, DELTA, LSE2, seq, heads, sob, sos, soh, sdb, sds, 
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, stride_qm, stride_dom, stride_dqm, cols, lo,
                 hi, seq_q, qk_scale, scale, BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-                PREC: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     offs_m = tl.arange(0, BLOCK_M)
-    for start in tl.range(lo, hi, BLOCK_M, warp_specialize=WS):
+    for start in range(lo, hi, BLOCK_M):
         rows = start + offs_m
         if MASK:
             q = tl.load(q_ptrs + start * stride_qm, mask=(rows < seq_q)[:, None], other=0.0)
@@ -265,7 +258,7 @@ def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, stride_q
 def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, seq_q, seq_k, heads, groups, per_program, qk_scale, scale,
                  sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
                  sdqb, sdqs, sdqh, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                 CAUSAL: tl.constexpr, PREC: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                 CAUSAL: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """Program (key tile, batch · kv head · split): the q heads [split·per_program, (split+1)·per_program) of
     the kv head's group; writes its dK/dV to head slot ``kv head · splits + split`` of DK/DV (splits = 1:
     the gradient itself; more: partial sums the host adds up)."""
@@ -294,17 +287,18 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, seq_q, seq_k, heads, gro
         if CAUSAL:   # query tiles crossing the diagonal (masked), then those wholly below it
             lo = pid_n * BLOCK_N
             mid = tl.minimum(lo + BLOCK_N, full)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols, lo, mid, seq_q,
-                                 qk_scale, scale, BLOCK_M, True, True, PREC, WS, ATOMIC_DQ)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols, mid, full, seq_q,
-                                 qk_scale, scale, BLOCK_M, False, True, PREC, WS, ATOMIC_DQ)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols,
-                                 tl.maximum(full, lo), seq_q, seq_q, qk_scale, scale, BLOCK_M, True, True, PREC, WS, ATOMIC_DQ)
+                                 lo, mid, seq_q, qk_scale, scale, BLOCK_M, True, True, PREC, ATOMIC_DQ)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols,
+                                 mid, full, seq_q, qk_scale, scale, BLOCK_M, False, True, PREC, ATOMIC_DQ)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols,
+                                 tl.maximum(full, lo), seq_q, seq_q, qk_scale, scale, BLOCK_M, True, True, PREC,
+                                 ATOMIC_DQ)
         else:
-            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols, 0, full, seq_q,
-                                 qk_scale, scale, BLOCK_M, False, False, PREC, WS, ATOMIC_DQ)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols, full, seq_q, seq_q,
-                                 qk_scale, scale, BLOCK_M, True, False, PREC, WS, ATOMIC_DQ)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols,
+                                 0, full, seq_q, qk_scale, scale, BLOCK_M, False, False, PREC, ATOMIC_DQ)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols,
+                                 full, seq_q, seq_q, qk_scale, scale, BLOCK_M, True, False, PREC, ATOMIC_DQ)
     tl.store(DK + b * sdkb + slot * sdkh + cols[:, None] * sdks + offs_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=in_cols)
     tl.store(DV + b * sdvb + slot * sdvh + cols[:, None] * sdvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
@@ -313,10 +307,9 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, seq_q, seq_k, heads, gro
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, lo, hi, seq_k, qk_scale,
-              BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
-              WS: tl.constexpr):
+              BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
-    for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+    for start in range(lo, hi, BLOCK_N):
         cols = start + offs_n
         k, v = _kv_tile(k_ptrs, v_ptrs, start, stride_kn, stride_vn, cols, seq_k, MASK)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
@@ -336,7 +329,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, rows
 def _dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, seq_q, seq_k, heads, groups, qk_scale, scale,
                sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
-               PREC: tl.constexpr, WS: tl.constexpr):
+               PREC: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // heads, bh % heads
@@ -355,15 +348,15 @@ def _dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, seq_q, seq_k, heads, groups, qk_sca
     if CAUSAL:
         diag = pid_m * BLOCK_M
         dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, sks, svs, rows, 0, diag, seq_k, qk_scale,
-                       BLOCK_N, False, True, PREC, WS)
+                       BLOCK_N, False, True, PREC)
         dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, sks, svs, rows, diag,
-                       tl.minimum(diag + BLOCK_M, seq_k), seq_k, qk_scale, BLOCK_N, True, True, PREC, WS)
+                       tl.minimum(diag + BLOCK_M, seq_k), seq_k, qk_scale, BLOCK_N, True, True, PREC)
     else:
         full = seq_k - seq_k % BLOCK_N
         dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, sks, svs, rows, 0, full, seq_k, qk_scale,
-                       BLOCK_N, False, False, PREC, WS)
+                       BLOCK_N, False, False, PREC)
         dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, sks, svs, rows, full, seq_k, seq_k, qk_scale,
-                       BLOCK_N, True, False, PREC, WS)
+                       BLOCK_N, True, False, PREC)
     tl.store(DQ + b * sdqb + h * sdqh + rows[:, None] * sdqs + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=in_rows[:, None])
 
@@ -404,8 +397,8 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
         q, k, v, dout, lse2, delta, dk_part, dv_part, dq_acc, sq, sk, h, groups, groups // splits, scale * LOG2E,
         scale, *strides, dk_part.stride(0), dk_part.stride(1), dk_part.stride(2), dv_part.stride(0),
         dv_part.stride(1), dv_part.stride(2), dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2),
-        BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), WS=_warp_specialize("DKV", q),
-        ATOMIC_DQ=atomic, num_warps=warps, num_stages=stages)
+        BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), ATOMIC_DQ=atomic, num_warps=warps,
+        num_stages=stages)
     if splits > 1:
         dk = dk_part.view(b, sk, hk, splits, d).sum(3).to(k.dtype)
         dv = dv_part.view(b, sk, hk, splits, d).sum(3).to(v.dtype)
@@ -415,6 +408,5 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
     _dq_kernel[(triton.cdiv(sq, bm), b * h)](
         q, k, v, dout, lse2, delta, dq, sq, sk, h, h // hk, scale * LOG2E, scale, *strides,
         dq.stride(0), dq.stride(1), dq.stride(2),
-        BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), WS=_warp_specialize("DQ", q),
-        num_warps=warps, num_stages=stages)
+        BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), num_warps=warps, num_stages=stages)
     return dq, dk, dv

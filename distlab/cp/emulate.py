@@ -205,8 +205,8 @@ def main(argv=None):
                         f"{r['fwd_s'] * 1e3:>8.3f} {f / 1e12:>8.1f} {100 * f / a_f:>5.1f}%")
                 if not a.no_backward:
                     fb = 3.5 * r["flops_fwd"] / (r["fwd_s"] + r["bwd_s"])
-                    r.update(tflops_fwd_bwd=fb / 1e12, efficiency_fwd_bwd=fb / a_fb, efficiency_fwd_bwd_vs_whole=fb / w_fb,
-                             efficiency_fwd_bwd_vs_own=fb / o_fb)
+                    r.update(tflops_fwd_bwd=fb / 1e12, efficiency_fwd_bwd=fb / a_fb,
+                             efficiency_fwd_bwd_vs_whole=fb / w_fb, efficiency_fwd_bwd_vs_own=fb / o_fb)
                     line += f" | {(r['fwd_s'] + r['bwd_s']) * 1e3:>8.3f} {fb / 1e12:>8.1f} {100 * fb / a_fb:>5.1f}%"
                     line += (f"   vs fused H: {100 * f / w_f:.1f}% / {100 * fb / w_fb:.1f}%   vs its own backend's "
                              f"H/W call ({o_f / 1e12:.0f} / {o_fb / 1e12:.0f} TFLOP/s): {100 * f / o_f:.1f}% / "
