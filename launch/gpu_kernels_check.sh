@@ -63,15 +63,14 @@ if [ "$part" = gg ]; then   # the grouped GEMM's kernels, every variant timed in
   LIMIT=150 run gg_uniform $py -m kernels.grouped_gemm "${vs[@]}" --json "$out/gg_uniform.json"
   LIMIT=150 run gg_skew $py -m kernels.grouped_gemm --skew 1.5 "${vs[@]}" --json "$out/gg_skew.json"
 fi
-if [ "$part" = sweep ]; then   # launch-latency-free timing; knob sweeps of attention (warp specialisation),
+if [ "$part" = sweep ]; then   # launch-latency-free timing; knob sweeps of attention (atomic dQ),
   # the memory-bound kernels (warps, rows/tokens/block per program) and the grouped GEMM (also after idling)
   LIMIT=90 run gpu_tests $py -m pytest -q -m gpu tests/test_triton_kernels.py -k "bfloat16" -p no:cacheprovider --timeout 80
   gv=(--variant ptr:TMA=0 --variant tma: --variant gm16:GROUP_M=16 --variant ws:WS=1 --variant ws_gm16:WS=1,GROUP_M=16
       --variant split4:SPLIT_EPILOGUE=1,CONFIG=128x256x64x8x4 --variant split4_ws:SPLIT_EPILOGUE=1,WS=1,CONFIG=128x256x64x8x4)
   LIMIT=100 run gg_sustained $py -m kernels.grouped_gemm "${gv[@]}" --json "$out/gg_sustained.json"
   LIMIT=100 run gg_cooldown $py -m kernels.grouped_gemm "${gv[@]}" --cooldown 1 --rounds 3 --json "$out/gg_cooldown.json"
-  for v in "base WS=none" "ws_fwd WS=FWD" "ws_dkv WS=DKV" "ws_dq WS=DQ" "atomic DQ_MODE=atomic" \
-           "atomic_s2 DQ_MODE=atomic DKV=64,128,8,2" "atomic_ws DQ_MODE=atomic WS=DKV"; do
+  for v in "base DQ_MODE=kernel" "atomic DQ_MODE=atomic" "atomic_s2 DQ_MODE=atomic DKV=64,128,8,2"; do
     set -- $v; name=$1; shift; envs=(); for kv in "$@"; do envs+=("DISTLAB_TRITON_ATTN_$kv"); done
     LIMIT=50 run attn_$name env "${envs[@]}" $py -m kernels.bench --kv-heads 32 --only attention --iters 10 \
         --json "$out/attn_$name.json"
