@@ -5,8 +5,11 @@
 # GPU tests of the Triton kernels; attention backends vs cuDNN/flash SDPA; one ring rank emulated at W=8;
 # Triton grouped GEMM vs torch._grouped_mm; training the small preset and the llama-block model on one GPU
 # (MFU); the memory-bound kernels vs copy bandwidth and torch.compile; CP decode's --check on the GPU.
-# (The attention tile sweep, python -m kernels.tune_attention, is a separate call.)
-# Every command's full output goes to OUTDIR/<name>.log (and JSON where the command writes one).
+# Other parts, one device call each (docs/PERF.md names the part behind each figure): tune (attention tile
+# sweep), final, gg (grouped GEMM variants), sweep (launch knobs of every kernel), final2 (the chosen
+# defaults, MoE layer), swiglu, emulate (the emulator with each backend's own anchor).
+# Every command's full output goes to OUTDIR/<name>.log (and JSON where the command writes one); all of it
+# is packed into OUTDIR/logs.tar.gz. TAIL=n shows n lines of each log; BUDGET=s skips commands after s seconds.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 out=${1:-${OUT:-out}}; part=${2:-all}; mkdir -p "$out"
