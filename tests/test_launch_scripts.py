@@ -1,0 +1,52 @@
+"""The device scripts, dry: every Python command they would run on the GPU machines parses its arguments.
+
+Device time is scarce (a few calls per session) and a multi-GPU machine may be lent once; a misspelt flag
+found there costs a whole call. Each script runs here with ``tests/argv_shim.py`` standing in for python3
+(it records the calls), then every recorded distlab/kernels command goes through its module's own parser.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.argv_shim import check
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIM = os.path.join(ROOT, "tests", "argv_shim.py")
+
+
+def dry_run(tmp_path, script, *args, packed=True):
+    log = tmp_path / "calls.jsonl"
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": f"{sys.executable} {SHIM}", "SHIM_LOG": str(log)}
+    proc = subprocess.run(["bash", script, str(out), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    if packed:   # the device tool returns at most 8 files: the scripts pack everything into one
+        assert (out / "logs.tar.gz").exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    return check(log)
+
+
+@pytest.mark.parametrize("gpus", ["8", "2"])
+def test_multigpu_check_commands_parse(tmp_path, gpus):
+    parsed, skipped, errors = dry_run(tmp_path, "launch/multigpu_check.sh", gpus, "all")
+    assert not errors, errors
+    for module in ("distlab.cp.ring", "distlab.cp.ulysses", "distlab.cp.usp", "distlab.tp", "distlab.moe",
+                   "distlab.collectives", "distlab.cp.compare", "distlab.infer"):
+        assert module in parsed, (module, parsed)
+    assert ("distlab.train" in parsed) == (gpus == "8"), parsed      # the 8-GPU and 4-GPU training runs
+
+
+@pytest.mark.parametrize("part", ["all", "tune", "final", "gg", "sweep", "final2", "swiglu", "emulate"])
+def test_gpu_kernels_check_commands_parse(tmp_path, part):
+    parsed, skipped, errors = dry_run(tmp_path, "launch/gpu_kernels_check.sh", part)
+    assert not errors, errors
+    assert parsed, (part, skipped)
+
+
+@pytest.mark.parametrize("script", ["launch/gpu_check.sh", "launch/gpu_overlap_check.sh", "launch/gpu_moe_check.sh"])
+def test_one_gpu_check_commands_parse(tmp_path, script):
+    parsed, skipped, errors = dry_run(tmp_path, script, packed=False)
+    assert not errors, errors
+    assert parsed, skipped
