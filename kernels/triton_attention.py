@@ -24,7 +24,11 @@ Backward (given the *final* out and LSE, as every backend here): a small kernel 
 q head of its group and accumulates dK, dV in registers (no atomics, GQA summed in place) — or, when
 that grid is too small to fill the GPU (a short ring block), one per (BLOCK_N keys, q head) writing float32
 partial sums that are added up after; one kernel per (BLOCK_M queries, q head) accumulates dQ over the
-key tiles.
+key tiles (or, with ``DISTLAB_TRITON_ATTN_DQ_MODE=atomic``, the dK/dV kernel adds each tile's dQ share
+into a float32 buffer atomically: 5 matmuls per tile pair instead of 7; 10% slower on the H200).
+
+``DISTLAB_TRITON_ATTN_TMA=1`` (an experiment, off by default; not yet timed on a GPU): the forward and dQ
+kernels load their K/V tiles through TMA descriptors over (batch, seq, kv_heads·D) instead of pointers.
 """
 
 from __future__ import annotations
@@ -65,9 +69,14 @@ def tile_config(kind: str, device: torch.device, head_dim: int):
 # forward
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
-def _kv_tile(k_ptrs, v_ptrs, start, stride_kn, stride_vn, cols, seq_k, MASK: tl.constexpr):
-    """The K and V tile of keys ``start + [0, BLOCK_N)`` (rows past seq_k as zeros when MASK)."""
-    if MASK:
+def _kv_tile(k_ptrs, v_ptrs, start, stride_kn, stride_vn, cols, seq_k, KD, VD, b, kcol, MASK: tl.constexpr,
+             TMA: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """The K and V tile of keys ``start + [0, BLOCK_N)`` (rows past seq_k as zeros when MASK) — through the
+    pointers, or with TMA through the (batch, seq, kv_heads·D) descriptors KD/VD (zero-filled past seq_k)."""
+    if TMA:
+        k = KD.load([b, start, kcol]).reshape(BLOCK_N, D)
+        v = VD.load([b, start, kcol]).reshape(BLOCK_N, D)
+    elif MASK:
         k = tl.load(k_ptrs + start * stride_kn, mask=(cols < seq_k)[:, None], other=0.0)
         v = tl.load(v_ptrs + start * stride_vn, mask=(cols < seq_k)[:, None], other=0.0)
     else:
@@ -77,12 +86,14 @@ def _kv_tile(k_ptrs, v_ptrs, start, stride_kn, stride_vn, cols, seq_k, MASK: tl.
 
 
 @triton.jit
-def _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, lo, hi, seq_k, qk_scale,
-               BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+def _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, KD, VD, b, kcol, rows, lo, hi, seq_k,
+               qk_scale, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+               TMA: tl.constexpr, D: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         cols = start + offs_n
-        k, v = _kv_tile(k_ptrs, v_ptrs, start, stride_kn, stride_vn, cols, seq_k, MASK)
+        k, v = _kv_tile(k_ptrs, v_ptrs, start, stride_kn, stride_vn, cols, seq_k, KD, VD, b, kcol, MASK, TMA,
+                        BLOCK_N, D)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         if MASK:
             visible = cols[None, :] < seq_k
@@ -99,10 +110,10 @@ def _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, lo,
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, seq_q, seq_k, heads, groups, qk_scale,
+def _fwd_kernel(Q, K, V, KD, VD, O, LSE, seq_q, seq_k, heads, groups, qk_scale,
                 sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, PREC: tl.constexpr):
+                CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)          # heaviest causal rows first
     bh = tl.program_id(1)
     b, h = bh // heads, bh % heads
@@ -118,16 +129,17 @@ def _fwd_kernel(Q, K, V, O, LSE, seq_q, seq_k, heads, groups, qk_scale,
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     if CAUSAL:   # unmasked tiles left of the diagonal block, then the masked diagonal tiles
         diag = pid_m * BLOCK_M
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, rows, 0, diag, seq_k, qk_scale,
-                                   BLOCK_N, False, True, PREC)
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, rows, diag,
-                                   tl.minimum(diag + BLOCK_M, seq_k), seq_k, qk_scale, BLOCK_N, True, True, PREC)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0, diag,
+                                   seq_k, qk_scale, BLOCK_N, False, True, PREC, TMA, D)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, diag,
+                                   tl.minimum(diag + BLOCK_M, seq_k), seq_k, qk_scale, BLOCK_N, True, True, PREC,
+                                   TMA, D)
     else:
         full = seq_k - seq_k % BLOCK_N
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, rows, 0, full, seq_k, qk_scale,
-                                   BLOCK_N, False, False, PREC)
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, rows, full, seq_k, seq_k, qk_scale,
-                                   BLOCK_N, True, False, PREC)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0, full,
+                                   seq_k, qk_scale, BLOCK_N, False, False, PREC, TMA, D)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, full, seq_k,
+                                   seq_k, qk_scale, BLOCK_N, True, False, PREC, TMA, D)
     lse = (m_i + tl.math.log2(l_i)) / 1.4426950408889634
     out = acc / l_i[:, None]
     in_rows = rows < seq_q
@@ -167,6 +179,25 @@ def _precision(q):
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
+def _kv_descriptors(k, v, block_n):
+    """``(KD, VD, True)``: TMA descriptors over k and v viewed as (batch, seq, kv_heads·D), blocks of
+    (1, block_n, D), when ``DISTLAB_TRITON_ATTN_TMA=1`` and the layout allows it (heads packed in a token,
+    16-byte aligned base and strides; sm_90+ or the interpreter); else ``(k, v, False)`` (pointer loads)."""
+    if os.environ.get("DISTLAB_TRITON_ATTN_TMA", "0") != "1":
+        return k, v, False
+    if k.is_cuda and torch.cuda.get_device_capability(k.device)[0] < 9:
+        return k, v, False
+    d, e = k.shape[-1], k.element_size()
+    if any(t.stride(2) != d or t.data_ptr() % 16 or (t.stride(0) * e) % 16 or (t.stride(1) * e) % 16
+           for t in (k, v)):
+        return k, v, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    b, s, hk = k.shape[:3]
+    return (*(TensorDescriptor(t, [b, s, hk * d], [t.stride(0), t.stride(1), 1], [1, block_n, d]) for t in (k, v)),
+            True)
+
+
 def _last_contiguous(*ts):
     return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
 
@@ -189,12 +220,13 @@ def flash_forward(q, k, v, causal=False, softmax_scale=None, out=None, lse=None,
                          f"got {tuple(out.shape)} and {tuple(lse.shape)} {lse.dtype}")
     bm, bn, warps, stages = tile_config("FWD", q.device, d)
     grid = (triton.cdiv(sq, bm), b * h)
-    _fwd_kernel[grid](q, k, v, out, lse, sq, k.shape[1], h, h // k.shape[2], scale * LOG2E,
+    kd, vd, tma = _kv_descriptors(k, v, bn)
+    _fwd_kernel[grid](q, k, v, kd, vd, out, lse, sq, k.shape[1], h, h // k.shape[2], scale * LOG2E,
                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                       v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
                       lse.stride(0), lse.stride(1),
                       BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, ACCUMULATE=accumulate, PREC=_precision(q),
-                      num_warps=warps, num_stages=stages)
+                      TMA=tma, num_warps=warps, num_stages=stages)
     return out, lse
 
 
@@ -306,12 +338,14 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, seq_q, seq_k, heads, gro
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, lo, hi, seq_k, qk_scale,
-              BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+def _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, KD, VD, b, kcol, rows, lo, hi, seq_k,
+              qk_scale, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+              TMA: tl.constexpr, D: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         cols = start + offs_n
-        k, v = _kv_tile(k_ptrs, v_ptrs, start, stride_kn, stride_vn, cols, seq_k, MASK)
+        k, v = _kv_tile(k_ptrs, v_ptrs, start, stride_kn, stride_vn, cols, seq_k, KD, VD, b, kcol, MASK, TMA,
+                        BLOCK_N, D)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         p = tl.math.exp2(s - lse2[:, None])
         if MASK:
@@ -326,10 +360,10 @@ def _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, rows
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, seq_q, seq_k, heads, groups, qk_scale, scale,
+def _dq_kernel(Q, K, V, KD, VD, DO, LSE2, DELTA, DQ, seq_q, seq_k, heads, groups, qk_scale, scale,
                sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
-               PREC: tl.constexpr):
+               PREC: tl.constexpr, TMA: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // heads, bh % heads
@@ -347,16 +381,16 @@ def _dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, seq_q, seq_k, heads, groups, qk_sca
     dq = tl.zeros([BLOCK_M, D], tl.float32)
     if CAUSAL:
         diag = pid_m * BLOCK_M
-        dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, sks, svs, rows, 0, diag, seq_k, qk_scale,
-                       BLOCK_N, False, True, PREC)
-        dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, sks, svs, rows, diag,
-                       tl.minimum(diag + BLOCK_M, seq_k), seq_k, qk_scale, BLOCK_N, True, True, PREC)
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0, diag, seq_k,
+                       qk_scale, BLOCK_N, False, True, PREC, TMA, D)
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, diag,
+                       tl.minimum(diag + BLOCK_M, seq_k), seq_k, qk_scale, BLOCK_N, True, True, PREC, TMA, D)
     else:
         full = seq_k - seq_k % BLOCK_N
-        dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, sks, svs, rows, 0, full, seq_k, qk_scale,
-                       BLOCK_N, False, False, PREC)
-        dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, sks, svs, rows, full, seq_k, seq_k, qk_scale,
-                       BLOCK_N, True, False, PREC)
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0, full, seq_k,
+                       qk_scale, BLOCK_N, False, False, PREC, TMA, D)
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, full, seq_k,
+                       seq_k, qk_scale, BLOCK_N, True, False, PREC, TMA, D)
     tl.store(DQ + b * sdqb + h * sdqh + rows[:, None] * sdqs + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=in_rows[:, None])
 
@@ -405,8 +439,10 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
     if atomic:
         return dq_acc.to(q.dtype), dk, dv
     bm, bn, warps, stages = tile_config("DQ", q.device, d)
+    kd, vd, tma = _kv_descriptors(k, v, bn)
     _dq_kernel[(triton.cdiv(sq, bm), b * h)](
-        q, k, v, dout, lse2, delta, dq, sq, sk, h, h // hk, scale * LOG2E, scale, *strides,
+        q, k, v, kd, vd, dout, lse2, delta, dq, sq, sk, h, h // hk, scale * LOG2E, scale, *strides,
         dq.stride(0), dq.stride(1), dq.stride(2),
-        BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), num_warps=warps, num_stages=stages)
+        BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), TMA=tma, num_warps=warps,
+        num_stages=stages)
     return dq, dk, dv

@@ -7,7 +7,8 @@
 # (MFU); the memory-bound kernels vs copy bandwidth and torch.compile; CP decode's --check on the GPU.
 # Other parts, one device call each (docs/PERF.md names the part behind each figure): tune (attention tile
 # sweep), final, gg (grouped GEMM variants), sweep (launch knobs of every kernel), final2 (the chosen
-# defaults, MoE layer), swiglu, emulate (the emulator with each backend's own anchor).
+# defaults, MoE layer), swiglu, emulate (the emulator with each backend's own anchor), next (TMA K/V
+# tiles in the attention kernels vs pointers, and the emulator, both ways).
 # Every command's full output goes to OUTDIR/<name>.log (and JSON where the command writes one); all of it
 # is packed into OUTDIR/logs.tar.gz. TAIL=n shows n lines of each log; BUDGET=s skips commands after s seconds.
 set -uo pipefail
@@ -118,6 +119,18 @@ fi
 if [ "$part" = emulate ]; then   # the emulator with each backend's own fused anchor
   LIMIT=100 run emulate $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend triton sdpa-cudnn \
       --iters 10 --json "$out/emulate.json"
+fi
+if [ "$part" = next ]; then   # to run next: K/V tiles through TMA descriptors (DISTLAB_TRITON_ATTN_TMA=1) vs
+  # pointers, checked at real sizes first; the emulator with each backend's own anchor, both ways
+  LIMIT=150 run gpu_tests $py -m pytest -q -m gpu tests/test_triton_kernels.py -k "bfloat16" -p no:cacheprovider --timeout 140
+  for tma in 0 1; do
+    LIMIT=40 run attention_tma$tma env DISTLAB_TRITON_ATTN_TMA=$tma $py -m kernels.bench --kv-heads 32 --only attention \
+        --json "$out/attention_tma$tma.json"
+    LIMIT=40 run attention_gqa_tma$tma env DISTLAB_TRITON_ATTN_TMA=$tma $py -m kernels.bench --kv-heads 8 \
+        --only attention --json "$out/attention_gqa_tma$tma.json"
+    LIMIT=60 run emulate_tma$tma env DISTLAB_TRITON_ATTN_TMA=$tma $py -m distlab.cp.emulate --world 8 --seq 8192 32768 \
+        --backend triton sdpa-cudnn --iters 10 --json "$out/emulate_tma$tma.json"
+  done
 fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
 tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"

@@ -60,22 +60,29 @@ def check_attention(device, dtype, big=False):
         dout = rand(b, sq, h, d, dtype=dtype, device=device, seed=99)
         ro, rl = attention_forward(q.double(), k.double(), v.double(), causal, backend="torch")
         grads = attention_backward(dout.double(), q.double(), k.double(), v.double(), ro, rl, causal, backend="torch")
-        o, lse = flash_forward(q, k, v, causal)
-        # GQA: per-kv-head and per-q-head dK/dV programs; dQ from its own kernel or added atomically by dK/dV's
-        for split, dq_mode in [(sp, m) for sp in ((False, True) if h > hk else (None,)) for m in ("kernel", "atomic")]:
-            os.environ["DISTLAB_TRITON_ATTN_DQ_MODE"] = dq_mode
+        # GQA: per-kv-head and per-q-head dK/dV programs; dQ from its own kernel or added atomically by dK/dV's;
+        # K/V tiles through pointers or TMA descriptors (forward and dQ)
+        modes = [(sp, m, t) for sp in ((False, True) if h > hk else (None,))
+                 for m, t in (("kernel", "0"), ("kernel", "1"), ("atomic", "0"))]
+        for split, dq_mode, tma in modes:
+            os.environ.update(DISTLAB_TRITON_ATTN_DQ_MODE=dq_mode, DISTLAB_TRITON_ATTN_TMA=tma)
+            o, lse = flash_forward(q, k, v, causal)
             got = (o, lse, *flash_backward(dout, q, k, v, o, lse, causal, split_groups=split))
             for name, g_, w in zip(("out", "lse", "dq", "dk", "dv"), got, (ro, rl, *grads)):
                 err = rel(g_, w)
-                assert err < tol(dtype) * (4 if name in ("dq", "dk", "dv") else 1), (i, split, dq_mode, name, err)
+                assert err < tol(dtype) * (4 if name in ("dq", "dk", "dv") else 1), (i, split, dq_mode, tma, name, err)
     os.environ.pop("DISTLAB_TRITON_ATTN_DQ_MODE")
+    os.environ.pop("DISTLAB_TRITON_ATTN_TMA")
     # through the backend registry, and strided inputs (a slice of a fused qkv)
     b, s, h, hk, d = 1, 24, 4, 2, 16 if not big else 128
     qkv = rand(b, s, (h + 2 * hk) * d, dtype=dtype, device=device).view(b, s, h + 2 * hk, d)
     q, k, v = qkv[:, :, :h], qkv[:, :, h:h + hk], qkv[:, :, h + hk:]
-    o, lse = attention_forward(q, k, v, True, backend="triton")
     ro, rl = attention_forward(q.double(), k.double(), v.double(), True, backend="torch")
-    assert rel(o, ro) < tol(dtype) and rel(lse, rl) < tol(dtype)
+    for tma in ("0", "1"):
+        os.environ["DISTLAB_TRITON_ATTN_TMA"] = tma
+        o, lse = attention_forward(q, k, v, True, backend="triton")
+        assert rel(o, ro) < tol(dtype) and rel(lse, rl) < tol(dtype), tma
+    os.environ.pop("DISTLAB_TRITON_ATTN_TMA")
     print("OK attention")
 
 
