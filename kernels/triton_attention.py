@@ -28,7 +28,8 @@ key tiles (or, with ``DISTLAB_TRITON_ATTN_DQ_MODE=atomic``, the dK/dV kernel add
 into a float32 buffer atomically: 5 matmuls per tile pair instead of 7; 10% slower on the H200).
 
 ``DISTLAB_TRITON_ATTN_TMA=1`` (an experiment, off by default; not yet timed on a GPU): the forward and dQ
-kernels load their K/V tiles through TMA descriptors over (batch, seq, kv_heads·D) instead of pointers.
+kernels load their K/V tiles, the dK/dV kernel its Q/dO tiles, through TMA descriptors over
+(batch, seq, heads·D) instead of pointers.
 """
 
 from __future__ import annotations
@@ -179,10 +180,11 @@ def _precision(q):
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _kv_descriptors(k, v, block_n):
-    """``(KD, VD, True)``: TMA descriptors over k and v viewed as (batch, seq, kv_heads·D), blocks of
-    (1, block_n, D), when ``DISTLAB_TRITON_ATTN_TMA=1`` and the layout allows it (heads packed in a token,
-    16-byte aligned base and strides; sm_90+ or the interpreter); else ``(k, v, False)`` (pointer loads)."""
+def _tile_descriptors(k, v, block_n):
+    """``(KD, VD, True)``: TMA descriptors over two (batch, seq, heads, D) tensors (k and v, or q and dO)
+    viewed as (batch, seq, heads·D), blocks of (1, block_n, D), when ``DISTLAB_TRITON_ATTN_TMA=1`` and the
+    layout allows it (heads packed in a token, 16-byte aligned base and strides; sm_90+ or the interpreter);
+    else ``(k, v, False)`` (pointer loads)."""
     if os.environ.get("DISTLAB_TRITON_ATTN_TMA", "0") != "1":
         return k, v, False
     if k.is_cuda and torch.cuda.get_device_capability(k.device)[0] < 9:
@@ -220,7 +222,7 @@ def flash_forward(q, k, v, causal=False, softmax_scale=None, out=None, lse=None,
                          f"got {tuple(out.shape)} and {tuple(lse.shape)} {lse.dtype}")
     bm, bn, warps, stages = tile_config("FWD", q.device, d)
     grid = (triton.cdiv(sq, bm), b * h)
-    kd, vd, tma = _kv_descriptors(k, v, bn)
+    kd, vd, tma = _tile_descriptors(k, v, bn)
     _fwd_kernel[grid](q, k, v, kd, vd, out, lse, sq, k.shape[1], h, h // k.shape[2], scale * LOG2E,
                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                       v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
@@ -253,12 +255,18 @@ def _delta_kernel(O, DO, LSE, DELTA, LSE2, seq, heads, sob, sos, soh, sdb, sds, 
 
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, stride_qm, stride_dom, stride_dqm, cols, lo,
-                hi, seq_q, qk_scale, scale, BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-                PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                hi, seq_q, qk_scale, scale, QD, DOD, b, qcol, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
+                CAUSAL: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr,
+                D: tl.constexpr):
     offs_m = tl.arange(0, BLOCK_M)
     for start in range(lo, hi, BLOCK_M):
         rows = start + offs_m
-        if MASK:
+        if TMA:   # q and dO tiles through descriptors (zero-filled past seq_q), the row vectors masked
+            q = QD.load([b, start, qcol]).reshape(BLOCK_M, D)
+            do = DOD.load([b, start, qcol]).reshape(BLOCK_M, D)
+            lse2 = tl.load(l_ptrs + start, mask=rows < seq_q, other=float("inf"))
+            delta = tl.load(d_ptrs + start, mask=rows < seq_q, other=0.0)
+        elif MASK:
             q = tl.load(q_ptrs + start * stride_qm, mask=(rows < seq_q)[:, None], other=0.0)
             do = tl.load(do_ptrs + start * stride_dom, mask=(rows < seq_q)[:, None], other=0.0)
             lse2 = tl.load(l_ptrs + start, mask=rows < seq_q, other=float("inf"))
@@ -287,10 +295,11 @@ def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, stride_q
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, seq_q, seq_k, heads, groups, per_program, qk_scale, scale,
+def _dkdv_kernel(Q, K, V, DO, QD, DOD, LSE2, DELTA, DK, DV, DQA, seq_q, seq_k, heads, groups, per_program, qk_scale,
+                 scale,
                  sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
                  sdqb, sdqs, sdqh, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                 CAUSAL: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                 CAUSAL: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr):
     """Program (key tile, batch · kv head · split): the q heads [split·per_program, (split+1)·per_program) of
     the kv head's group; writes its dK/dV to head slot ``kv head · splits + split`` of DK/DV (splits = 1:
     the gradient itself; more: partial sums the host adds up)."""
@@ -320,17 +329,21 @@ def _dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, seq_q, seq_k, heads, gro
             lo = pid_n * BLOCK_N
             mid = tl.minimum(lo + BLOCK_N, full)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols,
-                                 lo, mid, seq_q, qk_scale, scale, BLOCK_M, True, True, PREC, ATOMIC_DQ)
+                                 lo, mid, seq_q, qk_scale, scale, QD, DOD, b, h * D,
+                                 BLOCK_M, True, True, PREC, ATOMIC_DQ, TMA, D)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols,
-                                 mid, full, seq_q, qk_scale, scale, BLOCK_M, False, True, PREC, ATOMIC_DQ)
+                                 mid, full, seq_q, qk_scale, scale, QD, DOD, b, h * D,
+                                 BLOCK_M, False, True, PREC, ATOMIC_DQ, TMA, D)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols,
-                                 tl.maximum(full, lo), seq_q, seq_q, qk_scale, scale, BLOCK_M, True, True, PREC,
-                                 ATOMIC_DQ)
+                                 tl.maximum(full, lo), seq_q, seq_q, qk_scale, scale, QD, DOD, b, h * D,
+                                 BLOCK_M, True, True, PREC, ATOMIC_DQ, TMA, D)
         else:
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols,
-                                 0, full, seq_q, qk_scale, scale, BLOCK_M, False, False, PREC, ATOMIC_DQ)
+                                 0, full, seq_q, qk_scale, scale, QD, DOD, b, h * D,
+                                 BLOCK_M, False, False, PREC, ATOMIC_DQ, TMA, D)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols,
-                                 full, seq_q, seq_q, qk_scale, scale, BLOCK_M, True, False, PREC, ATOMIC_DQ)
+                                 full, seq_q, seq_q, qk_scale, scale, QD, DOD, b, h * D,
+                                 BLOCK_M, True, False, PREC, ATOMIC_DQ, TMA, D)
     tl.store(DK + b * sdkb + slot * sdkh + cols[:, None] * sdks + offs_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=in_cols)
     tl.store(DV + b * sdvb + slot * sdvh + cols[:, None] * sdvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
@@ -427,19 +440,20 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
         dk_part, dv_part = dk, dv
     atomic = os.environ.get("DISTLAB_TRITON_ATTN_DQ_MODE", "kernel") == "atomic"
     dq_acc = torch.zeros(b, sq, h, d, dtype=torch.float32, device=q.device) if atomic else dq
+    qd, dod, tma = _tile_descriptors(q, dout, bm)
     _dkdv_kernel[(tiles, b * hk * splits)](
-        q, k, v, dout, lse2, delta, dk_part, dv_part, dq_acc, sq, sk, h, groups, groups // splits, scale * LOG2E,
-        scale, *strides, dk_part.stride(0), dk_part.stride(1), dk_part.stride(2), dv_part.stride(0),
+        q, k, v, dout, qd, dod, lse2, delta, dk_part, dv_part, dq_acc, sq, sk, h, groups, groups // splits,
+        scale * LOG2E, scale, *strides, dk_part.stride(0), dk_part.stride(1), dk_part.stride(2), dv_part.stride(0),
         dv_part.stride(1), dv_part.stride(2), dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2),
-        BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), ATOMIC_DQ=atomic, num_warps=warps,
-        num_stages=stages)
+        BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), ATOMIC_DQ=atomic, TMA=tma,
+        num_warps=warps, num_stages=stages)
     if splits > 1:
         dk = dk_part.view(b, sk, hk, splits, d).sum(3).to(k.dtype)
         dv = dv_part.view(b, sk, hk, splits, d).sum(3).to(v.dtype)
     if atomic:
         return dq_acc.to(q.dtype), dk, dv
     bm, bn, warps, stages = tile_config("DQ", q.device, d)
-    kd, vd, tma = _kv_descriptors(k, v, bn)
+    kd, vd, tma = _tile_descriptors(k, v, bn)
     _dq_kernel[(triton.cdiv(sq, bm), b * h)](
         q, k, v, kd, vd, dout, lse2, delta, dq, sq, sk, h, h // hk, scale * LOG2E, scale, *strides,
         dq.stride(0), dq.stride(1), dq.stride(2),
