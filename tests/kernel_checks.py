@@ -88,7 +88,16 @@ def check_attention(device, dtype, big=False):
 
 def check_attention_accumulate(device, dtype, big=False):
     """Key blocks accumulated into float32 running results equal attention over all keys; a block that
-    covers only some query rows (a zigzag half block) accumulates into a view."""
+    covers only some query rows (a zigzag half block) accumulates into a view. K/V are slices of a longer
+    sequence (batch stride ≠ seq · token stride), through pointers and through TMA descriptors."""
+    for tma in ("0", "1"):
+        os.environ["DISTLAB_TRITON_ATTN_TMA"] = tma
+        _accumulate_blocks(device, dtype, big)
+    os.environ.pop("DISTLAB_TRITON_ATTN_TMA")
+    print("OK accumulate")
+
+
+def _accumulate_blocks(device, dtype, big):
     from kernels.attention import attention_forward
     from kernels.triton_attention import flash_forward
 
@@ -118,7 +127,6 @@ def check_attention_accumulate(device, dtype, big=False):
     want = torch.einsum("bhqk,bkhd->bqhd", scores.masked_fill(~mask, float("-inf")).softmax(-1),
                         vd[:, :2 * sq].repeat_interleave(h // hk, 2).cpu())
     assert rel(out2, want) < tol(dtype)
-    print("OK accumulate")
 
 
 def check_rmsnorm(device, dtype, big=False):
