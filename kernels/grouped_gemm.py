@@ -17,7 +17,8 @@ The Triton forward and dX kernel (``segment_mm_tma``) is persistent — one prog
 descriptors (A and the output 2-d, the weights 3-d so a K tail never reads the next expert). Where TMA
 cannot be used (rows not 16-byte aligned, pre-Hopper GPUs) a pointer kernel (``segment_mm``, one program per
 tile) does the same product. Tuning knobs (env): ``DISTLAB_GROUPED_GEMM_{CONFIG,GROUP_M,TMA,PERSISTENT,WS,
-SPLIT_EPILOGUE}``; ``--variant`` times several in the same interleaved rounds.
+SPLIT_EPILOGUE}``; ``--variant`` times several in the same interleaved rounds. ``DISTLAB_GROUPED_GEMM_WGRAD_TMA=1``
+(an experiment, off until timed on a GPU) runs dW with TMA loads too.
 """
 
 from __future__ import annotations
@@ -184,8 +185,23 @@ def _kernels():
                 tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, out,
                          mask=(rm[:, None] < end) & (rn[None, :] < N))
 
+    @triton.jit
+    def segment_wgrad_tma(x_desc, dy_desc, dw_desc, offs_ptr,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """dw[e] = x[rows of e]ᵀ @ dy[rows of e] with TMA loads: program (e, k-tile, n-tile) streams the
+        segment's rows in BM-row steps; rows past its end (the next group's) are zeroed in the x tile.
+        The (1, BK, BN) output tile is stored by TMA (K/N tails clipped); an empty group stores zeros."""
+        e, k0, n0 = tl.program_id(0), tl.program_id(1) * BK, tl.program_id(2) * BN
+        start, end = tl.load(offs_ptr + e), tl.load(offs_ptr + e + 1)
+        acc = tl.zeros((BK, BN), dtype=tl.float32)
+        for r0 in range(start, end, BM):
+            a = x_desc.load([r0, k0])
+            a = tl.where((r0 + tl.arange(0, BM) < end)[:, None], a, tl.zeros_like(a))
+            acc = tl.dot(tl.trans(a), dy_desc.load([r0, n0]), acc)
+        dw_desc.store([e, k0, n0], acc.to(dw_desc.dtype).reshape(1, BK, BN))
+
     _KERNELS.update(segment_mm=segment_mm, segment_mm_tma=segment_mm_tma, segment_wgrad=segment_wgrad,
-                    triton=triton)
+                    segment_wgrad_tma=segment_wgrad_tma, triton=triton)
     return _KERNELS
 
 
@@ -257,10 +273,6 @@ def triton_segment_mm(x, w, counts, transpose_w=False):
     ks = _kernels()
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     cfg = bm, bn, bk, warps, stages = _config(x.dtype, interpret)
-    if x.shape[0] and _tma_ok(interpret, x, w):
-        y = torch.empty(x.shape[0], w.shape[1] if transpose_w else w.shape[2], dtype=x.dtype, device=x.device)
-        if _tma_ok(interpret, y):
-            return _triton_segment_mm_tma(x, w, counts, transpose_w, y, cfg, interpret)
     e = w.shape[0]
     if transpose_w:   # logical (E, K, N) = stored (E, N, K) with swapped strides
         K, N = w.shape[2], w.shape[1]
@@ -271,6 +283,8 @@ def triton_segment_mm(x, w, counts, transpose_w=False):
     y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return y
+    if _tma_ok(interpret, x, w, y):
+        return _triton_segment_mm_tma(x, w, counts, transpose_w, y, cfg, interpret)
     offs = offsets(counts, x.device)
     tiles_m, tiles_n = max(1, -(-max(counts) // bm)), -(-N // bn)
     group_m = int(os.environ.get("DISTLAB_GROUPED_GEMM_GROUP_M", "8"))
@@ -291,6 +305,14 @@ def triton_segment_wgrad(x, dy, counts):
     dw = torch.empty(e, K, N, dtype=x.dtype, device=x.device)
     offs = offsets(counts, x.device)
     grid = (e, -(-K // bk), -(-N // bn))
+    if os.environ.get("DISTLAB_GROUPED_GEMM_WGRAD_TMA", "0") == "1" and x.shape[0] and _tma_ok(interpret, x, dy, dw):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        ks["segment_wgrad_tma"][grid](TensorDescriptor.from_tensor(x, [bm, bk]),
+                                      TensorDescriptor.from_tensor(dy, [bm, bn]),
+                                      TensorDescriptor.from_tensor(dw, [1, bk, bn]), offs,
+                                      BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+        return dw
     ks["segment_wgrad"][grid](x, dy, dw, offs, K, N, max(max(counts), 1), x.stride(0), x.stride(1),
                               dy.stride(0), dy.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
                               BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
@@ -387,7 +409,8 @@ def main(argv=None):
     x = torch.randn(a.rows, a.k, device=dev, dtype=torch.bfloat16)
     w = torch.randn(a.experts, a.k, a.n, device=dev, dtype=torch.bfloat16)
     flops = 2 * a.rows * a.k * a.n
-    print(f"grouped GEMM, {a.experts} groups, {a.rows} rows ({counts}), {a.k}->{a.n}, bf16, {torch.cuda.get_device_name()}")
+    print(f"grouped GEMM, {a.experts} groups, {a.rows} rows ({counts}), {a.k}->{a.n}, bf16, "
+          f"{torch.cuda.get_device_name()}")
     runs = {"torch": ("torch", []), "loop": ("loop", [])}
     for v in a.variant or ["triton:"]:
         name, _, settings = v.partition(":")

@@ -8,7 +8,7 @@
 # Other parts, one device call each (docs/PERF.md names the part behind each figure): tune (attention tile
 # sweep), final, gg (grouped GEMM variants), sweep (launch knobs of every kernel), final2 (the chosen
 # defaults, MoE layer), swiglu, emulate (the emulator with each backend's own anchor), next (TMA K/V
-# tiles in the attention kernels vs pointers, and the emulator, both ways).
+# tiles in the attention kernels vs pointers, and the emulator, both ways; dW of the grouped GEMM with TMA).
 # Every command's full output goes to OUTDIR/<name>.log (and JSON where the command writes one); all of it
 # is packed into OUTDIR/logs.tar.gz. TAIL=n shows n lines of each log; BUDGET=s skips commands after s seconds.
 set -uo pipefail
@@ -131,6 +131,8 @@ if [ "$part" = next ]; then   # to run next: K/V tiles through TMA descriptors (
     LIMIT=60 run emulate_tma$tma env DISTLAB_TRITON_ATTN_TMA=$tma $py -m distlab.cp.emulate --world 8 --seq 8192 32768 \
         --backend triton sdpa-cudnn --iters 10 --json "$out/emulate_tma$tma.json"
   done
+  mkdir -p "$out/moe_wgrad_tma"   # dW of the grouped GEMM with TMA loads: GPU correctness, then the MoE layer's fwd+bwd
+  LIMIT=120 run moe_wgrad_tma env DISTLAB_GROUPED_GEMM_WGRAD_TMA=1 bash launch/gpu_moe_check.sh "$out/moe_wgrad_tma"
 fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
 tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"

@@ -146,11 +146,11 @@ torch.manual_seed(0)
 # empty groups; ragged tiles (masked loads) and whole tiles (unmasked K/N); a group of 10 m-tiles (more
 # than one band of GROUP_M = 8, the last band partial); K = 6 (24-byte rows: no TMA, the pointer kernel).
 # Each through the TMA kernel (persistent: 3 programs loop over the tiles; or one program per tile, its
-# output tiles stored in two halves) and the pointer kernel.
+# output tiles stored in two halves, and dW with TMA loads) and the pointer kernel.
 cases = (([5, 0, 17, 40, 0, 3], 24, 20), ([5, 0, 17, 40, 0, 3], 64, 32), ([300, 0, 17], 64, 96), ([9, 4], 6, 8))
 for tma, persistent, split in (("1", "1", "0"), ("1", "0", "1"), ("0", "1", "0")):
     os.environ.update(DISTLAB_GROUPED_GEMM_TMA=tma, DISTLAB_GROUPED_GEMM_PERSISTENT=persistent,
-                      DISTLAB_GROUPED_GEMM_SPLIT_EPILOGUE=split)
+                      DISTLAB_GROUPED_GEMM_SPLIT_EPILOGUE=split, DISTLAB_GROUPED_GEMM_WGRAD_TMA=split)
     for counts, k, n in cases:
         x = torch.randn(sum(counts), k, requires_grad=True)
         w = torch.randn(len(counts), k, n, requires_grad=True)
