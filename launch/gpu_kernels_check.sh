@@ -131,6 +131,12 @@ if [ "$part" = next ]; then   # to run next: K/V tiles through TMA descriptors (
     LIMIT=60 run emulate_tma$tma env DISTLAB_TRITON_ATTN_TMA=$tma $py -m distlab.cp.emulate --world 8 --seq 8192 32768 \
         --backend triton sdpa-cudnn --iters 10 --json "$out/emulate_tma$tma.json"
   done
+  # S8192's ring blocks are small (512-1024 rows): smaller tiles fill more of the 132 SMs?
+  for t in "FWD=64,64,4,3 DKV=32,64,4,3 DQ=64,64,4,3" "DKV=32,128,4,3 DQ=64,64,4,3"; do
+    envs=(); for kv in $t; do envs+=("DISTLAB_TRITON_ATTN_$kv"); done
+    LIMIT=40 run "emulate8k_$(echo $t | tr ' =,' '___')" env "${envs[@]}" $py -m distlab.cp.emulate --world 8 --seq 8192 \
+        --backend triton --iters 10 --json "$out/emulate8k_$(echo $t | tr ' =,' '___').json"
+  done
   mkdir -p "$out/moe_wgrad_tma"   # dW of the grouped GEMM with TMA loads: GPU correctness, then the MoE layer's fwd+bwd
   LIMIT=120 run moe_wgrad_tma env DISTLAB_GROUPED_GEMM_WGRAD_TMA=1 bash launch/gpu_moe_check.sh "$out/moe_wgrad_tma"
 fi
