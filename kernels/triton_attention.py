@@ -20,7 +20,7 @@ its block into them in place, ``lse' = logaddexp(lse, lse_b)``, ``out' = out·e^
 out_b·e^(lse_b−lse')`` (a row whose running LSE is −inf takes the block's result).
 
 Backward (given the *final* out and LSE, as every backend here): a small kernel computes
-``delta = rowsum(dO ∘ O)``; one kernel per (BLOCK_N keys, kv head) loops over the query tiles of *every*
+``delta = rowsum(dO ∘ O)`` and the exp2-domain LSE; one kernel per (BLOCK_N keys, kv head) loops over the query tiles of *every*
 q head of its group and accumulates dK, dV in registers (no atomics, GQA summed in place) — or, when
 that grid is too small to fill the GPU (a short ring block), one per (BLOCK_N keys, q head) writing float32
 partial sums that are added up after; one kernel per (BLOCK_M queries, q head) accumulates dQ over the
