@@ -228,13 +228,15 @@ def _tma_ok(interpret, *tensors):
                and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
 
 
-def _m_tiles(counts, bm, device):
-    """(group, first row) of every bm-row tile of every non-empty group, flattened int32."""
-    pairs, start = [], 0
+def _offsets_and_m_tiles(counts, bm, device):
+    """One host-to-device copy: the (E+1,) row offsets, then (group, first row) of every bm-row tile of
+    every non-empty group, flattened; int32."""
+    offs, pairs = [0], []
     for e, c in enumerate(counts):
-        pairs += [v for r in range(start, start + c, bm) for v in (e, r)]
-        start += c
-    return torch.tensor(pairs, dtype=torch.int32).to(device, non_blocking=True)
+        pairs += [v for r in range(offs[-1], offs[-1] + c, bm) for v in (e, r)]
+        offs.append(offs[-1] + c)
+    table = torch.tensor(offs + pairs, dtype=torch.int32).to(device, non_blocking=True)
+    return table[:len(offs)], table[len(offs):]
 
 
 def _num_programs(total, device, interpret):
@@ -252,7 +254,7 @@ def _triton_segment_mm_tma(x, w, counts, transpose_w, y, cfg, interpret):
     ks = _kernels()
     bm, bn, bk, warps, stages = cfg
     N, K = y.shape[1], x.shape[1]
-    tiles = _m_tiles(counts, bm, x.device)
+    offs, tiles = _offsets_and_m_tiles(counts, bm, x.device)
     num_m_tiles, tiles_n = tiles.numel() // 2, -(-N // bn)
     total = num_m_tiles * tiles_n
     progs = _num_programs(total, x.device, interpret)
@@ -260,7 +262,7 @@ def _triton_segment_mm_tma(x, w, counts, transpose_w, y, cfg, interpret):
     split = os.environ.get("DISTLAB_GROUPED_GEMM_SPLIT_EPILOGUE", "0") == "1"
     ks["segment_mm_tma"][(progs,)](
         TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, w_block),
-        TensorDescriptor.from_tensor(y, [bm, bn // 2 if split else bn]), y, tiles, offsets(counts, x.device),
+        TensorDescriptor.from_tensor(y, [bm, bn // 2 if split else bn]), y, tiles, offs,
         num_m_tiles, tiles_n, N, K, y.stride(0), y.stride(1), progs, BM=bm, BN=bn, BK=bk,
         GROUP_M=max(1, int(os.environ.get("DISTLAB_GROUPED_GEMM_GROUP_M", "16"))), TRANS_W=transpose_w,
         WARP_SPECIALIZE=os.environ.get("DISTLAB_GROUPED_GEMM_WS", "0") == "1", SPLIT_EPILOGUE=split,
