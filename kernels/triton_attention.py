@@ -114,7 +114,10 @@ def _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, KD, VD, b
 def _fwd_kernel(Q, K, V, KD, VD, O, LSE, seq_q, seq_k, heads, groups, qk_scale,
                 sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
+                CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+                PDL: tl.constexpr):
+    if PDL:   # let the next step's kernel start on SMs this one's last wave leaves idle
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)          # heaviest causal rows first
     bh = tl.program_id(1)
     b, h = bh // heads, bh % heads
@@ -146,6 +149,8 @@ def _fwd_kernel(Q, K, V, KD, VD, O, LSE, seq_q, seq_k, heads, groups, qk_scale,
     in_rows = rows < seq_q
     o_ptrs = O + b * sob + h * soh + rows[:, None] * sos + offs_d[None, :]
     l_ptrs = LSE + b * slb + h * slh + rows
+    if PDL:   # the previous step's kernel may still be writing (out, lse): wait for all of it
+        tl.extra.cuda.gdc_wait()
     if ACCUMULATE:   # merge into the running float32 (out, lse)
         prev = tl.load(l_ptrs, mask=in_rows, other=float("-inf"))
         new = tl.maximum(prev, lse) + tl.log(1.0 + tl.exp(-tl.abs(prev - lse)))
@@ -180,24 +185,52 @@ def _precision(q):
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _tile_descriptors(k, v, block_n):
-    """``(KD, VD, True)``: TMA descriptors over two (batch, seq, heads, D) tensors (k and v, or q and dO)
-    viewed as (batch, seq, heads·D), blocks of (1, block_n, D), when ``DISTLAB_TRITON_ATTN_TMA=1`` and the
-    layout allows it (heads packed in a token, 16-byte aligned base and strides; sm_90+ or the interpreter);
-    else ``(k, v, False)`` (pointer loads)."""
-    if os.environ.get("DISTLAB_TRITON_ATTN_TMA", "0") != "1":
-        return k, v, False
-    if k.is_cuda and torch.cuda.get_device_capability(k.device)[0] < 9:
-        return k, v, False
-    d, e = k.shape[-1], k.element_size()
-    if any(t.stride(2) != d or t.data_ptr() % 16 or (t.stride(0) * e) % 16 or (t.stride(1) * e) % 16
-           for t in (k, v)):
-        return k, v, False
+DQ_MODES = ("kernel", "atomic", "tma-reduce")   # DISTLAB_TRITON_ATTN_DQ_MODE (see the module doc)
+TMA_KERNELS = ("fwd", "dq", "dkv")
+TMA_DEFAULT = "fwd"   # the H200 (``next`` call): forward +3% (MHA) / +7% (GQA); all three: backward -18%
+
+
+def tma_kernels() -> tuple[str, ...]:
+    """The kernels whose tiles move through TMA descriptors: ``DISTLAB_TRITON_ATTN_TMA`` = ``0`` (none),
+    ``1`` (all), or a comma list of fwd, dq, dkv (default ``fwd``)."""
+    env = os.environ.get("DISTLAB_TRITON_ATTN_TMA", TMA_DEFAULT)
+    kinds = {"0": (), "1": TMA_KERNELS}.get(env, tuple(x for x in env.split(",") if x))
+    if any(k not in TMA_KERNELS for k in kinds):
+        raise ValueError(f"DISTLAB_TRITON_ATTN_TMA={env!r}: use 0, 1 or a comma list of {', '.join(TMA_KERNELS)}")
+    return kinds
+
+
+def _tma_fits(*ts) -> bool:
+    """TMA can address these (batch, seq, heads, D) tensors as (batch, seq, heads·D): heads packed in a
+    token, 16-byte aligned base and strides, on sm_90+ (or in the interpreter)."""
+    if ts[0].is_cuda and torch.cuda.get_device_capability(ts[0].device)[0] < 9:
+        return False
+    d, e = ts[0].shape[-1], ts[0].element_size()
+    return not any(t.stride(2) != d or t.data_ptr() % 16 or (t.stride(0) * e) % 16 or (t.stride(1) * e) % 16
+                   for t in ts)
+
+
+def _descriptor(t, block):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    b, s, hk = k.shape[:3]
-    return (*(TensorDescriptor(t, [b, s, hk * d], [t.stride(0), t.stride(1), 1], [1, block_n, d]) for t in (k, v)),
-            True)
+    b, s, h, d = t.shape
+    return TensorDescriptor(t, [b, s, h * d], [t.stride(0), t.stride(1), 1], [1, block, d])
+
+
+def _tile_descriptors(kind, k, v, block_n):
+    """``(KD, VD, True)``: TMA descriptors over two (batch, seq, heads, D) tensors (k and v, or q and dO),
+    blocks of (1, block_n, D), when ``kind`` is in ``tma_kernels()`` and ``_tma_fits``; else
+    ``(k, v, False)`` (pointer loads)."""
+    if kind not in tma_kernels() or not _tma_fits(k, v):
+        return k, v, False
+    return _descriptor(k, block_n), _descriptor(v, block_n), True
+
+
+def pdl_enabled(device) -> bool:
+    """``DISTLAB_TRITON_ATTN_PDL=1`` on sm_90+: accumulating forwards launch as programmatic dependents —
+    a ring step's kernel runs its key loop while the previous step's last wave finishes, and waits for it
+    (``griddepcontrol.wait``) only before it reads and writes the running (out, lse)."""
+    return os.environ.get("DISTLAB_TRITON_ATTN_PDL", "0") == "1" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _last_contiguous(*ts):
@@ -222,13 +255,14 @@ def flash_forward(q, k, v, causal=False, softmax_scale=None, out=None, lse=None,
                          f"got {tuple(out.shape)} and {tuple(lse.shape)} {lse.dtype}")
     bm, bn, warps, stages = tile_config("FWD", q.device, d)
     grid = (triton.cdiv(sq, bm), b * h)
-    kd, vd, tma = _tile_descriptors(k, v, bn)
+    kd, vd, tma = _tile_descriptors("fwd", k, v, bn)
+    pdl = {"launch_pdl": True} if accumulate and q.is_cuda and pdl_enabled(q.device) else {}
     _fwd_kernel[grid](q, k, v, kd, vd, out, lse, sq, k.shape[1], h, h // k.shape[2], scale * LOG2E,
                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                       v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
                       lse.stride(0), lse.stride(1),
                       BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, ACCUMULATE=accumulate, PREC=_precision(q),
-                      TMA=tma, num_warps=warps, num_stages=stages)
+                      TMA=tma, PDL=bool(pdl), num_warps=warps, num_stages=stages, **pdl)
     return out, lse
 
 
@@ -255,7 +289,7 @@ def _delta_kernel(O, DO, LSE, DELTA, LSE2, seq, heads, sob, sos, soh, sdb, sds, 
 
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, stride_qm, stride_dom, stride_dqm, cols, lo,
-                hi, seq_q, qk_scale, scale, QD, DOD, b, qcol, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
+                hi, seq_q, qk_scale, scale, QD, DOD, DQD, b, qcol, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
                 CAUSAL: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr,
                 D: tl.constexpr):
     offs_m = tl.arange(0, BLOCK_M)
@@ -287,7 +321,9 @@ def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, stride_q
         dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
         if ATOMIC_DQ:   # this key tile's share of dQ = dS·K, added into the float32 dQ
             dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=PREC) * scale
-            if MASK:
+            if ATOMIC_DQ == 2:   # one TMA reduce-add of the whole tile (rows past seq_q are dropped)
+                DQD.atomic_add([b, start, qcol], dq.reshape(1, BLOCK_M, D))
+            elif MASK:
                 tl.atomic_add(dq_ptrs + start * stride_dqm, dq, mask=(rows < seq_q)[:, None], sem="relaxed")
             else:
                 tl.atomic_add(dq_ptrs + start * stride_dqm, dq, sem="relaxed")
@@ -295,8 +331,8 @@ def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, stride_q
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, QD, DOD, LSE2, DELTA, DK, DV, DQA, seq_q, seq_k, heads, groups, per_program, qk_scale,
-                 scale,
+def _dkdv_kernel(Q, K, V, DO, QD, DOD, DQD, LSE2, DELTA, DK, DV, DQA, seq_q, seq_k, heads, groups, per_program, qk_scale,
+                 scale, srb, srh,
                  sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
                  sdqb, sdqs, sdqh, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                  CAUSAL: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr):
@@ -321,28 +357,28 @@ def _dkdv_kernel(Q, K, V, DO, QD, DOD, LSE2, DELTA, DK, DV, DQA, seq_q, seq_k, h
         h = hk * groups + g
         q_ptrs = Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :]
         do_ptrs = DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :]
-        l_ptrs = LSE2 + (b * heads + h) * seq_q + offs_m
-        d_ptrs = DELTA + (b * heads + h) * seq_q + offs_m
+        l_ptrs = LSE2 + b * srb + h * srh + offs_m      # LSE2 and DELTA: (batch, heads, seq_q), rows contiguous
+        d_ptrs = DELTA + b * srb + h * srh + offs_m
         dq_ptrs = DQA + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :]
         full = seq_q - seq_q % BLOCK_M
         if CAUSAL:   # query tiles crossing the diagonal (masked), then those wholly below it
             lo = pid_n * BLOCK_N
             mid = tl.minimum(lo + BLOCK_N, full)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols,
-                                 lo, mid, seq_q, qk_scale, scale, QD, DOD, b, h * D,
+                                 lo, mid, seq_q, qk_scale, scale, QD, DOD, DQD, b, h * D,
                                  BLOCK_M, True, True, PREC, ATOMIC_DQ, TMA, D)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols,
-                                 mid, full, seq_q, qk_scale, scale, QD, DOD, b, h * D,
+                                 mid, full, seq_q, qk_scale, scale, QD, DOD, DQD, b, h * D,
                                  BLOCK_M, False, True, PREC, ATOMIC_DQ, TMA, D)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols,
-                                 tl.maximum(full, lo), seq_q, seq_q, qk_scale, scale, QD, DOD, b, h * D,
+                                 tl.maximum(full, lo), seq_q, seq_q, qk_scale, scale, QD, DOD, DQD, b, h * D,
                                  BLOCK_M, True, True, PREC, ATOMIC_DQ, TMA, D)
         else:
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols,
-                                 0, full, seq_q, qk_scale, scale, QD, DOD, b, h * D,
+                                 0, full, seq_q, qk_scale, scale, QD, DOD, DQD, b, h * D,
                                  BLOCK_M, False, False, PREC, ATOMIC_DQ, TMA, D)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols,
-                                 full, seq_q, seq_q, qk_scale, scale, QD, DOD, b, h * D,
+                                 full, seq_q, seq_q, qk_scale, scale, QD, DOD, DQD, b, h * D,
                                  BLOCK_M, True, False, PREC, ATOMIC_DQ, TMA, D)
     tl.store(DK + b * sdkb + slot * sdkh + cols[:, None] * sdks + offs_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=in_cols)
@@ -373,10 +409,10 @@ def _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, KD, 
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, KD, VD, DO, LSE2, DELTA, DQ, seq_q, seq_k, heads, groups, qk_scale, scale,
+def _dq_kernel(Q, K, V, KD, VD, DO, LSE2, DELTA, DQ, seq_q, seq_k, heads, groups, qk_scale, scale, srb, srh,
                sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
-               PREC: tl.constexpr, TMA: tl.constexpr):
+               PREC: tl.constexpr, TMA: tl.constexpr, DQ_ADD: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // heads, bh % heads
@@ -387,8 +423,8 @@ def _dq_kernel(Q, K, V, KD, VD, DO, LSE2, DELTA, DQ, seq_q, seq_k, heads, groups
     in_rows = rows < seq_q
     q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + offs_d[None, :], mask=in_rows[:, None], other=0.0)
     do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdos + offs_d[None, :], mask=in_rows[:, None], other=0.0)
-    lse2 = tl.load(LSE2 + bh * seq_q + rows, mask=in_rows, other=float("inf"))
-    delta = tl.load(DELTA + bh * seq_q + rows, mask=in_rows, other=0.0)
+    lse2 = tl.load(LSE2 + b * srb + h * srh + rows, mask=in_rows, other=float("inf"))
+    delta = tl.load(DELTA + b * srb + h * srh + rows, mask=in_rows, other=0.0)
     k_ptrs = K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :]
     v_ptrs = V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :]
     dq = tl.zeros([BLOCK_M, D], tl.float32)
@@ -404,27 +440,54 @@ def _dq_kernel(Q, K, V, KD, VD, DO, LSE2, DELTA, DQ, seq_q, seq_k, heads, groups
                        qk_scale, BLOCK_N, False, False, PREC, TMA, D)
         dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, full, seq_k,
                        seq_k, qk_scale, BLOCK_N, True, False, PREC, TMA, D)
-    tl.store(DQ + b * sdqb + h * sdqh + rows[:, None] * sdqs + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
-             mask=in_rows[:, None])
+    dq_ptrs = DQ + b * sdqb + h * sdqh + rows[:, None] * sdqs + offs_d[None, :]
+    dq = dq * scale
+    if DQ_ADD:   # a ring step: add into the float32 dQ of the shard
+        dq += tl.load(dq_ptrs, mask=in_rows[:, None], other=0.0)
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=in_rows[:, None])
 
 
-def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, split_groups=None):
+def backward_rows(dout, out, lse):
+    """``(delta, lse2)``, float32 ``(batch, heads, seq)``: ``rowsum(dO ∘ O)`` and the exp2-domain LSE the
+    backward kernels read. A ring computes them once for its shard (the final out and LSE do not change
+    between steps) and passes row views of them to every step's ``flash_backward``."""
+    out, dout = _last_contiguous(out, dout)
+    b, s, h, d = out.shape
+    delta = torch.empty(b, h, s, dtype=torch.float32, device=out.device)
+    lse2 = torch.empty_like(delta)
+    _delta_kernel[(triton.cdiv(s, 64), b * h)](out, dout, lse, delta, lse2, s, h, out.stride(0), out.stride(1),
+                                               out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+                                               lse.stride(0), lse.stride(1), LOG2E, BLOCK=64, D=d)
+    return delta, lse2
+
+
+def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, split_groups=None, rows=None,
+                   dq_acc=None, dk_out=None, dv_out=None):
     """``(dq, dk, dv)`` in the inputs' dtype, from the final ``out`` and float32 ``lse``.
 
     ``split_groups``: with GQA, one dK/dV program per *q* head (float32 partial sums added up after) instead
     of one per kv head looping over its group — more programs when there are few key tiles (a ring block
-    of a short shard). ``None``: when the per-kv-head grid would not fill the GPU twice over."""
+    of a short shard). ``None``: when the per-kv-head grid would not fill the GPU twice over.
+
+    A ring step (``distlab.cp.ring``) passes ``rows`` = ``backward_rows`` of these query rows (then ``out``
+    and ``lse`` are not read), ``dq_acc``, a float32 ``(batch, seq_q, heads, D)`` view that dQ is *added*
+    to, and ``dk_out``/``dv_out``, float32 ``(batch, seq_k, kv_heads, D)`` views dK/dV are written to; it
+    gets those three back."""
     check_triton_inputs(q, k, v, causal)
-    q, k, v, out, dout = _last_contiguous(q, k, v, out, dout)
+    q, k, v, dout = _last_contiguous(q, k, v, dout)
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    delta = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
-    lse2 = torch.empty_like(delta)
-    _delta_kernel[(triton.cdiv(sq, 64), b * h)](out, dout, lse, delta, lse2, sq, h, out.stride(0), out.stride(1),
-                                                out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-                                                lse.stride(0), lse.stride(1), LOG2E, BLOCK=64, D=d)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for name, t, shape in (("dq_acc", dq_acc, q.shape), ("dk_out", dk_out, k.shape), ("dv_out", dv_out, v.shape)):
+        if t is not None and (t.shape != shape or t.dtype != torch.float32 or t.stride(-1) != 1):
+            raise ValueError(f"{name} must be float32 {tuple(shape)} with a contiguous last dim; got "
+                             f"{tuple(t.shape)} {t.dtype}")
+    delta, lse2 = rows if rows is not None else backward_rows(dout, out, lse)
+    if delta.stride() != lse2.stride() or delta.stride(-1) != 1:
+        raise ValueError("the backward rows (delta, lse2) must share strides, rows contiguous")
+    dq = dq_acc if dq_acc is not None else torch.empty_like(q)
+    dk = dk_out if dk_out is not None else torch.empty_like(k)
+    dv = dv_out if dv_out is not None else torch.empty_like(v)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
     bm, bn, warps, stages = tile_config("DKV", q.device, d)
@@ -438,25 +501,34 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
         dv_part = torch.empty_like(dk_part)
     else:
         dk_part, dv_part = dk, dv
-    atomic = os.environ.get("DISTLAB_TRITON_ATTN_DQ_MODE", "kernel") == "atomic"
-    dq_acc = torch.zeros(b, sq, h, d, dtype=torch.float32, device=q.device) if atomic else dq
-    qd, dod, tma = _tile_descriptors(q, dout, bm)
+    mode = os.environ.get("DISTLAB_TRITON_ATTN_DQ_MODE", "kernel")
+    if mode not in DQ_MODES:
+        raise ValueError(f"DISTLAB_TRITON_ATTN_DQ_MODE={mode!r}: use one of {', '.join(DQ_MODES)}")
+    if mode == "kernel":
+        dq_sum = dq
+    else:   # atomics add into a float32 dQ: the ring's accumulator itself, or a zeroed one
+        dq_sum = dq_acc if dq_acc is not None else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    # the interpreter has no TMA reduce: pointer atomics there (the GPU tests check the reduce-adds)
+    atomic = DQ_MODES.index(mode) if mode != "tma-reduce" or (q.is_cuda and _tma_fits(dq_sum)) else 1
+    dqd = _descriptor(dq_sum, bm) if atomic == 2 else dq_sum
+    qd, dod, tma = _tile_descriptors("dkv", q, dout, bm)
     _dkdv_kernel[(tiles, b * hk * splits)](
-        q, k, v, dout, qd, dod, lse2, delta, dk_part, dv_part, dq_acc, sq, sk, h, groups, groups // splits,
-        scale * LOG2E, scale, *strides, dk_part.stride(0), dk_part.stride(1), dk_part.stride(2), dv_part.stride(0),
-        dv_part.stride(1), dv_part.stride(2), dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2),
+        q, k, v, dout, qd, dod, dqd, lse2, delta, dk_part, dv_part, dq_sum, sq, sk, h, groups, groups // splits,
+        scale * LOG2E, scale, delta.stride(0), delta.stride(1), *strides, dk_part.stride(0), dk_part.stride(1),
+        dk_part.stride(2), dv_part.stride(0), dv_part.stride(1), dv_part.stride(2), dq_sum.stride(0),
+        dq_sum.stride(1), dq_sum.stride(2),
         BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), ATOMIC_DQ=atomic, TMA=tma,
         num_warps=warps, num_stages=stages)
     if splits > 1:
-        dk = dk_part.view(b, sk, hk, splits, d).sum(3).to(k.dtype)
-        dv = dv_part.view(b, sk, hk, splits, d).sum(3).to(v.dtype)
+        for part, grad in ((dk_part, dk), (dv_part, dv)):
+            grad.copy_(part.view(b, sk, hk, splits, d).sum(3))
     if atomic:
-        return dq_acc.to(q.dtype), dk, dv
+        return (dq_sum if dq_acc is not None else dq_sum.to(q.dtype)), dk, dv
     bm, bn, warps, stages = tile_config("DQ", q.device, d)
-    kd, vd, tma = _tile_descriptors(k, v, bn)
+    kd, vd, tma = _tile_descriptors("dq", k, v, bn)
     _dq_kernel[(triton.cdiv(sq, bm), b * h)](
-        q, k, v, kd, vd, dout, lse2, delta, dq, sq, sk, h, h // hk, scale * LOG2E, scale, *strides,
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), TMA=tma, num_warps=warps,
-        num_stages=stages)
+        q, k, v, kd, vd, dout, lse2, delta, dq, sq, sk, h, h // hk, scale * LOG2E, scale, delta.stride(0),
+        delta.stride(1), *strides, dq.stride(0), dq.stride(1), dq.stride(2),
+        BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), TMA=tma, DQ_ADD=dq_acc is not None,
+        num_warps=warps, num_stages=stages)
     return dq, dk, dv

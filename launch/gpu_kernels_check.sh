@@ -8,7 +8,8 @@
 # Other parts, one device call each (docs/PERF.md names the part behind each figure): tune (attention tile
 # sweep), final, gg (grouped GEMM variants), sweep (launch knobs of every kernel), final2 (the chosen
 # defaults, MoE layer), swiglu, emulate (the emulator with each backend's own anchor), next (TMA K/V
-# tiles in the attention kernels vs pointers, and the emulator, both ways; dW of the grouped GEMM with TMA).
+# tiles in the attention kernels vs pointers, and the emulator, both ways; dW of the grouped GEMM with TMA),
+# ring2 (TMA per attention kernel, TMA reduce-add dQ, the ring backward's in-kernel accumulation, PDL).
 # Every command's full output goes to OUTDIR/<name>.log (and JSON where the command writes one); all of it
 # is packed into OUTDIR/logs.tar.gz. TAIL=n shows n lines of each log; BUDGET=s skips commands after s seconds.
 set -uo pipefail
@@ -139,6 +140,21 @@ if [ "$part" = next ]; then   # to run next: K/V tiles through TMA descriptors (
   done
   mkdir -p "$out/moe_wgrad_tma"   # dW of the grouped GEMM with TMA loads: GPU correctness, then the MoE layer's fwd+bwd
   LIMIT=120 run moe_wgrad_tma env DISTLAB_GROUPED_GEMM_WGRAD_TMA=1 bash launch/gpu_moe_check.sh "$out/moe_wgrad_tma"
+fi
+if [ "$part" = ring2 ]; then   # TMA per kernel, dQ by TMA reduce-adds, the ring backward's in-kernel accumulation,
+  # and programmatic dependent launch of the ring's accumulating forwards (DISTLAB_TRITON_ATTN_PDL=1)
+  LIMIT=120 run check_emulate $py tests/kernel_checks.py emulate --device cuda --dtype bfloat16 --big
+  LIMIT=150 run check_attention $py tests/kernel_checks.py attention accumulate --device cuda --dtype bfloat16 --big
+  for v in "fwd TMA=fwd" "fwd_dq TMA=fwd,dq" "fwd_dkv TMA=fwd,dkv" "reduce DQ_MODE=tma-reduce" \
+           "reduce_dkv DQ_MODE=tma-reduce TMA=fwd,dkv"; do
+    set -- $v; name=$1; shift; envs=(); for kv in "$@"; do envs+=("DISTLAB_TRITON_ATTN_$kv"); done
+    LIMIT=40 run attn_$name env "${envs[@]}" $py -m kernels.bench --kv-heads 8 --only attention --json "$out/attn_$name.json"
+  done
+  for v in "base PDL=0" "pdl PDL=1" "pdl_reduce PDL=1 DQ_MODE=tma-reduce"; do
+    set -- $v; name=$1; shift; envs=(); for kv in "$@"; do envs+=("DISTLAB_TRITON_ATTN_$kv"); done
+    LIMIT=50 run emulate_$name env "${envs[@]}" $py -m distlab.cp.emulate --world 8 --seq 8192 32768 \
+        --backend triton --iters 10 --json "$out/emulate_$name.json"
+  done
 fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
 tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"

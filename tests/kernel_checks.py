@@ -61,9 +61,11 @@ def check_attention(device, dtype, big=False):
         ro, rl = attention_forward(q.double(), k.double(), v.double(), causal, backend="torch")
         grads = attention_backward(dout.double(), q.double(), k.double(), v.double(), ro, rl, causal, backend="torch")
         # GQA: per-kv-head and per-q-head dK/dV programs; dQ from its own kernel or added atomically by dK/dV's;
-        # K/V tiles through pointers or TMA descriptors (forward and dQ)
+        # tiles through pointers, TMA descriptors in every kernel, or the default (forward only); dQ added by
+        # pointer atomics or TMA reduce-adds
         modes = [(sp, m, t) for sp in ((False, True) if h > hk else (None,))
-                 for m, t in (("kernel", "0"), ("kernel", "1"), ("atomic", "0"))]
+                 for m, t in (("kernel", "0"), ("kernel", "1"), ("kernel", "fwd"), ("atomic", "0"),
+                              ("tma-reduce", "dkv"))]
         for split, dq_mode, tma in modes:
             os.environ.update(DISTLAB_TRITON_ATTN_DQ_MODE=dq_mode, DISTLAB_TRITON_ATTN_TMA=tma)
             o, lse = flash_forward(q, k, v, causal)
@@ -219,18 +221,30 @@ def check_merge(device, dtype, big=False):
 
 
 def check_emulate(device, dtype, big=False):
-    """One rank's ring schedule on one device equals the rows of full attention it owns (triton backend)."""
+    """One rank's ring schedule on one device (triton backend) equals the rows of full attention it owns:
+    the output, and dQ (which depends on those rows' dO only). On a GPU also replayed as a CUDA graph, and
+    with the accumulating forwards launched as programmatic dependents (``DISTLAB_TRITON_ATTN_PDL=1``)."""
     from distlab.cp.emulate import emulate_rank
-    from kernels.attention import attention_forward
+    from kernels.attention import attention_backward, attention_forward
 
     world, seq, h, hk, d = (3, 48, 2, 1, 16) if not big else (8, 8192, 8, 2, 128)
+    modes = [(False, "0")] if device.type != "cuda" else [(False, "0"), (True, "0"), (True, "1"), (False, "1")]
     for layout in ("zigzag", "contiguous"):
         for rank in (0, world - 1):
-            res = emulate_rank(world, seq, h, hk, d, rank, layout, True, "triton", dtype, device, backward=False,
-                               keep_output=True)
-            q, k, v, out, rows = res["q"], res["k"], res["v"], res["out"], res["rows"]   # full q/k/v
-            full, _ = attention_forward(q.double(), k.double(), v.double(), True, backend="torch")
-            assert rel(out, full[:, rows]) < tol(dtype) * 2, (layout, rank, rel(out, full[:, rows]))
+            for graphs, pdl in modes:
+                os.environ["DISTLAB_TRITON_ATTN_PDL"] = pdl
+                res = emulate_rank(world, seq, h, hk, d, rank, layout, True, "triton", dtype, device,
+                                   keep_output=True, graphs=graphs, iters=1, warmup=1)
+                q, k, v = (res[n].double() for n in "qkv")
+                rows = res["rows"].to(q.device)
+                full, lse = attention_forward(q, k, v, True, backend="torch")
+                dout = torch.zeros_like(q)
+                dout[:, rows] = res["dout"].double()
+                dq = attention_backward(dout, q, k, v, full, lse, True, backend="torch")[0]
+                case = (layout, rank, graphs, pdl)
+                assert rel(res["out"], full[:, rows]) < tol(dtype) * 2, (case, rel(res["out"], full[:, rows]))
+                assert rel(res["dq"], dq[:, rows]) < tol(dtype) * 4, (case, rel(res["dq"], dq[:, rows]))
+    os.environ.pop("DISTLAB_TRITON_ATTN_PDL")
     print("OK emulate")
 
 

@@ -6,6 +6,7 @@ against float64 is ~1e-7; the bar of 1e-5 would catch any wrong mask (a block se
 moves the output by O(1/seq)), a lost LSE term, or a dK/dV accumulator that comes home short one hop.
 """
 
+import os
 import time
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from distlab import comm
 from distlab.cp.layout import gather_sequence, shard_sequence
 from distlab.cp.ring import ring_attention
+from distlab.testing import ProcessGroupPool
 from kernels.attention import attention_reference
 
 WORLDS = [1, 2, 3, 4, 8]
@@ -33,7 +35,8 @@ def _inputs(batch, seq, heads, kv_heads, head_dim, seed=0):
     return q, k, v, dout
 
 
-def ring_vs_one_device(heads, kv_heads, causal, layout, dtype=torch.float32, seq=SEQ, batch=2, head_dim=8):
+def ring_vs_one_device(heads, kv_heads, causal, layout, dtype=torch.float32, seq=SEQ, batch=2, head_dim=8,
+                       backend="auto"):
     """Runs on every rank: ring attention on shards vs float64 attention on the full tensors."""
     q, k, v, dout = _inputs(batch, seq, heads, kv_heads, head_dim)
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
@@ -43,7 +46,7 @@ def ring_vs_one_device(heads, kv_heads, causal, layout, dtype=torch.float32, seq
 
     local = [shard_sequence(t.to(dtype), None, layout).requires_grad_(True) for t in (q, k, v)]
     with comm.CommLog() as log_fwd:
-        out = ring_attention(*local, causal=causal, layout=layout)
+        out = ring_attention(*local, causal=causal, layout=layout, backend=backend)
     with comm.CommLog() as log_bwd:
         out.backward(shard_sequence(dout.to(dtype), None, layout))
     got = [gather_sequence(t, None, layout) for t in (out.detach(), *(x.grad for x in local))]
@@ -76,6 +79,43 @@ def test_ring_float64_is_exact_to_rounding(pools, world, layout):
     """In float64 the only difference from the reference is summation order: ~1e-15, not 1e-7."""
     for res in pools(world).run(ring_vs_one_device, 4, 2, True, layout, torch.float64):
         assert max(res["errors"].values()) < 1e-12, res["errors"]
+
+
+def _with_env(env, fn, *args, **kwargs):
+    os.environ.update(env)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        for key in env:
+            os.environ.pop(key)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_with_the_triton_kernels_matches_one_device(world):
+    """The ``triton`` backend's ring path (in-kernel accumulation forward, dQ added and dK/dV written in
+    float32 by the backward kernels, the backward rows computed once) on real gloo ranks, the kernels run
+    by Triton's CPU interpreter (switched on before the workers start, so a fresh pool)."""
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        pool = ProcessGroupPool(world)
+    finally:
+        del os.environ["TRITON_INTERPRET"]
+    try:
+        # dQ from its own kernel (added in place), or added by the dK/dV kernel's atomics into the ring's dQ
+        for layout, causal, (heads, kv_heads), dq_mode in (("zigzag", True, (4, 2), "kernel"),
+                                                           ("contiguous", True, (4, 4), "kernel"),
+                                                           ("contiguous", False, (4, 2), "kernel"),
+                                                           ("zigzag", True, (4, 2), "atomic")):
+            case = f"W={world} {layout} causal={causal} dq {dq_mode}"
+            for rank, res in enumerate(pool.run(_with_env, {"DISTLAB_TRITON_ATTN_DQ_MODE": dq_mode},
+                                                ring_vs_one_device, heads, kv_heads, causal, layout, seq=24 * world,
+                                                head_dim=16, backend="triton")):
+                for name, err in res["errors"].items():
+                    assert err < 1e-5, f"rank {rank}: {name} rel err {err:.2e} ({case})"
+                assert res["bwd_calls"] == {"ring_kv": world - 1, "ring_dkv": world}
+    finally:
+        pool.close()
 
 
 def post_and_compute_order(world_causal):

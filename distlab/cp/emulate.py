@@ -108,13 +108,16 @@ def emulate_rank(world, seq, heads, kv_heads, head_dim, rank, layout, causal, ba
     result["fwd_s"] = timeit(run_f, iters, warmup, device)
     if backward:
         result["bwd_s"] = timeit(run_b, iters, warmup, device)
-    if keep_output:
-        result.update(q=q, k=k, v=v, rows=shard[rank].cpu(), out=out)
+    if keep_output:   # what one more (graph-replayed) run leaves: the checks' view of the timed path
+        result.update(q=q, k=k, v=v, rows=shard[rank].cpu(), dout=dout, out=run_f()[0].to(dtype))
+        if backward:
+            result["dq"] = run_b()[0]
     return result
 
 
 def _graphed(fn):
-    """Capture ``fn`` (a fixed sequence of kernels on static tensors) once; replays it."""
+    """Capture ``fn`` (a fixed sequence of kernels on static tensors) once; returns a function that replays
+    it and returns the captured call's (static) outputs."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -123,8 +126,12 @@ def _graphed(fn):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+        static = fn()
+
+    def replay():
+        graph.replay()
+        return static
+    return replay
 
 
 def fused_anchor(world, seq, heads, kv_heads, head_dim, causal, dtype, device, iters=10, warmup=3, batch=1,

@@ -109,16 +109,40 @@ def _accumulate(acc, part, index, like, dtype):
     return acc
 
 
+def _triton_block_backward(dq, dout, q, k, v, back_rows, rows, cols, causal, scale):
+    """The ``triton`` backend's block backward: dQ added into the float32 ``dq`` inside its kernel, dK/dV
+    written in float32 straight into new step accumulators (zeros where the block has no keys; a step has
+    at most one block), the backward rows (delta, exp2 LSE) computed once per ring backward — no per-step
+    conversions or adds."""
+    from kernels.triton_attention import flash_backward
+
+    new = torch.empty if cols.start == 0 and cols.stop == k.shape[1] else torch.zeros
+    dk_blk, dv_blk = (new(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
+    with phase("ring.block_backward"):
+        flash_backward(dout[:, rows], q[:, rows], k[:, cols], v[:, cols], None, None, causal, scale,
+                       rows=(back_rows[0][:, :, rows], back_rows[1][:, :, rows]), dq_acc=dq[:, rows],
+                       dk_out=dk_blk[:, cols], dv_out=dv_blk[:, cols])
+    return dk_blk, dv_blk
+
+
 def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend):
     s = q.shape[1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dq, kv, dkv_pending = None, (k, v), None
+    dq, kv, dkv_pending, back_rows = None, (k, v), None, None
+    if backend == "triton":
+        from kernels.triton_attention import backward_rows
+
+        back_rows = backward_rows(dout, out, lse)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for step in range(ring.size):
         with phase("ring.exchange"):
             kv_pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
         src = (ring.rank - step) % ring.size
         dk_blk = dv_blk = None
         for rows, cols, blk_causal in ring_blocks(src, ring.rank, s, causal, layout):
+            if back_rows is not None:
+                dk_blk, dv_blk = _triton_block_backward(dq, dout, q, *kv, back_rows, rows, cols, blk_causal, scale)
+                continue
             with phase("ring.block_backward"):
                 dq_b, dk_b, dv_b = attention_backward(dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols],
                                                       out[:, rows], lse[:, :, rows], blk_causal, scale, backend)
