@@ -492,9 +492,10 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
     bm, bn, warps, stages = tile_config("DKV", q.device, d)
     groups, tiles = h // hk, triton.cdiv(sk, bn)
-    if split_groups is None:
+    if split_groups is None:   # DISTLAB_TRITON_ATTN_SPLIT_GROUPS = auto (default), 0 or 1 forces it
+        env = os.environ.get("DISTLAB_TRITON_ATTN_SPLIT_GROUPS", "auto")
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
-        split_groups = groups > 1 and tiles * b * hk < 2 * sms
+        split_groups = groups > 1 and (env == "1" or (env == "auto" and tiles * b * hk < 2 * sms))
     splits = groups if split_groups else 1
     if splits > 1:   # float32 partial sums per q head, added up below
         dk_part = torch.empty(b, sk, hk * splits, d, dtype=torch.float32, device=q.device)

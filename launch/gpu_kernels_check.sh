@@ -9,7 +9,8 @@
 # sweep), final, gg (grouped GEMM variants), sweep (launch knobs of every kernel), final2 (the chosen
 # defaults, MoE layer), swiglu, emulate (the emulator with each backend's own anchor), next (TMA K/V
 # tiles in the attention kernels vs pointers, and the emulator, both ways; dW of the grouped GEMM with TMA),
-# ring2 (TMA per attention kernel, TMA reduce-add dQ, the ring backward's in-kernel accumulation, PDL).
+# ring2 (TMA per attention kernel, TMA reduce-add dQ, the ring backward's in-kernel accumulation, PDL), ring3
+# (the ring rank with PDL: forward tiles, dK/dV split per q head or not; the ring's kernels alone).
 # Every command's full output goes to OUTDIR/<name>.log (and JSON where the command writes one); all of it
 # is packed into OUTDIR/logs.tar.gz. TAIL=n shows n lines of each log; BUDGET=s skips commands after s seconds.
 set -uo pipefail
@@ -155,6 +156,19 @@ if [ "$part" = ring2 ]; then   # TMA per kernel, dQ by TMA reduce-adds, the ring
     LIMIT=50 run emulate_$name env "${envs[@]}" $py -m distlab.cp.emulate --world 8 --seq 8192 32768 \
         --backend triton --iters 10 --json "$out/emulate_$name.json"
   done
+fi
+if [ "$part" = ring3 ]; then   # the ring rank with PDL: forward tiles (2 stages may fit two programs per SM, so one's
+  # float32 accumulate epilogue overlaps the other's loop), dK/dV programs per q head or per kv head; the kernels alone
+  for v in "pdl PDL=1" "fwd128x64s2 PDL=1 FWD=128,64,8,2" "fwd128x128s2 PDL=1 FWD=128,128,8,2" \
+           "fwd64x64w4 PDL=1 FWD=64,64,4,3" "nosplit PDL=1 SPLIT_GROUPS=0"; do
+    set -- $v; name=$1; shift; envs=(); for kv in "$@"; do envs+=("DISTLAB_TRITON_ATTN_$kv"); done
+    LIMIT=50 run emulate_$name env "${envs[@]}" $py -m distlab.cp.emulate --world 8 --seq 8192 32768 \
+        --backend triton --iters 10 --json "$out/emulate_$name.json"
+  done
+  LIMIT=60 run local_triton $py -m distlab.cp.local_kernels --world 8 --seq 8192 32768 --backend triton \
+      --json "$out/local_triton.json"
+  LIMIT=60 run emulate_both env DISTLAB_TRITON_ATTN_PDL=1 $py -m distlab.cp.emulate --world 8 --seq 8192 32768 \
+      --backend triton sdpa-cudnn --iters 10 --json "$out/emulate_both.json"
 fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
 tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"
