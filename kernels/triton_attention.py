@@ -467,7 +467,8 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
 
     ``split_groups``: with GQA, one dK/dV program per *q* head (float32 partial sums added up after) instead
     of one per kv head looping over its group — more programs when there are few key tiles (a ring block
-    of a short shard). ``None``: when the per-kv-head grid would not fill the GPU twice over.
+    of a short shard). ``None``: when the per-kv-head grid would not fill the GPU once (a ring rank on the
+    H200: 64 programs at S8192 split, 256 at S32768 not — splitting those cost 6% of its fwd+bwd).
 
     A ring step (``distlab.cp.ring``) passes ``rows`` = ``backward_rows`` of these query rows (then ``out``
     and ``lse`` are not read), ``dq_acc``, a float32 ``(batch, seq_q, heads, D)`` view that dQ is *added*
@@ -495,7 +496,7 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
     if split_groups is None:   # DISTLAB_TRITON_ATTN_SPLIT_GROUPS = auto (default), 0 or 1 forces it
         env = os.environ.get("DISTLAB_TRITON_ATTN_SPLIT_GROUPS", "auto")
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
-        split_groups = groups > 1 and (env == "1" or (env == "auto" and tiles * b * hk < 2 * sms))
+        split_groups = groups > 1 and (env == "1" or (env == "auto" and tiles * b * hk < sms))
     splits = groups if split_groups else 1
     if splits > 1:   # float32 partial sums per q head, added up below
         dk_part = torch.empty(b, sk, hk * splits, d, dtype=torch.float32, device=q.device)

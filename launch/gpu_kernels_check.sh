@@ -10,7 +10,8 @@
 # defaults, MoE layer), swiglu, emulate (the emulator with each backend's own anchor), next (TMA K/V
 # tiles in the attention kernels vs pointers, and the emulator, both ways; dW of the grouped GEMM with TMA),
 # ring2 (TMA per attention kernel, TMA reduce-add dQ, the ring backward's in-kernel accumulation, PDL), ring3
-# (the ring rank with PDL: forward tiles, dK/dV split per q head or not; the ring's kernels alone).
+# (the ring rank with PDL: forward tiles, dK/dV split per q head or not; the ring's kernels alone), ring4
+# (64-row forward tiles: checked, one call, the ring rank; dQ/dK/dV tiles).
 # Every command's full output goes to OUTDIR/<name>.log (and JSON where the command writes one); all of it
 # is packed into OUTDIR/logs.tar.gz. TAIL=n shows n lines of each log; BUDGET=s skips commands after s seconds.
 set -uo pipefail
@@ -169,6 +170,21 @@ if [ "$part" = ring3 ]; then   # the ring rank with PDL: forward tiles (2 stages
       --json "$out/local_triton.json"
   LIMIT=60 run emulate_both env DISTLAB_TRITON_ATTN_PDL=1 $py -m distlab.cp.emulate --world 8 --seq 8192 32768 \
       --backend triton sdpa-cudnn --iters 10 --json "$out/emulate_both.json"
+fi
+if [ "$part" = ring4 ]; then   # 64-row forward tiles (4 warps): correctness at real sizes, one call, the ring rank
+  f64=FWD=64,64,4,3
+  LIMIT=150 run check_fwd64 env DISTLAB_TRITON_ATTN_$f64 DISTLAB_TRITON_ATTN_PDL=1 $py tests/kernel_checks.py attention \
+      accumulate emulate --device cuda --dtype bfloat16 --big
+  for kv in 8 32; do
+    LIMIT=30 run attn_fwd64_kv$kv env DISTLAB_TRITON_ATTN_$f64 $py -m kernels.bench --kv-heads $kv --only attention \
+        --json "$out/attn_fwd64_kv$kv.json"
+  done
+  for v in "fwd64 $f64" "fwd64s4 FWD=64,64,4,4" "fwd64x128 FWD=64,128,4,3" "fwd64x128w8 FWD=64,128,8,3" \
+           "fwd64x32 FWD=64,32,4,3" "dq64 $f64 DQ=64,64,4,3" "dkv64 $f64 DKV=64,64,4,3" "dq128s2 $f64 DQ=128,128,8,2"; do
+    set -- $v; name=$1; shift; envs=(DISTLAB_TRITON_ATTN_PDL=1); for kv in "$@"; do envs+=("DISTLAB_TRITON_ATTN_$kv"); done
+    LIMIT=40 run emulate_$name env "${envs[@]}" $py -m distlab.cp.emulate --world 8 --seq 8192 32768 \
+        --backend triton --iters 10 --json "$out/emulate_$name.json"
+  done
 fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
 tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"
