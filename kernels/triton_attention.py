@@ -20,16 +20,21 @@ its block into them in place, ``lse' = logaddexp(lse, lse_b)``, ``out' = out·e^
 out_b·e^(lse_b−lse')`` (a row whose running LSE is −inf takes the block's result).
 
 Backward (given the *final* out and LSE, as every backend here): a small kernel computes
-``delta = rowsum(dO ∘ O)`` and the exp2-domain LSE; one kernel per (BLOCK_N keys, kv head) loops over the query tiles of *every*
-q head of its group and accumulates dK, dV in registers (no atomics, GQA summed in place) — or, when
-that grid is too small to fill the GPU (a short ring block), one per (BLOCK_N keys, q head) writing float32
-partial sums that are added up after; one kernel per (BLOCK_M queries, q head) accumulates dQ over the
-key tiles (or, with ``DISTLAB_TRITON_ATTN_DQ_MODE=atomic``, the dK/dV kernel adds each tile's dQ share
-into a float32 buffer atomically: 5 matmuls per tile pair instead of 7; 10% slower on the H200).
+``delta = rowsum(dO ∘ O)`` and the exp2-domain LSE (``backward_rows``; a ring does it once for its shard);
+one kernel per (BLOCK_N keys, kv head) loops over the query tiles of *every* q head of its group and
+accumulates dK, dV in registers (no atomics, GQA summed in place) — or, when that grid would not fill
+the GPU once (a short ring block), one per (BLOCK_N keys, q head) writing float32 partial sums that are
+added up after; one kernel per (BLOCK_M queries, q head) accumulates dQ over the key tiles, and can add
+it into a float32 dQ in place (a ring step). ``DISTLAB_TRITON_ATTN_DQ_MODE``: ``kernel`` (default, 7
+matmuls per tile pair), ``atomic`` (the dK/dV kernel adds each tile's dQ share into a float32 buffer with
+pointer atomics: 5 matmuls; 10% slower on the H200) or ``tma-reduce`` (the same with one TMA reduce-add
+per tile: 13% slower).
 
-``DISTLAB_TRITON_ATTN_TMA=1`` (an experiment, off by default; not yet timed on a GPU): the forward and dQ
-kernels load their K/V tiles, the dK/dV kernel its Q/dO tiles, through TMA descriptors over
-(batch, seq, heads·D) instead of pointers.
+Knobs, measured on the H200 (docs/PERF.md): ``DISTLAB_TRITON_ATTN_TMA`` — which kernels move their
+streamed tiles (K/V of the forward and dQ kernels, Q/dO of the dK/dV kernel) through TMA descriptors over
+(batch, seq, heads·D): default ``fwd`` (+3–7% forward), ``1`` all, ``0`` none (dK/dV through TMA was 25%
+slower). ``DISTLAB_TRITON_ATTN_PDL=1``: a ring's accumulating forwards launch as programmatic dependent
+launches (``pdl_enabled``). ``DISTLAB_TRITON_ATTN_{FWD,DKV,DQ}``: tiles; ``DISTLAB_TRITON_ATTN_SPLIT_GROUPS``.
 """
 
 from __future__ import annotations

@@ -44,6 +44,11 @@ for dtype in fp32 bf16; do
   run "$n" distlab.moe --check --tokens 2048 --dtype $dtype --iters 1 | grep -E "check vs" || status=1
 done
 run 1 distlab.cp.ring --seq 16384 --dtype bf16 --check --iters 1 --json "$out/parity_w1_bf16.json" | grep "check vs"
+# the Triton ring (in-kernel accumulation), its forwards also as programmatic dependents (PDL) behind NCCL receives
+for pdl in 0 1; do
+  DISTLAB_TRITON_ATTN_PDL=$pdl run "$n" distlab.cp.ring --seq 16384 --dtype bf16 --backend triton --check --iters 2 \
+    --json "$out/parity_ring_triton_pdl$pdl.json" | grep -E "attention$|check vs" || status=1
+done
 
 fi
 if want collectives; then

@@ -17,9 +17,13 @@ in one call too (at S=8192, W=8 the H/W-head call is itself launch- and tail-bou
 shows one call with all H heads; the schedule's TFLOP/s against that line is the stricter figure; and
 "vs its own backend's H/W call" (the same anchor run with the schedule's backend) separates what the
 schedule costs (launches, merges) from how fast its block kernel is. What helps, and is here: the ``triton``
-backend accumulates each block into the running (out, LSE) inside its kernel (no merge launches), other
-backends merge with one Triton kernel (``kernels.lse_merge``), and ``--graphs`` replays the whole step
-sequence as one CUDA graph (no launch gaps).
+backend accumulates each block into the running (out, LSE) inside its kernel (no merge launches) and, in
+the backward, adds dQ and writes float32 dK/dV inside its kernels with the backward rows computed once;
+other backends merge with one Triton kernel (``kernels.lse_merge``); ``--graphs`` replays the whole step
+sequence as one CUDA graph (no launch gaps); ``DISTLAB_TRITON_ATTN_PDL=1`` lets each accumulating forward
+start while the previous step's last wave finishes (programmatic dependent launch, sm_90+):
+
+    DISTLAB_TRITON_ATTN_PDL=1 DISTLAB_TRITON_ATTN_FWD=64,64,4,3 python -m distlab.cp.emulate --seq 8192 32768
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 
 import torch
 
@@ -179,6 +184,8 @@ def main(argv=None):
     print(f"one ring rank's schedule, no communication, {device} {a.dtype}: W={a.world}, heads {a.heads} "
           f"(kv {a.kv_heads}), head_dim {a.head_dim}, causal {a.causal}; eff = TFLOP/s against one call with H/W "
           f"heads (the same FLOPs); the line 'fused H' is one call with all H heads (the GPU's rate at this length)")
+    knobs = {k: v for k, v in sorted(os.environ.items()) if k.startswith("DISTLAB_")}
+    print("knobs: " + (" ".join(f"{k}={v}" for k, v in knobs.items()) or "none set (defaults)"))
     print(f"{'seq':>6} {'layout':>10} {'backend':>11} {'graph':>5} | {'fwd ms':>8} {'TFLOP/s':>8} {'eff':>6} | "
           f"{'f+b ms':>8} {'TFLOP/s':>8} {'eff':>6}")
     for seq in a.seq:
@@ -222,7 +229,8 @@ def main(argv=None):
                 rows.append(r)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if gpu else "cpu", "args": vars(a), "results": rows}, f,
+            json.dump({"device": torch.cuda.get_device_name() if gpu else "cpu", "args": vars(a), "knobs": knobs,
+                       "results": rows}, f,
                       indent=1)
 
 
