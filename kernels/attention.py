@@ -148,7 +148,7 @@ def attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None
     if backend == "torch":
         return _torch_backward(dout, q, k, v, out, lse, causal, scale)
     if backend == "triton":
-        from kernels.triton_attention import flash_backward
+        from kernels.triton_attention_backward import flash_backward
 
         return flash_backward(dout, q, k, v, out, lse, causal, scale)
     return _sdpa_backward(backend, dout, q, k, v, out, lse, causal, scale)

@@ -16,7 +16,8 @@ import os
 import torch
 
 from kernels.bench import timeit
-from kernels.triton_attention import flash_backward, flash_forward
+from kernels.triton_attention import flash_forward
+from kernels.triton_attention_backward import flash_backward
 
 SWEEP = {
     "FWD": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 2)],

@@ -48,7 +48,8 @@ def rand(*shape, dtype, device, seed=0):
 # ----------------------------------------------------------------------------------------------------------
 def check_attention(device, dtype, big=False):
     from kernels.attention import attention_backward, attention_forward
-    from kernels.triton_attention import flash_backward, flash_forward
+    from kernels.triton_attention import flash_forward
+    from kernels.triton_attention_backward import flash_backward
 
     cases = [(2, 37, 37, 4, 2, 16, True), (1, 50, 23, 2, 1, 32, False), (1, 64, 64, 4, 4, 64, True),
              (1, 33, 70, 6, 2, 16, False), (1, 100, 100, 2, 1, 32, True)]

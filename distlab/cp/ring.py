@@ -114,7 +114,7 @@ def _triton_block_backward(dq, dout, q, k, v, back_rows, rows, cols, causal, sca
     written in float32 straight into new step accumulators (zeros where the block has no keys; a step has
     at most one block), the backward rows (delta, exp2 LSE) computed once per ring backward — no per-step
     conversions or adds."""
-    from kernels.triton_attention import flash_backward
+    from kernels.triton_attention_backward import flash_backward
 
     new = torch.empty if cols.start == 0 and cols.stop == k.shape[1] else torch.zeros
     dk_blk, dv_blk = (new(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
@@ -130,7 +130,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq, kv, dkv_pending, back_rows = None, (k, v), None, None
     if backend == "triton":
-        from kernels.triton_attention import backward_rows
+        from kernels.triton_attention_backward import backward_rows
 
         back_rows = backward_rows(dout, out, lse)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

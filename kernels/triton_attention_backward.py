@@ -1,0 +1,297 @@
+"""Flash attention backward in Triton (FA2-style), for ``kernels.triton_attention``'s forward.
+
+    TRITON_INTERPRET=1 python tests/kernel_checks.py attention emulate    # CPU, against the PyTorch reference
+    python -m kernels.bench --only attention                             # GPU: against cuDNN / flash SDPA
+
+Backward (given the *final* out and LSE, as every backend here): a small kernel computes
+``delta = rowsum(dO ∘ O)`` and the exp2-domain LSE (``backward_rows``; a ring does it once for its shard);
+one kernel per (BLOCK_N keys, kv head) loops over the query tiles of *every* q head of its group and
+accumulates dK, dV in registers (no atomics, GQA summed in place) — or, when that grid would not fill
+the GPU once (a short ring block), one per (BLOCK_N keys, q head) writing float32 partial sums that are
+added up after; one kernel per (BLOCK_M queries, q head) accumulates dQ over the key tiles, and can add
+it into a float32 dQ in place (a ring step). ``DISTLAB_TRITON_ATTN_DQ_MODE``: ``kernel`` (default, 7
+matmuls per tile pair), ``atomic`` (the dK/dV kernel adds each tile's dQ share into a float32 buffer with
+pointer atomics: 5 matmuls; 10% slower on the H200) or ``tma-reduce`` (the same with one TMA reduce-add
+per tile: 13% slower).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_attention import (LOG2E, _descriptor, _kv_tile, _last_contiguous, _precision, _tile_descriptors,
+                                      _tma_fits, check_triton_inputs, tile_config)
+
+DQ_MODES = ("kernel", "atomic", "tma-reduce")   # DISTLAB_TRITON_ATTN_DQ_MODE (see the module doc)
+
+
+@triton.jit
+def _delta_kernel(O, DO, LSE, DELTA, LSE2, seq, heads, sob, sos, soh, sdb, sds, sdh, slb, slh, log2e,
+                  BLOCK: tl.constexpr, D: tl.constexpr):
+    """delta = rowsum(dO ∘ O), and the exp2-domain LSE (+inf for a row that saw no key, so its
+    probabilities are 0), both float32 (batch · heads, seq)."""
+    bh = tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, D)
+    m = (rows < seq)[:, None]
+    o = tl.load(O + b * sob + h * soh + rows[:, None] * sos + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sds + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(DELTA + bh * seq + rows, tl.sum(o * do, 1), mask=rows < seq)
+    lse = tl.load(LSE + b * slb + h * slh + rows, mask=rows < seq, other=0.0)
+    finite = (lse == lse) & (tl.abs(lse) != float("inf"))
+    tl.store(LSE2 + bh * seq + rows, tl.where(finite, lse * log2e, float("inf")), mask=rows < seq)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, stride_qm, stride_dom, stride_dqm, cols, lo,
+                hi, seq_q, qk_scale, scale, QD, DOD, DQD, b, qcol, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
+                CAUSAL: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr,
+                D: tl.constexpr):
+    offs_m = tl.arange(0, BLOCK_M)
+    for start in range(lo, hi, BLOCK_M):
+        rows = start + offs_m
+        if TMA:   # q and dO tiles through descriptors (zero-filled past seq_q), the row vectors masked
+            q = QD.load([b, start, qcol]).reshape(BLOCK_M, D)
+            do = DOD.load([b, start, qcol]).reshape(BLOCK_M, D)
+            lse2 = tl.load(l_ptrs + start, mask=rows < seq_q, other=float("inf"))
+            delta = tl.load(d_ptrs + start, mask=rows < seq_q, other=0.0)
+        elif MASK:
+            q = tl.load(q_ptrs + start * stride_qm, mask=(rows < seq_q)[:, None], other=0.0)
+            do = tl.load(do_ptrs + start * stride_dom, mask=(rows < seq_q)[:, None], other=0.0)
+            lse2 = tl.load(l_ptrs + start, mask=rows < seq_q, other=float("inf"))
+            delta = tl.load(d_ptrs + start, mask=rows < seq_q, other=0.0)
+        else:
+            q = tl.load(q_ptrs + start * stride_qm)
+            do = tl.load(do_ptrs + start * stride_dom)
+            lse2 = tl.load(l_ptrs + start)
+            delta = tl.load(d_ptrs + start)
+        st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale                     # (BLOCK_N, BLOCK_M) = scores^T
+        pt = tl.math.exp2(st - lse2[None, :])
+        if MASK:
+            if CAUSAL:
+                pt = tl.where(cols[:, None] <= rows[None, :], pt, 0.0)
+        dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+        dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+        dst = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
+        if ATOMIC_DQ:   # this key tile's share of dQ = dS·K, added into the float32 dQ
+            dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=PREC) * scale
+            if ATOMIC_DQ == 2:   # one TMA reduce-add of the whole tile (rows past seq_q are dropped)
+                DQD.atomic_add([b, start, qcol], dq.reshape(1, BLOCK_M, D))
+            elif MASK:
+                tl.atomic_add(dq_ptrs + start * stride_dqm, dq, mask=(rows < seq_q)[:, None], sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs + start * stride_dqm, dq, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(Q, K, V, DO, QD, DOD, DQD, LSE2, DELTA, DK, DV, DQA, seq_q, seq_k, heads, groups, per_program, qk_scale,
+                 scale, srb, srh,
+                 sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
+                 sdqb, sdqs, sdqh, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                 CAUSAL: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr):
+    """Program (key tile, batch · kv head · split): the q heads [split·per_program, (split+1)·per_program) of
+    the kv head's group; writes its dK/dV to head slot ``kv head · splits + split`` of DK/DV (splits = 1:
+    the gradient itself; more: partial sums the host adds up)."""
+    pid_n = tl.program_id(0)
+    pid = tl.program_id(1)
+    kv_heads = heads // groups
+    splits = groups // per_program
+    b, slot = pid // (kv_heads * splits), pid % (kv_heads * splits)
+    hk, split = slot // splits, slot % splits
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    offs_m = tl.arange(0, BLOCK_M)
+    in_cols = (cols < seq_k)[:, None]
+    k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + offs_d[None, :], mask=in_cols, other=0.0)
+    v = tl.load(V + b * svb + hk * svh + cols[:, None] * svs + offs_d[None, :], mask=in_cols, other=0.0)
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    dv = tl.zeros([BLOCK_N, D], tl.float32)
+    for g in range(split * per_program, (split + 1) * per_program):
+        h = hk * groups + g
+        q_ptrs = Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :]
+        do_ptrs = DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :]
+        l_ptrs = LSE2 + b * srb + h * srh + offs_m      # LSE2 and DELTA: (batch, heads, seq_q), rows contiguous
+        d_ptrs = DELTA + b * srb + h * srh + offs_m
+        dq_ptrs = DQA + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :]
+        full = seq_q - seq_q % BLOCK_M
+        if CAUSAL:   # query tiles crossing the diagonal (masked), then those wholly below it
+            lo = pid_n * BLOCK_N
+            mid = tl.minimum(lo + BLOCK_N, full)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols,
+                                 lo, mid, seq_q, qk_scale, scale, QD, DOD, DQD, b, h * D,
+                                 BLOCK_M, True, True, PREC, ATOMIC_DQ, TMA, D)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols,
+                                 mid, full, seq_q, qk_scale, scale, QD, DOD, DQD, b, h * D,
+                                 BLOCK_M, False, True, PREC, ATOMIC_DQ, TMA, D)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols,
+                                 tl.maximum(full, lo), seq_q, seq_q, qk_scale, scale, QD, DOD, DQD, b, h * D,
+                                 BLOCK_M, True, True, PREC, ATOMIC_DQ, TMA, D)
+        else:
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols,
+                                 0, full, seq_q, qk_scale, scale, QD, DOD, DQD, b, h * D,
+                                 BLOCK_M, False, False, PREC, ATOMIC_DQ, TMA, D)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols,
+                                 full, seq_q, seq_q, qk_scale, scale, QD, DOD, DQD, b, h * D,
+                                 BLOCK_M, True, False, PREC, ATOMIC_DQ, TMA, D)
+    tl.store(DK + b * sdkb + slot * sdkh + cols[:, None] * sdks + offs_d[None, :],
+             (dk * scale).to(DK.dtype.element_ty), mask=in_cols)
+    tl.store(DV + b * sdvb + slot * sdvh + cols[:, None] * sdvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=in_cols)
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, KD, VD, b, kcol, rows, lo, hi, seq_k,
+              qk_scale, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+              TMA: tl.constexpr, D: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + offs_n
+        k, v = _kv_tile(k_ptrs, v_ptrs, start, stride_kn, stride_vn, cols, seq_k, KD, VD, b, kcol, MASK, TMA,
+                        BLOCK_N, D)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        p = tl.math.exp2(s - lse2[:, None])
+        if MASK:
+            visible = cols[None, :] < seq_k
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= rows[:, None])
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    return dq
+
+
+@triton.jit
+def _dq_kernel(Q, K, V, KD, VD, DO, LSE2, DELTA, DQ, seq_q, seq_k, heads, groups, qk_scale, scale, srb, srh,
+               sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
+               PREC: tl.constexpr, TMA: tl.constexpr, DQ_ADD: tl.constexpr):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    hk = h // groups
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    in_rows = rows < seq_q
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + offs_d[None, :], mask=in_rows[:, None], other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdos + offs_d[None, :], mask=in_rows[:, None], other=0.0)
+    lse2 = tl.load(LSE2 + b * srb + h * srh + rows, mask=in_rows, other=float("inf"))
+    delta = tl.load(DELTA + b * srb + h * srh + rows, mask=in_rows, other=0.0)
+    k_ptrs = K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :]
+    v_ptrs = V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :]
+    dq = tl.zeros([BLOCK_M, D], tl.float32)
+    if CAUSAL:
+        diag = pid_m * BLOCK_M
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0, diag, seq_k,
+                       qk_scale, BLOCK_N, False, True, PREC, TMA, D)
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, diag,
+                       tl.minimum(diag + BLOCK_M, seq_k), seq_k, qk_scale, BLOCK_N, True, True, PREC, TMA, D)
+    else:
+        full = seq_k - seq_k % BLOCK_N
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0, full, seq_k,
+                       qk_scale, BLOCK_N, False, False, PREC, TMA, D)
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, full, seq_k,
+                       seq_k, qk_scale, BLOCK_N, True, False, PREC, TMA, D)
+    dq_ptrs = DQ + b * sdqb + h * sdqh + rows[:, None] * sdqs + offs_d[None, :]
+    dq = dq * scale
+    if DQ_ADD:   # a ring step: add into the float32 dQ of the shard
+        dq += tl.load(dq_ptrs, mask=in_rows[:, None], other=0.0)
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=in_rows[:, None])
+
+
+def backward_rows(dout, out, lse):
+    """``(delta, lse2)``, float32 ``(batch, heads, seq)``: ``rowsum(dO ∘ O)`` and the exp2-domain LSE the
+    backward kernels read. A ring computes them once for its shard (the final out and LSE do not change
+    between steps) and passes row views of them to every step's ``flash_backward``."""
+    out, dout = _last_contiguous(out, dout)
+    b, s, h, d = out.shape
+    delta = torch.empty(b, h, s, dtype=torch.float32, device=out.device)
+    lse2 = torch.empty_like(delta)
+    _delta_kernel[(triton.cdiv(s, 64), b * h)](out, dout, lse, delta, lse2, s, h, out.stride(0), out.stride(1),
+                                               out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+                                               lse.stride(0), lse.stride(1), LOG2E, BLOCK=64, D=d)
+    return delta, lse2
+
+
+def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, split_groups=None, rows=None,
+                   dq_acc=None, dk_out=None, dv_out=None):
+    """``(dq, dk, dv)`` in the inputs' dtype, from the final ``out`` and float32 ``lse``.
+
+    ``split_groups``: with GQA, one dK/dV program per *q* head (float32 partial sums added up after) instead
+    of one per kv head looping over its group — more programs when there are few key tiles (a ring block
+    of a short shard). ``None``: when the per-kv-head grid would not fill the GPU once (a ring rank on the
+    H200: 64 programs at S8192 split, 256 at S32768 not — splitting those cost 6% of its fwd+bwd).
+
+    A ring step (``distlab.cp.ring``) passes ``rows`` = ``backward_rows`` of these query rows (then ``out``
+    and ``lse`` are not read), ``dq_acc``, a float32 ``(batch, seq_q, heads, D)`` view that dQ is *added*
+    to, and ``dk_out``/``dv_out``, float32 ``(batch, seq_k, kv_heads, D)`` views dK/dV are written to; it
+    gets those three back."""
+    check_triton_inputs(q, k, v, causal)
+    q, k, v, dout = _last_contiguous(q, k, v, dout)
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    for name, t, shape in (("dq_acc", dq_acc, q.shape), ("dk_out", dk_out, k.shape), ("dv_out", dv_out, v.shape)):
+        if t is not None and (t.shape != shape or t.dtype != torch.float32 or t.stride(-1) != 1):
+            raise ValueError(f"{name} must be float32 {tuple(shape)} with a contiguous last dim; got "
+                             f"{tuple(t.shape)} {t.dtype}")
+    delta, lse2 = rows if rows is not None else backward_rows(dout, out, lse)
+    if delta.stride() != lse2.stride() or delta.stride(-1) != 1:
+        raise ValueError("the backward rows (delta, lse2) must share strides, rows contiguous")
+    dq = dq_acc if dq_acc is not None else torch.empty_like(q)
+    dk = dk_out if dk_out is not None else torch.empty_like(k)
+    dv = dv_out if dv_out is not None else torch.empty_like(v)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
+    bm, bn, warps, stages = tile_config("DKV", q.device, d)
+    groups, tiles = h // hk, triton.cdiv(sk, bn)
+    if split_groups is None:   # DISTLAB_TRITON_ATTN_SPLIT_GROUPS = auto (default), 0 or 1 forces it
+        env = os.environ.get("DISTLAB_TRITON_ATTN_SPLIT_GROUPS", "auto")
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
+        split_groups = groups > 1 and (env == "1" or (env == "auto" and tiles * b * hk < sms))
+    splits = groups if split_groups else 1
+    if splits > 1:   # float32 partial sums per q head, added up below
+        dk_part = torch.empty(b, sk, hk * splits, d, dtype=torch.float32, device=q.device)
+        dv_part = torch.empty_like(dk_part)
+    else:
+        dk_part, dv_part = dk, dv
+    mode = os.environ.get("DISTLAB_TRITON_ATTN_DQ_MODE", "kernel")
+    if mode not in DQ_MODES:
+        raise ValueError(f"DISTLAB_TRITON_ATTN_DQ_MODE={mode!r}: use one of {', '.join(DQ_MODES)}")
+    if mode == "kernel":
+        dq_sum = dq
+    else:   # atomics add into a float32 dQ: the ring's accumulator itself, or a zeroed one
+        dq_sum = dq_acc if dq_acc is not None else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    # the interpreter has no TMA reduce: pointer atomics there (the GPU tests check the reduce-adds)
+    atomic = DQ_MODES.index(mode) if mode != "tma-reduce" or (q.is_cuda and _tma_fits(dq_sum)) else 1
+    dqd = _descriptor(dq_sum, bm) if atomic == 2 else dq_sum
+    qd, dod, tma = _tile_descriptors("dkv", q, dout, bm)
+    _dkdv_kernel[(tiles, b * hk * splits)](
+        q, k, v, dout, qd, dod, dqd, lse2, delta, dk_part, dv_part, dq_sum, sq, sk, h, groups, groups // splits,
+        scale * LOG2E, scale, delta.stride(0), delta.stride(1), *strides, dk_part.stride(0), dk_part.stride(1),
+        dk_part.stride(2), dv_part.stride(0), dv_part.stride(1), dv_part.stride(2), dq_sum.stride(0),
+        dq_sum.stride(1), dq_sum.stride(2),
+        BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), ATOMIC_DQ=atomic, TMA=tma,
+        num_warps=warps, num_stages=stages)
+    if splits > 1:
+        for part, grad in ((dk_part, dk), (dv_part, dv)):
+            grad.copy_(part.view(b, sk, hk, splits, d).sum(3))
+    if atomic:
+        return (dq_sum if dq_acc is not None else dq_sum.to(q.dtype)), dk, dv
+    bm, bn, warps, stages = tile_config("DQ", q.device, d)
+    kd, vd, tma = _tile_descriptors("dq", k, v, bn)
+    _dq_kernel[(triton.cdiv(sq, bm), b * h)](
+        q, k, v, kd, vd, dout, lse2, delta, dq, sq, sk, h, h // hk, scale * LOG2E, scale, delta.stride(0),
+        delta.stride(1), *strides, dq.stride(0), dq.stride(1), dq.stride(2),
+        BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), TMA=tma, DQ_ADD=dq_acc is not None,
+        num_warps=warps, num_stages=stages)
+    return dq, dk, dv
