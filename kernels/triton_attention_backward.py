@@ -244,6 +244,11 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
         if t is not None and (t.shape != shape or t.dtype != torch.float32 or t.stride(-1) != 1):
             raise ValueError(f"{name} must be float32 {tuple(shape)} with a contiguous last dim; got "
                              f"{tuple(t.shape)} {t.dtype}")
+    mode, env = (os.environ.get(f"DISTLAB_TRITON_ATTN_{n}", x) for n, x in (("DQ_MODE", "kernel"),
+                                                                            ("SPLIT_GROUPS", "auto")))
+    if mode not in DQ_MODES or env not in ("auto", "0", "1"):
+        raise ValueError(f"DISTLAB_TRITON_ATTN_DQ_MODE={mode!r} (use one of {', '.join(DQ_MODES)}), "
+                         f"DISTLAB_TRITON_ATTN_SPLIT_GROUPS={env!r} (use auto, 0 or 1)")
     delta, lse2 = rows if rows is not None else backward_rows(dout, out, lse)
     if delta.stride() != lse2.stride() or delta.stride(-1) != 1:
         raise ValueError("the backward rows (delta, lse2) must share strides, rows contiguous")
@@ -254,8 +259,7 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
     bm, bn, warps, stages = tile_config("DKV", q.device, d)
     groups, tiles = h // hk, triton.cdiv(sk, bn)
-    if split_groups is None:   # DISTLAB_TRITON_ATTN_SPLIT_GROUPS = auto (default), 0 or 1 forces it
-        env = os.environ.get("DISTLAB_TRITON_ATTN_SPLIT_GROUPS", "auto")
+    if split_groups is None:   # env: DISTLAB_TRITON_ATTN_SPLIT_GROUPS = auto (default), 0 or 1 forces it
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
         split_groups = groups > 1 and (env == "1" or (env == "auto" and tiles * b * hk < sms))
     splits = groups if split_groups else 1
@@ -264,9 +268,6 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
         dv_part = torch.empty_like(dk_part)
     else:
         dk_part, dv_part = dk, dv
-    mode = os.environ.get("DISTLAB_TRITON_ATTN_DQ_MODE", "kernel")
-    if mode not in DQ_MODES:
-        raise ValueError(f"DISTLAB_TRITON_ATTN_DQ_MODE={mode!r}: use one of {', '.join(DQ_MODES)}")
     if mode == "kernel":
         dq_sum = dq
     else:   # atomics add into a float32 dQ: the ring's accumulator itself, or a zeroed one

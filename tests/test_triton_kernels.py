@@ -64,6 +64,22 @@ def test_triton_backend_refuses_what_it_cannot_run():
             tile_config("FWD", torch.device("cpu"), 64)
     finally:
         del os.environ["DISTLAB_TRITON_ATTN_FWD"]
+    # knobs and ring buffers are checked before any kernel launches (these tensors are on the CPU, no interpreter)
+    from kernels.triton_attention import tma_kernels
+    from kernels.triton_attention_backward import flash_backward
+
+    q, k = torch.zeros(1, 8, 4, 32), torch.zeros(1, 8, 2, 32)
+    for env, value, match in (("TMA", "fwd,dk", "DISTLAB_TRITON_ATTN_TMA='fwd,dk'"),
+                              ("DQ_MODE", "atomics", "DQ_MODE='atomics'"),
+                              ("SPLIT_GROUPS", "yes", "SPLIT_GROUPS='yes'")):
+        os.environ[f"DISTLAB_TRITON_ATTN_{env}"] = value
+        try:
+            with pytest.raises(ValueError, match=match):
+                tma_kernels() if env == "TMA" else flash_backward(q, q, k, k, q, torch.zeros(1, 4, 8), True)
+        finally:
+            del os.environ[f"DISTLAB_TRITON_ATTN_{env}"]
+    with pytest.raises(ValueError, match="dq_acc must be float32"):
+        flash_backward(q, q, k, k, q, torch.zeros(1, 4, 8), True, dq_acc=torch.zeros(q.shape, dtype=torch.float16))
 
 
 @pytest.mark.gpu
