@@ -83,6 +83,15 @@ def _kv_tile(k_ptrs, v_ptrs, start, stride_kn, stride_vn, cols, seq_k, KD, VD, b
 
 
 @triton.jit
+def _visible(cols, rows, seq_k, CAUSAL: tl.constexpr):
+    """Which (query row, key column) pairs of a tile exist (key < seq_k) and, causal, are not in the future."""
+    visible = cols[None, :] < seq_k
+    if CAUSAL:
+        visible = visible & (cols[None, :] <= rows[:, None])
+    return visible
+
+
+@triton.jit
 def _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, KD, VD, b, kcol, rows, lo, hi, seq_k,
                qk_scale, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
                TMA: tl.constexpr, D: tl.constexpr):
@@ -93,10 +102,7 @@ def _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, KD, VD, b
                         BLOCK_N, D)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         if MASK:
-            visible = cols[None, :] < seq_k
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= rows[:, None])
-            s = tl.where(visible, s, float("-inf"))
+            s = tl.where(_visible(cols, rows, seq_k, CAUSAL), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_attention import (LOG2E, _descriptor, _kv_tile, _last_contiguous, _precision, _tile_descriptors,
-                                      _tma_fits, check_triton_inputs, tile_config)
+                                      _tma_fits, _visible, check_triton_inputs, tile_config)
 
 DQ_MODES = ("kernel", "atomic", "tma-reduce")   # DISTLAB_TRITON_ATTN_DQ_MODE (see the module doc)
 
@@ -159,10 +159,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, KD, 
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         p = tl.math.exp2(s - lse2[:, None])
         if MASK:
-            visible = cols[None, :] < seq_k
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= rows[:, None])
-            p = tl.where(visible, p, 0.0)
+            p = tl.where(_visible(cols, rows, seq_k, CAUSAL), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
