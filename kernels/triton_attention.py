@@ -94,20 +94,25 @@ def _visible(cols, rows, seq_k, CAUSAL: tl.constexpr):
 @triton.jit
 def _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, KD, VD, b, kcol, rows, lo, hi, seq_k,
                qk_scale, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
-               TMA: tl.constexpr, D: tl.constexpr):
+               TMA: tl.constexpr, D: tl.constexpr, FMA: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         cols = start + offs_n
         k, v = _kv_tile(k_ptrs, v_ptrs, start, stride_kn, stride_vn, cols, seq_k, KD, VD, b, kcol, MASK, TMA,
                         BLOCK_N, D)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
         if MASK:
             s = tl.where(_visible(cols, rows, seq_k, CAUSAL), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
+        if FMA:   # the row max of the raw scores, scaled once; then one FMA per score (qk_scale > 0)
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        else:
+            s = s * qk_scale
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -117,7 +122,7 @@ def _fwd_kernel(Q, K, V, KD, VD, O, LSE, seq_q, seq_k, heads, groups, qk_scale,
                 sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                 CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-                PDL: tl.constexpr):
+                PDL: tl.constexpr, FMA: tl.constexpr):
     if PDL:   # let the next step's kernel start on SMs this one's last wave leaves idle
         tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)          # heaviest causal rows first
@@ -136,16 +141,16 @@ def _fwd_kernel(Q, K, V, KD, VD, O, LSE, seq_q, seq_k, heads, groups, qk_scale,
     if CAUSAL:   # unmasked tiles left of the diagonal block, then the masked diagonal tiles
         diag = pid_m * BLOCK_M
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0, diag,
-                                   seq_k, qk_scale, BLOCK_N, False, True, PREC, TMA, D)
+                                   seq_k, qk_scale, BLOCK_N, False, True, PREC, TMA, D, FMA)
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, diag,
                                    tl.minimum(diag + BLOCK_M, seq_k), seq_k, qk_scale, BLOCK_N, True, True, PREC,
-                                   TMA, D)
+                                   TMA, D, FMA)
     else:
         full = seq_k - seq_k % BLOCK_N
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0, full,
-                                   seq_k, qk_scale, BLOCK_N, False, False, PREC, TMA, D)
+                                   seq_k, qk_scale, BLOCK_N, False, False, PREC, TMA, D, FMA)
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, full, seq_k,
-                                   seq_k, qk_scale, BLOCK_N, True, False, PREC, TMA, D)
+                                   seq_k, qk_scale, BLOCK_N, True, False, PREC, TMA, D, FMA)
     lse = (m_i + tl.math.log2(l_i)) / 1.4426950408889634
     out = acc / l_i[:, None]
     in_rows = rows < seq_q
@@ -254,6 +259,8 @@ def flash_forward(q, k, v, causal=False, softmax_scale=None, out=None, lse=None,
             or lse.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} (last dim contiguous) and lse float32 {(b, h, sq)}; "
                          f"got {tuple(out.shape)} and {tuple(lse.shape)} {lse.dtype}")
+    if scale < 0:   # the kernel takes a row's max before scaling (one FMA per score): keep the scale positive
+        q, scale = -q, -scale
     bm, bn, warps, stages = tile_config("FWD", q.device, d)
     grid = (triton.cdiv(sq, bm), b * h)
     kd, vd, tma = _tile_descriptors("fwd", k, v, bn)
@@ -263,5 +270,6 @@ def flash_forward(q, k, v, causal=False, softmax_scale=None, out=None, lse=None,
                       v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
                       lse.stride(0), lse.stride(1),
                       BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, ACCUMULATE=accumulate, PREC=_precision(q),
-                      TMA=tma, PDL=bool(pdl), num_warps=warps, num_stages=stages, **pdl)
+                      TMA=tma, PDL=bool(pdl), FMA=os.environ.get("DISTLAB_TRITON_ATTN_FMA", "1") == "1",
+                      num_warps=warps, num_stages=stages, **pdl)
     return out, lse

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_attention import (LOG2E, _descriptor, _kv_tile, _last_contiguous, _precision, _tile_descriptors,
-                                      _tma_fits, _visible, check_triton_inputs, tile_config)
+                                      _tma_fits, _visible, check_triton_inputs, pdl_enabled, tile_config)
 
 DQ_MODES = ("kernel", "atomic", "tma-reduce")   # DISTLAB_TRITON_ATTN_DQ_MODE (see the module doc)
 
@@ -96,10 +96,15 @@ def _dkdv_kernel(Q, K, V, DO, QD, DOD, DQD, LSE2, DELTA, DK, DV, DQA, seq_q, seq
                  scale, srb, srh,
                  sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
                  sdqb, sdqs, sdqh, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                 CAUSAL: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr):
+                 CAUSAL: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr,
+                 PDL: tl.constexpr):
     """Program (key tile, batch · kv head · split): the q heads [split·per_program, (split+1)·per_program) of
     the kv head's group; writes its dK/dV to head slot ``kv head · splits + split`` of DK/DV (splits = 1:
     the gradient itself; more: partial sums the host adds up)."""
+    if PDL:   # the dQ kernel after this one needs none of its results: let it start on SMs this one frees
+        tl.extra.cuda.gdc_launch_dependents()
+        if ATOMIC_DQ:   # dQ is added to here: the kernel before may still be writing it
+            tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)
     pid = tl.program_id(1)
     kv_heads = heads // groups
@@ -141,6 +146,8 @@ def _dkdv_kernel(Q, K, V, DO, QD, DOD, DQD, LSE2, DELTA, DK, DV, DQA, seq_q, seq
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, sqs, sdos, sdqs, cols,
                                  full, seq_q, seq_q, qk_scale, scale, QD, DOD, DQD, b, h * D,
                                  BLOCK_M, True, False, PREC, ATOMIC_DQ, TMA, D)
+    if PDL:   # done only once the kernel before is: what runs after may rely on both (e.g. dQ's last writer)
+        tl.extra.cuda.gdc_wait()
     tl.store(DK + b * sdkb + slot * sdkh + cols[:, None] * sdks + offs_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=in_cols)
     tl.store(DV + b * sdvb + slot * sdvh + cols[:, None] * sdvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
@@ -170,7 +177,9 @@ def _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, KD, 
 def _dq_kernel(Q, K, V, KD, VD, DO, LSE2, DELTA, DQ, seq_q, seq_k, heads, groups, qk_scale, scale, srb, srh,
                sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
-               PREC: tl.constexpr, TMA: tl.constexpr, DQ_ADD: tl.constexpr):
+               PREC: tl.constexpr, TMA: tl.constexpr, DQ_ADD: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // heads, bh % heads
@@ -200,6 +209,8 @@ def _dq_kernel(Q, K, V, KD, VD, DO, LSE2, DELTA, DQ, seq_q, seq_k, heads, groups
                        seq_k, qk_scale, BLOCK_N, True, False, PREC, TMA, D)
     dq_ptrs = DQ + b * sdqb + h * sdqh + rows[:, None] * sdqs + offs_d[None, :]
     dq = dq * scale
+    if PDL:   # the kernels before (the last step's dQ kernel among them) must be done with dQ
+        tl.extra.cuda.gdc_wait()
     if DQ_ADD:   # a ring step: add into the float32 dQ of the shard
         dq += tl.load(dq_ptrs, mask=in_rows[:, None], other=0.0)
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=in_rows[:, None])
@@ -272,6 +283,8 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
     # the interpreter has no TMA reduce: pointer atomics there (the GPU tests check the reduce-adds)
     atomic = DQ_MODES.index(mode) if mode != "tma-reduce" or (q.is_cuda and _tma_fits(dq_sum)) else 1
     dqd = _descriptor(dq_sum, bm) if atomic == 2 else dq_sum
+    # a ring step (rows given, computed by an earlier launch) runs its kernels as programmatic dependents
+    pdl = {"launch_pdl": True} if rows is not None and q.is_cuda and pdl_enabled(q.device) else {}
     qd, dod, tma = _tile_descriptors("dkv", q, dout, bm)
     _dkdv_kernel[(tiles, b * hk * splits)](
         q, k, v, dout, qd, dod, dqd, lse2, delta, dk_part, dv_part, dq_sum, sq, sk, h, groups, groups // splits,
@@ -279,7 +292,7 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
         dk_part.stride(2), dv_part.stride(0), dv_part.stride(1), dv_part.stride(2), dq_sum.stride(0),
         dq_sum.stride(1), dq_sum.stride(2),
         BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), ATOMIC_DQ=atomic, TMA=tma,
-        num_warps=warps, num_stages=stages)
+        PDL=bool(pdl), num_warps=warps, num_stages=stages, **pdl)
     if splits > 1:
         for part, grad in ((dk_part, dk), (dv_part, dv)):
             grad.copy_(part.view(b, sk, hk, splits, d).sum(3))
@@ -291,5 +304,5 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
         q, k, v, kd, vd, dout, lse2, delta, dq, sq, sk, h, h // hk, scale * LOG2E, scale, delta.stride(0),
         delta.stride(1), *strides, dq.stride(0), dq.stride(1), dq.stride(2),
         BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), TMA=tma, DQ_ADD=dq_acc is not None,
-        num_warps=warps, num_stages=stages)
+        PDL=bool(pdl), num_warps=warps, num_stages=stages, **pdl)
     return dq, dk, dv

@@ -11,7 +11,8 @@
 # tiles in the attention kernels vs pointers, and the emulator, both ways; dW of the grouped GEMM with TMA),
 # ring2 (TMA per attention kernel, TMA reduce-add dQ, the ring backward's in-kernel accumulation, PDL), ring3
 # (the ring rank with PDL: forward tiles, dK/dV split per q head or not; the ring's kernels alone), ring4
-# (64-row forward tiles: checked, one call, the ring rank; dQ/dK/dV tiles).
+# (64-row forward tiles: checked, one call, the ring rank; dQ/dK/dV tiles), ring5 (one-FMA scores, PDL in the
+# backward, the ring rank's kernel timeline).
 # Every command's full output goes to OUTDIR/<name>.log (and JSON where the command writes one); all of it
 # is packed into OUTDIR/logs.tar.gz. TAIL=n shows n lines of each log; BUDGET=s skips commands after s seconds.
 set -uo pipefail
@@ -181,6 +182,22 @@ if [ "$part" = ring4 ]; then   # 64-row forward tiles (4 warps): one call, corre
       --seq 8192 32768 --backend triton --iters 10 --json "$out/emulate_fwd64.json"
   LIMIT=30 run attn_fwd64_kv8 env DISTLAB_TRITON_ATTN_$f64 $py -m kernels.bench --kv-heads 8 --only attention \
       --json "$out/attn_fwd64_kv8.json"
+fi
+if [ "$part" = ring5 ]; then   # one-FMA scores, the backward's kernels as programmatic dependents, and the
+  # kernel-by-kernel timeline of the ring rank against its backend's fused call
+  f64=FWD=64,64,4,3
+  LIMIT=150 run check_ring env DISTLAB_TRITON_ATTN_$f64 $py tests/kernel_checks.py emulate accumulate --device cuda \
+      --dtype bfloat16 --big
+  for v in "fma FMA=1" "nofma FMA=0" "fma_fwd64 FMA=1 $f64"; do
+    set -- $v; name=$1; shift; envs=(); for kv in "$@"; do envs+=("DISTLAB_TRITON_ATTN_$kv"); done
+    LIMIT=30 run attn_$name env "${envs[@]}" $py -m kernels.bench --kv-heads 8 --only attention --iters 10 \
+        --json "$out/attn_$name.json"
+  done
+  LIMIT=100 run timeline env DISTLAB_TRITON_ATTN_PDL=1 DISTLAB_TRITON_ATTN_$f64 $py -m distlab.cp.emulate --world 8 \
+      --seq 8192 32768 --backend triton --iters 10 --timeline --json "$out/timeline.json"
+  LIMIT=45 run emulate_base $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend triton --iters 10 \
+      --json "$out/emulate_base.json"
+  LIMIT=90 run check_attention $py tests/kernel_checks.py attention --device cuda --dtype bfloat16
 fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
 tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"

@@ -86,6 +86,14 @@ def check_attention(device, dtype, big=False):
         o, lse = attention_forward(q, k, v, True, backend="triton")
         assert rel(o, ro) < tol(dtype) and rel(lse, rl) < tol(dtype), tma
     os.environ.pop("DISTLAB_TRITON_ATTN_TMA")
+    # the row max is taken before scaling (one FMA per score), so a negative scale must be handled too
+    for fma in ("1", "0"):
+        os.environ["DISTLAB_TRITON_ATTN_FMA"] = fma
+        for scale in (-0.3, 0.7):
+            ro, rl = attention_forward(q.double(), k.double(), v.double(), True, scale, backend="torch")
+            o, lse = flash_forward(q, k, v, True, scale)
+            assert rel(o, ro) < tol(dtype) and rel(lse, rl) < tol(dtype), (fma, scale, rel(o, ro), rel(lse, rl))
+    os.environ.pop("DISTLAB_TRITON_ATTN_FMA")
     print("OK attention")
 
 

@@ -78,9 +78,10 @@ def schedule_flops(world, rank, seq, heads, head_dim, causal, layout, batch=1):
 
 
 def emulate_rank(world, seq, heads, kv_heads, head_dim, rank, layout, causal, backend, dtype, device,
-                 backward=True, keep_output=False, graphs=False, iters=10, warmup=3, batch=1):
+                 backward=True, keep_output=False, graphs=False, iters=10, warmup=3, batch=1, timeline=False):
     """Time rank ``rank``'s forward (and backward) schedule; returns a dict of seconds and FLOPs (and,
-    with ``keep_output``, the full q/k/v, the rank's rows and its output, for checks)."""
+    with ``keep_output``, the full q/k/v, the rank's rows and its output, for checks; with ``timeline``,
+    each kernel of one forward / backward with its duration and the gap before it)."""
     check_divisible(seq, world, layout)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(batch, seq, heads, head_dim, generator=g).to(device, dtype)
@@ -113,6 +114,12 @@ def emulate_rank(world, seq, heads, kv_heads, head_dim, rank, layout, causal, ba
     result["fwd_s"] = timeit(run_f, iters, warmup, device)
     if backward:
         result["bwd_s"] = timeit(run_b, iters, warmup, device)
+    if timeline and device.type == "cuda":
+        from distlab.profiling.timeline import kernel_timeline
+
+        result["timeline_fwd"] = kernel_timeline(run_f)
+        if backward:
+            result["timeline_bwd"] = kernel_timeline(run_b)
     if keep_output:   # what one more (graph-replayed) run leaves: the checks' view of the timed path
         result.update(q=q, k=k, v=v, rows=shard[rank].cpu(), dout=dout, out=run_f()[0].to(dtype))
         if backward:
@@ -140,7 +147,7 @@ def _graphed(fn):
 
 
 def fused_anchor(world, seq, heads, kv_heads, head_dim, causal, dtype, device, iters=10, warmup=3, batch=1,
-                 backend="auto"):
+                 backend="auto", timeline=False):
     """One attention call over the whole sequence with H/W heads (one rank's FLOPs), by default with the
     fastest backend. ``world=1``: all H heads — the whole problem in one call, the GPU's attention rate at
     this length. ``backend``: the schedule's own backend, to separate schedule overhead from kernel speed."""
@@ -154,10 +161,30 @@ def fused_anchor(world, seq, heads, kv_heads, head_dim, causal, dtype, device, i
     out, lse = attention_forward(q, k, v, causal, backend=backend)
     dout = torch.randn_like(q)
     flops = 4 * batch * seq * seq * h * head_dim * (0.5 if causal else 1.0)
-    return {"backend": backend, "flops_fwd": flops,
-            "fwd_s": timeit(lambda: attention_forward(q, k, v, causal, backend=backend), iters, warmup, device),
-            "bwd_s": timeit(lambda: attention_backward(dout, q, k, v, out, lse, causal, backend=backend),
-                            iters, warmup, device)}
+    fwd = lambda: attention_forward(q, k, v, causal, backend=backend)   # noqa: E731
+    bwd = lambda: attention_backward(dout, q, k, v, out, lse, causal, backend=backend)   # noqa: E731
+    result = {"backend": backend, "flops_fwd": flops, "fwd_s": timeit(fwd, iters, warmup, device),
+              "bwd_s": timeit(bwd, iters, warmup, device)}
+    if timeline and device.type == "cuda":
+        from distlab.profiling.timeline import kernel_timeline
+
+        result.update(timeline_fwd=kernel_timeline(fwd), timeline_bwd=kernel_timeline(bwd))
+    return result
+
+
+def _print_timelines(r, own, seq, layout, a):
+    from distlab.profiling.timeline import format_timeline
+
+    local = seq // a.world
+    blocks = [(rw.stop - rw.start, c.stop - c.start, cz) for step in range(a.world)
+              for rw, c, cz in ring_blocks((r["rank"] - step) % a.world, r["rank"], local, a.causal, layout)]
+    fwd_flops = [block_flops(1, a.head_dim, a.heads, [blk]) for blk in blocks] if r["backend"] == "triton" else None
+    name = f"S{seq} {layout} {r['backend']} rank {r['rank']}"
+    print(format_timeline(r["timeline_fwd"], f"{name}: forward", fwd_flops))
+    print(format_timeline(own["timeline_fwd"], f"{name}: its backend's fused H/W call, forward", [own["flops_fwd"]]))
+    if "timeline_bwd" in r:
+        print(format_timeline(r["timeline_bwd"], f"{name}: backward"))
+        print(format_timeline(own["timeline_bwd"], f"{name}: its backend's fused H/W call, backward"))
 
 
 def main(argv=None):
@@ -176,6 +203,8 @@ def main(argv=None):
     p.add_argument("--dtype", choices=DTYPES, default="bf16" if gpu else "fp32")
     p.add_argument("--iters", type=int, default=20 if gpu else 2)
     p.add_argument("--no-backward", action="store_true")
+    p.add_argument("--timeline", action="store_true",
+                   help="GPU: print each kernel of one forward / backward (duration, gap before it), rank and anchor")
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
     device = torch.device("cuda" if gpu else "cpu")
@@ -204,12 +233,14 @@ def main(argv=None):
             for backend in a.backend:
                 try:
                     r = emulate_rank(a.world, seq, a.heads, a.kv_heads, a.head_dim, rank, layout, a.causal, backend,
-                                     dtype, device, backward=not a.no_backward, graphs=a.graphs, iters=a.iters)
+                                     dtype, device, backward=not a.no_backward, graphs=a.graphs, iters=a.iters,
+                                     timeline=a.timeline)
                 except (RuntimeError, ValueError) as e:   # a backend that cannot run (or be captured) here
                     print(f"{seq:>6} {layout:>10} {backend:>11}: failed: {str(e).splitlines()[0][:100]}", flush=True)
                     continue
-                own = anchor if backend == anchor["backend"] else fused_anchor(
-                    a.world, seq, a.heads, a.kv_heads, a.head_dim, a.causal, dtype, device, a.iters, backend=backend)
+                own = anchor if backend == anchor["backend"] and not a.timeline else fused_anchor(
+                    a.world, seq, a.heads, a.kv_heads, a.head_dim, a.causal, dtype, device, a.iters, backend=backend,
+                    timeline=a.timeline)
                 o_f = own["flops_fwd"] / own["fwd_s"]
                 o_fb = 3.5 * own["flops_fwd"] / (own["fwd_s"] + own["bwd_s"])
                 f = r["flops_fwd"] / r["fwd_s"]
@@ -226,6 +257,8 @@ def main(argv=None):
                              f"H/W call ({o_f / 1e12:.0f} / {o_fb / 1e12:.0f} TFLOP/s): {100 * f / o_f:.1f}% / "
                              f"{100 * fb / o_fb:.1f}%")
                 print(line, flush=True)
+                if "timeline_fwd" in r:
+                    _print_timelines(r, own, seq, layout, a)
                 rows.append(r)
     if a.json:
         with open(a.json, "w") as f:
