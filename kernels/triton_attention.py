@@ -118,15 +118,17 @@ def _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, KD, VD, b
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, KD, VD, O, LSE, seq_q, seq_k, heads, groups, qk_scale,
-                sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
+def _fwd_kernel(Q, K, V, KD, VD, O, LSE, FO, seq_q, seq_k, heads, groups, qk_scale, final_lo, final_hi,
+                sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh, sfb, sfs, sfh,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                 CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-                PDL: tl.constexpr, FMA: tl.constexpr):
+                PDL: tl.constexpr, FMA: tl.constexpr, FINAL: tl.constexpr):
     if PDL:   # let the next step's kernel start on SMs this one's last wave leaves idle
         tl.extra.cuda.gdc_launch_dependents()
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)          # heaviest causal rows first
-    bh = tl.program_id(1)
+    # grid (batch · heads, query tiles), heads fastest: every head's heaviest causal tile is launched
+    # before any head's lighter ones (longest first), so no heavy program is left for the tail
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    bh = tl.program_id(0)
     b, h = bh // heads, bh % heads
     hk = h // groups
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -167,8 +169,13 @@ def _fwd_kernel(Q, K, V, KD, VD, O, LSE, seq_q, seq_k, heads, groups, qk_scale,
         o_prev = tl.load(o_ptrs, mask=in_rows[:, None], other=0.0)
         out = o_prev * w_prev[:, None] + out * w_blk[:, None]
         lse = new
+    if FINAL:   # rows [final_lo, final_hi) see no later block: their result goes to FO in its dtype, not to O
+        final = in_rows & (rows >= final_lo) & (rows < final_hi)
+        tl.store(FO + b * sfb + h * sfh + rows[:, None] * sfs + offs_d[None, :], out.to(FO.dtype.element_ty),
+                 mask=final[:, None])
+        in_rows = in_rows & ~final
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=in_rows[:, None])
-    tl.store(l_ptrs, lse, mask=in_rows)
+    tl.store(l_ptrs, lse, mask=rows < seq_q)
 
 
 def check_triton_inputs(q, k, v, causal):
@@ -243,9 +250,14 @@ def _last_contiguous(*ts):
     return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
 
 
-def flash_forward(q, k, v, causal=False, softmax_scale=None, out=None, lse=None, accumulate=False):
+def flash_forward(q, k, v, causal=False, softmax_scale=None, out=None, lse=None, accumulate=False, final_out=None,
+                  final_rows=None):
     """``(out, lse)``. Without ``out``/``lse``: new tensors (out in q's dtype). With them: written there
-    (e.g. float32 accumulators); ``accumulate=True`` merges into what they hold (see module doc)."""
+    (e.g. float32 accumulators); ``accumulate=True`` merges into what they hold (see module doc).
+
+    ``final_out`` (shaped like q, any float dtype) with ``final_rows = (lo, hi)``: the results of query rows
+    [lo, hi) are written there instead of to ``out`` — a ring's last block for those rows, so no
+    conversion of the accumulator follows (their ``lse`` is still written)."""
     check_triton_inputs(q, k, v, causal)
     q, k, v = _last_contiguous(q, k, v)
     b, sq, h, d = q.shape
@@ -259,17 +271,23 @@ def flash_forward(q, k, v, causal=False, softmax_scale=None, out=None, lse=None,
             or lse.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} (last dim contiguous) and lse float32 {(b, h, sq)}; "
                          f"got {tuple(out.shape)} and {tuple(lse.shape)} {lse.dtype}")
+    if final_out is not None and (final_out.shape != q.shape or final_out.stride(-1) != 1 or final_rows is None):
+        raise ValueError(f"final_out must be {tuple(q.shape)} with a contiguous last dim, and final_rows (lo, hi) given")
+    fo, (f_lo, f_hi) = (final_out, final_rows) if final_out is not None else (out, (0, 0))
     if scale < 0:   # the kernel takes a row's max before scaling (one FMA per score): keep the scale positive
         q, scale = -q, -scale
     bm, bn, warps, stages = tile_config("FWD", q.device, d)
-    grid = (triton.cdiv(sq, bm), b * h)
+    grid = (b * h, triton.cdiv(sq, bm))
     kd, vd, tma = _tile_descriptors("fwd", k, v, bn)
-    pdl = {"launch_pdl": True} if accumulate and q.is_cuda and pdl_enabled(q.device) else {}
-    _fwd_kernel[grid](q, k, v, kd, vd, out, lse, sq, k.shape[1], h, h // k.shape[2], scale * LOG2E,
+    # PDL: an accumulating step launches as a dependent of the kernel before it; every forward lets its
+    # dependents start early (they wait for it before touching what it writes)
+    use_pdl = q.is_cuda and pdl_enabled(q.device)
+    pdl = {"launch_pdl": True} if accumulate and use_pdl else {}
+    _fwd_kernel[grid](q, k, v, kd, vd, out, lse, fo, sq, k.shape[1], h, h // k.shape[2], scale * LOG2E, f_lo, f_hi,
                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                       v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-                      lse.stride(0), lse.stride(1),
+                      lse.stride(0), lse.stride(1), fo.stride(0), fo.stride(1), fo.stride(2),
                       BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, ACCUMULATE=accumulate, PREC=_precision(q),
-                      TMA=tma, PDL=bool(pdl), FMA=os.environ.get("DISTLAB_TRITON_ATTN_FMA", "1") == "1",
-                      num_warps=warps, num_stages=stages, **pdl)
+                      TMA=tma, PDL=use_pdl, FMA=os.environ.get("DISTLAB_TRITON_ATTN_FMA", "1") == "1",
+                      FINAL=final_out is not None, num_warps=warps, num_stages=stages, **pdl)
     return out, lse

@@ -49,6 +49,25 @@ def _delta_kernel(O, DO, LSE, DELTA, LSE2, seq, heads, sob, sos, soh, sdb, sds, 
 
 
 @triton.jit
+def _sum_splits_kernel(DKP, DVP, DK, DV, seq, kv_heads, n_rows, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
+                       SPLITS: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr):
+    """dK, dV (any dtype and strides) = the sum, in split order, of the float32 per-q-head partials
+    ``(batch, seq, kv_heads · SPLITS, D)``: one launch for both, deterministic."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)     # rows (batch, key, kv head) of D elements
+    offs_d = tl.arange(0, D)
+    m = (r < n_rows)[:, None]
+    b, t, hk = r // (seq * kv_heads), (r // kv_heads) % seq, r % kv_heads
+    acc_k = tl.zeros([ROWS, D], tl.float32)
+    acc_v = tl.zeros([ROWS, D], tl.float32)
+    for j in tl.static_range(SPLITS):
+        part = (r * SPLITS + j)[:, None] * D + offs_d[None, :]
+        acc_k += tl.load(DKP + part, mask=m, other=0.0)
+        acc_v += tl.load(DVP + part, mask=m, other=0.0)
+    tl.store(DK + (b * sdkb + t * sdks + hk * sdkh)[:, None] + offs_d[None, :], acc_k.to(DK.dtype.element_ty), mask=m)
+    tl.store(DV + (b * sdvb + t * sdvs + hk * sdvh)[:, None] + offs_d[None, :], acc_v.to(DV.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, d_ptrs, dq_ptrs, stride_qm, stride_dom, stride_dqm, cols, lo,
                 hi, seq_q, qk_scale, scale, QD, DOD, DQD, b, qcol, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
                 CAUSAL: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr,
@@ -105,8 +124,8 @@ def _dkdv_kernel(Q, K, V, DO, QD, DOD, DQD, LSE2, DELTA, DK, DV, DQA, seq_q, seq
         tl.extra.cuda.gdc_launch_dependents()
         if ATOMIC_DQ:   # dQ is added to here: the kernel before may still be writing it
             tl.extra.cuda.gdc_wait()
-    pid_n = tl.program_id(0)
-    pid = tl.program_id(1)
+    pid_n = tl.program_id(1)   # grid (batch · kv heads · splits, key tiles): the heaviest causal tiles first
+    pid = tl.program_id(0)
     kv_heads = heads // groups
     splits = groups // per_program
     b, slot = pid // (kv_heads * splits), pid % (kv_heads * splits)
@@ -180,8 +199,8 @@ def _dq_kernel(Q, K, V, KD, VD, DO, LSE2, DELTA, DQ, seq_q, seq_k, heads, groups
                PREC: tl.constexpr, TMA: tl.constexpr, DQ_ADD: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)   # grid (batch · heads, query tiles): heaviest first
+    bh = tl.program_id(0)
     b, h = bh // heads, bh % heads
     hk = h // groups
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -286,21 +305,23 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
     # a ring step (rows given, computed by an earlier launch) runs its kernels as programmatic dependents
     pdl = {"launch_pdl": True} if rows is not None and q.is_cuda and pdl_enabled(q.device) else {}
     qd, dod, tma = _tile_descriptors("dkv", q, dout, bm)
-    _dkdv_kernel[(tiles, b * hk * splits)](
+    _dkdv_kernel[(b * hk * splits, tiles)](
         q, k, v, dout, qd, dod, dqd, lse2, delta, dk_part, dv_part, dq_sum, sq, sk, h, groups, groups // splits,
         scale * LOG2E, scale, delta.stride(0), delta.stride(1), *strides, dk_part.stride(0), dk_part.stride(1),
         dk_part.stride(2), dv_part.stride(0), dv_part.stride(1), dv_part.stride(2), dq_sum.stride(0),
         dq_sum.stride(1), dq_sum.stride(2),
         BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), ATOMIC_DQ=atomic, TMA=tma,
         PDL=bool(pdl), num_warps=warps, num_stages=stages, **pdl)
-    if splits > 1:
-        for part, grad in ((dk_part, dk), (dv_part, dv)):
-            grad.copy_(part.view(b, sk, hk, splits, d).sum(3))
+    if splits > 1:   # one launch sums the partials into dK and dV (was a reduction and a copy for each)
+        rows_ = b * sk * hk
+        _sum_splits_kernel[(triton.cdiv(rows_, 16),)](dk_part, dv_part, dk, dv, sk, hk, rows_, dk.stride(0),
+                                                      dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
+                                                      dv.stride(2), SPLITS=splits, ROWS=16, D=d, num_warps=4)
     if atomic:
         return (dq_sum if dq_acc is not None else dq_sum.to(q.dtype)), dk, dv
     bm, bn, warps, stages = tile_config("DQ", q.device, d)
     kd, vd, tma = _tile_descriptors("dq", k, v, bn)
-    _dq_kernel[(triton.cdiv(sq, bm), b * h)](
+    _dq_kernel[(b * h, triton.cdiv(sq, bm))](
         q, k, v, kd, vd, dout, lse2, delta, dq, sq, sk, h, h // hk, scale * LOG2E, scale, delta.stride(0),
         delta.stride(1), *strides, dq.stride(0), dq.stride(1), dq.stride(2),
         BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), TMA=tma, DQ_ADD=dq_acc is not None,

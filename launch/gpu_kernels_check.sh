@@ -12,7 +12,8 @@
 # ring2 (TMA per attention kernel, TMA reduce-add dQ, the ring backward's in-kernel accumulation, PDL), ring3
 # (the ring rank with PDL: forward tiles, dK/dV split per q head or not; the ring's kernels alone), ring4
 # (64-row forward tiles: checked, one call, the ring rank; dQ/dK/dV tiles), ring5 (one-FMA scores, PDL in the
-# backward, the ring rank's kernel timeline).
+# backward, the ring rank's kernel timeline), ring6 (longest-first grids, final rows in bf16, one-launch GQA
+# partial sums).
 # Every command's full output goes to OUTDIR/<name>.log (and JSON where the command writes one); all of it
 # is packed into OUTDIR/logs.tar.gz. TAIL=n shows n lines of each log; BUDGET=s skips commands after s seconds.
 set -uo pipefail
@@ -198,6 +199,21 @@ if [ "$part" = ring5 ]; then   # one-FMA scores, the backward's kernels as progr
   LIMIT=45 run emulate_base $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend triton --iters 10 \
       --json "$out/emulate_base.json"
   LIMIT=90 run check_attention $py tests/kernel_checks.py attention --device cuda --dtype bfloat16
+fi
+if [ "$part" = ring6 ]; then   # longest-first grids (heads fastest), PDL from the ring's first forward, final rows
+  # written in bf16 by their last block, the GQA dK/dV partials summed in one launch: checked, then timed
+  f64=FWD=64,64,4,3
+  LIMIT=100 run check_ring env DISTLAB_TRITON_ATTN_$f64 $py tests/kernel_checks.py emulate accumulate --device cuda \
+      --dtype bfloat16 --big
+  LIMIT=100 run check_attention $py tests/kernel_checks.py attention --device cuda --dtype bfloat16
+  LIMIT=80 run timeline env DISTLAB_TRITON_ATTN_PDL=1 DISTLAB_TRITON_ATTN_$f64 $py -m distlab.cp.emulate --world 8 \
+      --seq 8192 32768 --backend triton --iters 10 --timeline --json "$out/timeline.json"
+  LIMIT=45 run emulate_base $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend triton --iters 10 \
+      --json "$out/emulate_base.json"
+  for kv in 8 32; do
+    LIMIT=30 run attn_fwd64_kv$kv env DISTLAB_TRITON_ATTN_$f64 $py -m kernels.bench --kv-heads $kv --only attention \
+        --iters 10 --json "$out/attn_fwd64_kv$kv.json"
+  done
 fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
 tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"

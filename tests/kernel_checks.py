@@ -138,6 +138,22 @@ def _accumulate_blocks(device, dtype, big):
     want = torch.einsum("bhqk,bkhd->bqhd", scores.masked_fill(~mask, float("-inf")).softmax(-1),
                         vd[:, :2 * sq].repeat_interleave(h // hk, 2).cpu())
     assert rel(out2, want) < tol(dtype)
+    # the same two steps writing final rows in q's dtype: rows [3, sq - 5) by the first (non-accumulating)
+    # block's kernel, the rest of them by the second's; a ring's last block for those rows
+    out3 = torch.empty(b, sq, h, d, dtype=torch.float32, device=device)
+    lse3 = torch.empty(b, h, sq, dtype=torch.float32, device=device)
+    final = torch.empty(b, sq, h, d, dtype=dtype, device=device)
+    flash_forward(q, k[:, sq:2 * sq], v[:, sq:2 * sq], True, None, out3, lse3, final_out=final, final_rows=(3, sq - 5))
+    assert torch.isnan(out3[:, 3:sq - 5]).all() and not torch.isnan(out3[:, :3]).any()   # final rows skip out
+    first = final[:, 3:sq - 5].clone()
+    flash_forward(q[:, :3], k[:, :sq], v[:, :sq], False, None, out3[:, :3], lse3[:, :, :3], accumulate=True,
+                  final_out=final[:, :3], final_rows=(0, 3))
+    flash_forward(q[:, sq - 5:], k[:, :sq], v[:, :sq], False, None, out3[:, sq - 5:], lse3[:, :, sq - 5:],
+                  accumulate=True, final_out=final[:, sq - 5:], final_rows=(0, 5))
+    diag = attention_forward(qd, kd[:, sq:2 * sq], vd[:, sq:2 * sq], True, backend="torch")[0]
+    rows = [*range(3), *range(sq - 5, sq)]
+    assert rel(first, diag[:, 3:sq - 5]) < tol(dtype)
+    assert rel(final[:, rows], want[:, rows]) < tol(dtype) and rel(lse3[:, :, rows], lse2[:, :, rows]) < tol(dtype)
 
 
 def check_rmsnorm(device, dtype, big=False):

@@ -50,23 +50,38 @@ def ring_blocks(step_src: int, rank: int, seq: int, causal: bool, layout: str):
     return [(slice(half, seq), everything, False)]   # only my late chunk sees their (earlier) chunks
 
 
+def final_rows(schedule, step, index):
+    """The rows of block ``index`` of step ``step`` that no later block touches, relative to the block, as
+    ``(lo, hi)`` (``lo == hi``: none). ``schedule``: the ``ring_blocks`` of every step. The blocks of the ring
+    layouts cover every row or a tail of the rows, so what a block leaves final is one range."""
+    rows = schedule[step][index][0]
+    later = [r for i, blocks in enumerate(schedule) for j, (r, _, _) in enumerate(blocks) if (i, j) > (step, index)]
+    stop = min((r.start for r in later), default=rows.stop)
+    if any(r.stop != rows.stop for r in later):
+        raise ValueError("final_rows: later blocks must end where this one does")
+    return 0, max(0, min(rows.stop, stop) - rows.start)
+
+
+def _triton_block_into(out, lse, final, q, k, v, rows, causal, scale, final_range):
+    """The ``triton`` backend's step: the kernel merges the block into the float32 running (out, lse) and
+    writes the rows that no later block touches (``final_range``) straight into ``final`` in q's dtype."""
+    from kernels.triton_attention import flash_forward
+
+    start = out is None
+    if start:
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+    fin = final[:, rows] if final_range[1] > final_range[0] else None
+    with phase("ring.block"):
+        flash_forward(q[:, rows], k, v, causal, scale, out[:, rows], lse[:, :, rows], accumulate=not start,
+                      final_out=fin, final_rows=final_range if fin is not None else None)
+    return out, lse
+
+
 def _block_into(out, lse, q, k, v, rows, causal, scale, backend):
     """Attention of q[:, rows] against k, v merged into the float32 running (out, lse); creates them at
-    step 0 (whose block covers every row). The ``triton`` backend accumulates inside its kernel; other
-    backends on CUDA merge with one Triton kernel (``kernels.lse_merge``), on CPU with ``merge_into``."""
-    if backend == "triton":
-        from kernels.triton_attention import flash_forward
-
-        if out is None:
-            acc = torch.float32
-            out = torch.empty(q.shape, dtype=acc, device=q.device)
-            lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=acc, device=q.device)
-            with phase("ring.block"):
-                flash_forward(q, k, v, causal, scale, out, lse)
-        else:
-            with phase("ring.block"):
-                flash_forward(q[:, rows], k, v, causal, scale, out[:, rows], lse[:, :, rows], accumulate=True)
-        return out, lse
+    step 0 (whose block covers every row). Backends on CUDA merge with one Triton kernel
+    (``kernels.lse_merge``), on CPU with ``merge_into`` (the ``triton`` backend: ``_triton_block_into``)."""
     with phase("ring.block"):
         o, l = attention_forward(q[:, rows], k, v, causal, scale, backend)
     with phase("ring.merge"):
@@ -86,17 +101,23 @@ def _block_into(out, lse, q, k, v, rows, causal, scale, backend):
 def _ring_forward(q, k, v, ring, causal, layout, scale, backend):
     s = q.shape[1]
     out = lse = None  # step 0 (own K/V) always covers every query row, and starts the accumulators
+    schedule = [ring_blocks((ring.rank - step) % ring.size, ring.rank, s, causal, layout) for step in range(ring.size)]
+    final = torch.empty_like(q) if backend == "triton" else None   # written by each row's last block
     kv = (k, v)
     for step in range(ring.size):
         with phase("ring.exchange"):
             pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
-        src = (ring.rank - step) % ring.size
-        for rows, cols, blk_causal in ring_blocks(src, ring.rank, s, causal, layout):
-            out, lse = _block_into(out, lse, q, kv[0][:, cols], kv[1][:, cols], rows, blk_causal, scale, backend)
+        for i, (rows, cols, blk_causal) in enumerate(schedule[step]):
+            k_blk, v_blk = kv[0][:, cols], kv[1][:, cols]
+            if final is not None:
+                out, lse = _triton_block_into(out, lse, final, q, k_blk, v_blk, rows, blk_causal, scale,
+                                              final_rows(schedule, step, i))
+            else:
+                out, lse = _block_into(out, lse, q, k_blk, v_blk, rows, blk_causal, scale, backend)
         if pending is not None:
             with phase("ring.wait"):
                 kv = tuple(pending.wait())
-    return out.to(q.dtype), lse
+    return (final if final is not None else out.to(q.dtype)), lse
 
 
 def _accumulate(acc, part, index, like, dtype):
