@@ -40,7 +40,7 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 # tile configs: (BLOCK_M, BLOCK_N, num_warps, num_stages); env DISTLAB_TRITON_ATTN_{FWD,DKV,DQ}="128,64,8,3"
-_GPU_DEFAULTS = {"FWD": (128, 64, 8, 3), "DKV": (64, 128, 8, 3), "DQ": (128, 64, 8, 3)}   # swept on the H200
+_GPU_DEFAULTS = {"FWD": (64, 64, 4, 3), "DKV": (64, 128, 8, 3), "DQ": (128, 64, 8, 3)}   # swept on the H200
 _CPU = {"FWD": (32, 16, 4, 1), "DKV": (16, 32, 4, 1), "DQ": (32, 16, 4, 1)}   # the interpreter: small tiles
 # causal loops need BLOCK_M % BLOCK_N == 0 (FWD, DQ) and BLOCK_N % BLOCK_M == 0 (DKV)
 

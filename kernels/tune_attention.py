@@ -1,6 +1,8 @@
 """Tile sweep of the Triton attention kernels on this GPU: TFLOP/s per (BLOCK_M, BLOCK_N, warps, stages).
 
     python -m kernels.tune_attention --json tune.json          # B1·H32·S8192·D128 causal bf16
+    python -m kernels.tune_attention --seq 2048 --seq-k 4096 --no-causal --kv-heads 8 --accumulate --only FWD \
+        --config FWD=64,64,4,3 --config FWD=64,64,4,2        # a W=8 S=32k ring step's block, accumulating
 
 For the forward, then the dK/dV kernel (backward timed whole, dQ at its default), then the dQ kernel
 (dK/dV at the best found): one line per config, the best of each marked. The chosen tiles go into
@@ -28,7 +30,12 @@ SWEEP = {
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m kernels.tune_attention", description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=8192, help="query rows")
+    p.add_argument("--seq-k", type=int, default=None, help="keys (default: --seq; causal needs them equal)")
+    p.add_argument("--accumulate", action="store_true", help="forward merges into float32 running (out, lse)")
+    p.add_argument("--only", nargs="+", choices=tuple(SWEEP), default=tuple(SWEEP))
+    p.add_argument("--config", action="append", default=[], metavar="KIND=BM,BN,WARPS,STAGES",
+                   help="sweep these instead of the built-in list for KIND (repeatable)")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
@@ -36,21 +43,36 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
+    custom = {}
+    for item in a.config:
+        kind, _, cfg = item.partition("=")
+        if kind not in SWEEP or len(cfg.split(",")) != 4:
+            p.error(f"--config {item!r}: use KIND=BM,BN,WARPS,STAGES with KIND one of {', '.join(SWEEP)}")
+        custom.setdefault(kind, []).append(tuple(int(x) for x in cfg.split(",")))
+    sweep = {kind: custom.get(kind, cfgs) for kind, cfgs in SWEEP.items()}
+    sk = a.seq_k or a.seq
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, a.seq, a.heads, a.head_dim, generator=g).to(dev, torch.bfloat16)
-    k = torch.randn(1, a.seq, a.kv_heads, a.head_dim, generator=g).to(dev, torch.bfloat16)
-    v = torch.randn(1, a.seq, a.kv_heads, a.head_dim, generator=g).to(dev, torch.bfloat16)
+    k = torch.randn(1, sk, a.kv_heads, a.head_dim, generator=g).to(dev, torch.bfloat16)
+    v = torch.randn(1, sk, a.kv_heads, a.head_dim, generator=g).to(dev, torch.bfloat16)
     dout = torch.randn_like(q)
-    flops = 4 * a.seq * a.seq * a.heads * a.head_dim * (0.5 if a.causal else 1.0)
+    flops = 4 * a.seq * sk * a.heads * a.head_dim * (0.5 if a.causal else 1.0)
     out, lse = flash_forward(q, k, v, a.causal)
+    acc_out, acc_lse = out.float(), lse.clone()   # running results a ring step merges into
+
+    def forward():
+        if a.accumulate:
+            return flash_forward(q, k, v, a.causal, None, acc_out, acc_lse, accumulate=True)
+        return flash_forward(q, k, v, a.causal)
+
     results, best = [], {}
-    for kind in ("FWD", "DKV", "DQ"):
-        for cfg in SWEEP[kind]:
+    for kind in (x for x in SWEEP if x in a.only):
+        for cfg in sweep[kind]:
             os.environ[f"DISTLAB_TRITON_ATTN_{kind}"] = ",".join(map(str, cfg))
             try:
                 if kind == "FWD":
-                    t = timeit(lambda: flash_forward(q, k, v, a.causal), a.iters, 2, dev)
+                    t = timeit(forward, a.iters, 2, dev)
                     tf = flops / t / 1e12
                 else:
                     t = timeit(lambda: flash_backward(dout, q, k, v, out, lse, a.causal), a.iters, 2, dev)

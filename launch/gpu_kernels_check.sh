@@ -13,7 +13,7 @@
 # (the ring rank with PDL: forward tiles, dK/dV split per q head or not; the ring's kernels alone), ring4
 # (64-row forward tiles: checked, one call, the ring rank; dQ/dK/dV tiles), ring5 (one-FMA scores, PDL in the
 # backward, the ring rank's kernel timeline), ring6 (longest-first grids, final rows in bf16, one-launch GQA
-# partial sums).
+# partial sums), ring7 (64-row forward default; the ring step's block kernel swept on its own shape).
 # Every command's full output goes to OUTDIR/<name>.log (and JSON where the command writes one); all of it
 # is packed into OUTDIR/logs.tar.gz. TAIL=n shows n lines of each log; BUDGET=s skips commands after s seconds.
 set -uo pipefail
@@ -213,6 +213,24 @@ if [ "$part" = ring6 ]; then   # longest-first grids (heads fastest), PDL from t
   for kv in 8 32; do
     LIMIT=30 run attn_fwd64_kv$kv env DISTLAB_TRITON_ATTN_$f64 $py -m kernels.bench --kv-heads $kv --only attention \
         --iters 10 --json "$out/attn_fwd64_kv$kv.json"
+  done
+fi
+if [ "$part" = ring7 ]; then   # 64-row forward tiles now the default: the ring step's block kernel swept on its own
+  # shape (accumulating, 2048 queries x 4096 keys, and x 32768 keys: what short key loops cost), the backward
+  # tiles again with the longest-first grids, the ring rank with and without PDL
+  blk=(--seq 2048 --seq-k 4096 --no-causal --kv-heads 8 --only FWD)
+  fw=(); for c in 64,64,4,3 64,64,4,2 64,32,4,3 64,32,4,4 64,128,4,2 128,64,8,3 64,64,8,3; do fw+=(--config FWD=$c); done
+  LIMIT=70 run tune_step_acc $py -m kernels.tune_attention "${blk[@]}" --accumulate "${fw[@]}" --json "$out/tune_step_acc.json"
+  LIMIT=25 run tune_step_plain $py -m kernels.tune_attention "${blk[@]}" --config FWD=64,64,4,3 --json "$out/tune_step_plain.json"
+  LIMIT=30 run tune_long_acc $py -m kernels.tune_attention --seq 2048 --seq-k 32768 --no-causal --kv-heads 8 --only FWD \
+      --accumulate --config FWD=64,64,4,3 --json "$out/tune_long_acc.json"
+  LIMIT=80 run tune_bwd $py -m kernels.tune_attention --kv-heads 8 --only DKV DQ --json "$out/tune_bwd.json"
+  LIMIT=80 run tune_step_bwd $py -m kernels.tune_attention --seq 2048 --seq-k 4096 --no-causal --kv-heads 8 --only DKV DQ \
+      --json "$out/tune_step_bwd.json"
+  for v in "base PDL=0" "pdl PDL=1"; do
+    set -- $v; name=$1; shift; envs=(); for kv in "$@"; do envs+=("DISTLAB_TRITON_ATTN_$kv"); done
+    LIMIT=45 run emulate_$name env "${envs[@]}" $py -m distlab.cp.emulate --world 8 --seq 8192 32768 \
+        --backend triton --iters 10 --json "$out/emulate_$name.json"
   done
 fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
