@@ -122,7 +122,7 @@ def _fwd_kernel(Q, K, V, KD, VD, O, LSE, FO, seq_q, seq_k, heads, groups, qk_sca
                 sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh, sfb, sfs, sfh,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                 CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-                PDL: tl.constexpr, FMA: tl.constexpr, FINAL: tl.constexpr, PREFETCH: tl.constexpr):
+                PDL: tl.constexpr, FMA: tl.constexpr, FINAL: tl.constexpr):
     if PDL:   # let the next step's kernel start on SMs this one's last wave leaves idle
         tl.extra.cuda.gdc_launch_dependents()
     # grid (batch · heads, query tiles), heads fastest: every head's heaviest causal tile is launched
@@ -140,33 +140,33 @@ def _fwd_kernel(Q, K, V, KD, VD, O, LSE, FO, seq_q, seq_k, heads, groups, qk_sca
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
+    if CAUSAL:   # unmasked tiles left of the diagonal block, then the masked diagonal tiles
+        diag = pid_m * BLOCK_M
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0, diag,
+                                   seq_k, qk_scale, BLOCK_N, False, True, PREC, TMA, D, FMA)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, diag,
+                                   tl.minimum(diag + BLOCK_M, seq_k), seq_k, qk_scale, BLOCK_N, True, True, PREC,
+                                   TMA, D, FMA)
+    else:
+        full = seq_k - seq_k % BLOCK_N
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0, full,
+                                   seq_k, qk_scale, BLOCK_N, False, False, PREC, TMA, D, FMA)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, full, seq_k,
+                                   seq_k, qk_scale, BLOCK_N, True, False, PREC, TMA, D, FMA)
+    lse = (m_i + tl.math.log2(l_i)) / 1.4426950408889634
+    out = acc / l_i[:, None]
     in_rows = rows < seq_q
     o_ptrs = O + b * sob + h * soh + rows[:, None] * sos + offs_d[None, :]
     l_ptrs = LSE + b * slb + h * slh + rows
-    # unmasked key tiles (left of the causal diagonal block, or all whole tiles), then the masked ones; the
-    # running (out, lse) are loaded PREFETCH tiles before the unmasked loop ends, so their latency hides
-    # behind the last tiles' math (and, with PDL, that is where the previous step must be done with them)
-    hi = pid_m * BLOCK_M if CAUSAL else seq_k - seq_k % BLOCK_N
-    mid = tl.maximum(hi - PREFETCH * BLOCK_N, 0)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0, mid,
-                               seq_k, qk_scale, BLOCK_N, False, CAUSAL, PREC, TMA, D, FMA)
     if PDL:   # the previous step's kernel may still be writing (out, lse): wait for all of it
         tl.extra.cuda.gdc_wait()
-    if ACCUMULATE:
-        prev = tl.load(l_ptrs, mask=in_rows, other=float("-inf"))
-        o_prev = tl.load(o_ptrs, mask=in_rows[:, None], other=0.0)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, mid, hi,
-                               seq_k, qk_scale, BLOCK_N, False, CAUSAL, PREC, TMA, D, FMA)
-    last = tl.minimum(hi + BLOCK_M, seq_k) if CAUSAL else seq_k
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, hi, last,
-                               seq_k, qk_scale, BLOCK_N, True, CAUSAL, PREC, TMA, D, FMA)
-    lse = (m_i + tl.math.log2(l_i)) / 1.4426950408889634
-    out = acc / l_i[:, None]
     if ACCUMULATE:   # merge into the running float32 (out, lse)
+        prev = tl.load(l_ptrs, mask=in_rows, other=float("-inf"))
         new = tl.maximum(prev, lse) + tl.log(1.0 + tl.exp(-tl.abs(prev - lse)))
         new = tl.where(prev == float("-inf"), lse, new)
         w_prev = tl.where(prev == float("-inf"), 0.0, tl.exp(prev - new))
         w_blk = tl.exp(lse - new)
+        o_prev = tl.load(o_ptrs, mask=in_rows[:, None], other=0.0)
         out = o_prev * w_prev[:, None] + out * w_blk[:, None]
         lse = new
     if FINAL:   # rows [final_lo, final_hi) see no later block: their result goes to FO in its dtype, not to O
@@ -239,15 +239,6 @@ def _tile_descriptors(kind, k, v, block_n):
     return _descriptor(k, block_n), _descriptor(v, block_n), True
 
 
-def prefetch_tiles() -> int:
-    """``DISTLAB_TRITON_ATTN_PREFETCH`` (default 2): how many key tiles before the end of its loop an
-    accumulating forward loads the running (out, lse) it merges into."""
-    env = os.environ.get("DISTLAB_TRITON_ATTN_PREFETCH", "2")
-    if not env.isdigit():
-        raise ValueError(f"DISTLAB_TRITON_ATTN_PREFETCH={env!r}: use a number of key tiles >= 0")
-    return int(env)
-
-
 def pdl_enabled(device) -> bool:
     """``DISTLAB_TRITON_ATTN_PDL=1`` on sm_90+: accumulating forwards launch as programmatic dependents —
     a ring step's kernel runs its key loop while the previous step's last wave finishes, and waits for it
@@ -298,6 +289,5 @@ def flash_forward(q, k, v, causal=False, softmax_scale=None, out=None, lse=None,
                       lse.stride(0), lse.stride(1), fo.stride(0), fo.stride(1), fo.stride(2),
                       BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, ACCUMULATE=accumulate, PREC=_precision(q),
                       TMA=tma, PDL=use_pdl, FMA=os.environ.get("DISTLAB_TRITON_ATTN_FMA", "1") == "1",
-                      FINAL=final_out is not None, PREFETCH=prefetch_tiles(),
-                      num_warps=warps, num_stages=stages, **pdl)
+                      FINAL=final_out is not None, num_warps=warps, num_stages=stages, **pdl)
     return out, lse

@@ -13,8 +13,7 @@
 # (the ring rank with PDL: forward tiles, dK/dV split per q head or not; the ring's kernels alone), ring4
 # (64-row forward tiles: checked, one call, the ring rank; dQ/dK/dV tiles), ring5 (one-FMA scores, PDL in the
 # backward, the ring rank's kernel timeline), ring6 (longest-first grids, final rows in bf16, one-launch GQA
-# partial sums), ring7 (64-row forward default; the ring step's block kernel swept on its own shape), ring8
-# (the running (out, lse) prefetched before the forward's key loop ends).
+# partial sums), ring7 (64-row forward default; the ring step's block kernel swept on its own shape).
 # Every command's full output goes to OUTDIR/<name>.log (and JSON where the command writes one); all of it
 # is packed into OUTDIR/logs.tar.gz. TAIL=n shows n lines of each log; BUDGET=s skips commands after s seconds.
 set -uo pipefail
@@ -232,22 +231,6 @@ if [ "$part" = ring7 ]; then   # 64-row forward tiles now the default: the ring 
     set -- $v; name=$1; shift; envs=(); for kv in "$@"; do envs+=("DISTLAB_TRITON_ATTN_$kv"); done
     LIMIT=45 run emulate_$name env "${envs[@]}" $py -m distlab.cp.emulate --world 8 --seq 8192 32768 \
         --backend triton --iters 10 --json "$out/emulate_$name.json"
-  done
-fi
-if [ "$part" = ring8 ]; then   # the accumulating forward loads the running (out, lse) PREFETCH tiles before its loop
-  # ends: checked, the ring step's block kernel and the ring rank at 0/1/2/4 tiles, then the defaults' one-call rates
-  LIMIT=100 run check_ring $py tests/kernel_checks.py emulate accumulate --device cuda --dtype bfloat16 --big
-  LIMIT=100 run check_attention $py tests/kernel_checks.py attention --device cuda --dtype bfloat16
-  for n in 0 1 2 4; do
-    LIMIT=25 run tune_step_pf$n env DISTLAB_TRITON_ATTN_PREFETCH=$n $py -m kernels.tune_attention --seq 2048 --seq-k 4096 \
-        --no-causal --kv-heads 8 --only FWD --accumulate --config FWD=64,64,4,3 --json "$out/tune_step_pf$n.json"
-  done
-  for n in 0 2 4; do
-    LIMIT=45 run emulate_pf$n env DISTLAB_TRITON_ATTN_PDL=1 DISTLAB_TRITON_ATTN_PREFETCH=$n $py -m distlab.cp.emulate \
-        --world 8 --seq 8192 32768 --backend triton --iters 10 --json "$out/emulate_pf$n.json"
-  done
-  for kv in 8 32; do
-    LIMIT=30 run attention_kv$kv $py -m kernels.bench --kv-heads $kv --only attention --iters 10 --json "$out/attention_kv$kv.json"
   done
 fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
