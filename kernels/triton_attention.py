@@ -12,7 +12,10 @@ keeps the running max ``m`` and sum ``l`` of exp2-domain scores (the softmax sca
 into the scores, so one ``exp2`` per score) and the unnormalised output in registers, and writes
 ``out = acc / l`` and ``lse = (m + log2 l) · ln 2``. Causal rows see keys ``j <= i`` (``seq_q == seq_k``):
 tiles strictly below the diagonal run without a mask, only the tiles crossing it are masked; programs are
-launched heaviest (last query rows) first.
+launched heaviest (last query rows) first, across heads too: the grid is (batch · heads, query tiles) with
+heads varying fastest, so every head's longest tile starts before any head's shorter ones. The row max
+is taken on the raw scores and scaled once, so each score costs one FMA before its ``exp2``
+(``DISTLAB_TRITON_ATTN_FMA=0``: the old scale-then-subtract, for comparison).
 
 Accumulate mode (``accumulate=True``, what a ring step uses instead of a separate merge launch): ``out``
 and ``lse`` are float32 running results, possibly views of some rows of a larger buffer; the kernel merges
@@ -24,8 +27,8 @@ Backward: ``kernels/triton_attention_backward.py`` (``flash_backward``).
 Knobs, measured on the H200 (docs/PERF.md): ``DISTLAB_TRITON_ATTN_TMA`` — which kernels move their
 streamed tiles (K/V of the forward and dQ kernels, Q/dO of the dK/dV kernel) through TMA descriptors over
 (batch, seq, heads·D): default ``fwd`` (+3–7% forward), ``1`` all, ``0`` none (dK/dV through TMA was 25%
-slower). ``DISTLAB_TRITON_ATTN_PDL=1``: a ring's accumulating forwards launch as programmatic dependent
-launches (``pdl_enabled``). ``DISTLAB_TRITON_ATTN_{FWD,DKV,DQ}``: tiles; ``DISTLAB_TRITON_ATTN_SPLIT_GROUPS``.
+slower). ``DISTLAB_TRITON_ATTN_PDL=1``: a ring's accumulating forwards (and its backward's kernels) launch
+as programmatic dependent launches (``pdl_enabled``). ``DISTLAB_TRITON_ATTN_{FWD,DKV,DQ}``: tiles; ``DISTLAB_TRITON_ATTN_SPLIT_GROUPS``.
 """
 
 from __future__ import annotations

@@ -115,3 +115,16 @@ def test_metadata_for_kernels_nccl_launched_itself():
               kernel("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 100, 500.0, stream=16)]
     (c,) = analyse_events(events)["collectives"]
     assert c["op"] == "sendrecv" and c["bytes"] == 2**30 and c["busbw"] == pytest.approx(2**30 / 500e-6 / 1e9)
+
+
+def test_kernel_timeline_summary_counts_overlap_once_and_gaps():
+    """Busy time is the union of kernel intervals (PDL-overlapped kernels are not counted twice) and the
+    printed gap of an overlapping kernel is negative; a wrong union would report > 100% busy."""
+    from distlab.profiling.timeline import format_timeline, summarize
+
+    tl = [("a", 0.0, 10.0), ("b", 8.0, 10.0), ("c", 20.0, 5.0)]   # b overlaps a by 2 us, c after a 2 us gap
+    s = summarize(tl)
+    assert s["busy_us"] == 23.0 and s["span_us"] == 25.0 and abs(s["busy_fraction"] - 0.92) < 1e-12
+    lines = format_timeline(tl, "t", [None, 2e7, None]).splitlines()
+    assert lines[3].split()[:5] == ["1", "8.0", "-2.0", "10.0", "2.0"]    # 2e7 flop in 10 us = 2 TFLOP/s
+    assert lines[4].split()[:4] == ["2", "20.0", "2.0", "5.0"] and "(92.0%)" in lines[-1]

@@ -235,3 +235,26 @@ def test_bad_input_refused_on_every_rank(pools, world, case):
         assert msg.startswith("ValueError") and BAD[case] in msg, msg
     # the group is still healthy afterwards: a collective completes on every rank
     assert pool.run(comm.group_size) == [world] * world
+
+
+def test_final_rows_marks_each_rows_last_block():
+    """The rows a ring block writes as final (in q's dtype) are those no later block of the rank's schedule
+    touches: every row exactly once, at its last block (zigzag rank r: the first chunk at step r, the
+    second at the last step). A row marked too early would lose later blocks' keys."""
+    from distlab.cp.ring import final_rows, ring_blocks
+
+    s = 8
+    for layout in ("zigzag", "contiguous"):
+        for world in (1, 3, 4):
+            for rank in range(world):
+                sched = [ring_blocks((rank - i) % world, rank, s, True, layout) for i in range(world)]
+                done = []
+                for i, blocks in enumerate(sched):
+                    for j, (rows, _, _) in enumerate(blocks):
+                        lo, hi = final_rows(sched, i, j)
+                        mine = list(range(rows.start + lo, rows.start + hi))
+                        later = {r for ii, bb in enumerate(sched) for jj, (rr, _, _) in enumerate(bb)
+                                 if (ii, jj) > (i, j) for r in range(rr.start, rr.stop)}
+                        assert not set(mine) & later, (layout, world, rank, i)
+                        done += mine
+                assert sorted(done) == list(range(s)), (layout, world, rank, done)
