@@ -13,7 +13,8 @@
 # (the ring rank with PDL: forward tiles, dK/dV split per q head or not; the ring's kernels alone), ring4
 # (64-row forward tiles: checked, one call, the ring rank; dQ/dK/dV tiles), ring5 (one-FMA scores, PDL in the
 # backward, the ring rank's kernel timeline), ring6 (longest-first grids, final rows in bf16, one-launch GQA
-# partial sums), ring7 (64-row forward default; the ring step's block kernel swept on its own shape).
+# partial sums), ring7 (64-row forward default; the ring step's block kernel swept on its own shape), ring9
+# (the final defaults' GPU tests; the ring backward with 32x64 dK/dV tiles).
 # Every command's full output goes to OUTDIR/<name>.log (and JSON where the command writes one); all of it
 # is packed into OUTDIR/logs.tar.gz. TAIL=n shows n lines of each log; BUDGET=s skips commands after s seconds.
 set -uo pipefail
@@ -228,6 +229,16 @@ if [ "$part" = ring7 ]; then   # 64-row forward tiles now the default: the ring 
   LIMIT=80 run tune_step_bwd $py -m kernels.tune_attention --seq 2048 --seq-k 4096 --no-causal --kv-heads 8 --only DKV DQ \
       --json "$out/tune_step_bwd.json"
   for v in "base PDL=0" "pdl PDL=1"; do
+    set -- $v; name=$1; shift; envs=(); for kv in "$@"; do envs+=("DISTLAB_TRITON_ATTN_$kv"); done
+    LIMIT=45 run emulate_$name env "${envs[@]}" $py -m distlab.cp.emulate --world 8 --seq 8192 32768 \
+        --backend triton --iters 10 --json "$out/emulate_$name.json"
+  done
+fi
+if [ "$part" = ring9 ]; then   # the final defaults: GPU tests of the Triton kernels, then the ring rank's backward
+  # with the dK/dV tiles that were fastest on a ring step's block (32,64,4,3) against the default
+  LIMIT=200 run gpu_tests $py -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_attention_kernels.py -k triton \
+      -p no:cacheprovider --timeout 190
+  for v in "pdl PDL=1" "pdl_dkv32x64 PDL=1 DKV=32,64,4,3"; do
     set -- $v; name=$1; shift; envs=(); for kv in "$@"; do envs+=("DISTLAB_TRITON_ATTN_$kv"); done
     LIMIT=45 run emulate_$name env "${envs[@]}" $py -m distlab.cp.emulate --world 8 --seq 8192 32768 \
         --backend triton --iters 10 --json "$out/emulate_$name.json"
