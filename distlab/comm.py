@@ -356,13 +356,37 @@ class RingExchanger:
         record(op, sum(_nbytes(t) for t in tensors))
         return _Pending(dist.batch_isend_irecv(ops), recv)
 
+    def exchange_after(self, pending: "_Pending", op: str = "ring_sendrecv") -> "_Pending":
+        """Post the exchange that forwards what ``pending`` receives, without making the caller's stream
+        wait for it: on CUDA the wait and the new sends go on a side stream, so they are ordered after that
+        receive only, not after compute already queued (the new receive buffers come from the side
+        stream's pool and are marked as used by the caller's stream, which reads them); on CPU (gloo
+        sends from host memory) it blocks until the tensors have arrived. What keeps two K/V blocks in
+        flight (``distlab.cp.ring``)."""
+        if not pending.recv[0].is_cuda:
+            return self.exchange(pending.wait(), op)
+        caller = torch.cuda.current_stream(pending.recv[0].device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(pending.recv[0].device)
+        with torch.cuda.stream(self._side):
+            handle = self.exchange(pending.wait(), op)
+        for r in handle.recv:
+            r.record_stream(caller)
+        return handle
+
+    _side = None
+
 
 class _Pending:
     def __init__(self, works, recv):
         self.works, self.recv = works, recv
 
     def wait(self):
+        """The received tensors, once the current stream (on CPU: the caller) has waited for them. May be
+        called again: on CUDA each call makes the then current stream wait (NCCL works can be waited on by
+        several streams); on CPU once is enough (a second wait on a gloo send would wait for another one)."""
         for w in self.works:
             w.wait()
-        self.works = []
+        if not self.recv or not self.recv[0].is_cuda:
+            self.works = []
         return self.recv

@@ -28,7 +28,7 @@ Knobs, measured on the H200 (docs/PERF.md): ``DISTLAB_TRITON_ATTN_TMA`` — whic
 streamed tiles (K/V of the forward and dQ kernels, Q/dO of the dK/dV kernel) through TMA descriptors over
 (batch, seq, heads·D): default ``fwd`` (+3–7% forward), ``1`` all, ``0`` none (dK/dV through TMA was 25%
 slower). ``DISTLAB_TRITON_ATTN_PDL=1``: a ring's accumulating forwards (and its backward's kernels) launch
-as programmatic dependent launches (``pdl_enabled``). ``DISTLAB_TRITON_ATTN_{FWD,DKV,DQ}``: tiles; ``DISTLAB_TRITON_ATTN_SPLIT_GROUPS``.
+as programmatic dependent launches (``pdl_enabled``). ``DISTLAB_TRITON_ATTN_{FWD,DKV,DKV_RING,DQ}``: tiles; ``DISTLAB_TRITON_ATTN_SPLIT_GROUPS``.
 """
 
 from __future__ import annotations
@@ -42,10 +42,13 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 
-# tile configs: (BLOCK_M, BLOCK_N, num_warps, num_stages); env DISTLAB_TRITON_ATTN_{FWD,DKV,DQ}="128,64,8,3"
-_GPU_DEFAULTS = {"FWD": (64, 64, 4, 3), "DKV": (64, 128, 8, 3), "DQ": (128, 64, 8, 3)}   # swept on the H200
-_CPU = {"FWD": (32, 16, 4, 1), "DKV": (16, 32, 4, 1), "DQ": (32, 16, 4, 1)}   # the interpreter: small tiles
-# causal loops need BLOCK_M % BLOCK_N == 0 (FWD, DQ) and BLOCK_N % BLOCK_M == 0 (DKV)
+# tile configs: (BLOCK_M, BLOCK_N, num_warps, num_stages); env DISTLAB_TRITON_ATTN_{FWD,DKV,DQ}="128,64,8,3".
+# DKV_RING: the dK/dV kernel of a ring step's block (``flash_backward(rows=...)``), whose short key range
+# wants smaller tiles than one call over the whole sequence (H200, ``ring9``: ring fwd+bwd 4-8% faster,
+# one call 2% slower)
+_GPU_DEFAULTS = {"FWD": (64, 64, 4, 3), "DKV": (64, 128, 8, 3), "DKV_RING": (32, 64, 4, 3), "DQ": (128, 64, 8, 3)}
+_CPU = {"FWD": (32, 16, 4, 1), "DKV": (16, 32, 4, 1), "DKV_RING": (16, 32, 4, 1), "DQ": (32, 16, 4, 1)}
+# causal loops need BLOCK_M % BLOCK_N == 0 (FWD, DQ) and BLOCK_N % BLOCK_M == 0 (DKV, DKV_RING)
 
 
 def tile_config(kind: str, device: torch.device, head_dim: int):
@@ -58,7 +61,7 @@ def tile_config(kind: str, device: torch.device, head_dim: int):
         bm, bn, w, s = _GPU_DEFAULTS[kind]
         if head_dim > 128:
             bm, bn, s = min(bm, 64), min(bn, 64), 1
-    big, small = (bn, bm) if kind == "DKV" else (bm, bn)
+    big, small = (bn, bm) if kind.startswith("DKV") else (bm, bn)
     if big % small:
         raise ValueError(f"{kind} tiles {bm}x{bn}: the {'key' if kind == 'DKV' else 'query'} tile must be a multiple "
                          f"of the other")
@@ -121,11 +124,13 @@ def _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, KD, VD, b
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, KD, VD, O, LSE, FO, seq_q, seq_k, heads, groups, qk_scale, final_lo, final_hi,
-                sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh, sfb, sfs, sfh,
+def _fwd_kernel(Q, K, V, KD, VD, K2, V2, KD2, VD2, O, LSE, FO, seq_q, seq_k, seq_k2, heads, groups, qk_scale,
+                row0, lo1, hi1, lo2, hi2, final_lo, final_hi,
+                sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, s2kb, s2ks, s2kh, s2vb, s2vs, s2vh,
+                sob, sos, soh, slb, slh, sfb, sfs, sfh,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                 CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-                PDL: tl.constexpr, FMA: tl.constexpr, FINAL: tl.constexpr):
+                PDL: tl.constexpr, FMA: tl.constexpr, FINAL: tl.constexpr, TWO: tl.constexpr):
     if PDL:   # let the next step's kernel start on SMs this one's last wave leaves idle
         tl.extra.cuda.gdc_launch_dependents()
     # grid (batch · heads, query tiles), heads fastest: every head's heaviest causal tile is launched
@@ -134,28 +139,41 @@ def _fwd_kernel(Q, K, V, KD, VD, O, LSE, FO, seq_q, seq_k, heads, groups, qk_sca
     bh = tl.program_id(0)
     b, h = bh // heads, bh % heads
     hk = h // groups
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    first = row0 + pid_m * BLOCK_M   # the tiles cover rows [row0, ...): the union of the blocks' rows
+    rows = first + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
     q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + offs_d[None, :], mask=(rows < seq_q)[:, None], other=0.0)
-    k_ptrs = K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :]
-    v_ptrs = V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    if CAUSAL:   # unmasked tiles left of the diagonal block, then the masked diagonal tiles
-        diag = pid_m * BLOCK_M
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0, diag,
-                                   seq_k, qk_scale, BLOCK_N, False, True, PREC, TMA, D, FMA)
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, diag,
-                                   tl.minimum(diag + BLOCK_M, seq_k), seq_k, qk_scale, BLOCK_N, True, True, PREC,
-                                   TMA, D, FMA)
-    else:
-        full = seq_k - seq_k % BLOCK_N
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0, full,
-                                   seq_k, qk_scale, BLOCK_N, False, False, PREC, TMA, D, FMA)
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, full, seq_k,
-                                   seq_k, qk_scale, BLOCK_N, True, False, PREC, TMA, D, FMA)
+    k_ptrs = K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :]
+    v_ptrs = V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :]
+    run1 = True   # block 1: query rows [lo1, hi1) against K, V (with one block: every tile)
+    if TWO:
+        run1 = (first >= lo1) & (first < hi1)
+    if run1:
+        if CAUSAL:   # unmasked tiles left of the diagonal block, then the masked diagonal tiles
+            acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0,
+                                       first, seq_k, qk_scale, BLOCK_N, False, True, PREC, TMA, D, FMA)
+            acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, first,
+                                       tl.minimum(first + BLOCK_M, seq_k), seq_k, qk_scale, BLOCK_N, True, True, PREC,
+                                       TMA, D, FMA)
+        else:
+            full = seq_k - seq_k % BLOCK_N
+            acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0, full,
+                                       seq_k, qk_scale, BLOCK_N, False, False, PREC, TMA, D, FMA)
+            acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, full,
+                                       seq_k, seq_k, qk_scale, BLOCK_N, True, False, PREC, TMA, D, FMA)
+    if TWO:   # block 2 (a second ring step in the same launch): rows [lo2, hi2) against K2, V2, no mask
+        if (first >= lo2) & (first < hi2):
+            k_ptrs = K2 + b * s2kb + hk * s2kh + offs_n[:, None] * s2ks + offs_d[None, :]
+            v_ptrs = V2 + b * s2vb + hk * s2vh + offs_n[:, None] * s2vs + offs_d[None, :]
+            full = seq_k2 - seq_k2 % BLOCK_N
+            acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, s2ks, s2vs, KD2, VD2, b, hk * D, rows, 0,
+                                       full, seq_k2, qk_scale, BLOCK_N, False, False, PREC, TMA, D, FMA)
+            acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, s2ks, s2vs, KD2, VD2, b, hk * D, rows, full,
+                                       seq_k2, seq_k2, qk_scale, BLOCK_N, True, False, PREC, TMA, D, FMA)
     lse = (m_i + tl.math.log2(l_i)) / 1.4426950408889634
     out = acc / l_i[:, None]
     in_rows = rows < seq_q
@@ -261,8 +279,44 @@ def flash_forward(q, k, v, causal=False, softmax_scale=None, out=None, lse=None,
     ``final_out`` (shaped like q, any float dtype) with ``final_rows = (lo, hi)``: the results of query rows
     [lo, hi) are written there instead of to ``out`` — a ring's last block for those rows, so no
     conversion of the accumulator follows (their ``lse`` is still written)."""
-    check_triton_inputs(q, k, v, causal)
+    return flash_forward_blocks(q, [(0, q.shape[1], k, v, causal)], softmax_scale, out, lse, accumulate, final_out,
+                                final_rows)
+
+
+def blocks_fit_one_launch(q, blocks) -> bool:
+    """Whether ``flash_forward_blocks`` can run ``blocks`` (a list of ``(lo, hi, k, v, causal)``) in one
+    launch: at most two, only the first causal, every row range starting on a query tile."""
+    bm = tile_config("FWD", q.device, q.shape[-1])[0]
+    return len(blocks) <= 2 and not any(c for *_, c in blocks[1:]) and all(lo % bm == 0 for lo, *_ in blocks)
+
+
+def flash_forward_blocks(q, blocks, softmax_scale=None, out=None, lse=None, accumulate=False, final_out=None,
+                         final_rows=None):
+    """Attention of query rows against one or two K/V blocks in one launch, as ``flash_forward`` (same
+    ``out``/``lse``/``accumulate``/``final_*``, rows absolute in q). ``blocks``: ``[(lo, hi, k, v, causal)]``
+    — query rows [lo, hi) see all of that block's keys (causal: the first block only, covering every row,
+    with as many keys as q rows). A row's softmax runs over every block that covers it. Two ring steps
+    then cost one launch: one epilogue, and one longer key loop for the rows both cover.
+    Raises unless ``blocks_fit_one_launch``; the rows the blocks cover must be one range."""
+    if not blocks_fit_one_launch(q, blocks):
+        raise ValueError("flash_forward_blocks: at most two blocks, only the first causal, each starting on a "
+                         f"query tile of {tile_config('FWD', q.device, q.shape[-1])[0]} rows; got "
+                         f"{[(lo, hi, c) for lo, hi, _, _, c in blocks]}")
+    (lo1, hi1, k, v, causal), *second = blocks
+    for lo, hi, kb, vb, c in blocks:
+        check_triton_inputs(q[:, lo:hi], kb, vb, c)
+        if not 0 <= lo < hi <= q.shape[1] or kb.shape[2:] != k.shape[2:] or kb.dtype != k.dtype:
+            raise ValueError(f"flash_forward_blocks: block rows [{lo}, {hi}) of {q.shape[1]}, or K/V of another "
+                             f"shape or dtype")
+    if causal and (lo1, hi1) != (0, q.shape[1]):
+        raise ValueError("flash_forward_blocks: a causal block covers every query row")
+    span = sorted((lo, hi) for lo, hi, *_ in blocks)
+    if len(span) == 2 and span[1][0] > span[0][1]:
+        raise ValueError(f"flash_forward_blocks: the blocks' rows {span} leave a gap")
+    row0, row1 = span[0][0], max(hi for _, hi in span)
     q, k, v = _last_contiguous(q, k, v)
+    k2, v2 = _last_contiguous(*second[0][2:4]) if second else (k, v)
+    lo2, hi2 = second[0][:2] if second else (0, 0)
     b, sq, h, d = q.shape
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     if out is None:
@@ -280,17 +334,22 @@ def flash_forward(q, k, v, causal=False, softmax_scale=None, out=None, lse=None,
     if scale < 0:   # the kernel takes a row's max before scaling (one FMA per score): keep the scale positive
         q, scale = -q, -scale
     bm, bn, warps, stages = tile_config("FWD", q.device, d)
-    grid = (b * h, triton.cdiv(sq, bm))
+    grid = (b * h, triton.cdiv(row1 - row0, bm))
     kd, vd, tma = _tile_descriptors("fwd", k, v, bn)
+    kd2, vd2, tma2 = _tile_descriptors("fwd", k2, v2, bn)
+    if tma != tma2:
+        kd, vd, kd2, vd2, tma = k, v, k2, v2, False
     # PDL: an accumulating step launches as a dependent of the kernel before it; every forward lets its
     # dependents start early (they wait for it before touching what it writes)
     use_pdl = q.is_cuda and pdl_enabled(q.device)
     pdl = {"launch_pdl": True} if accumulate and use_pdl else {}
-    _fwd_kernel[grid](q, k, v, kd, vd, out, lse, fo, sq, k.shape[1], h, h // k.shape[2], scale * LOG2E, f_lo, f_hi,
+    _fwd_kernel[grid](q, k, v, kd, vd, k2, v2, kd2, vd2, out, lse, fo, sq, k.shape[1], k2.shape[1], h, h // k.shape[2],
+                      scale * LOG2E, row0, lo1, hi1, lo2, hi2, f_lo, f_hi,
                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                      v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+                      v.stride(0), v.stride(1), v.stride(2), k2.stride(0), k2.stride(1), k2.stride(2),
+                      v2.stride(0), v2.stride(1), v2.stride(2), out.stride(0), out.stride(1), out.stride(2),
                       lse.stride(0), lse.stride(1), fo.stride(0), fo.stride(1), fo.stride(2),
                       BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, ACCUMULATE=accumulate, PREC=_precision(q),
                       TMA=tma, PDL=use_pdl, FMA=os.environ.get("DISTLAB_TRITON_ATTN_FMA", "1") == "1",
-                      FINAL=final_out is not None, num_warps=warps, num_stages=stages, **pdl)
+                      FINAL=final_out is not None, TWO=bool(second), num_warps=warps, num_stages=stages, **pdl)
     return out, lse

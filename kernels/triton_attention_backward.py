@@ -284,7 +284,7 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
     dv = dv_out if dv_out is not None else torch.empty_like(v)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
-    bm, bn, warps, stages = tile_config("DKV", q.device, d)
+    bm, bn, warps, stages = tile_config("DKV" if rows is None else "DKV_RING", q.device, d)
     groups, tiles = h // hk, triton.cdiv(sk, bn)
     if split_groups is None:   # env: DISTLAB_TRITON_ATTN_SPLIT_GROUPS = auto (default), 0 or 1 forces it
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0

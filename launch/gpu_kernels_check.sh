@@ -14,7 +14,8 @@
 # (64-row forward tiles: checked, one call, the ring rank; dQ/dK/dV tiles), ring5 (one-FMA scores, PDL in the
 # backward, the ring rank's kernel timeline), ring6 (longest-first grids, final rows in bf16, one-launch GQA
 # partial sums), ring7 (64-row forward default; the ring step's block kernel swept on its own shape), ring9
-# (the final defaults' GPU tests; the ring backward with 32x64 dK/dV tiles).
+# (the final defaults' GPU tests; the ring backward with 32x64 dK/dV tiles), ring10 (two ring steps per forward
+# launch, checked and timed; one-call attention after that change).
 # Every command's full output goes to OUTDIR/<name>.log (and JSON where the command writes one); all of it
 # is packed into OUTDIR/logs.tar.gz. TAIL=n shows n lines of each log; BUDGET=s skips commands after s seconds.
 set -uo pipefail
@@ -243,6 +244,18 @@ if [ "$part" = ring9 ]; then   # the final defaults: GPU tests of the Triton ker
     LIMIT=45 run emulate_$name env "${envs[@]}" $py -m distlab.cp.emulate --world 8 --seq 8192 32768 \
         --backend triton --iters 10 --json "$out/emulate_$name.json"
   done
+fi
+if [ "$part" = ring10 ]; then   # two ring steps per forward launch (flash_forward_blocks), dK/dV tiles of ring steps
+  LIMIT=240 run check_ring $py tests/kernel_checks.py accumulate emulate --device cuda --dtype bfloat16 --big
+  for v in "base PDL=0" "pdl PDL=1"; do
+    set -- $v; name=$1; shift; envs=(); for kv in "$@"; do envs+=("DISTLAB_TRITON_ATTN_$kv"); done
+    LIMIT=90 run emulate_$name env "${envs[@]}" $py -m distlab.cp.emulate --world 8 --seq 8192 32768 \
+        --backend triton --steps-per-launch 1 2 --iters 10 --json "$out/emulate_$name.json"
+  done
+  LIMIT=40 run bench_gqa $py -m kernels.bench --kv-heads 8 --only attention --iters 10 --json "$out/bench_gqa.json"
+  LIMIT=40 run bench_mha $py -m kernels.bench --kv-heads 32 --only attention --iters 10 --json "$out/bench_mha.json"
+  LIMIT=60 run timeline env DISTLAB_TRITON_ATTN_PDL=1 $py -m distlab.cp.emulate --world 8 --seq 32768 --backend triton \
+      --steps-per-launch 2 --iters 5 --timeline
 fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
 tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"

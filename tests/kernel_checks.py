@@ -12,6 +12,7 @@ so an element a kernel forgets to write fails the check. Prints ``OK <name>`` pe
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -154,6 +155,50 @@ def _accumulate_blocks(device, dtype, big):
     rows = [*range(3), *range(sq - 5, sq)]
     assert rel(first, diag[:, 3:sq - 5]) < tol(dtype)
     assert rel(final[:, rows], want[:, rows]) < tol(dtype) and rel(lse3[:, :, rows], lse2[:, :, rows]) < tol(dtype)
+    _two_blocks_per_launch(q, k, v, want, lse2, diag, dtype)
+
+
+def _two_blocks_per_launch(q, k, v, want, want_lse, diag, dtype):
+    """``flash_forward_blocks``: two ring steps in one launch. (a) the causal diagonal block over every row
+    with an earlier block over a tail of the rows, fresh buffers, the tail final in q's dtype; (b) two
+    blocks accumulated onto a running result, the first over a tail only; (c) two tail blocks: rows before
+    the tail are not touched."""
+    from kernels.attention import attention_forward
+    from kernels.triton_attention import blocks_fit_one_launch, flash_forward, flash_forward_blocks, tile_config
+
+    b, sq, h, d = q.shape
+    bm = tile_config("FWD", q.device, d)[0]
+    lo = bm * max(1, (sq // 2) // bm)                               # a tile boundary near the middle
+    assert 0 < lo < sq, (lo, sq)
+    early, diag_kv, late = (slice(0, sq), slice(sq, 2 * sq), slice(2 * sq, 3 * sq))
+    f32 = dict(dtype=torch.float32, device=q.device)
+    out, lse = torch.empty(b, sq, h, d, **f32), torch.empty(b, h, sq, **f32)
+    final = torch.empty(b, sq, h, d, dtype=dtype, device=q.device)
+    blocks = [(0, sq, k[:, diag_kv], v[:, diag_kv], True), (lo, sq, k[:, early], v[:, early], False)]
+    assert blocks_fit_one_launch(q, blocks)
+    flash_forward_blocks(q, blocks, None, out, lse, final_out=final, final_rows=(lo, sq))
+    assert torch.isnan(out[:, lo:]).all()                          # final rows went to `final` only
+    assert rel(out[:, :lo], diag[:, :lo]) < tol(dtype) and rel(final[:, lo:], want[:, lo:]) < tol(dtype)
+    assert rel(lse[:, :, lo:], want_lse[:, :, lo:]) < tol(dtype)
+    qd, kd, vd = q.double(), k.double(), v.double()
+    # (b) running result of the early block; + late over the tail and the diagonal keys (unmasked) over all
+    out, lse = flash_forward(q, k[:, early], v[:, early], False, None, torch.empty(b, sq, h, d, **f32),
+                             torch.empty(b, h, sq, **f32))
+    flash_forward_blocks(q, [(lo, sq, k[:, late], v[:, late], False), (0, sq, k[:, diag_kv], v[:, diag_kv], False)],
+                         None, out, lse, accumulate=True)
+    head = attention_forward(qd[:, :lo], kd[:, :2 * sq], vd[:, :2 * sq], backend="torch")
+    tail = attention_forward(qd[:, lo:], kd, vd, backend="torch")
+    assert rel(out[:, :lo], head[0]) < tol(dtype) and rel(out[:, lo:], tail[0]) < tol(dtype)
+    assert rel(lse[:, :, :lo], head[1]) < tol(dtype) and rel(lse[:, :, lo:], tail[1]) < tol(dtype)
+    # (c) two tail blocks onto the early block's result: the head rows keep it
+    out, lse = flash_forward(q, k[:, early], v[:, early], False, None, torch.empty(b, sq, h, d, **f32),
+                             torch.empty(b, h, sq, **f32))
+    kept = out[:, :lo].clone()
+    flash_forward_blocks(q, [(lo, sq, k[:, diag_kv], v[:, diag_kv], False), (lo, sq, k[:, late], v[:, late], False)],
+                         None, out, lse, accumulate=True)
+    assert torch.equal(out[:, :lo], kept) and rel(out[:, lo:], tail[0]) < tol(dtype)
+    assert not blocks_fit_one_launch(q, [blocks[0], (lo + 1, sq, k[:, early], v[:, early], False)])
+    assert not blocks_fit_one_launch(q, [blocks[1], blocks[0]])    # only the first block may be causal
 
 
 def check_rmsnorm(device, dtype, big=False):
@@ -252,21 +297,23 @@ def check_emulate(device, dtype, big=False):
     from distlab.cp.emulate import emulate_rank
     from kernels.attention import attention_backward, attention_forward
 
-    world, seq, h, hk, d = (3, 48, 2, 1, 16) if not big else (8, 8192, 8, 2, 128)
+    # on CPU a shard of 64 rows: zigzag's half blocks start on a 32-row query tile, so two steps share a
+    # launch (W=3: groups of steps {0, 1}, {2})
+    world, seq, h, hk, d = (3, 192, 2, 1, 16) if not big else (8, 8192, 8, 2, 128)
     modes = [(False, "0")] if device.type != "cuda" else [(False, "0"), (True, "0"), (True, "1"), (False, "1")]
     for layout in ("zigzag", "contiguous"):
         for rank in (0, world - 1):
-            for graphs, pdl in modes:
+            for (graphs, pdl), n in itertools.product(modes, (1, 2)):
                 os.environ["DISTLAB_TRITON_ATTN_PDL"] = pdl
                 res = emulate_rank(world, seq, h, hk, d, rank, layout, True, "triton", dtype, device,
-                                   keep_output=True, graphs=graphs, iters=1, warmup=1)
+                                   keep_output=True, graphs=graphs, iters=1, warmup=1, steps_per_launch=n)
                 q, k, v = (res[n].double() for n in "qkv")
                 rows = res["rows"].to(q.device)
                 full, lse = attention_forward(q, k, v, True, backend="torch")
                 dout = torch.zeros_like(q)
                 dout[:, rows] = res["dout"].double()
                 dq = attention_backward(dout, q, k, v, full, lse, True, backend="torch")[0]
-                case = (layout, rank, graphs, pdl)
+                case = (layout, rank, graphs, pdl, n)
                 assert rel(res["out"], full[:, rows]) < tol(dtype) * 2, (case, rel(res["out"], full[:, rows]))
                 assert rel(res["dq"], dq[:, rows]) < tol(dtype) * 4, (case, rel(res["dq"], dq[:, rows]))
     os.environ.pop("DISTLAB_TRITON_ATTN_PDL")

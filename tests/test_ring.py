@@ -36,7 +36,7 @@ def _inputs(batch, seq, heads, kv_heads, head_dim, seed=0):
 
 
 def ring_vs_one_device(heads, kv_heads, causal, layout, dtype=torch.float32, seq=SEQ, batch=2, head_dim=8,
-                       backend="auto"):
+                       backend="auto", steps_per_launch=None):
     """Runs on every rank: ring attention on shards vs float64 attention on the full tensors."""
     q, k, v, dout = _inputs(batch, seq, heads, kv_heads, head_dim)
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
@@ -46,7 +46,7 @@ def ring_vs_one_device(heads, kv_heads, causal, layout, dtype=torch.float32, seq
 
     local = [shard_sequence(t.to(dtype), None, layout).requires_grad_(True) for t in (q, k, v)]
     with comm.CommLog() as log_fwd:
-        out = ring_attention(*local, causal=causal, layout=layout, backend=backend)
+        out = ring_attention(*local, causal=causal, layout=layout, backend=backend, steps_per_launch=steps_per_launch)
     with comm.CommLog() as log_bwd:
         out.backward(shard_sequence(dout.to(dtype), None, layout))
     got = [gather_sequence(t, None, layout) for t in (out.detach(), *(x.grad for x in local))]
@@ -71,6 +71,29 @@ def test_ring_matches_one_device(pools, world, layout, causal, heads, kv_heads):
         assert res["fwd_calls"] == hops
         assert res["bwd_calls"] == ({} if world == 1 else {"ring_kv": world - 1, "ring_dkv": world})
         assert res["fwd_bytes"] == ({} if world == 1 else {"ring_kv": (world - 1) * res["kv_bytes"]})
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_ring_with_two_blocks_in_flight_matches_one_device(pools, world, layout, causal):
+    """``steps_per_launch=2``: steps in pairs, the next pair's K/V forwarded as soon as they arrive (two
+    exchanges in flight; W=3: groups {0, 1}, {2}). Same answer, same W−1 hops and bytes."""
+    for rank, res in enumerate(pools(world).run(ring_vs_one_device, 4, 2, causal, layout, steps_per_launch=2)):
+        for name, err in res["errors"].items():
+            assert err < 1e-5, f"rank {rank}: {name} rel err {err:.2e} (W={world} {layout} causal={causal})"
+        assert res["fwd_calls"] == {"ring_kv": world - 1}
+        assert res["fwd_bytes"] == {"ring_kv": (world - 1) * res["kv_bytes"]}
+
+
+def test_ring_steps_per_launch_is_checked(monkeypatch):
+    from distlab.cp.ring import check_steps_per_launch
+
+    assert check_steps_per_launch(2) == 2 and check_steps_per_launch() in (1, 2)
+    monkeypatch.setenv("DISTLAB_RING_STEPS_PER_LAUNCH", "2")
+    assert check_steps_per_launch() == 2
+    with pytest.raises(ValueError, match="must be 1 or 2"):
+        check_steps_per_launch(3)
 
 
 @pytest.mark.parametrize("world", [3, 4])
@@ -103,14 +126,17 @@ def test_ring_with_the_triton_kernels_matches_one_device(world):
         del os.environ["TRITON_INTERPRET"]
     try:
         # dQ from its own kernel (added in place), or added by the dK/dV kernel's atomics into the ring's dQ
-        for layout, causal, (heads, kv_heads), dq_mode in (("zigzag", True, (4, 2), "kernel"),
-                                                           ("contiguous", True, (4, 4), "kernel"),
-                                                           ("contiguous", False, (4, 2), "kernel"),
-                                                           ("zigzag", True, (4, 2), "atomic")):
-            case = f"W={world} {layout} causal={causal} dq {dq_mode}"
+        # two ring steps per forward launch: with 64-row shards zigzag's half blocks start on a query tile
+        for layout, causal, (heads, kv_heads), dq_mode, n, shard in (("zigzag", True, (4, 2), "kernel", 1, 24),
+                                                                     ("contiguous", True, (4, 4), "kernel", 1, 24),
+                                                                     ("contiguous", False, (4, 2), "kernel", 1, 24),
+                                                                     ("zigzag", True, (4, 2), "atomic", 1, 24),
+                                                                     ("zigzag", True, (4, 2), "kernel", 2, 64),
+                                                                     ("contiguous", False, (2, 1), "kernel", 2, 32)):
+            case = f"W={world} {layout} causal={causal} dq {dq_mode} steps/launch {n}"
             for rank, res in enumerate(pool.run(_with_env, {"DISTLAB_TRITON_ATTN_DQ_MODE": dq_mode},
-                                                ring_vs_one_device, heads, kv_heads, causal, layout, seq=24 * world,
-                                                head_dim=16, backend="triton")):
+                                                ring_vs_one_device, heads, kv_heads, causal, layout, seq=shard * world,
+                                                head_dim=16, backend="triton", steps_per_launch=n)):
                 for name, err in res["errors"].items():
                     assert err < 1e-5, f"rank {rank}: {name} rel err {err:.2e} ({case})"
                 assert res["bwd_calls"] == {"ring_kv": world - 1, "ring_dkv": world}
@@ -118,7 +144,7 @@ def test_ring_with_the_triton_kernels_matches_one_device(world):
         pool.close()
 
 
-def post_and_compute_order(world_causal):
+def post_and_compute_order(world_causal, steps_per_launch=1):
     """Record the order of K/V exchange posts and block computes inside one forward."""
     import distlab.cp.ring as ring_mod
 
@@ -137,7 +163,7 @@ def post_and_compute_order(world_causal):
     try:
         q, k, v, _ = _inputs(1, 12, 2, 2, 4)
         local = [shard_sequence(t.float(), None, "contiguous") for t in (q, k, v)]
-        ring_attention(*local, causal=world_causal)
+        ring_attention(*local, causal=world_causal, steps_per_launch=steps_per_launch)
     finally:
         ring_mod.attention_forward, comm.record = real_forward, real_record
     return events
@@ -147,6 +173,9 @@ def test_ring_posts_next_exchange_before_computing(pools):
     """Overlap by construction: each step posts the next K/V hop, then computes the block it holds."""
     events = pools(3).run(post_and_compute_order, False)
     assert all(e == ["post", "compute", "post", "compute", "compute"] for e in events), events
+    # two blocks in flight: both hops are posted before the first pair of steps computes
+    events = pools(3).run(post_and_compute_order, False, 2)
+    assert all(e == ["post", "post", "compute", "compute", "compute"] for e in events), events
 
 
 def test_causal_contiguous_skips_masked_blocks(pools):

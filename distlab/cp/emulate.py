@@ -29,6 +29,7 @@ start while the previous step's last wave finishes (programmatic dependent launc
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -37,17 +38,17 @@ import torch
 
 from distlab.cp.layout import check_divisible, chunks_per_rank, rank_chunks
 from distlab.cp.local_kernels import block_flops
-from distlab.cp.ring import _ring_backward, _ring_forward, ring_blocks
+from distlab.cp.ring import _ring_backward, _ring_forward, check_steps_per_launch, ring_blocks
 from kernels.attention import attention_backward, attention_forward, resolve_backend
 from kernels.bench import DTYPES, timeit
 
 
 class _Ready:
     def __init__(self, tensors):
-        self.tensors = tensors
+        self.recv = tensors
 
     def wait(self):
-        return self.tensors
+        return self.recv
 
 
 class ResidentRing:
@@ -62,6 +63,9 @@ class ResidentRing:
             i = next(i for i, kv in enumerate(self.kv) if kv[0] is tensors[0])
             return _Ready(self.kv[i + 1])
         return _Ready(tensors)
+
+    def exchange_after(self, pending, tag):
+        return self.exchange(pending.recv, tag)
 
 
 def rank_rows(rank, world, seq, layout):
@@ -78,7 +82,8 @@ def schedule_flops(world, rank, seq, heads, head_dim, causal, layout, batch=1):
 
 
 def emulate_rank(world, seq, heads, kv_heads, head_dim, rank, layout, causal, backend, dtype, device,
-                 backward=True, keep_output=False, graphs=False, iters=10, warmup=3, batch=1, timeline=False):
+                 backward=True, keep_output=False, graphs=False, iters=10, warmup=3, batch=1, timeline=False,
+                 steps_per_launch=1):
     """Time rank ``rank``'s forward (and backward) schedule; returns a dict of seconds and FLOPs (and,
     with ``keep_output``, the full q/k/v, the rank's rows and its output, for checks; with ``timeline``,
     each kernel of one forward / backward with its duration and the gap before it)."""
@@ -97,7 +102,7 @@ def emulate_rank(world, seq, heads, kv_heads, head_dim, rank, layout, causal, ba
     backend = resolve_backend(backend, device, dtype)
 
     def fwd():
-        return _ring_forward(q_r, *kv_by_step[0], ring, causal, layout, scale, backend)
+        return _ring_forward(q_r, *kv_by_step[0], ring, causal, layout, scale, backend, steps_per_launch)
 
     out, lse = fwd()
     out = out.to(dtype)
@@ -109,6 +114,7 @@ def emulate_rank(world, seq, heads, kv_heads, head_dim, rank, layout, causal, ba
     if graphs and device.type == "cuda":
         run_f, run_b = _graphed(fwd), (_graphed(bwd) if backward else None)
     result = {"world": world, "rank": rank, "seq": seq, "layout": layout, "causal": causal, "backend": backend,
+              "steps_per_launch": steps_per_launch,
               "graphs": bool(graphs and device.type == "cuda"),
               "flops_fwd": schedule_flops(world, rank, seq, heads, head_dim, causal, layout, batch)}
     result["fwd_s"] = timeit(run_f, iters, warmup, device)
@@ -176,9 +182,12 @@ def _print_timelines(r, own, seq, layout, a):
     from distlab.profiling.timeline import format_timeline
 
     local = seq // a.world
-    blocks = [(rw.stop - rw.start, c.stop - c.start, cz) for step in range(a.world)
-              for rw, c, cz in ring_blocks((r["rank"] - step) % a.world, r["rank"], local, a.causal, layout)]
-    fwd_flops = [block_flops(1, a.head_dim, a.heads, [blk]) for blk in blocks] if r["backend"] == "triton" else None
+    n = r["steps_per_launch"]   # the triton forward: one kernel per group of n steps
+    launches = [[(rw.stop - rw.start, c.stop - c.start, cz) for step in range(g, min(g + n, a.world))
+                 for rw, c, cz in ring_blocks((r["rank"] - step) % a.world, r["rank"], local, a.causal, layout)]
+                for g in range(0, a.world, n)]
+    fwd_flops = [block_flops(1, a.head_dim, a.heads, blk) for blk in launches if blk] \
+        if r["backend"] == "triton" else None
     name = f"S{seq} {layout} {r['backend']} rank {r['rank']}"
     print(format_timeline(r["timeline_fwd"], f"{name}: forward", fwd_flops))
     print(format_timeline(own["timeline_fwd"], f"{name}: its backend's fused H/W call, forward", [own["flops_fwd"]]))
@@ -203,6 +212,8 @@ def main(argv=None):
     p.add_argument("--dtype", choices=DTYPES, default="bf16" if gpu else "fp32")
     p.add_argument("--iters", type=int, default=20 if gpu else 2)
     p.add_argument("--no-backward", action="store_true")
+    p.add_argument("--steps-per-launch", type=int, nargs="+", default=[check_steps_per_launch()], choices=(1, 2),
+                   help="K/V blocks in flight in the forward; triton: ring steps per kernel launch")
     p.add_argument("--timeline", action="store_true",
                    help="GPU: print each kernel of one forward / backward (duration, gap before it), rank and anchor")
     p.add_argument("--json", metavar="PATH")
@@ -215,7 +226,7 @@ def main(argv=None):
           f"heads (the same FLOPs); the line 'fused H' is one call with all H heads (the GPU's rate at this length)")
     knobs = {k: v for k, v in sorted(os.environ.items()) if k.startswith("DISTLAB_")}
     print("knobs: " + (" ".join(f"{k}={v}" for k, v in knobs.items()) or "none set (defaults)"))
-    print(f"{'seq':>6} {'layout':>10} {'backend':>11} {'graph':>5} | {'fwd ms':>8} {'TFLOP/s':>8} {'eff':>6} | "
+    print(f"{'seq':>6} {'layout':>10} {'backend':>11} {'n':>1} {'graph':>5} | {'fwd ms':>8} {'TFLOP/s':>8} {'eff':>6} | "
           f"{'f+b ms':>8} {'TFLOP/s':>8} {'eff':>6}")
     for seq in a.seq:
         anchor = fused_anchor(a.world, seq, a.heads, a.kv_heads, a.head_dim, a.causal, dtype, device, a.iters)
@@ -225,16 +236,16 @@ def main(argv=None):
         w_f = whole["flops_fwd"] / whole["fwd_s"]
         w_fb = 3.5 * whole["flops_fwd"] / (whole["fwd_s"] + whole["bwd_s"])
         for label, an, f_, fb_ in (("fused H/W", anchor, a_f, a_fb), ("fused H", whole, w_f, w_fb)):
-            print(f"{seq:>6} {label:>10} {an['backend']:>11} {'-':>5} | {an['fwd_s'] * 1e3:>8.3f} {f_ / 1e12:>8.1f} "
+            print(f"{seq:>6} {label:>10} {an['backend']:>11} {'-':>1} {'-':>5} | {an['fwd_s'] * 1e3:>8.3f} {f_ / 1e12:>8.1f} "
                   f"{100 * f_ / a_f:>5.1f}% | {(an['fwd_s'] + an['bwd_s']) * 1e3:>8.3f} {fb_ / 1e12:>8.1f} "
                   f"{100 * fb_ / a_fb:>5.1f}%")
         for layout in a.layout:
             rank = a.rank if a.rank is not None else (a.world - 1 if layout == "contiguous" else 0)
-            for backend in a.backend:
+            for backend, n in itertools.product(a.backend, a.steps_per_launch):
                 try:
                     r = emulate_rank(a.world, seq, a.heads, a.kv_heads, a.head_dim, rank, layout, a.causal, backend,
                                      dtype, device, backward=not a.no_backward, graphs=a.graphs, iters=a.iters,
-                                     timeline=a.timeline)
+                                     timeline=a.timeline, steps_per_launch=n)
                 except (RuntimeError, ValueError) as e:   # a backend that cannot run (or be captured) here
                     print(f"{seq:>6} {layout:>10} {backend:>11}: failed: {str(e).splitlines()[0][:100]}", flush=True)
                     continue
@@ -246,7 +257,7 @@ def main(argv=None):
                 f = r["flops_fwd"] / r["fwd_s"]
                 r.update(anchor=anchor, whole=whole, own_anchor=own, tflops_fwd=f / 1e12, efficiency_fwd=f / a_f,
                          efficiency_fwd_vs_whole=f / w_f, efficiency_fwd_vs_own=f / o_f)
-                line = (f"{seq:>6} {layout:>10} {r['backend']:>11} {'yes' if r['graphs'] else 'no':>5} | "
+                line = (f"{seq:>6} {layout:>10} {r['backend']:>11} {n:>1} {'yes' if r['graphs'] else 'no':>5} | "
                         f"{r['fwd_s'] * 1e3:>8.3f} {f / 1e12:>8.1f} {100 * f / a_f:>5.1f}%")
                 if not a.no_backward:
                     fb = 3.5 * r["flops_fwd"] / (r["fwd_s"] + r["bwd_s"])

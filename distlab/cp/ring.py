@@ -25,6 +25,7 @@ does the same work.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -50,38 +51,55 @@ def ring_blocks(step_src: int, rank: int, seq: int, causal: bool, layout: str):
     return [(slice(half, seq), everything, False)]   # only my late chunk sees their (earlier) chunks
 
 
+def final_range(schedule, after, lo, hi):
+    """The rows of [lo, hi) that no block after ``after`` = (step, index) touches, as one range ``(a, b)``
+    (``a == b``: none). ``schedule``: the ``ring_blocks`` of every step. The blocks of the ring layouts
+    cover every row or a tail of the rows, so what is left final is the head of [lo, hi) below where the
+    later blocks start."""
+    later = [r for i, blocks in enumerate(schedule) for j, (r, _, _) in enumerate(blocks) if (i, j) > after]
+    if any(r.stop != hi for r in later):
+        raise ValueError("final_range: later blocks must end where these rows do")
+    return lo, max(lo, min([hi] + [r.start for r in later]))
+
+
 def final_rows(schedule, step, index):
     """The rows of block ``index`` of step ``step`` that no later block touches, relative to the block, as
-    ``(lo, hi)`` (``lo == hi``: none). ``schedule``: the ``ring_blocks`` of every step. The blocks of the ring
-    layouts cover every row or a tail of the rows, so what a block leaves final is one range."""
+    ``(lo, hi)`` (``lo == hi``: none)."""
     rows = schedule[step][index][0]
-    later = [r for i, blocks in enumerate(schedule) for j, (r, _, _) in enumerate(blocks) if (i, j) > (step, index)]
-    stop = min((r.start for r in later), default=rows.stop)
-    if any(r.stop != rows.stop for r in later):
-        raise ValueError("final_rows: later blocks must end where this one does")
-    return 0, max(0, min(rows.stop, stop) - rows.start)
+    a, b = final_range(schedule, (step, index), rows.start, rows.stop)
+    return a - rows.start, b - rows.start
 
 
-def _triton_block_into(out, lse, final, q, k, v, rows, causal, scale, final_range):
-    """The ``triton`` backend's step: the kernel merges the block into the float32 running (out, lse) and
-    writes the rows that no later block touches (``final_range``) straight into ``final`` in q's dtype."""
-    from kernels.triton_attention import flash_forward
+def _triton_blocks_into(out, lse, final, q, blocks, schedule, scale):
+    """The ``triton`` backend's launch: the kernel merges its blocks (``[(step, index, rows, k, v, causal)]``,
+    one, or two ring steps when ``blocks_fit_one_launch``) into the float32 running (out, lse) and writes
+    the rows that no later block touches straight into ``final`` in q's dtype."""
+    from kernels.triton_attention import blocks_fit_one_launch, flash_forward_blocks
 
+    launch = [(r.start, r.stop, k, v, c) for _, _, r, k, v, c in blocks]
+    if len(blocks) > 1 and not blocks_fit_one_launch(q, launch):
+        for blk in blocks:
+            out, lse = _triton_blocks_into(out, lse, final, q, [blk], schedule, scale)
+        return out, lse
     start = out is None
     if start:
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
-    fin = final[:, rows] if final_range[1] > final_range[0] else None
+    lo, hi = min(b[2].start for b in blocks), max(b[2].stop for b in blocks)
+    f_lo, f_hi = final_range(schedule, blocks[-1][:2], lo, hi)
+    rows = slice(lo, hi) if len(blocks) == 1 else slice(None)   # one block: views of its rows, any start
+    if len(blocks) == 1:
+        launch, f_lo, f_hi = [(0, hi - lo, *launch[0][2:])], f_lo - lo, f_hi - lo
     with phase("ring.block"):
-        flash_forward(q[:, rows], k, v, causal, scale, out[:, rows], lse[:, :, rows], accumulate=not start,
-                      final_out=fin, final_rows=final_range if fin is not None else None)
+        flash_forward_blocks(q[:, rows], launch, scale, out[:, rows], lse[:, :, rows], accumulate=not start,
+                             final_out=final[:, rows] if f_hi > f_lo else None, final_rows=(f_lo, f_hi))
     return out, lse
 
 
 def _block_into(out, lse, q, k, v, rows, causal, scale, backend):
     """Attention of q[:, rows] against k, v merged into the float32 running (out, lse); creates them at
     step 0 (whose block covers every row). Backends on CUDA merge with one Triton kernel
-    (``kernels.lse_merge``), on CPU with ``merge_into`` (the ``triton`` backend: ``_triton_block_into``)."""
+    (``kernels.lse_merge``), on CPU with ``merge_into`` (the ``triton`` backend: ``_triton_blocks_into``)."""
     with phase("ring.block"):
         o, l = attention_forward(q[:, rows], k, v, causal, scale, backend)
     with phase("ring.merge"):
@@ -98,25 +116,52 @@ def _block_into(out, lse, q, k, v, rows, causal, scale, backend):
     return out, lse
 
 
-def _ring_forward(q, k, v, ring, causal, layout, scale, backend):
+class _KVAhead:
+    """The K/V of each ring step, received ahead: step i+1's are what this rank receives by forwarding
+    step i's, so the exchanges can be posted any number of steps before their blocks are computed."""
+
+    def __init__(self, ring, kv):
+        self.ring, self.kv, self.pending, self.posted = ring, {0: kv}, {}, 0
+
+    def post_through(self, step):
+        """Post the exchanges up to the one that brings step ``step``'s K/V (``ring.size − 1`` at most)."""
+        while self.posted < min(step, self.ring.size - 1):
+            s = self.posted
+            if s in self.pending:   # forward a block still on its way (ordered after its arrival only)
+                self.pending[s + 1] = self.ring.exchange_after(self.pending[s], "ring_kv")
+            else:
+                self.pending[s + 1] = self.ring.exchange(self.kv[s], "ring_kv")
+            self.posted = s + 1
+
+    def get(self, step):
+        """Step ``step``'s K/V, once arrived; forgets them (post their forwarding exchange first)."""
+        kv = self.kv.pop(step) if step in self.kv else tuple(self.pending.pop(step).wait())
+        return kv
+
+
+def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launch=1):
+    """``steps_per_launch = n``: the steps go in groups of n, and the K/V of the next group travel while a
+    group computes (n blocks in flight); with the ``triton`` backend a group of two steps is one kernel
+    launch (``kernels.triton_attention.flash_forward_blocks``)."""
     s = q.shape[1]
     out = lse = None  # step 0 (own K/V) always covers every query row, and starts the accumulators
     schedule = [ring_blocks((ring.rank - step) % ring.size, ring.rank, s, causal, layout) for step in range(ring.size)]
     final = torch.empty_like(q) if backend == "triton" else None   # written by each row's last block
-    kv = (k, v)
-    for step in range(ring.size):
+    kv = _KVAhead(ring, (k, v))
+    for first in range(0, ring.size, steps_per_launch):
+        steps = range(first, min(first + steps_per_launch, ring.size))
         with phase("ring.exchange"):
-            pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
-        for i, (rows, cols, blk_causal) in enumerate(schedule[step]):
-            k_blk, v_blk = kv[0][:, cols], kv[1][:, cols]
-            if final is not None:
-                out, lse = _triton_block_into(out, lse, final, q, k_blk, v_blk, rows, blk_causal, scale,
-                                              final_rows(schedule, step, i))
-            else:
-                out, lse = _block_into(out, lse, q, k_blk, v_blk, rows, blk_causal, scale, backend)
-        if pending is not None:
+            kv.post_through(steps[-1] + steps_per_launch)   # the next group's K/V, while this one computes
+        blocks = []
+        for step in steps:
             with phase("ring.wait"):
-                kv = tuple(pending.wait())
+                k_s, v_s = kv.get(step)
+            blocks += [(step, i, rows, k_s[:, cols], v_s[:, cols], blk_causal)
+                       for i, (rows, cols, blk_causal) in enumerate(schedule[step])]
+        if final is not None and blocks:
+            out, lse = _triton_blocks_into(out, lse, final, q, blocks, schedule, scale)
+        for _, _, rows, k_blk, v_blk, blk_causal in blocks if final is None else ():
+            out, lse = _block_into(out, lse, q, k_blk, v_blk, rows, blk_causal, scale, backend)
     return (final if final is not None else out.to(q.dtype)), lse
 
 
@@ -187,8 +232,8 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, causal, layout, scale, backend):
-        out, lse = _ring_forward(q, k, v, ring, causal, layout, scale, backend)
+    def forward(ctx, q, k, v, ring, causal, layout, scale, backend, steps_per_launch):
+        out, lse = _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launch)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (ring, causal, layout, scale, backend)
         ctx.mark_non_differentiable(lse)
@@ -198,7 +243,19 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+STEPS_PER_LAUNCH = 1
+
+
+def check_steps_per_launch(steps_per_launch=None) -> int:
+    """1 or 2, from the argument, else ``DISTLAB_RING_STEPS_PER_LAUNCH``, else ``STEPS_PER_LAUNCH``."""
+    value = steps_per_launch if steps_per_launch is not None else os.environ.get("DISTLAB_RING_STEPS_PER_LAUNCH",
+                                                                                 STEPS_PER_LAUNCH)
+    if str(value) not in ("1", "2"):
+        raise ValueError(f"ring steps per launch must be 1 or 2; got {value!r}")
+    return int(value)
 
 
 def check_ring_inputs(q, k, v, world: int, causal: bool, layout: str, backend: str) -> str:
@@ -215,16 +272,19 @@ def check_ring_inputs(q, k, v, world: int, causal: bool, layout: str, backend: s
 
 
 def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backend="auto", softmax_scale=None,
-                   return_lse=False):
+                   return_lse=False, steps_per_launch=None):
     """Attention over the whole sequence, given this rank's shards (``distlab.cp.layout.shard_sequence``).
 
     q: ``(batch, seq/W, heads, head_dim)``; k, v: ``(batch, seq/W, kv_heads, head_dim)``. Returns this
     rank's shard of the output (and, with ``return_lse``, its float32 ``(batch, heads, seq/W)`` LSE).
+    ``steps_per_launch`` (1 or 2): the forward's K/V blocks in flight, and (``triton``) ring steps per
+    kernel launch; default ``DISTLAB_RING_STEPS_PER_LAUNCH`` or ``STEPS_PER_LAUNCH``.
     """
     ring = comm.RingExchanger(group)
     backend = check_ring_inputs(q, k, v, ring.size, causal, layout, backend)
+    steps_per_launch = check_steps_per_launch(steps_per_launch)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out, lse = _RingAttention.apply(q, k, v, ring, causal, layout, scale, backend)
+    out, lse = _RingAttention.apply(q, k, v, ring, causal, layout, scale, backend, steps_per_launch)
     return (out, lse) if return_lse else out
 
 
