@@ -24,6 +24,10 @@ sequence as one CUDA graph (no launch gaps); ``DISTLAB_TRITON_ATTN_PDL=1`` lets 
 start while the previous step's last wave finishes (programmatic dependent launch, sm_90+):
 
     DISTLAB_TRITON_ATTN_PDL=1 DISTLAB_TRITON_ATTN_FWD=64,64,4,3 python -m distlab.cp.emulate --seq 8192 32768
+
+``--steps-per-launch 1 2`` times the forward both ways: one kernel per ring step, or two steps per launch
+(``distlab.cp.ring``'s ``steps_per_launch``; the stand-in exchanger has every step's K/V resident, as a
+real rank with two blocks in flight has the next pair's by the time it needs them).
 """
 
 from __future__ import annotations

@@ -8,7 +8,11 @@ Each of the W ranks holds a shard of q, k, v along the sequence. K/V blocks trav
 (rank r sends to r+1, receives from r−1); at step i rank r holds the K/V of rank (r−i) mod W and merges
 the block's (out, lse) into its running result through the log-sum-exp (``distlab.cp.merge``). The next
 K/V exchange is posted before the current block is computed, so it overlaps the compute. The forward
-makes W−1 K/V exchanges.
+makes W−1 K/V exchanges. With ``steps_per_launch=2`` (``DISTLAB_RING_STEPS_PER_LAUNCH=2``) the steps
+go in pairs: the K/V of the next pair are forwarded as soon as they arrive (two exchanges in flight,
+``comm.RingExchanger.exchange_after``), and the ``triton`` backend computes both steps of a pair in one
+kernel launch (``kernels.triton_attention.flash_forward_blocks``): one accumulate epilogue per pair and a
+longer key loop, where the step kernels of a short shard lose most of their time.
 
 Backward: K/V travel the ring again, and so does a float32 (dK, dV) accumulator for the block being
 visited; each rank adds its contribution to it (computed with the *global* out and lse, see
