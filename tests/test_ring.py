@@ -89,9 +89,13 @@ def test_ring_with_two_blocks_in_flight_matches_one_device(pools, world, layout,
 def test_ring_steps_per_launch_is_checked(monkeypatch):
     from distlab.cp.ring import check_steps_per_launch
 
-    assert check_steps_per_launch(2) == 2 and check_steps_per_launch() in (1, 2)
+    monkeypatch.delenv("DISTLAB_RING_STEPS_PER_LAUNCH", raising=False)
+    assert check_steps_per_launch(2) == 2 and check_steps_per_launch(1, "triton") == 1
+    assert check_steps_per_launch(None, "triton") == 2 and check_steps_per_launch(None, "torch") == 1
     monkeypatch.setenv("DISTLAB_RING_STEPS_PER_LAUNCH", "2")
-    assert check_steps_per_launch() == 2
+    assert check_steps_per_launch() == 2 and check_steps_per_launch(None, "torch") == 2
+    monkeypatch.setenv("DISTLAB_RING_STEPS_PER_LAUNCH", "1")
+    assert check_steps_per_launch(None, "triton") == 1
     with pytest.raises(ValueError, match="must be 1 or 2"):
         check_steps_per_launch(3)
 

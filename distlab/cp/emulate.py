@@ -87,7 +87,7 @@ def schedule_flops(world, rank, seq, heads, head_dim, causal, layout, batch=1):
 
 def emulate_rank(world, seq, heads, kv_heads, head_dim, rank, layout, causal, backend, dtype, device,
                  backward=True, keep_output=False, graphs=False, iters=10, warmup=3, batch=1, timeline=False,
-                 steps_per_launch=1):
+                 steps_per_launch=None):
     """Time rank ``rank``'s forward (and backward) schedule; returns a dict of seconds and FLOPs (and,
     with ``keep_output``, the full q/k/v, the rank's rows and its output, for checks; with ``timeline``,
     each kernel of one forward / backward with its duration and the gap before it)."""
@@ -104,6 +104,7 @@ def emulate_rank(world, seq, heads, kv_heads, head_dim, rank, layout, causal, ba
     dout = torch.randn(q_r.shape, generator=g).to(device, dtype)
     scale = 1.0 / math.sqrt(head_dim)
     backend = resolve_backend(backend, device, dtype)
+    steps_per_launch = check_steps_per_launch(steps_per_launch, backend)
 
     def fwd():
         return _ring_forward(q_r, *kv_by_step[0], ring, causal, layout, scale, backend, steps_per_launch)
@@ -216,8 +217,9 @@ def main(argv=None):
     p.add_argument("--dtype", choices=DTYPES, default="bf16" if gpu else "fp32")
     p.add_argument("--iters", type=int, default=20 if gpu else 2)
     p.add_argument("--no-backward", action="store_true")
-    p.add_argument("--steps-per-launch", type=int, nargs="+", default=[check_steps_per_launch()], choices=(1, 2),
-                   help="K/V blocks in flight in the forward; triton: ring steps per kernel launch")
+    p.add_argument("--steps-per-launch", type=int, nargs="+", default=[None], choices=(1, 2),
+                   help="K/V blocks in flight in the forward; triton: ring steps per kernel launch "
+                        "(default: distlab.cp.ring's, 2 for triton and 1 for the others)")
     p.add_argument("--timeline", action="store_true",
                    help="GPU: print each kernel of one forward / backward (duration, gap before it), rank and anchor")
     p.add_argument("--json", metavar="PATH")
@@ -246,6 +248,7 @@ def main(argv=None):
         for layout in a.layout:
             rank = a.rank if a.rank is not None else (a.world - 1 if layout == "contiguous" else 0)
             for backend, n in itertools.product(a.backend, a.steps_per_launch):
+                n = check_steps_per_launch(n, backend)
                 try:
                     r = emulate_rank(a.world, seq, a.heads, a.kv_heads, a.head_dim, rank, layout, a.causal, backend,
                                      dtype, device, backward=not a.no_backward, graphs=a.graphs, iters=a.iters,

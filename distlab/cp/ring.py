@@ -8,7 +8,8 @@ Each of the W ranks holds a shard of q, k, v along the sequence. K/V blocks trav
 (rank r sends to r+1, receives from r−1); at step i rank r holds the K/V of rank (r−i) mod W and merges
 the block's (out, lse) into its running result through the log-sum-exp (``distlab.cp.merge``). The next
 K/V exchange is posted before the current block is computed, so it overlaps the compute. The forward
-makes W−1 K/V exchanges. With ``steps_per_launch=2`` (``DISTLAB_RING_STEPS_PER_LAUNCH=2``) the steps
+makes W−1 K/V exchanges. With ``steps_per_launch=2`` (the ``triton`` default; ``DISTLAB_RING_STEPS_PER_LAUNCH``
+sets it for every backend) the steps
 go in pairs: the K/V of the next pair are forwarded as soon as they arrive (two exchanges in flight,
 ``comm.RingExchanger.exchange_after``), and the ``triton`` backend computes both steps of a pair in one
 kernel launch (``kernels.triton_attention.flash_forward_blocks``): one accumulate epilogue per pair and a
@@ -223,8 +224,8 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
             dkv = (dk_blk, dv_blk)
         else:                                # the accumulator for block src, from the previous rank
             dkv = dkv_pending.wait()
-            if dk_blk is not None:
-                dkv = (dkv[0].add_(dk_blk), dkv[1].add_(dv_blk))
+            if dk_blk is not None:           # dK and dV in one launch
+                torch._foreach_add_(dkv, (dk_blk, dv_blk))
         if ring.size > 1:
             dkv_pending = ring.exchange(dkv, "ring_dkv")
         if kv_pending is not None:
@@ -250,13 +251,17 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
-STEPS_PER_LAUNCH = 1
+# Two steps per launch where it was measured to pay (docs/PERF.md, "Ring rank, fifth pass": the triton
+# forward of one W8 rank 116% -> 126% of the fused H/W call at S8192, 89% -> 92% at S32768); one K/V block
+# in flight elsewhere, which keeps the memory of the classic ring (one extra K/V buffer less).
+STEPS_PER_LAUNCH = {"triton": 2}
 
 
-def check_steps_per_launch(steps_per_launch=None) -> int:
-    """1 or 2, from the argument, else ``DISTLAB_RING_STEPS_PER_LAUNCH``, else ``STEPS_PER_LAUNCH``."""
-    value = steps_per_launch if steps_per_launch is not None else os.environ.get("DISTLAB_RING_STEPS_PER_LAUNCH",
-                                                                                 STEPS_PER_LAUNCH)
+def check_steps_per_launch(steps_per_launch=None, backend=None) -> int:
+    """1 or 2, from the argument, else ``DISTLAB_RING_STEPS_PER_LAUNCH``, else ``STEPS_PER_LAUNCH[backend]``
+    (1 for backends not listed)."""
+    value = steps_per_launch if steps_per_launch is not None else os.environ.get(
+        "DISTLAB_RING_STEPS_PER_LAUNCH", STEPS_PER_LAUNCH.get(backend, 1))
     if str(value) not in ("1", "2"):
         raise ValueError(f"ring steps per launch must be 1 or 2; got {value!r}")
     return int(value)
@@ -282,11 +287,11 @@ def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backe
     q: ``(batch, seq/W, heads, head_dim)``; k, v: ``(batch, seq/W, kv_heads, head_dim)``. Returns this
     rank's shard of the output (and, with ``return_lse``, its float32 ``(batch, heads, seq/W)`` LSE).
     ``steps_per_launch`` (1 or 2): the forward's K/V blocks in flight, and (``triton``) ring steps per
-    kernel launch; default ``DISTLAB_RING_STEPS_PER_LAUNCH`` or ``STEPS_PER_LAUNCH``.
+    kernel launch; default ``DISTLAB_RING_STEPS_PER_LAUNCH``, else 2 for ``triton`` and 1 for the others.
     """
     ring = comm.RingExchanger(group)
     backend = check_ring_inputs(q, k, v, ring.size, causal, layout, backend)
-    steps_per_launch = check_steps_per_launch(steps_per_launch)
+    steps_per_launch = check_steps_per_launch(steps_per_launch, backend)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out, lse = _RingAttention.apply(q, k, v, ring, causal, layout, scale, backend, steps_per_launch)
     return (out, lse) if return_lse else out
