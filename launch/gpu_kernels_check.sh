@@ -257,6 +257,15 @@ if [ "$part" = ring10 ]; then   # two ring steps per forward launch (flash_forwa
   LIMIT=60 run timeline env DISTLAB_TRITON_ATTN_PDL=1 $py -m distlab.cp.emulate --world 8 --seq 32768 --backend triton \
       --steps-per-launch 2 --iters 5 --timeline
 fi
+if [ "$part" = ring11 ]; then   # defaults only: steps_per_launch from distlab.cp.ring (triton: 2), PDL off / on
+  LIMIT=240 run check_ring $py tests/kernel_checks.py accumulate emulate --device cuda --dtype bfloat16 --big
+  for pdl in 0 1; do
+    LIMIT=100 run emulate_pdl$pdl env DISTLAB_TRITON_ATTN_PDL=$pdl $py -m distlab.cp.emulate --world 8 \
+        --seq 8192 32768 --backend triton sdpa-cudnn --iters 10 --json "$out/emulate_pdl$pdl.json"
+  done
+  LIMIT=60 run timeline_8k env DISTLAB_TRITON_ATTN_PDL=1 $py -m distlab.cp.emulate --world 8 --seq 8192 \
+      --backend triton --iters 5 --timeline
+fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
 tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"
 exit $status

@@ -90,6 +90,28 @@ def test_overlap_study_runs_on_gloo_and_traces(tmp_path):
     assert sorted(p.name for p in (tmp_path / "tr").iterdir()) == ["trace_rank0.json", "trace_rank1.json"]
 
 
+END_PROCESS = """
+import sys, torch
+from distlab.profiling import Profiler, end_process
+with Profiler(sys.argv[1], sys.argv[2]) as prof:
+    for _ in range(prof.steps):
+        torch.ones(4).sum()
+        prof.step()
+print("finished", end="")          # unflushed on purpose: end_process must flush it
+end_process()
+print(" and went on")
+"""
+
+
+@pytest.mark.parametrize("mode,want", [("torch", "finished"), ("none", "finished and went on")])
+def test_end_process_exits_at_once_after_a_torch_profile(tmp_path, mode, want):
+    proc = subprocess.run([sys.executable, "-c", END_PROCESS, mode, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == want
+    assert (tmp_path / "trace_rank0.json").exists() == (mode == "torch")
+
+
 def test_metadata_found_through_the_enclosing_record_param_comms():
     """torch 2.11 traces: the kernel points at the 'nccl:all_reduce' range, inside record_param_comms."""
     meta = {"Collective name": "allreduce", "In msg nelems": 2**20, "Out msg nelems": 2**20, "dtype": "BFloat16",

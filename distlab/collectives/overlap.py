@@ -215,4 +215,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from distlab.profiling import end_process
+
     main()
+    end_process()

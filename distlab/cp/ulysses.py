@@ -78,5 +78,7 @@ def ulysses_attention(q, k, v, group=None, causal=False, backend="auto", softmax
 
 if __name__ == "__main__":
     from distlab.cp.study import main
+    from distlab.profiling import end_process
 
     main(algorithm="ulysses")
+    end_process()
