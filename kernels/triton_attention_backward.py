@@ -50,21 +50,27 @@ def _delta_kernel(O, DO, LSE, DELTA, LSE2, seq, heads, sob, sos, soh, sdb, sds, 
 
 @triton.jit
 def _sum_splits_kernel(DKP, DVP, DK, DV, seq, kv_heads, n_rows, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
-                       SPLITS: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr):
+                       SPLITS: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, ADD: tl.constexpr):
     """dK, dV (any dtype and strides) = the sum, in split order, of the float32 per-q-head partials
-    ``(batch, seq, kv_heads · SPLITS, D)``: one launch for both, deterministic."""
+    ``(batch, seq, kv_heads · SPLITS, D)`` (``ADD``: dK, dV += that sum): one launch for both, deterministic."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)     # rows (batch, key, kv head) of D elements
     offs_d = tl.arange(0, D)
     m = (r < n_rows)[:, None]
     b, t, hk = r // (seq * kv_heads), (r // kv_heads) % seq, r % kv_heads
-    acc_k = tl.zeros([ROWS, D], tl.float32)
-    acc_v = tl.zeros([ROWS, D], tl.float32)
+    dk_ptrs = DK + (b * sdkb + t * sdks + hk * sdkh)[:, None] + offs_d[None, :]
+    dv_ptrs = DV + (b * sdvb + t * sdvs + hk * sdvh)[:, None] + offs_d[None, :]
+    if ADD:   # into what DK/DV hold (a ring step's received accumulator)
+        acc_k = tl.load(dk_ptrs, mask=m, other=0.0).to(tl.float32)
+        acc_v = tl.load(dv_ptrs, mask=m, other=0.0).to(tl.float32)
+    else:
+        acc_k = tl.zeros([ROWS, D], tl.float32)
+        acc_v = tl.zeros([ROWS, D], tl.float32)
     for j in tl.static_range(SPLITS):
         part = (r * SPLITS + j)[:, None] * D + offs_d[None, :]
         acc_k += tl.load(DKP + part, mask=m, other=0.0)
         acc_v += tl.load(DVP + part, mask=m, other=0.0)
-    tl.store(DK + (b * sdkb + t * sdks + hk * sdkh)[:, None] + offs_d[None, :], acc_k.to(DK.dtype.element_ty), mask=m)
-    tl.store(DV + (b * sdvb + t * sdvs + hk * sdvh)[:, None] + offs_d[None, :], acc_v.to(DV.dtype.element_ty), mask=m)
+    tl.store(dk_ptrs, acc_k.to(DK.dtype.element_ty), mask=m)
+    tl.store(dv_ptrs, acc_v.to(DV.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -250,7 +256,7 @@ def backward_rows(dout, out, lse):
 
 
 def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, split_groups=None, rows=None,
-                   dq_acc=None, dk_out=None, dv_out=None):
+                   dq_acc=None, dk_out=None, dv_out=None, dkv_into=None):
     """``(dq, dk, dv)`` in the inputs' dtype, from the final ``out`` and float32 ``lse``.
 
     ``split_groups``: with GQA, one dK/dV program per *q* head (float32 partial sums added up after) instead
@@ -261,7 +267,10 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
     A ring step (``distlab.cp.ring``) passes ``rows`` = ``backward_rows`` of these query rows (then ``out``
     and ``lse`` are not read), ``dq_acc``, a float32 ``(batch, seq_q, heads, D)`` view that dQ is *added*
     to, and ``dk_out``/``dv_out``, float32 ``(batch, seq_k, kv_heads, D)`` views dK/dV are written to; it
-    gets those three back."""
+    gets those three back. Instead of ``dk_out``/``dv_out``, a later ring step passes ``dkv_into``: a callable
+    that returns the float32 views dK/dV are *added* to (the accumulator this rank receives for the block),
+    called after the dK/dV and dQ kernels are launched, so the wait for it comes after this step's compute;
+    with split groups the partials are summed straight into them (no separate add)."""
     check_triton_inputs(q, k, v, causal)
     q, k, v, dout = _last_contiguous(q, k, v, dout)
     b, sq, h, d = q.shape
@@ -280,8 +289,11 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
     if delta.stride() != lse2.stride() or delta.stride(-1) != 1:
         raise ValueError("the backward rows (delta, lse2) must share strides, rows contiguous")
     dq = dq_acc if dq_acc is not None else torch.empty_like(q)
-    dk = dk_out if dk_out is not None else torch.empty_like(k)
-    dv = dv_out if dv_out is not None else torch.empty_like(v)
+    if dkv_into is not None and (dk_out is not None or dv_out is not None):
+        raise ValueError("give dkv_into or dk_out/dv_out, not both")
+    f32 = dict(dtype=torch.float32) if dkv_into is not None else {}   # added into float32 accumulators after
+    dk = dk_out if dk_out is not None else torch.empty_like(k, **f32)
+    dv = dv_out if dv_out is not None else torch.empty_like(v, **f32)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
     bm, bn, warps, stages = tile_config("DKV" if rows is None else "DKV_RING", q.device, d)
@@ -312,18 +324,36 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
         dq_sum.stride(1), dq_sum.stride(2),
         BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), ATOMIC_DQ=atomic, TMA=tma,
         PDL=bool(pdl), num_warps=warps, num_stages=stages, **pdl)
-    if splits > 1:   # one launch sums the partials into dK and dV (was a reduction and a copy for each)
-        rows_ = b * sk * hk
-        _sum_splits_kernel[(triton.cdiv(rows_, 16),)](dk_part, dv_part, dk, dv, sk, hk, rows_, dk.stride(0),
-                                                      dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
-                                                      dv.stride(2), SPLITS=splits, ROWS=16, D=d, num_warps=4)
+    if splits > 1 and dkv_into is None:   # one launch sums the partials into dK and dV
+        _sum_splits(dk_part, dv_part, dk, dv, splits, add=False)
     if atomic:
-        return (dq_sum if dq_acc is not None else dq_sum.to(q.dtype)), dk, dv
-    bm, bn, warps, stages = tile_config("DQ", q.device, d)
-    kd, vd, tma = _tile_descriptors("dq", k, v, bn)
-    _dq_kernel[(b * h, triton.cdiv(sq, bm))](
-        q, k, v, kd, vd, dout, lse2, delta, dq, sq, sk, h, h // hk, scale * LOG2E, scale, delta.stride(0),
-        delta.stride(1), *strides, dq.stride(0), dq.stride(1), dq.stride(2),
-        BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), TMA=tma, DQ_ADD=dq_acc is not None,
-        PDL=bool(pdl), num_warps=warps, num_stages=stages, **pdl)
-    return dq, dk, dv
+        dq = dq_sum if dq_acc is not None else dq_sum.to(q.dtype)
+    else:
+        bm, bn, warps, stages = tile_config("DQ", q.device, d)
+        kd, vd, tma = _tile_descriptors("dq", k, v, bn)
+        _dq_kernel[(b * h, triton.cdiv(sq, bm))](
+            q, k, v, kd, vd, dout, lse2, delta, dq, sq, sk, h, h // hk, scale * LOG2E, scale, delta.stride(0),
+            delta.stride(1), *strides, dq.stride(0), dq.stride(1), dq.stride(2),
+            BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), TMA=tma, DQ_ADD=dq_acc is not None,
+            PDL=bool(pdl), num_warps=warps, num_stages=stages, **pdl)
+    if dkv_into is None:
+        return dq, dk, dv
+    acc_k, acc_v = dkv_into()   # e.g. the ring's wait for the accumulator it receives
+    for name, t, shape in (("dkv_into()[0]", acc_k, k.shape), ("dkv_into()[1]", acc_v, v.shape)):
+        if t.shape != shape or t.dtype != torch.float32 or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be float32 {tuple(shape)} with a contiguous last dim; got "
+                             f"{tuple(t.shape)} {t.dtype}")
+    if splits > 1:                 # the partials summed straight into the accumulators
+        _sum_splits(dk_part, dv_part, acc_k, acc_v, splits, add=True)
+    else:
+        acc_k.add_(dk)
+        acc_v.add_(dv)
+    return dq, acc_k, acc_v
+
+
+def _sum_splits(dk_part, dv_part, dk, dv, splits, add):
+    b, sk, hk, d = dk.shape
+    rows = b * sk * hk
+    _sum_splits_kernel[(triton.cdiv(rows, 16),)](dk_part, dv_part, dk, dv, sk, hk, rows, dk.stride(0), dk.stride(1),
+                                                 dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+                                                 SPLITS=splits, ROWS=16, D=d, ADD=add, num_warps=4)

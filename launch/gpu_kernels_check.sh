@@ -266,6 +266,24 @@ if [ "$part" = ring11 ]; then   # defaults only: steps_per_launch from distlab.c
   LIMIT=60 run timeline_8k env DISTLAB_TRITON_ATTN_PDL=1 $py -m distlab.cp.emulate --world 8 --seq 8192 \
       --backend triton --iters 5 --timeline
 fi
+if [ "$part" = ring12 ]; then   # ring11's timing, the dK/dV adds back to two add_ launches
+  for pdl in 0 1; do
+    LIMIT=100 run emulate_pdl$pdl env DISTLAB_TRITON_ATTN_PDL=$pdl $py -m distlab.cp.emulate --world 8 \
+        --seq 8192 32768 --backend triton --iters 10 --json "$out/emulate_pdl$pdl.json"
+  done
+  LIMIT=60 run timeline_8k env DISTLAB_TRITON_ATTN_PDL=1 $py -m distlab.cp.emulate --world 8 --seq 8192 \
+      --backend triton --iters 5 --timeline
+fi
+if [ "$part" = ring13 ]; then   # dkv_into: split partials summed straight into the received dK/dV accumulator
+  LIMIT=150 run check_ring $py tests/kernel_checks.py accumulate emulate --device cuda --dtype bfloat16 --big
+  LIMIT=200 run check_attention $py tests/kernel_checks.py attention --device cuda --dtype bfloat16 --big
+  for pdl in 0 1; do
+    LIMIT=100 run emulate_pdl$pdl env DISTLAB_TRITON_ATTN_PDL=$pdl $py -m distlab.cp.emulate --world 8 \
+        --seq 8192 32768 --backend triton --iters 10 --json "$out/emulate_pdl$pdl.json"
+  done
+  LIMIT=60 run timeline_8k env DISTLAB_TRITON_ATTN_PDL=1 $py -m distlab.cp.emulate --world 8 --seq 8192 \
+      --backend triton --iters 5 --timeline
+fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
 tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"
 exit $status

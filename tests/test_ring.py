@@ -131,14 +131,14 @@ def test_ring_with_the_triton_kernels_matches_one_device(world):
     try:
         # dQ from its own kernel (added in place), or added by the dK/dV kernel's atomics into the ring's dQ
         # two ring steps per forward launch: with 64-row shards zigzag's half blocks start on a query tile
-        for layout, causal, (heads, kv_heads), dq_mode, n, shard in (("zigzag", True, (4, 2), "kernel", 1, 24),
-                                                                     ("contiguous", True, (4, 4), "kernel", 1, 24),
-                                                                     ("contiguous", False, (4, 2), "kernel", 1, 24),
-                                                                     ("zigzag", True, (4, 2), "atomic", 1, 24),
-                                                                     ("zigzag", True, (4, 2), "kernel", 2, 64),
-                                                                     ("contiguous", False, (2, 1), "kernel", 2, 32)):
-            case = f"W={world} {layout} causal={causal} dq {dq_mode} steps/launch {n}"
-            for rank, res in enumerate(pool.run(_with_env, {"DISTLAB_TRITON_ATTN_DQ_MODE": dq_mode},
+        # dK/dV per kv head (split 0) or summed from per-q-head partials straight into the received accumulator
+        for layout, causal, (heads, kv_heads), dq_mode, split, n, shard in (
+                ("zigzag", True, (4, 2), "kernel", "0", 1, 24), ("contiguous", True, (4, 4), "kernel", "0", 1, 24),
+                ("contiguous", False, (4, 2), "kernel", "1", 1, 24), ("zigzag", True, (4, 2), "atomic", "1", 1, 24),
+                ("zigzag", True, (4, 2), "kernel", "0", 2, 64), ("contiguous", False, (2, 1), "kernel", "0", 2, 32)):
+            case = f"W={world} {layout} causal={causal} dq {dq_mode} split {split} steps/launch {n}"
+            env = {"DISTLAB_TRITON_ATTN_DQ_MODE": dq_mode, "DISTLAB_TRITON_ATTN_SPLIT_GROUPS": split}
+            for rank, res in enumerate(pool.run(_with_env, env,
                                                 ring_vs_one_device, heads, kv_heads, causal, layout, seq=shard * world,
                                                 head_dim=16, backend="triton", steps_per_launch=n)):
                 for name, err in res["errors"].items():

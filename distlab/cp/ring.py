@@ -180,20 +180,34 @@ def _accumulate(acc, part, index, like, dtype):
     return acc
 
 
-def _triton_block_backward(dq, dout, q, k, v, back_rows, rows, cols, causal, scale):
-    """The ``triton`` backend's block backward: dQ added into the float32 ``dq`` inside its kernel, dK/dV
-    written in float32 straight into new step accumulators (zeros where the block has no keys; a step has
-    at most one block), the backward rows (delta, exp2 LSE) computed once per ring backward — no per-step
-    conversions or adds."""
+def _triton_block_backward(dq, dout, q, k, v, back_rows, rows, cols, causal, scale, received=None):
+    """The ``triton`` backend's block backward: dQ added into the float32 ``dq`` inside its kernel, the
+    backward rows (delta, exp2 LSE) computed once per ring backward — no per-step conversions. dK/dV: at
+    step 0 written in float32 into new step accumulators (zeros where the block has no keys; a step has at
+    most one block); at a later step added into the accumulator ``received`` from the previous rank, whose
+    wait comes after this step's kernels are launched (with split groups, the partials' sum adds into it).
+    Returns the step's (dK, dV)."""
     from kernels.triton_attention_backward import flash_backward
 
-    new = torch.empty if cols.start == 0 and cols.stop == k.shape[1] else torch.zeros
-    dk_blk, dv_blk = (new(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
+    common = dict(rows=(back_rows[0][:, :, rows], back_rows[1][:, :, rows]), dq_acc=dq[:, rows])
+    if received is None:
+        new = torch.empty if cols.start == 0 and cols.stop == k.shape[1] else torch.zeros
+        dk_blk, dv_blk = (new(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
+        with phase("ring.block_backward"):
+            flash_backward(dout[:, rows], q[:, rows], k[:, cols], v[:, cols], None, None, causal, scale,
+                           dk_out=dk_blk[:, cols], dv_out=dv_blk[:, cols], **common)
+        return dk_blk, dv_blk
+    got = []
+
+    def into():
+        with phase("ring.wait"):
+            got.extend(received.wait())
+        return got[0][:, cols], got[1][:, cols]
+
     with phase("ring.block_backward"):
         flash_backward(dout[:, rows], q[:, rows], k[:, cols], v[:, cols], None, None, causal, scale,
-                       rows=(back_rows[0][:, :, rows], back_rows[1][:, :, rows]), dq_acc=dq[:, rows],
-                       dk_out=dk_blk[:, cols], dv_out=dv_blk[:, cols])
-    return dk_blk, dv_blk
+                       dkv_into=into, **common)
+    return got[0], got[1]
 
 
 def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend):
@@ -211,8 +225,10 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
         src = (ring.rank - step) % ring.size
         dk_blk = dv_blk = None
         for rows, cols, blk_causal in ring_blocks(src, ring.rank, s, causal, layout):
-            if back_rows is not None:
-                dk_blk, dv_blk = _triton_block_backward(dq, dout, q, *kv, back_rows, rows, cols, blk_causal, scale)
+            if back_rows is not None:   # a later step adds into the received accumulator (then no wait below)
+                dk_blk, dv_blk = _triton_block_backward(dq, dout, q, *kv, back_rows, rows, cols, blk_causal, scale,
+                                                        received=dkv_pending)
+                dkv_pending = None
                 continue
             with phase("ring.block_backward"):
                 dq_b, dk_b, dv_b = attention_backward(dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols],
@@ -220,12 +236,12 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
             dq = _accumulate(dq, dq_b, rows, q, acc)
             dk_blk = _accumulate(dk_blk, dk_b, cols, k, acc)
             dv_blk = _accumulate(dv_blk, dv_b, cols, v, acc)
-        if dkv_pending is None:              # step 0: my own block, always computed
+        if step == 0 or back_rows is not None and dk_blk is not None:   # my own block; or triton added it
             dkv = (dk_blk, dv_blk)
         else:                                # the accumulator for block src, from the previous rank
             dkv = dkv_pending.wait()
-            if dk_blk is not None:           # dK and dV in one launch
-                torch._foreach_add_(dkv, (dk_blk, dv_blk))
+            if dk_blk is not None:
+                dkv = (dkv[0].add_(dk_blk), dkv[1].add_(dv_blk))
         if ring.size > 1:
             dkv_pending = ring.exchange(dkv, "ring_dkv")
         if kv_pending is not None:
