@@ -117,6 +117,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=None, help="override the config's steps")
     p.add_argument("--stop-after", type=int, default=None, help="stop (and checkpoint) after this many steps")
     p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=None, help="override the config's checkpoint_every")
     p.add_argument("--resume", default=None, help="a checkpoint folder (…/step_N)")
     p.add_argument("--json", metavar="PATH", help="write the loss curve (rank 0)")
     p.add_argument("--device", default=None)
@@ -139,6 +140,8 @@ def main(argv=None):
             setattr(a, key, layout[key])
     if a.steps:
         tcfg.steps = a.steps
+    if a.checkpoint_every is not None:
+        tcfg.checkpoint_every = a.checkpoint_every
     rt = init_runtime(device=a.device, seed=tcfg.seed)
     model_parallel = a.tp * a.ring * a.ulysses
     try:
@@ -181,7 +184,7 @@ def main(argv=None):
             if rt.is_main:
                 print(progress(step + 1, tcfg.steps, losses[step], rate, mfu=mfu), flush=True)
             t0, tokens = time.perf_counter(), 0
-        if a.checkpoint_dir and tcfg.checkpoint_every and (step + 1) % tcfg.checkpoint_every == 0:
+        if a.checkpoint_dir and tcfg.checkpoint_every and (step + 1) % tcfg.checkpoint_every == 0 and step + 1 < end:
             checkpoint.save(os.path.join(a.checkpoint_dir, f"step_{step + 1}"), model, optimizer, step + 1)
     if a.checkpoint_dir and end > start:
         checkpoint.save(os.path.join(a.checkpoint_dir, f"step_{end}"), model, optimizer, end)

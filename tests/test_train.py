@@ -97,13 +97,15 @@ def test_checkpoint_saved_in_one_layout_resumes_in_another(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(out.read_text())["losses"]
 
-    straight = run(4, "tp2-cp2")
-    first = run(4, "tp2-cp2", "--stop-after", "4", "--checkpoint-dir", str(tmp_path / "ckpt"))
+    straight = run(4, "tp2-cp2", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "4")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_4", "step_8"]
     same = run(4, "tp2-cp2", "--resume", str(tmp_path / "ckpt" / "step_4"))
-    assert sorted(first, key=int) == ["0", "1", "2", "3"] and sorted(same, key=int) == ["4", "5", "6", "7"]
-    assert {**first, **same} == straight                                  # killed + resumed: bit for bit
-    other = run(2, "tiny", "--resume", str(tmp_path / "ckpt" / "step_4"))  # TP 2 x CP 2 -> DP 2
-    assert sorted(other, key=int) == ["4", "5", "6", "7"]
+    assert sorted(same, key=int) == ["4", "5", "6", "7"]
+    assert {s: straight[s] for s in same} == same                       # resumed mid-run: bit for bit
+    # TP 2 x CP 2 -> DP 2, stopped ("killed") after two steps: it checkpoints where it stops
+    other = run(2, "tiny", "--resume", str(tmp_path / "ckpt" / "step_4"), "--stop-after", "2", "--checkpoint-dir",
+                str(tmp_path / "ckpt2"))
+    assert sorted(other, key=int) == ["4", "5"] and [p.name for p in (tmp_path / "ckpt2").iterdir()] == ["step_6"]
     assert all(abs(other[s] - straight[s]) < 1e-4 for s in other), (other, straight)
 
 
