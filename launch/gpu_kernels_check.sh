@@ -27,6 +27,14 @@ run() { local name=$1; shift; echo "== $name: $*"; local t0=$SECONDS   # each co
         if [ $SECONDS -gt "${BUDGET:-540}" ]; then echo "   skipped: past the call's ${BUDGET:-540} s"; status=1; return; fi
         timeout "${LIMIT:-240}" "$@" > "$out/$name.log" 2>&1 || { echo "   FAILED or timed out ($name)"; status=1; }
         tail -n ${TAIL:-4} "$out/$name.log"; echo "   ($((SECONDS - t0)) s)"; }
+emulate_defaults() {   # ring12, ring13: the triton ring rank at the defaults, PDL off / on, and an S8192 timeline
+  for pdl in 0 1; do
+    LIMIT=100 run emulate_pdl$pdl env DISTLAB_TRITON_ATTN_PDL=$pdl $py -m distlab.cp.emulate --world 8 \
+        --seq 8192 32768 --backend triton --iters 10 --json "$out/emulate_pdl$pdl.json"
+  done
+  LIMIT=60 run timeline_8k env DISTLAB_TRITON_ATTN_PDL=1 $py -m distlab.cp.emulate --world 8 --seq 8192 \
+      --backend triton --iters 5 --timeline
+}
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv > "$out/gpu.txt" 2>&1
 if [ "$part" = all ]; then   # one call of under 10 minutes, in order of importance
   LIMIT=110 run gpu_tests $py -m pytest -v -m gpu tests/test_triton_kernels.py tests/test_attention_kernels.py -k triton \
@@ -267,22 +275,12 @@ if [ "$part" = ring11 ]; then   # defaults only: steps_per_launch from distlab.c
       --backend triton --iters 5 --timeline
 fi
 if [ "$part" = ring12 ]; then   # ring11's timing, the dK/dV adds back to two add_ launches
-  for pdl in 0 1; do
-    LIMIT=100 run emulate_pdl$pdl env DISTLAB_TRITON_ATTN_PDL=$pdl $py -m distlab.cp.emulate --world 8 \
-        --seq 8192 32768 --backend triton --iters 10 --json "$out/emulate_pdl$pdl.json"
-  done
-  LIMIT=60 run timeline_8k env DISTLAB_TRITON_ATTN_PDL=1 $py -m distlab.cp.emulate --world 8 --seq 8192 \
-      --backend triton --iters 5 --timeline
+  emulate_defaults
 fi
 if [ "$part" = ring13 ]; then   # dkv_into: split partials summed straight into the received dK/dV accumulator
   LIMIT=150 run check_ring $py tests/kernel_checks.py accumulate emulate --device cuda --dtype bfloat16 --big
   LIMIT=200 run check_attention $py tests/kernel_checks.py attention --device cuda --dtype bfloat16 --big
-  for pdl in 0 1; do
-    LIMIT=100 run emulate_pdl$pdl env DISTLAB_TRITON_ATTN_PDL=$pdl $py -m distlab.cp.emulate --world 8 \
-        --seq 8192 32768 --backend triton --iters 10 --json "$out/emulate_pdl$pdl.json"
-  done
-  LIMIT=60 run timeline_8k env DISTLAB_TRITON_ATTN_PDL=1 $py -m distlab.cp.emulate --world 8 --seq 8192 \
-      --backend triton --iters 5 --timeline
+  emulate_defaults
 fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
 tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"
