@@ -291,9 +291,6 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
     dq = dq_acc if dq_acc is not None else torch.empty_like(q)
     if dkv_into is not None and (dk_out is not None or dv_out is not None):
         raise ValueError("give dkv_into or dk_out/dv_out, not both")
-    f32 = dict(dtype=torch.float32) if dkv_into is not None else {}   # added into float32 accumulators after
-    dk = dk_out if dk_out is not None else torch.empty_like(k, **f32)
-    dv = dv_out if dv_out is not None else torch.empty_like(v, **f32)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
     bm, bn, warps, stages = tile_config("DKV" if rows is None else "DKV_RING", q.device, d)
@@ -302,6 +299,12 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
         split_groups = groups > 1 and (env == "1" or (env == "auto" and tiles * b * hk < sms))
     splits = groups if split_groups else 1
+    if dkv_into is None or splits == 1:   # with dkv_into: float32, added into the accumulators after
+        f32 = dict(dtype=torch.float32) if dkv_into is not None else {}
+        dk = dk_out if dk_out is not None else torch.empty_like(k, **f32)
+        dv = dv_out if dv_out is not None else torch.empty_like(v, **f32)
+    else:                                 # the partials are summed straight into the accumulators
+        dk = dv = None
     if splits > 1:   # float32 partial sums per q head, added up below
         dk_part = torch.empty(b, sk, hk * splits, d, dtype=torch.float32, device=q.device)
         dv_part = torch.empty_like(dk_part)
