@@ -28,7 +28,7 @@ Knobs, measured on the H200 (docs/PERF.md): ``DISTLAB_TRITON_ATTN_TMA`` — whic
 streamed tiles (K/V of the forward and dQ kernels, Q/dO of the dK/dV kernel) through TMA descriptors over
 (batch, seq, heads·D): default ``fwd`` (+3–7% forward), ``1`` all, ``0`` none (dK/dV through TMA was 25%
 slower). ``DISTLAB_TRITON_ATTN_PDL=1``: a ring's accumulating forwards (and its backward's kernels) launch
-as programmatic dependent launches (``pdl_enabled``). ``DISTLAB_TRITON_ATTN_{FWD,DKV,DKV_RING,DQ}``: tiles; ``DISTLAB_TRITON_ATTN_SPLIT_GROUPS``.
+as programmatic dependent launches (``pdl_enabled``). ``DISTLAB_TRITON_ATTN_{FWD,DKV,DKV_RING,DQ,DQ_RING}``: tiles; ``DISTLAB_TRITON_ATTN_SPLIT_GROUPS``.
 """
 
 from __future__ import annotations
@@ -45,10 +45,12 @@ LOG2E = 1.4426950408889634
 # tile configs: (BLOCK_M, BLOCK_N, num_warps, num_stages); env DISTLAB_TRITON_ATTN_{FWD,DKV,DQ}="128,64,8,3".
 # DKV_RING: the dK/dV kernel of a ring step's block (``flash_backward(rows=...)``), whose short key range
 # wants smaller tiles than one call over the whole sequence (H200, ``ring9``: ring fwd+bwd 4-8% faster,
-# one call 2% slower)
-_GPU_DEFAULTS = {"FWD": (64, 64, 4, 3), "DKV": (64, 128, 8, 3), "DKV_RING": (32, 64, 4, 3), "DQ": (128, 64, 8, 3)}
-_CPU = {"FWD": (32, 16, 4, 1), "DKV": (16, 32, 4, 1), "DKV_RING": (16, 32, 4, 1), "DQ": (32, 16, 4, 1)}
-# causal loops need BLOCK_M % BLOCK_N == 0 (FWD, DQ) and BLOCK_N % BLOCK_M == 0 (DKV, DKV_RING)
+# one call 2% slower); DQ_RING: the dQ kernel of a ring step (``kernels.tune_attention --ring-step``)
+_GPU_DEFAULTS = {"FWD": (64, 64, 4, 3), "DKV": (64, 128, 8, 3), "DKV_RING": (32, 64, 4, 3), "DQ": (128, 64, 8, 3),
+                 "DQ_RING": (128, 64, 8, 3)}
+_CPU = {"FWD": (32, 16, 4, 1), "DKV": (16, 32, 4, 1), "DKV_RING": (16, 32, 4, 1), "DQ": (32, 16, 4, 1),
+        "DQ_RING": (32, 16, 4, 1)}
+# causal loops need BLOCK_M % BLOCK_N == 0 (FWD, DQ, DQ_RING) and BLOCK_N % BLOCK_M == 0 (DKV, DKV_RING)
 
 
 def tile_config(kind: str, device: torch.device, head_dim: int):
@@ -63,7 +65,7 @@ def tile_config(kind: str, device: torch.device, head_dim: int):
             bm, bn, s = min(bm, 64), min(bn, 64), 1
     big, small = (bn, bm) if kind.startswith("DKV") else (bm, bn)
     if big % small:
-        raise ValueError(f"{kind} tiles {bm}x{bn}: the {'key' if kind == 'DKV' else 'query'} tile must be a multiple "
+        raise ValueError(f"{kind} tiles {bm}x{bn}: the {'key' if kind.startswith('DKV') else 'query'} tile must be a multiple "
                          f"of the other")
     return bm, bn, w, s
 

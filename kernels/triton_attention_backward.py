@@ -49,28 +49,34 @@ def _delta_kernel(O, DO, LSE, DELTA, LSE2, seq, heads, sob, sos, soh, sdb, sds, 
 
 
 @triton.jit
-def _sum_splits_kernel(DKP, DVP, DK, DV, seq, kv_heads, n_rows, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
-                       SPLITS: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, ADD: tl.constexpr):
-    """dK, dV (any dtype and strides) = the sum, in split order, of the float32 per-q-head partials
-    ``(batch, seq, kv_heads · SPLITS, D)`` (``ADD``: dK, dV += that sum): one launch for both, deterministic."""
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)     # rows (batch, key, kv head) of D elements
+def _sum_split_rows(DKP, DVP, DK, DV, r, seq, kv_heads, n_rows, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
+                    SPLITS: tl.constexpr, D: tl.constexpr, ADD: tl.constexpr):
+    """Rows ``r`` (batch, key, kv head) of dK, dV (any dtype and strides) = the sum, in split order, of the
+    float32 per-q-head partials ``(batch, seq, kv_heads · SPLITS, D)`` (``ADD``: dK, dV += that sum)."""
     offs_d = tl.arange(0, D)
     m = (r < n_rows)[:, None]
     b, t, hk = r // (seq * kv_heads), (r // kv_heads) % seq, r % kv_heads
     dk_ptrs = DK + (b * sdkb + t * sdks + hk * sdkh)[:, None] + offs_d[None, :]
     dv_ptrs = DV + (b * sdvb + t * sdvs + hk * sdvh)[:, None] + offs_d[None, :]
+    part = (r * SPLITS)[:, None] * D + offs_d[None, :]
+    acc_k = tl.load(DKP + part, mask=m, other=0.0)
+    acc_v = tl.load(DVP + part, mask=m, other=0.0)
+    for j in tl.static_range(1, SPLITS):
+        acc_k += tl.load(DKP + part + j * D, mask=m, other=0.0)
+        acc_v += tl.load(DVP + part + j * D, mask=m, other=0.0)
     if ADD:   # into what DK/DV hold (a ring step's received accumulator)
-        acc_k = tl.load(dk_ptrs, mask=m, other=0.0).to(tl.float32)
-        acc_v = tl.load(dv_ptrs, mask=m, other=0.0).to(tl.float32)
-    else:
-        acc_k = tl.zeros([ROWS, D], tl.float32)
-        acc_v = tl.zeros([ROWS, D], tl.float32)
-    for j in tl.static_range(SPLITS):
-        part = (r * SPLITS + j)[:, None] * D + offs_d[None, :]
-        acc_k += tl.load(DKP + part, mask=m, other=0.0)
-        acc_v += tl.load(DVP + part, mask=m, other=0.0)
+        acc_k += tl.load(dk_ptrs, mask=m, other=0.0).to(tl.float32)
+        acc_v += tl.load(dv_ptrs, mask=m, other=0.0).to(tl.float32)
     tl.store(dk_ptrs, acc_k.to(DK.dtype.element_ty), mask=m)
     tl.store(dv_ptrs, acc_v.to(DV.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _sum_splits_kernel(DKP, DVP, DK, DV, seq, kv_heads, n_rows, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
+                       SPLITS: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, ADD: tl.constexpr):
+    """The partials summed into dK, dV, ROWS rows a program: one launch for both, deterministic."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    _sum_split_rows(DKP, DVP, DK, DV, r, seq, kv_heads, n_rows, sdkb, sdks, sdkh, sdvb, sdvs, sdvh, SPLITS, D, ADD)
 
 
 @triton.jit
@@ -199,10 +205,15 @@ def _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, KD, 
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, KD, VD, DO, LSE2, DELTA, DQ, seq_q, seq_k, heads, groups, qk_scale, scale, srb, srh,
-               sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
+def _dq_kernel(Q, K, V, KD, VD, DO, LSE2, DELTA, DQ, DKP, DVP, ACCK, ACCV, seq_q, seq_k, heads, groups, qk_scale,
+               scale, srb, srh, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
+               sum_rows, sum_per_program, sakb, saks, sakh, savb, savs, savh,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
-               PREC: tl.constexpr, TMA: tl.constexpr, DQ_ADD: tl.constexpr, PDL: tl.constexpr):
+               PREC: tl.constexpr, TMA: tl.constexpr, DQ_ADD: tl.constexpr, PDL: tl.constexpr,
+               SUM_SPLITS: tl.constexpr, SUM_ROWS: tl.constexpr):
+    """Program (batch · head, query tile): dQ of its rows. With ``SUM_SPLITS`` (a later ring step's split
+    dK/dV) it then adds its share (``sum_per_program`` rows) of the dK/dV kernel's per-q-head partials into
+    the received accumulators ACCK/ACCV — in place of a separate ``_sum_splits_kernel`` launch."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)   # grid (batch · heads, query tiles): heaviest first
@@ -239,6 +250,11 @@ def _dq_kernel(Q, K, V, KD, VD, DO, LSE2, DELTA, DQ, seq_q, seq_k, heads, groups
     if DQ_ADD:   # a ring step: add into the float32 dQ of the shard
         dq += tl.load(dq_ptrs, mask=in_rows[:, None], other=0.0)
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=in_rows[:, None])
+    if SUM_SPLITS:   # the dK/dV kernel is done (stream order, or the gdc_wait above under PDL)
+        first = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * sum_per_program
+        for r0 in range(first, tl.minimum(first + sum_per_program, sum_rows), SUM_ROWS):
+            _sum_split_rows(DKP, DVP, ACCK, ACCV, r0 + tl.arange(0, SUM_ROWS), seq_k, heads // groups, sum_rows,
+                            sakb, saks, sakh, savb, savs, savh, SUM_SPLITS, D, True)
 
 
 def backward_rows(dout, out, lse):
@@ -280,11 +296,12 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
         if t is not None and (t.shape != shape or t.dtype != torch.float32 or t.stride(-1) != 1):
             raise ValueError(f"{name} must be float32 {tuple(shape)} with a contiguous last dim; got "
                              f"{tuple(t.shape)} {t.dtype}")
-    mode, env = (os.environ.get(f"DISTLAB_TRITON_ATTN_{n}", x) for n, x in (("DQ_MODE", "kernel"),
-                                                                            ("SPLIT_GROUPS", "auto")))
-    if mode not in DQ_MODES or env not in ("auto", "0", "1"):
+    mode, env, split_sum = (os.environ.get(f"DISTLAB_TRITON_ATTN_{n}", x) for n, x in (
+        ("DQ_MODE", "kernel"), ("SPLIT_GROUPS", "auto"), ("SPLIT_SUM", "kernel")))
+    if mode not in DQ_MODES or env not in ("auto", "0", "1") or split_sum not in ("dq", "kernel"):
         raise ValueError(f"DISTLAB_TRITON_ATTN_DQ_MODE={mode!r} (use one of {', '.join(DQ_MODES)}), "
-                         f"DISTLAB_TRITON_ATTN_SPLIT_GROUPS={env!r} (use auto, 0 or 1)")
+                         f"DISTLAB_TRITON_ATTN_SPLIT_GROUPS={env!r} (use auto, 0 or 1), "
+                         f"DISTLAB_TRITON_ATTN_SPLIT_SUM={split_sum!r} (use dq or kernel)")
     delta, lse2 = rows if rows is not None else backward_rows(dout, out, lse)
     if delta.stride() != lse2.stride() or delta.stride(-1) != 1:
         raise ValueError("the backward rows (delta, lse2) must share strides, rows contiguous")
@@ -332,26 +349,43 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
     if atomic:
         dq = dq_sum if dq_acc is not None else dq_sum.to(q.dtype)
     else:
-        bm, bn, warps, stages = tile_config("DQ", q.device, d)
+        bm, bn, warps, stages = tile_config("DQ" if rows is None else "DQ_RING", q.device, d)
         kd, vd, tma = _tile_descriptors("dq", k, v, bn)
-        _dq_kernel[(b * h, triton.cdiv(sq, bm))](
-            q, k, v, kd, vd, dout, lse2, delta, dq, sq, sk, h, h // hk, scale * LOG2E, scale, delta.stride(0),
-            delta.stride(1), *strides, dq.stride(0), dq.stride(1), dq.stride(2),
+        grid = (b * h, triton.cdiv(sq, bm))
+        # a later ring step's split partials: summed into the received accumulators by the dQ kernel's programs
+        # after their dQ (DISTLAB_TRITON_ATTN_SPLIT_SUM=dq; not yet timed on the GPU) or by their own launch
+        # (kernel, the default)
+        in_dq = dkv_into is not None and splits > 1 and split_sum == "dq"
+        acc_k, acc_v = _received(dkv_into, k, v) if in_dq else (dq, dq)
+        rows_per_program = triton.cdiv(triton.cdiv(b * sk * hk, grid[0] * grid[1]), 16) * 16
+        _dq_kernel[grid](
+            q, k, v, kd, vd, dout, lse2, delta, dq, dk_part, dv_part, acc_k, acc_v, sq, sk, h, h // hk, scale * LOG2E,
+            scale, delta.stride(0), delta.stride(1), *strides, dq.stride(0), dq.stride(1), dq.stride(2),
+            b * sk * hk, rows_per_program, acc_k.stride(0), acc_k.stride(1), acc_k.stride(2), acc_v.stride(0),
+            acc_v.stride(1), acc_v.stride(2),
             BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), TMA=tma, DQ_ADD=dq_acc is not None,
-            PDL=bool(pdl), num_warps=warps, num_stages=stages, **pdl)
+            PDL=bool(pdl), SUM_SPLITS=splits if in_dq else 0, SUM_ROWS=16, num_warps=warps, num_stages=stages,
+            **pdl)
+        if in_dq:
+            return dq, acc_k, acc_v
     if dkv_into is None:
         return dq, dk, dv
-    acc_k, acc_v = dkv_into()   # e.g. the ring's wait for the accumulator it receives
-    for name, t, shape in (("dkv_into()[0]", acc_k, k.shape), ("dkv_into()[1]", acc_v, v.shape)):
-        if t.shape != shape or t.dtype != torch.float32 or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be float32 {tuple(shape)} with a contiguous last dim; got "
-                             f"{tuple(t.shape)} {t.dtype}")
+    acc_k, acc_v = _received(dkv_into, k, v)   # e.g. the ring's wait for the accumulator it receives
     if splits > 1:                 # the partials summed straight into the accumulators
         _sum_splits(dk_part, dv_part, acc_k, acc_v, splits, add=True)
     else:
         acc_k.add_(dk)
         acc_v.add_(dv)
     return dq, acc_k, acc_v
+
+
+def _received(dkv_into, k, v):
+    acc_k, acc_v = dkv_into()
+    for name, t, shape in (("dkv_into()[0]", acc_k, k.shape), ("dkv_into()[1]", acc_v, v.shape)):
+        if t.shape != shape or t.dtype != torch.float32 or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be float32 {tuple(shape)} with a contiguous last dim; got "
+                             f"{tuple(t.shape)} {t.dtype}")
+    return acc_k, acc_v
 
 
 def _sum_splits(dk_part, dv_part, dk, dv, splits, add):

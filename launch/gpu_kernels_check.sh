@@ -15,7 +15,8 @@
 # backward, the ring rank's kernel timeline), ring6 (longest-first grids, final rows in bf16, one-launch GQA
 # partial sums), ring7 (64-row forward default; the ring step's block kernel swept on its own shape), ring9
 # (the final defaults' GPU tests; the ring backward with 32x64 dK/dV tiles), ring10 (two ring steps per forward
-# launch, checked and timed; one-call attention after that change).
+# launch, checked and timed; one-call attention after that change), ring13 (dK/dV summed into the received
+# accumulator: checked and timed), ring14 (the ring step's dQ / dK/dV tiles swept on its blocks and in the rank).
 # Every command's full output goes to OUTDIR/<name>.log (and JSON where the command writes one); all of it
 # is packed into OUTDIR/logs.tar.gz. TAIL=n shows n lines of each log; BUDGET=s skips commands after s seconds.
 set -uo pipefail
@@ -281,6 +282,19 @@ if [ "$part" = ring13 ]; then   # dkv_into: split partials summed straight into 
   LIMIT=150 run check_ring $py tests/kernel_checks.py accumulate emulate --device cuda --dtype bfloat16 --big
   LIMIT=200 run check_attention $py tests/kernel_checks.py attention --device cuda --dtype bfloat16 --big
   emulate_defaults
+fi
+if [ "$part" = ring14 ]; then   # the ring step's dQ (and dK/dV) tiles, swept on its blocks, then in the rank
+  for shape in "1024 512" "512 1024" "4096 2048" "2048 4096"; do set -- $shape
+    LIMIT=80 run tune_dq_$1x$2 $py -m kernels.tune_attention --seq $1 --seq-k $2 --no-causal --kv-heads 8 \
+        --ring-step --only DQ --json "$out/tune_dq_$1x$2.json"
+  done
+  LIMIT=60 run tune_dkv_1024x512 $py -m kernels.tune_attention --seq 1024 --seq-k 512 --no-causal --kv-heads 8 \
+      --ring-step --only DKV --config DKV=32,64,4,3 --config DKV=16,64,4,3 --config DKV=32,32,4,3 \
+      --config DKV=32,64,4,4 --config DKV=64,64,4,3 --json "$out/tune_dkv_1024x512.json"
+  for knob in DQ_RING=64,64,4,3 DQ_RING=128,32,4,3 DQ_RING=64,32,4,3 TMA=fwd,dq; do
+    LIMIT=70 run emulate_$knob env DISTLAB_TRITON_ATTN_PDL=1 DISTLAB_TRITON_ATTN_$knob $py -m distlab.cp.emulate \
+        --world 8 --seq 8192 32768 --backend triton --iters 10 --json "$out/emulate_$knob.json"
+  done
 fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
 tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"

@@ -80,12 +80,17 @@ def check_attention(device, dtype, big=False):
         if h > hk:   # a later ring step: dK/dV added into the float32 accumulators it received (dkv_into)
             received = [0.1 * rand(b, sk, hk, d, dtype=torch.float32, device=device, seed=7 + j) for j in range(2)]
             want = [r.double() + g for r, g in zip(received, grads[1:])]
-            for split in (False, True):
+            # per kv head: one add; split: the partials summed by the dQ kernel's programs or their own launch
+            for split, split_sum in ((False, "dq"), (True, "dq"), (True, "kernel")):
+                os.environ.update(DISTLAB_TRITON_ATTN_SPLIT_SUM=split_sum, DISTLAB_TRITON_ATTN_DQ_MODE="kernel",
+                                  DISTLAB_TRITON_ATTN_TMA="fwd")
                 acc = [r.clone() for r in received]
-                _, dk_, dv_ = flash_backward(dout, q, k, v, o, lse, causal, split_groups=split, dkv_into=lambda: acc)
+                dq_, dk_, dv_ = flash_backward(dout, q, k, v, o, lse, causal, split_groups=split,
+                                               dkv_into=lambda: acc)
                 assert dk_ is acc[0] and dv_ is acc[1]
-                for name, g_, w in (("dk", dk_, want[0]), ("dv", dv_, want[1])):
-                    assert rel(g_, w) < tol(dtype) * 4, (i, split, "dkv_into", name, rel(g_, w))
+                for name, g_, w in (("dq", dq_, grads[0]), ("dk", dk_, want[0]), ("dv", dv_, want[1])):
+                    assert rel(g_, w) < tol(dtype) * 4, (i, split, split_sum, "dkv_into", name, rel(g_, w))
+            os.environ.pop("DISTLAB_TRITON_ATTN_SPLIT_SUM")
     os.environ.pop("DISTLAB_TRITON_ATTN_DQ_MODE")
     os.environ.pop("DISTLAB_TRITON_ATTN_TMA")
     # through the backend registry, and strided inputs (a slice of a fused qkv)
