@@ -296,6 +296,19 @@ if [ "$part" = ring14 ]; then   # the ring step's dQ (and dK/dV) tiles, swept on
         --world 8 --seq 8192 32768 --backend triton --iters 10 --json "$out/emulate_$knob.json"
   done
 fi
+if [ "$part" = ring15 ]; then   # the forward's lazy rescale, the split sum in the dQ kernel, TMA K/V tiles in dQ:
+  # timed in the rank (one process, same anchors) and in one call, then checked in bf16 at real sizes
+  LIMIT=220 run emulate_variants env DISTLAB_TRITON_ATTN_PDL=1 $py -m distlab.cp.emulate --world 8 --seq 8192 32768 \
+      --backend triton --iters 10 --variant '' 'SPLIT_SUM=dq' 'SPLIT_SUM=dq;TMA=fwd,dq' 'RESCALE=lazy' \
+      'RESCALE=lazy;SPLIT_SUM=dq;TMA=fwd,dq' --json "$out/emulate_variants.json"
+  for r in always lazy; do
+    LIMIT=50 run bench_$r env DISTLAB_TRITON_ATTN_RESCALE=$r $py -m kernels.bench --kv-heads 8 --only attention \
+        --iters 10 --json "$out/bench_$r.json"
+  done
+  LIMIT=150 run check_attention $py tests/kernel_checks.py attention --device cuda --dtype bfloat16 --big
+  LIMIT=150 run check_ring env DISTLAB_TRITON_ATTN_RESCALE=lazy DISTLAB_TRITON_ATTN_SPLIT_SUM=dq \
+      DISTLAB_TRITON_ATTN_TMA=fwd,dq $py tests/kernel_checks.py emulate accumulate --device cuda --dtype bfloat16 --big
+fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
 tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"
 exit $status

@@ -25,7 +25,8 @@ start while the previous step's last wave finishes (programmatic dependent launc
 
     DISTLAB_TRITON_ATTN_PDL=1 DISTLAB_TRITON_ATTN_FWD=64,64,4,3 python -m distlab.cp.emulate --seq 8192 32768
 
-``--steps-per-launch 1 2`` times the forward both ways: one kernel per ring step, or two steps per launch
+``--variant 'SPLIT_SUM=dq;TMA=fwd,dq' 'RESCALE=lazy'`` times the rank once per set of launch knobs, in one
+process against the same anchors. ``--steps-per-launch 1 2`` times the forward both ways: one kernel per ring step, or two steps per launch
 (``distlab.cp.ring``'s ``steps_per_launch``; the stand-in exchanger has every step's K/V resident, as a
 real rank with two blocks in flight has the next pair's by the time it needs them).
 """
@@ -201,6 +202,17 @@ def _print_timelines(r, own, seq, layout, a):
         print(format_timeline(own["timeline_bwd"], f"{name}: its backend's fused H/W call, backward"))
 
 
+def _set_knobs(variant):
+    """Put a ``--variant`` (``'K=V;K=V'``) in force; returns the environment to restore."""
+    saved = dict(os.environ)
+    for item in filter(None, variant.split(";")):
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--variant {variant!r}: each setting is NAME=VALUE")
+        os.environ[name if name.startswith("DISTLAB_") else f"DISTLAB_TRITON_ATTN_{name}"] = value
+    return saved
+
+
 def main(argv=None):
     gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(prog="python -m distlab.cp.emulate", description=__doc__.split("\n\n")[0])
@@ -220,6 +232,10 @@ def main(argv=None):
     p.add_argument("--steps-per-launch", type=int, nargs="+", default=[None], choices=(1, 2),
                    help="K/V blocks in flight in the forward; triton: ring steps per kernel launch "
                         "(default: distlab.cp.ring's, 2 for triton and 1 for the others)")
+    p.add_argument("--variant", nargs="+", default=[""], metavar="K=V;K=V",
+                   help="time the rank once per variant: ';'-separated knob settings in force for that run "
+                        "(names without DISTLAB_ are DISTLAB_TRITON_ATTN_ knobs), e.g. 'SPLIT_SUM=dq;TMA=fwd,dq'; "
+                        "'' is the environment as it is")
     p.add_argument("--timeline", action="store_true",
                    help="GPU: print each kernel of one forward / backward (duration, gap before it), rank and anchor")
     p.add_argument("--json", metavar="PATH")
@@ -247,18 +263,23 @@ def main(argv=None):
                   f"{100 * fb_ / a_fb:>5.1f}%")
         for layout in a.layout:
             rank = a.rank if a.rank is not None else (a.world - 1 if layout == "contiguous" else 0)
-            for backend, n in itertools.product(a.backend, a.steps_per_launch):
+            for backend, n, variant in itertools.product(a.backend, a.steps_per_launch, a.variant):
                 n = check_steps_per_launch(n, backend)
+                saved = _set_knobs(variant)
                 try:
                     r = emulate_rank(a.world, seq, a.heads, a.kv_heads, a.head_dim, rank, layout, a.causal, backend,
                                      dtype, device, backward=not a.no_backward, graphs=a.graphs, iters=a.iters,
                                      timeline=a.timeline, steps_per_launch=n)
+                    own = anchor if backend == anchor["backend"] and not a.timeline else fused_anchor(
+                        a.world, seq, a.heads, a.kv_heads, a.head_dim, a.causal, dtype, device, a.iters,
+                        backend=backend, timeline=a.timeline)
                 except (RuntimeError, ValueError) as e:   # a backend that cannot run (or be captured) here
                     print(f"{seq:>6} {layout:>10} {backend:>11}: failed: {str(e).splitlines()[0][:100]}", flush=True)
                     continue
-                own = anchor if backend == anchor["backend"] and not a.timeline else fused_anchor(
-                    a.world, seq, a.heads, a.kv_heads, a.head_dim, a.causal, dtype, device, a.iters, backend=backend,
-                    timeline=a.timeline)
+                finally:
+                    os.environ.clear()
+                    os.environ.update(saved)
+                r["variant"] = variant
                 o_f = own["flops_fwd"] / own["fwd_s"]
                 o_fb = 3.5 * own["flops_fwd"] / (own["fwd_s"] + own["bwd_s"])
                 f = r["flops_fwd"] / r["fwd_s"]
@@ -274,7 +295,7 @@ def main(argv=None):
                     line += (f"   vs fused H: {100 * f / w_f:.1f}% / {100 * fb / w_fb:.1f}%   vs its own backend's "
                              f"H/W call ({o_f / 1e12:.0f} / {o_fb / 1e12:.0f} TFLOP/s): {100 * f / o_f:.1f}% / "
                              f"{100 * fb / o_fb:.1f}%")
-                print(line, flush=True)
+                print(line + (f"   [{variant}]" if variant else ""), flush=True)
                 if "timeline_fwd" in r:
                     _print_timelines(r, own, seq, layout, a)
                 rows.append(r)
