@@ -27,8 +27,7 @@ Backward: ``kernels/triton_attention_backward.py`` (``flash_backward``).
 Knobs, measured on the H200 (docs/PERF.md): ``DISTLAB_TRITON_ATTN_TMA`` — which kernels move their
 streamed tiles (K/V of the forward and dQ kernels, Q/dO of the dK/dV kernel) through TMA descriptors over
 (batch, seq, heads·D): default ``fwd`` (+3–7% forward), ``1`` all, ``0`` none (dK/dV through TMA was 25%
-slower). ``DISTLAB_TRITON_ATTN_RESCALE=lazy``: conditional rescaling of the running output
-(``lazy_rescale``). ``DISTLAB_TRITON_ATTN_PDL=1``: a ring's accumulating forwards (and its backward's kernels) launch
+slower). ``DISTLAB_TRITON_ATTN_PDL=1``: a ring's accumulating forwards (and its backward's kernels) launch
 as programmatic dependent launches (``pdl_enabled``). ``DISTLAB_TRITON_ATTN_{FWD,DKV,DKV_RING,DQ,DQ_RING}``: tiles; ``DISTLAB_TRITON_ATTN_SPLIT_GROUPS``.
 """
 
@@ -103,7 +102,7 @@ def _visible(cols, rows, seq_k, CAUSAL: tl.constexpr):
 @triton.jit
 def _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, KD, VD, b, kcol, rows, lo, hi, seq_k,
                qk_scale, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
-               TMA: tl.constexpr, D: tl.constexpr, FMA: tl.constexpr, LAZY: tl.constexpr):
+               TMA: tl.constexpr, D: tl.constexpr, FMA: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         cols = start + offs_n
@@ -112,28 +111,17 @@ def _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, KD, VD, b
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         if MASK:
             s = tl.where(_visible(cols, rows, seq_k, CAUSAL), s, float("-inf"))
-        if LAZY:   # FA4's conditional rescale: keep a stale row max until some row's grows past 2^8
+        if FMA:   # the row max of the raw scores, scaled once; then one FMA per score (qk_scale > 0)
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            if tl.max(tl.where(m_new > m_i, m_new - m_i, 0.0), 0) > 8.0:   # one branch for the whole tile
-                alpha = tl.math.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            p = tl.math.exp2(s * qk_scale - m_i[:, None])   # <= 2^8 where the max is stale
-            l_i = l_i + tl.sum(p, 1)
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+            p = tl.math.exp2(s * qk_scale - m_new[:, None])
         else:
-            if FMA:   # the row max of the raw scores, scaled once; then one FMA per score (qk_scale > 0)
-                m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-                p = tl.math.exp2(s * qk_scale - m_new[:, None])
-            else:
-                s = s * qk_scale
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.math.exp2(s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
-            m_i = m_new
+            s = s * qk_scale
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+        m_i = m_new
     return acc, m_i, l_i
 
 
@@ -144,8 +132,7 @@ def _fwd_kernel(Q, K, V, KD, VD, K2, V2, KD2, VD2, O, LSE, FO, seq_q, seq_k, seq
                 sob, sos, soh, slb, slh, sfb, sfs, sfh,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                 CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-                PDL: tl.constexpr, FMA: tl.constexpr, LAZY: tl.constexpr, FINAL: tl.constexpr,
-                TWO: tl.constexpr):
+                PDL: tl.constexpr, FMA: tl.constexpr, FINAL: tl.constexpr, TWO: tl.constexpr):
     if PDL:   # let the next step's kernel start on SMs this one's last wave leaves idle
         tl.extra.cuda.gdc_launch_dependents()
     # grid (batch · heads, query tiles), heads fastest: every head's heaviest causal tile is launched
@@ -170,25 +157,25 @@ def _fwd_kernel(Q, K, V, KD, VD, K2, V2, KD2, VD2, O, LSE, FO, seq_q, seq_k, seq
     if run1:
         if CAUSAL:   # unmasked tiles left of the diagonal block, then the masked diagonal tiles
             acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0,
-                                       first, seq_k, qk_scale, BLOCK_N, False, True, PREC, TMA, D, FMA, LAZY)
+                                       first, seq_k, qk_scale, BLOCK_N, False, True, PREC, TMA, D, FMA)
             acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, first,
                                        tl.minimum(first + BLOCK_M, seq_k), seq_k, qk_scale, BLOCK_N, True, True, PREC,
-                                       TMA, D, FMA, LAZY)
+                                       TMA, D, FMA)
         else:
             full = seq_k - seq_k % BLOCK_N
             acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0, full,
-                                       seq_k, qk_scale, BLOCK_N, False, False, PREC, TMA, D, FMA, LAZY)
+                                       seq_k, qk_scale, BLOCK_N, False, False, PREC, TMA, D, FMA)
             acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, full,
-                                       seq_k, seq_k, qk_scale, BLOCK_N, True, False, PREC, TMA, D, FMA, LAZY)
+                                       seq_k, seq_k, qk_scale, BLOCK_N, True, False, PREC, TMA, D, FMA)
     if TWO:   # block 2 (a second ring step in the same launch): rows [lo2, hi2) against K2, V2, no mask
         if (first >= lo2) & (first < hi2):
             k_ptrs = K2 + b * s2kb + hk * s2kh + offs_n[:, None] * s2ks + offs_d[None, :]
             v_ptrs = V2 + b * s2vb + hk * s2vh + offs_n[:, None] * s2vs + offs_d[None, :]
             full = seq_k2 - seq_k2 % BLOCK_N
             acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, s2ks, s2vs, KD2, VD2, b, hk * D, rows, 0,
-                                       full, seq_k2, qk_scale, BLOCK_N, False, False, PREC, TMA, D, FMA, LAZY)
+                                       full, seq_k2, qk_scale, BLOCK_N, False, False, PREC, TMA, D, FMA)
             acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, s2ks, s2vs, KD2, VD2, b, hk * D, rows, full,
-                                       seq_k2, seq_k2, qk_scale, BLOCK_N, True, False, PREC, TMA, D, FMA, LAZY)
+                                       seq_k2, seq_k2, qk_scale, BLOCK_N, True, False, PREC, TMA, D, FMA)
     lse = (m_i + tl.math.log2(l_i)) / 1.4426950408889634
     out = acc / l_i[:, None]
     in_rows = rows < seq_q
@@ -273,18 +260,6 @@ def _tile_descriptors(kind, k, v, block_n):
     if kind not in tma_kernels() or not _tma_fits(k, v):
         return k, v, False
     return _descriptor(k, block_n), _descriptor(v, block_n), True
-
-
-def lazy_rescale() -> bool:
-    """``DISTLAB_TRITON_ATTN_RESCALE=lazy``: the forward's key loop rescales its running output only when a
-    row's max has grown by more than 8 (log2 units) since the last rescale, as FlashAttention-4 does: the
-    probabilities of the other tiles are taken against the stale max (at most 2^8, exact in float32 and as
-    precise in 16 bits), so most tiles skip the ``acc · alpha`` multiply and chain their P·V products
-    straight into the accumulator. ``always`` (default): every tile rescales."""
-    env = os.environ.get("DISTLAB_TRITON_ATTN_RESCALE", "always")
-    if env not in ("always", "lazy"):
-        raise ValueError(f"DISTLAB_TRITON_ATTN_RESCALE={env!r}: use always or lazy")
-    return env == "lazy"
 
 
 def pdl_enabled(device) -> bool:
@@ -377,6 +352,6 @@ def flash_forward_blocks(q, blocks, softmax_scale=None, out=None, lse=None, accu
                       v2.stride(0), v2.stride(1), v2.stride(2), out.stride(0), out.stride(1), out.stride(2),
                       lse.stride(0), lse.stride(1), fo.stride(0), fo.stride(1), fo.stride(2),
                       BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, ACCUMULATE=accumulate, PREC=_precision(q),
-                      TMA=tma, PDL=use_pdl, FMA=os.environ.get("DISTLAB_TRITON_ATTN_FMA", "1") == "1", LAZY=lazy_rescale(),
+                      TMA=tma, PDL=use_pdl, FMA=os.environ.get("DISTLAB_TRITON_ATTN_FMA", "1") == "1",
                       FINAL=final_out is not None, TWO=bool(second), num_warps=warps, num_stages=stages, **pdl)
     return out, lse

@@ -12,7 +12,9 @@ added up after; one kernel per (BLOCK_M queries, q head) accumulates dQ over the
 it into a float32 dQ in place (a ring step). ``DISTLAB_TRITON_ATTN_DQ_MODE``: ``kernel`` (default, 7
 matmuls per tile pair), ``atomic`` (the dK/dV kernel adds each tile's dQ share into a float32 buffer with
 pointer atomics: 5 matmuls; 10% slower on the H200) or ``tma-reduce`` (the same with one TMA reduce-add
-per tile: 13% slower).
+per tile: 13% slower). ``DISTLAB_TRITON_ATTN_SPLIT_SUM``: where a later ring step's per-q-head dK/dV partials
+are summed into the accumulator it received: ``dq`` (default: by the dQ kernel's programs after their dQ,
+no extra launch) or ``kernel`` (one launch of its own after the dQ kernel).
 """
 
 from __future__ import annotations
@@ -285,8 +287,9 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
     to, and ``dk_out``/``dv_out``, float32 ``(batch, seq_k, kv_heads, D)`` views dK/dV are written to; it
     gets those three back. Instead of ``dk_out``/``dv_out``, a later ring step passes ``dkv_into``: a callable
     that returns the float32 views dK/dV are *added* to (the accumulator this rank receives for the block),
-    called after the dK/dV and dQ kernels are launched, so the wait for it comes after this step's compute;
-    with split groups the partials are summed straight into them (no separate add)."""
+    called after this step's dK/dV kernel is launched, so the wait for it comes after that compute (and after
+    the dQ kernel too, but for split groups summed by the dQ kernel, ``SPLIT_SUM=dq``); with split groups the
+    partials are summed straight into them (no separate add)."""
     check_triton_inputs(q, k, v, causal)
     q, k, v, dout = _last_contiguous(q, k, v, dout)
     b, sq, h, d = q.shape
@@ -297,7 +300,7 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
             raise ValueError(f"{name} must be float32 {tuple(shape)} with a contiguous last dim; got "
                              f"{tuple(t.shape)} {t.dtype}")
     mode, env, split_sum = (os.environ.get(f"DISTLAB_TRITON_ATTN_{n}", x) for n, x in (
-        ("DQ_MODE", "kernel"), ("SPLIT_GROUPS", "auto"), ("SPLIT_SUM", "kernel")))
+        ("DQ_MODE", "kernel"), ("SPLIT_GROUPS", "auto"), ("SPLIT_SUM", "dq")))
     if mode not in DQ_MODES or env not in ("auto", "0", "1") or split_sum not in ("dq", "kernel"):
         raise ValueError(f"DISTLAB_TRITON_ATTN_DQ_MODE={mode!r} (use one of {', '.join(DQ_MODES)}), "
                          f"DISTLAB_TRITON_ATTN_SPLIT_GROUPS={env!r} (use auto, 0 or 1), "
@@ -353,8 +356,9 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
         kd, vd, tma = _tile_descriptors("dq", k, v, bn)
         grid = (b * h, triton.cdiv(sq, bm))
         # a later ring step's split partials: summed into the received accumulators by the dQ kernel's programs
-        # after their dQ (DISTLAB_TRITON_ATTN_SPLIT_SUM=dq; not yet timed on the GPU) or by their own launch
-        # (kernel, the default)
+        # after their dQ (DISTLAB_TRITON_ATTN_SPLIT_SUM=dq, the default: W8 ring rank at S8192 f+b 0.902 ->
+        # 0.854 ms on the H200, ring15) or by their own launch after the dQ kernel (kernel). With dq the wait for
+        # the received accumulator comes before the dQ launch instead of after it
         in_dq = dkv_into is not None and splits > 1 and split_sum == "dq"
         acc_k, acc_v = _received(dkv_into, k, v) if in_dq else (dq, dq)
         rows_per_program = triton.cdiv(triton.cdiv(b * sk * hk, grid[0] * grid[1]), 16) * 16

@@ -137,8 +137,9 @@ def test_ring_with_the_triton_kernels_matches_one_device(world):
                 ("contiguous", False, (4, 2), "kernel", "1", 1, 24), ("zigzag", True, (4, 2), "atomic", "1", 1, 24),
                 ("zigzag", True, (4, 2), "kernel", "0", 2, 64), ("contiguous", False, (2, 1), "kernel", "0", 2, 32)):
             case = f"W={world} {layout} causal={causal} dq {dq_mode} split {split} steps/launch {n}"
-            env = {"DISTLAB_TRITON_ATTN_DQ_MODE": dq_mode, "DISTLAB_TRITON_ATTN_SPLIT_GROUPS": split,
-                   "DISTLAB_TRITON_ATTN_SPLIT_SUM": "dq"}   # split partials summed by the dQ kernel
+            # split partials summed by the dQ kernel's programs (the default; kernel_checks.py also checks the
+            # separate summing launch, SPLIT_SUM=kernel, against the reference)
+            env = {"DISTLAB_TRITON_ATTN_DQ_MODE": dq_mode, "DISTLAB_TRITON_ATTN_SPLIT_GROUPS": split}
             for rank, res in enumerate(pool.run(_with_env, env,
                                                 ring_vs_one_device, heads, kv_heads, causal, layout, seq=shard * world,
                                                 head_dim=16, backend="triton", steps_per_launch=n)):

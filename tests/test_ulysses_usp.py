@@ -188,11 +188,18 @@ def test_bad_degrees_refused_on_every_rank(pools, case, message):
 # DeepSpeed-Ulysses as a baseline (skipped without the deepspeed extra)
 # ------------------------------------------------------------------------------------------------------
 def ours_vs_deepspeed(causal):
+    import importlib
+
     import deepspeed
     from deepspeed.sequence.layer import DistributedAttention
 
     from kernels.attention import attention
 
+    ds_torch = importlib.import_module("deepspeed.comm.torch")   # (deepspeed.comm's attribute `torch` is torch)
+    # DeepSpeed JIT-compiles a shared-memory all-reduce for CPU backends at init (85 s on a 2-core machine,
+    # every fresh CI run); DistributedAttention only all-to-alls, so the plain torch.distributed path it
+    # falls back to without that op is the one compared here
+    ds_torch.build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     q, k, v, dout = (t.float() for t in _inputs(8, 4))
     shard = lambda x: shard_sequence(x, None, "contiguous")  # noqa: E731
