@@ -126,13 +126,32 @@ def _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, KD, VD, b
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, KD, VD, K2, V2, KD2, VD2, O, LSE, FO, seq_q, seq_k, seq_k2, heads, groups, qk_scale,
-                row0, lo1, hi1, lo2, hi2, final_lo, final_hi,
+def _fwd_later_block(acc, m_i, l_i, q, K, V, KD, VD, seq_k, lo, hi, first, rows, b, hk, skb, sks, skh, svb, svs, svh,
+                     qk_scale, BLOCK_N: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, D: tl.constexpr,
+                     FMA: tl.constexpr):
+    """A later block of a launch (another ring step): rows [lo, hi) see all of its keys, no causal mask."""
+    if (first >= lo) & (first < hi):
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, D)
+        k_ptrs = K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :]
+        v_ptrs = V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :]
+        full = seq_k - seq_k % BLOCK_N
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0, full,
+                                   seq_k, qk_scale, BLOCK_N, False, False, PREC, TMA, D, FMA)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, full, seq_k,
+                                   seq_k, qk_scale, BLOCK_N, True, False, PREC, TMA, D, FMA)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, KD, VD, K2, V2, KD2, VD2, K3, V3, KD3, VD3, K4, V4, KD4, VD4, O, LSE, FO, seq_q, seq_k,
+                seq_k2, seq_k3, seq_k4, heads, groups, qk_scale, row0, lo1, hi1, lo2, hi2, lo3, hi3, lo4, hi4,
+                final_lo, final_hi,
                 sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, s2kb, s2ks, s2kh, s2vb, s2vs, s2vh,
                 sob, sos, soh, slb, slh, sfb, sfs, sfh,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                 CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-                PDL: tl.constexpr, FMA: tl.constexpr, FINAL: tl.constexpr, TWO: tl.constexpr):
+                PDL: tl.constexpr, FMA: tl.constexpr, FINAL: tl.constexpr, BLOCKS: tl.constexpr):
     if PDL:   # let the next step's kernel start on SMs this one's last wave leaves idle
         tl.extra.cuda.gdc_launch_dependents()
     # grid (batch · heads, query tiles), heads fastest: every head's heaviest causal tile is launched
@@ -152,7 +171,7 @@ def _fwd_kernel(Q, K, V, KD, VD, K2, V2, KD2, VD2, O, LSE, FO, seq_q, seq_k, seq
     k_ptrs = K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :]
     v_ptrs = V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :]
     run1 = True   # block 1: query rows [lo1, hi1) against K, V (with one block: every tile)
-    if TWO:
+    if BLOCKS > 1:
         run1 = (first >= lo1) & (first < hi1)
     if run1:
         if CAUSAL:   # unmasked tiles left of the diagonal block, then the masked diagonal tiles
@@ -167,15 +186,16 @@ def _fwd_kernel(Q, K, V, KD, VD, K2, V2, KD2, VD2, O, LSE, FO, seq_q, seq_k, seq
                                        seq_k, qk_scale, BLOCK_N, False, False, PREC, TMA, D, FMA)
             acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, full,
                                        seq_k, seq_k, qk_scale, BLOCK_N, True, False, PREC, TMA, D, FMA)
-    if TWO:   # block 2 (a second ring step in the same launch): rows [lo2, hi2) against K2, V2, no mask
-        if (first >= lo2) & (first < hi2):
-            k_ptrs = K2 + b * s2kb + hk * s2kh + offs_n[:, None] * s2ks + offs_d[None, :]
-            v_ptrs = V2 + b * s2vb + hk * s2vh + offs_n[:, None] * s2vs + offs_d[None, :]
-            full = seq_k2 - seq_k2 % BLOCK_N
-            acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, s2ks, s2vs, KD2, VD2, b, hk * D, rows, 0,
-                                       full, seq_k2, qk_scale, BLOCK_N, False, False, PREC, TMA, D, FMA)
-            acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, s2ks, s2vs, KD2, VD2, b, hk * D, rows, full,
-                                       seq_k2, seq_k2, qk_scale, BLOCK_N, True, False, PREC, TMA, D, FMA)
+    # blocks 2-4 (later ring steps in the same launch; one set of strides): rows [lo, hi) see all their keys
+    if BLOCKS > 1:
+        acc, m_i, l_i = _fwd_later_block(acc, m_i, l_i, q, K2, V2, KD2, VD2, seq_k2, lo2, hi2, first, rows, b, hk,
+                                         s2kb, s2ks, s2kh, s2vb, s2vs, s2vh, qk_scale, BLOCK_N, PREC, TMA, D, FMA)
+    if BLOCKS > 2:
+        acc, m_i, l_i = _fwd_later_block(acc, m_i, l_i, q, K3, V3, KD3, VD3, seq_k3, lo3, hi3, first, rows, b, hk,
+                                         s2kb, s2ks, s2kh, s2vb, s2vs, s2vh, qk_scale, BLOCK_N, PREC, TMA, D, FMA)
+    if BLOCKS > 3:
+        acc, m_i, l_i = _fwd_later_block(acc, m_i, l_i, q, K4, V4, KD4, VD4, seq_k4, lo4, hi4, first, rows, b, hk,
+                                         s2kb, s2ks, s2kh, s2vb, s2vs, s2vh, qk_scale, BLOCK_N, PREC, TMA, D, FMA)
     lse = (m_i + tl.math.log2(l_i)) / 1.4426950408889634
     out = acc / l_i[:, None]
     in_rows = rows < seq_q
@@ -285,26 +305,33 @@ def flash_forward(q, k, v, causal=False, softmax_scale=None, out=None, lse=None,
                                 final_rows)
 
 
+MAX_BLOCKS = 4   # ring steps one forward launch can take (``flash_forward_blocks``)
+
+
 def blocks_fit_one_launch(q, blocks) -> bool:
     """Whether ``flash_forward_blocks`` can run ``blocks`` (a list of ``(lo, hi, k, v, causal)``) in one
-    launch: at most two, only the first causal, every row range starting on a query tile."""
+    launch: at most ``MAX_BLOCKS``, only the first causal, every row range starting on a query tile, the
+    K/V of the later blocks with one set of strides (as a ring's received buffers have)."""
     bm = tile_config("FWD", q.device, q.shape[-1])[0]
-    return len(blocks) <= 2 and not any(c for *_, c in blocks[1:]) and all(lo % bm == 0 for lo, *_ in blocks)
+    later = [t.stride() for _, _, kb, vb, _ in blocks[1:] for t in (kb, vb)]
+    return len(blocks) <= MAX_BLOCKS and not any(c for *_, c in blocks[1:]) \
+        and all(lo % bm == 0 for lo, *_ in blocks) and all(st[-1] == 1 for st in later) \
+        and all(st == later[0] for st in later[2::2]) and all(st == later[1] for st in later[3::2])
 
 
 def flash_forward_blocks(q, blocks, softmax_scale=None, out=None, lse=None, accumulate=False, final_out=None,
                          final_rows=None):
-    """Attention of query rows against one or two K/V blocks in one launch, as ``flash_forward`` (same
+    """Attention of query rows against up to four K/V blocks in one launch, as ``flash_forward`` (same
     ``out``/``lse``/``accumulate``/``final_*``, rows absolute in q). ``blocks``: ``[(lo, hi, k, v, causal)]``
     — query rows [lo, hi) see all of that block's keys (causal: the first block only, covering every row,
-    with as many keys as q rows). A row's softmax runs over every block that covers it. Two ring steps
-    then cost one launch: one epilogue, and one longer key loop for the rows both cover.
+    with as many keys as q rows). A row's softmax runs over every block that covers it. Several ring steps
+    then cost one launch: one epilogue, and one longer key loop for the rows they share.
     Raises unless ``blocks_fit_one_launch``; the rows the blocks cover must be one range."""
     if not blocks_fit_one_launch(q, blocks):
-        raise ValueError("flash_forward_blocks: at most two blocks, only the first causal, each starting on a "
-                         f"query tile of {tile_config('FWD', q.device, q.shape[-1])[0]} rows; got "
-                         f"{[(lo, hi, c) for lo, hi, _, _, c in blocks]}")
-    (lo1, hi1, k, v, causal), *second = blocks
+        raise ValueError(f"flash_forward_blocks: at most {MAX_BLOCKS} blocks, only the first causal, each starting "
+                         f"on a query tile of {tile_config('FWD', q.device, q.shape[-1])[0]} rows, the later blocks' "
+                         f"K/V strided alike; got {[(lo, hi, c) for lo, hi, _, _, c in blocks]}")
+    (lo1, hi1, k, v, causal), *later = blocks
     for lo, hi, kb, vb, c in blocks:
         check_triton_inputs(q[:, lo:hi], kb, vb, c)
         if not 0 <= lo < hi <= q.shape[1] or kb.shape[2:] != k.shape[2:] or kb.dtype != k.dtype:
@@ -313,12 +340,14 @@ def flash_forward_blocks(q, blocks, softmax_scale=None, out=None, lse=None, accu
     if causal and (lo1, hi1) != (0, q.shape[1]):
         raise ValueError("flash_forward_blocks: a causal block covers every query row")
     span = sorted((lo, hi) for lo, hi, *_ in blocks)
-    if len(span) == 2 and span[1][0] > span[0][1]:
-        raise ValueError(f"flash_forward_blocks: the blocks' rows {span} leave a gap")
-    row0, row1 = span[0][0], max(hi for _, hi in span)
+    reach = span[0][1]
+    for lo, hi in span[1:]:
+        if lo > reach:
+            raise ValueError(f"flash_forward_blocks: the blocks' rows {span} leave a gap")
+        reach = max(reach, hi)
+    row0, row1 = span[0][0], reach
     q, k, v = _last_contiguous(q, k, v)
-    k2, v2 = _last_contiguous(*second[0][2:4]) if second else (k, v)
-    lo2, hi2 = second[0][:2] if second else (0, 0)
+    later = [(lo, hi, kb, vb) for lo, hi, kb, vb, _ in later]   # last dims contiguous, one set of strides
     b, sq, h, d = q.shape
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     if out is None:
@@ -337,21 +366,28 @@ def flash_forward_blocks(q, blocks, softmax_scale=None, out=None, lse=None, accu
         q, scale = -q, -scale
     bm, bn, warps, stages = tile_config("FWD", q.device, d)
     grid = (b * h, triton.cdiv(row1 - row0, bm))
-    kd, vd, tma = _tile_descriptors("fwd", k, v, bn)
-    kd2, vd2, tma2 = _tile_descriptors("fwd", k2, v2, bn)
-    if tma != tma2:
-        kd, vd, kd2, vd2, tma = k, v, k2, v2, False
+    # TMA descriptors for every block's K/V, or pointers for all of them when one block cannot use TMA
+    descs = [_tile_descriptors("fwd", kb, vb, bn) for kb, vb in [(k, v)] + [blk[2:] for blk in later]]
+    if not all(tma for *_, tma in descs):
+        descs = [(kb, vb, False) for kb, vb in [(k, v)] + [blk[2:] for blk in later]]
+    tma = descs[0][2]
+    pad = [(0, 0, k, v)] * (MAX_BLOCKS - 1 - len(later))   # unused block slots (never read: BLOCKS says so)
+    slots = later + pad
+    slot_descs = descs[1:] + [descs[0]] * len(pad)
+    k2, v2 = slots[0][2:]
+    block_args = [x for (_, _, kb, vb), (kd_, vd_, _) in zip(slots, slot_descs) for x in (kb, vb, kd_, vd_)]
     # PDL: an accumulating step launches as a dependent of the kernel before it; every forward lets its
     # dependents start early (they wait for it before touching what it writes)
     use_pdl = q.is_cuda and pdl_enabled(q.device)
     pdl = {"launch_pdl": True} if accumulate and use_pdl else {}
-    _fwd_kernel[grid](q, k, v, kd, vd, k2, v2, kd2, vd2, out, lse, fo, sq, k.shape[1], k2.shape[1], h, h // k.shape[2],
-                      scale * LOG2E, row0, lo1, hi1, lo2, hi2, f_lo, f_hi,
+    _fwd_kernel[grid](q, k, v, descs[0][0], descs[0][1], *block_args, out, lse, fo, sq, k.shape[1],
+                      *(blk[2].shape[1] for blk in slots), h, h // k.shape[2], scale * LOG2E, row0, lo1, hi1,
+                      *(x for blk in slots for x in blk[:2]), f_lo, f_hi,
                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                       v.stride(0), v.stride(1), v.stride(2), k2.stride(0), k2.stride(1), k2.stride(2),
                       v2.stride(0), v2.stride(1), v2.stride(2), out.stride(0), out.stride(1), out.stride(2),
                       lse.stride(0), lse.stride(1), fo.stride(0), fo.stride(1), fo.stride(2),
                       BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, ACCUMULATE=accumulate, PREC=_precision(q),
                       TMA=tma, PDL=use_pdl, FMA=os.environ.get("DISTLAB_TRITON_ATTN_FMA", "1") == "1",
-                      FINAL=final_out is not None, TWO=bool(second), num_warps=warps, num_stages=stages, **pdl)
+                      FINAL=final_out is not None, BLOCKS=len(blocks), num_warps=warps, num_stages=stages, **pdl)
     return out, lse

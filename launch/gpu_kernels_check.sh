@@ -310,6 +310,21 @@ if [ "$part" = ring15 ]; then   # the forward's lazy rescale, the split sum in t
   LIMIT=150 run check_ring env DISTLAB_TRITON_ATTN_RESCALE=lazy DISTLAB_TRITON_ATTN_SPLIT_SUM=dq \
       DISTLAB_TRITON_ATTN_TMA=fwd,dq $py tests/kernel_checks.py emulate accumulate --device cuda --dtype bfloat16 --big
 fi
+if [ "$part" = ring16 ]; then   # up to four ring steps a forward launch; step 0 alone, then growing groups
+  LIMIT=220 run check_ring $py tests/kernel_checks.py accumulate emulate --device cuda --dtype bfloat16 --big
+  LIMIT=150 run emulate_groups env DISTLAB_TRITON_ATTN_PDL=1 $py -m distlab.cp.emulate --world 8 --seq 8192 32768 \
+      --backend triton --iters 10 --no-backward --steps-per-launch 1 2 4 2,2,2,2 1,3,4 2,2,4 1,1,3,3 \
+      --json "$out/emulate_groups.json"
+  LIMIT=80 run emulate_default env DISTLAB_TRITON_ATTN_PDL=1 $py -m distlab.cp.emulate --world 8 --seq 8192 32768 \
+      --backend triton --iters 10 --steps-per-launch 2 4 --json "$out/emulate_default.json"
+  LIMIT=60 run timeline env DISTLAB_TRITON_ATTN_PDL=1 $py -m distlab.cp.emulate --world 8 --seq 32768 --backend triton \
+      --steps-per-launch 4 --iters 5 --no-backward --timeline
+fi
+if [ "$part" = ring17 ]; then   # the final defaults (triton: 0 | 1 2 3 | 4 5 6 7): checked, one call, the rank
+  LIMIT=220 run check_ring $py tests/kernel_checks.py accumulate emulate --device cuda --dtype bfloat16 --big
+  LIMIT=50 run bench_gqa $py -m kernels.bench --kv-heads 8 --only attention --iters 10 --json "$out/bench_gqa.json"
+  emulate_defaults
+fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
 tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"
 exit $status

@@ -172,6 +172,7 @@ def _accumulate_blocks(device, dtype, big):
     assert rel(first, diag[:, 3:sq - 5]) < tol(dtype)
     assert rel(final[:, rows], want[:, rows]) < tol(dtype) and rel(lse3[:, :, rows], lse2[:, :, rows]) < tol(dtype)
     _two_blocks_per_launch(q, k, v, want, lse2, diag, dtype)
+    _more_blocks_per_launch(q, k, v, dtype)
 
 
 def _two_blocks_per_launch(q, k, v, want, want_lse, diag, dtype):
@@ -215,6 +216,61 @@ def _two_blocks_per_launch(q, k, v, want, want_lse, diag, dtype):
     assert torch.equal(out[:, :lo], kept) and rel(out[:, lo:], tail[0]) < tol(dtype)
     assert not blocks_fit_one_launch(q, [blocks[0], (lo + 1, sq, k[:, early], v[:, early], False)])
     assert not blocks_fit_one_launch(q, [blocks[1], blocks[0]])    # only the first block may be causal
+
+
+def _blocks_reference(q, blocks):
+    """Float64 attention of each query row over the keys of every block that covers it (``(lo, hi, k, v,
+    causal)``, a causal block's keys j <= row), through one masked softmax; rows no block covers are NaN."""
+    b, sq, h, d = q.shape
+    cols = [kb.shape[1] for _, _, kb, _, _ in blocks]
+    mask = torch.zeros(sq, sum(cols), dtype=torch.bool)
+    for i, (lo, hi, _, _, causal) in enumerate(blocks):
+        at = sum(cols[:i])
+        mask[lo:hi, at:at + cols[i]] = True
+        if causal:
+            mask[:, at:at + cols[i]] &= torch.ones(sq, cols[i], dtype=torch.bool).tril()
+    groups = h // blocks[0][2].shape[2]
+    k = torch.cat([kb for _, _, kb, _, _ in blocks], 1).double().cpu().repeat_interleave(groups, 2)
+    v = torch.cat([vb for _, _, _, vb, _ in blocks], 1).double().cpu().repeat_interleave(groups, 2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double().cpu(), k) / d ** 0.5
+    scores = scores.masked_fill(~mask, float("-inf"))
+    out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+    return out, scores.logsumexp(-1)
+
+
+def _more_blocks_per_launch(q, k, v, dtype):
+    """``flash_forward_blocks`` with three and four blocks (ring steps) in one launch: (d) the causal
+    diagonal block and three later blocks over all rows or a tail, fresh buffers, the tail final in q's
+    dtype; (e) three later blocks accumulated onto a running result; (f) later blocks whose K/V are
+    strided differently do not fit one launch (one set of strides is passed for them)."""
+    from kernels.triton_attention import MAX_BLOCKS, blocks_fit_one_launch, flash_forward, flash_forward_blocks, tile_config
+
+    b, sq, h, d = q.shape
+    lo = tile_config("FWD", q.device, d)[0] * max(1, (sq // 2) // tile_config("FWD", q.device, d)[0])
+    early, diag_kv, late = (slice(0, sq), slice(sq, 2 * sq), slice(2 * sq, 3 * sq))
+    f32 = dict(dtype=torch.float32, device=q.device)
+    blocks = [(0, sq, k[:, diag_kv], v[:, diag_kv], True), (lo, sq, k[:, early], v[:, early], False),
+              (0, sq, k[:, late], v[:, late], False), (lo, sq, k[:, diag_kv], v[:, diag_kv], False)]
+    assert len(blocks) == MAX_BLOCKS and blocks_fit_one_launch(q, blocks)
+    out, lse = torch.empty(b, sq, h, d, **f32), torch.empty(b, h, sq, **f32)
+    final = torch.empty(b, sq, h, d, dtype=dtype, device=q.device)
+    flash_forward_blocks(q, blocks, None, out, lse, final_out=final, final_rows=(lo, sq))
+    want, want_lse = _blocks_reference(q, blocks)
+    assert torch.isnan(out[:, lo:]).all()                          # final rows went to `final` only
+    assert rel(out[:, :lo], want[:, :lo]) < tol(dtype) and rel(final[:, lo:], want[:, lo:]) < tol(dtype)
+    assert rel(lse, want_lse) < tol(dtype)
+    # (e) the early block's running result, then three blocks in one accumulating launch
+    out, lse = flash_forward(q, k[:, early], v[:, early], False, None, torch.empty(b, sq, h, d, **f32),
+                             torch.empty(b, h, sq, **f32))
+    three = [(lo, sq, k[:, late], v[:, late], False), (0, sq, k[:, diag_kv], v[:, diag_kv], False),
+             (lo, sq, k[:, early], v[:, early], False)]
+    flash_forward_blocks(q, three, None, out, lse, accumulate=True)
+    want, want_lse = _blocks_reference(q, [(0, sq, k[:, early], v[:, early], False)] + three)
+    assert rel(out, want) < tol(dtype) and rel(lse, want_lse) < tol(dtype)
+    # (f) one later block's K/V a slice of a longer-token-stride tensor: refused (and every block too many)
+    wide = torch.cat([k[:, early], k[:, early]], 2)[:, :, :k.shape[2]]
+    assert not blocks_fit_one_launch(q, [blocks[0], blocks[1], (0, sq, wide, v[:, late], False)])
+    assert not blocks_fit_one_launch(q, blocks + [blocks[1]])
 
 
 def check_rmsnorm(device, dtype, big=False):
@@ -313,13 +369,14 @@ def check_emulate(device, dtype, big=False):
     from distlab.cp.emulate import emulate_rank
     from kernels.attention import attention_backward, attention_forward
 
-    # on CPU a shard of 64 rows: zigzag's half blocks start on a 32-row query tile, so two steps share a
-    # launch (W=3: groups of steps {0, 1}, {2})
+    # on CPU a shard of 64 rows: zigzag's half blocks start on a 32-row query tile, so steps can share a launch
     world, seq, h, hk, d = (3, 192, 2, 1, 16) if not big else (8, 8192, 8, 2, 128)
     modes = [(False, "0")] if device.type != "cuda" else [(False, "0"), (True, "0"), (True, "1"), (False, "1")]
     for layout in ("zigzag", "contiguous"):
         for rank in (0, world - 1):
-            for (graphs, pdl), n in itertools.product(modes, (1, 2)):
+            # step groups: one step a launch; 0 | 1 | 2 3 | ... (n=2); up to four steps a launch (n=4, the GPU's
+            # W=8: 0 | 1 | 2 3 | 4 5 6 7); every step in one launch (CPU, W=3: the causal block + two more)
+            for (graphs, pdl), n in itertools.product(modes, (1, 2, 4) if big else (1, 2, (world,))):
                 os.environ["DISTLAB_TRITON_ATTN_PDL"] = pdl
                 res = emulate_rank(world, seq, h, hk, d, rank, layout, True, "triton", dtype, device,
                                    keep_output=True, graphs=graphs, iters=1, warmup=1, steps_per_launch=n)

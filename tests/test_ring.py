@@ -76,28 +76,37 @@ def test_ring_matches_one_device(pools, world, layout, causal, heads, kv_heads):
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_ring_with_two_blocks_in_flight_matches_one_device(pools, world, layout, causal):
-    """``steps_per_launch=2``: steps in pairs, the next pair's K/V forwarded as soon as they arrive (two
-    exchanges in flight; W=3: groups {0, 1}, {2}). Same answer, same W−1 hops and bytes."""
-    for rank, res in enumerate(pools(world).run(ring_vs_one_device, 4, 2, causal, layout, steps_per_launch=2)):
-        for name, err in res["errors"].items():
-            assert err < 1e-5, f"rank {rank}: {name} rel err {err:.2e} (W={world} {layout} causal={causal})"
-        assert res["fwd_calls"] == {"ring_kv": world - 1}
-        assert res["fwd_bytes"] == {"ring_kv": (world - 1) * res["kv_bytes"]}
+def test_ring_with_several_blocks_in_flight_matches_one_device(pools, world, layout, causal):
+    """Steps in groups, the next groups' K/V forwarded as soon as they arrive: ``steps_per_launch=2``
+    (W=4: 0 | 1 | 2 3, two exchanges in flight) and one group of every step (all W−1 exchanges posted
+    before anything is computed). Same answer, same W−1 hops and bytes."""
+    for n in (2, (world,)):
+        for rank, res in enumerate(pools(world).run(ring_vs_one_device, 4, 2, causal, layout, steps_per_launch=n)):
+            for name, err in res["errors"].items():
+                assert err < 1e-5, f"rank {rank}: {name} rel err {err:.2e} (W={world} {layout} causal={causal} {n})"
+            assert res["fwd_calls"] == {"ring_kv": world - 1}
+            assert res["fwd_bytes"] == {"ring_kv": (world - 1) * res["kv_bytes"]}
 
 
 def test_ring_steps_per_launch_is_checked(monkeypatch):
-    from distlab.cp.ring import check_steps_per_launch
+    from distlab.cp.ring import check_steps_per_launch, launch_groups
 
     monkeypatch.delenv("DISTLAB_RING_STEPS_PER_LAUNCH", raising=False)
     assert check_steps_per_launch(2) == 2 and check_steps_per_launch(1, "triton") == 1
-    assert check_steps_per_launch(None, "triton") == 2 and check_steps_per_launch(None, "torch") == 1
-    monkeypatch.setenv("DISTLAB_RING_STEPS_PER_LAUNCH", "2")
-    assert check_steps_per_launch() == 2 and check_steps_per_launch(None, "torch") == 2
+    assert check_steps_per_launch(None, "triton") == 4 and check_steps_per_launch(None, "torch") == 1
+    assert check_steps_per_launch("1,1,2,4", None, 8) == (1, 1, 2, 4) and check_steps_per_launch((3,), None, 3) == (3,)
+    monkeypatch.setenv("DISTLAB_RING_STEPS_PER_LAUNCH", "4")
+    assert check_steps_per_launch() == 4 and check_steps_per_launch(None, "torch") == 4
     monkeypatch.setenv("DISTLAB_RING_STEPS_PER_LAUNCH", "1")
     assert check_steps_per_launch(None, "triton") == 1
-    with pytest.raises(ValueError, match="must be 1 or 2"):
-        check_steps_per_launch(3)
+    for bad, world in ((5, None), (0, None), ("two", None), ((2, 2), 3), ((5, 3), 8)):
+        with pytest.raises(ValueError, match="an integer from 1 to 4, or group sizes"):
+            check_steps_per_launch(bad, None, world)
+    # step 0 (local K/V) alone, then groups of n, the short one first
+    assert [list(g) for g in launch_groups(8, 2)] == [[0], [1], [2, 3], [4, 5], [6, 7]]
+    assert [list(g) for g in launch_groups(8, 4)] == [[0], [1, 2, 3], [4, 5, 6, 7]]
+    assert [list(g) for g in launch_groups(3, 2)] == [[0], [1, 2]] and launch_groups(1, 4) == [range(1)]
+    assert [list(g) for g in launch_groups(4, (2, 2))] == [[0, 1], [2, 3]]
 
 
 @pytest.mark.parametrize("world", [3, 4])
@@ -130,12 +139,14 @@ def test_ring_with_the_triton_kernels_matches_one_device(world):
         del os.environ["TRITON_INTERPRET"]
     try:
         # dQ from its own kernel (added in place), or added by the dK/dV kernel's atomics into the ring's dQ
-        # two ring steps per forward launch: with 64-row shards zigzag's half blocks start on a query tile
+        # several ring steps per forward launch (with 64-row shards zigzag's half blocks start on a query
+        # tile): all W steps in one launch (W blocks), or the first two (a pair, then single steps)
         # dK/dV per kv head (split 0) or summed from per-q-head partials straight into the received accumulator
         for layout, causal, (heads, kv_heads), dq_mode, split, n, shard in (
                 ("zigzag", True, (4, 2), "kernel", "0", 1, 24), ("contiguous", True, (4, 4), "kernel", "0", 1, 24),
                 ("contiguous", False, (4, 2), "kernel", "1", 1, 24), ("zigzag", True, (4, 2), "atomic", "1", 1, 24),
-                ("zigzag", True, (4, 2), "kernel", "0", 2, 64), ("contiguous", False, (2, 1), "kernel", "0", 2, 32)):
+                ("zigzag", True, (4, 2), "kernel", "0", (world,), 64),
+                ("contiguous", False, (2, 1), "kernel", "0", (2,) + (1,) * (world - 2), 32)):
             case = f"W={world} {layout} causal={causal} dq {dq_mode} split {split} steps/launch {n}"
             # split partials summed by the dQ kernel's programs (the default; kernel_checks.py also checks the
             # separate summing launch, SPLIT_SUM=kernel, against the reference)

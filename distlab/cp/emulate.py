@@ -25,10 +25,12 @@ start while the previous step's last wave finishes (programmatic dependent launc
 
     DISTLAB_TRITON_ATTN_PDL=1 DISTLAB_TRITON_ATTN_FWD=64,64,4,3 python -m distlab.cp.emulate --seq 8192 32768
 
-``--variant 'SPLIT_SUM=dq;TMA=fwd,dq' 'RESCALE=lazy'`` times the rank once per set of launch knobs, in one
-process against the same anchors. ``--steps-per-launch 1 2`` times the forward both ways: one kernel per ring step, or two steps per launch
-(``distlab.cp.ring``'s ``steps_per_launch``; the stand-in exchanger has every step's K/V resident, as a
-real rank with two blocks in flight has the next pair's by the time it needs them).
+``--variant 'SPLIT_SUM=dq' 'TMA=fwd,dq'`` times the rank once per set of launch knobs, in one process
+against the same anchors. ``--steps-per-launch 1 2 4 1,1,2,4`` times the forward's step groups
+(``distlab.cp.ring.launch_groups``: with ``triton`` one kernel launch a group). The stand-in exchanger has
+every step's K/V resident, which a real rank has only when each group's K/V arrive while the groups before
+it compute: that is why step 0 (local K/V) runs alone, with the first hop behind it, and the short group
+comes first.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import torch
 
 from distlab.cp.layout import check_divisible, chunks_per_rank, rank_chunks
 from distlab.cp.local_kernels import block_flops
-from distlab.cp.ring import _ring_backward, _ring_forward, check_steps_per_launch, ring_blocks
+from distlab.cp.ring import _ring_backward, _ring_forward, check_steps_per_launch, launch_groups, ring_blocks
 from kernels.attention import attention_backward, attention_forward, resolve_backend
 from kernels.bench import DTYPES, timeit
 
@@ -105,7 +107,7 @@ def emulate_rank(world, seq, heads, kv_heads, head_dim, rank, layout, causal, ba
     dout = torch.randn(q_r.shape, generator=g).to(device, dtype)
     scale = 1.0 / math.sqrt(head_dim)
     backend = resolve_backend(backend, device, dtype)
-    steps_per_launch = check_steps_per_launch(steps_per_launch, backend)
+    steps_per_launch = check_steps_per_launch(steps_per_launch, backend, world)
 
     def fwd():
         return _ring_forward(q_r, *kv_by_step[0], ring, causal, layout, scale, backend, steps_per_launch)
@@ -188,10 +190,9 @@ def _print_timelines(r, own, seq, layout, a):
     from distlab.profiling.timeline import format_timeline
 
     local = seq // a.world
-    n = r["steps_per_launch"]   # the triton forward: one kernel per group of n steps
-    launches = [[(rw.stop - rw.start, c.stop - c.start, cz) for step in range(g, min(g + n, a.world))
+    launches = [[(rw.stop - rw.start, c.stop - c.start, cz) for step in group   # triton: one kernel a group
                  for rw, c, cz in ring_blocks((r["rank"] - step) % a.world, r["rank"], local, a.causal, layout)]
-                for g in range(0, a.world, n)]
+                for group in launch_groups(a.world, r["steps_per_launch"])]
     fwd_flops = [block_flops(1, a.head_dim, a.heads, blk) for blk in launches if blk] \
         if r["backend"] == "triton" else None
     name = f"S{seq} {layout} {r['backend']} rank {r['rank']}"
@@ -229,9 +230,10 @@ def main(argv=None):
     p.add_argument("--dtype", choices=DTYPES, default="bf16" if gpu else "fp32")
     p.add_argument("--iters", type=int, default=20 if gpu else 2)
     p.add_argument("--no-backward", action="store_true")
-    p.add_argument("--steps-per-launch", type=int, nargs="+", default=[None], choices=(1, 2),
-                   help="K/V blocks in flight in the forward; triton: ring steps per kernel launch "
-                        "(default: distlab.cp.ring's, 2 for triton and 1 for the others)")
+    p.add_argument("--steps-per-launch", nargs="+", default=[None], metavar="N|SIZES",
+                   help="the forward's steps per group (distlab.cp.ring.launch_groups; triton: one kernel launch a "
+                        "group): n from 1 to 4, or group sizes adding up to W such as 1,1,2,4 (default: "
+                        "distlab.cp.ring's, 4 for triton and 1 for the others)")
     p.add_argument("--variant", nargs="+", default=[""], metavar="K=V;K=V",
                    help="time the rank once per variant: ';'-separated knob settings in force for that run "
                         "(names without DISTLAB_ are DISTLAB_TRITON_ATTN_ knobs), e.g. 'SPLIT_SUM=dq;TMA=fwd,dq'; "
@@ -248,7 +250,7 @@ def main(argv=None):
           f"heads (the same FLOPs); the line 'fused H' is one call with all H heads (the GPU's rate at this length)")
     knobs = {k: v for k, v in sorted(os.environ.items()) if k.startswith("DISTLAB_")}
     print("knobs: " + (" ".join(f"{k}={v}" for k, v in knobs.items()) or "none set (defaults)"))
-    print(f"{'seq':>6} {'layout':>10} {'backend':>11} {'n':>1} {'graph':>5} | {'fwd ms':>8} {'TFLOP/s':>8} {'eff':>6} | "
+    print(f"{'seq':>6} {'layout':>10} {'backend':>11} {'groups':>9} {'graph':>5} | {'fwd ms':>8} {'TFLOP/s':>8} {'eff':>6} | "
           f"{'f+b ms':>8} {'TFLOP/s':>8} {'eff':>6}")
     for seq in a.seq:
         anchor = fused_anchor(a.world, seq, a.heads, a.kv_heads, a.head_dim, a.causal, dtype, device, a.iters)
@@ -258,13 +260,13 @@ def main(argv=None):
         w_f = whole["flops_fwd"] / whole["fwd_s"]
         w_fb = 3.5 * whole["flops_fwd"] / (whole["fwd_s"] + whole["bwd_s"])
         for label, an, f_, fb_ in (("fused H/W", anchor, a_f, a_fb), ("fused H", whole, w_f, w_fb)):
-            print(f"{seq:>6} {label:>10} {an['backend']:>11} {'-':>1} {'-':>5} | {an['fwd_s'] * 1e3:>8.3f} {f_ / 1e12:>8.1f} "
+            print(f"{seq:>6} {label:>10} {an['backend']:>11} {'-':>9} {'-':>5} | {an['fwd_s'] * 1e3:>8.3f} {f_ / 1e12:>8.1f} "
                   f"{100 * f_ / a_f:>5.1f}% | {(an['fwd_s'] + an['bwd_s']) * 1e3:>8.3f} {fb_ / 1e12:>8.1f} "
                   f"{100 * fb_ / a_fb:>5.1f}%")
         for layout in a.layout:
             rank = a.rank if a.rank is not None else (a.world - 1 if layout == "contiguous" else 0)
             for backend, n, variant in itertools.product(a.backend, a.steps_per_launch, a.variant):
-                n = check_steps_per_launch(n, backend)
+                n = check_steps_per_launch(n, backend, a.world)
                 saved = _set_knobs(variant)
                 try:
                     r = emulate_rank(a.world, seq, a.heads, a.kv_heads, a.head_dim, rank, layout, a.causal, backend,
@@ -285,7 +287,8 @@ def main(argv=None):
                 f = r["flops_fwd"] / r["fwd_s"]
                 r.update(anchor=anchor, whole=whole, own_anchor=own, tflops_fwd=f / 1e12, efficiency_fwd=f / a_f,
                          efficiency_fwd_vs_whole=f / w_f, efficiency_fwd_vs_own=f / o_f)
-                line = (f"{seq:>6} {layout:>10} {r['backend']:>11} {n:>1} {'yes' if r['graphs'] else 'no':>5} | "
+                groups = "|".join(str(len(g)) for g in launch_groups(a.world, n))
+                line = (f"{seq:>6} {layout:>10} {r['backend']:>11} {groups:>9} {'yes' if r['graphs'] else 'no':>5} | "
                         f"{r['fwd_s'] * 1e3:>8.3f} {f / 1e12:>8.1f} {100 * f / a_f:>5.1f}%")
                 if not a.no_backward:
                     fb = 3.5 * r["flops_fwd"] / (r["fwd_s"] + r["bwd_s"])

@@ -8,12 +8,13 @@ Each of the W ranks holds a shard of q, k, v along the sequence. K/V blocks trav
 (rank r sends to r+1, receives from r−1); at step i rank r holds the K/V of rank (r−i) mod W and merges
 the block's (out, lse) into its running result through the log-sum-exp (``distlab.cp.merge``). The next
 K/V exchange is posted before the current block is computed, so it overlaps the compute. The forward
-makes W−1 K/V exchanges. With ``steps_per_launch=2`` (the ``triton`` default; ``DISTLAB_RING_STEPS_PER_LAUNCH``
-sets it for every backend) the steps
-go in pairs: the K/V of the next pair are forwarded as soon as they arrive (two exchanges in flight,
-``comm.RingExchanger.exchange_after``), and the ``triton`` backend computes both steps of a pair in one
-kernel launch (``kernels.triton_attention.flash_forward_blocks``): one accumulate epilogue per pair and a
-longer key loop, where the step kernels of a short shard lose most of their time.
+makes W−1 K/V exchanges. With ``steps_per_launch=n`` > 1 (4 is the ``triton`` default;
+``DISTLAB_RING_STEPS_PER_LAUNCH`` sets it for every backend) step 0 runs alone (its K/V are local: the
+first hop travels behind it) and the later steps go in groups of n, the short one first (``launch_groups``):
+up to n K/V blocks beyond the current group are in flight, each forwarded as soon as it arrives
+(``comm.RingExchanger.exchange_after``), and the ``triton`` backend computes a group in one kernel launch
+(``kernels.triton_attention.flash_forward_blocks``, up to four steps): one accumulate epilogue per group and
+a longer key loop, where the step kernels of a short shard lose most of their time.
 
 Backward: K/V travel the ring again, and so does a float32 (dK, dV) accumulator for the block being
 visited; each rank adds its contribution to it (computed with the *global* out and lse, see
@@ -145,18 +146,19 @@ class _KVAhead:
 
 
 def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launch=1):
-    """``steps_per_launch = n``: the steps go in groups of n, and the K/V of the next group travel while a
-    group computes (n blocks in flight); with the ``triton`` backend a group of two steps is one kernel
-    launch (``kernels.triton_attention.flash_forward_blocks``)."""
+    """The steps go in the groups of ``launch_groups(W, steps_per_launch)``, and the K/V of the steps up to
+    n = the largest group beyond the current one travel while it computes; with the ``triton`` backend a
+    group is one kernel launch (``kernels.triton_attention.flash_forward_blocks``)."""
     s = q.shape[1]
     out = lse = None  # step 0 (own K/V) always covers every query row, and starts the accumulators
     schedule = [ring_blocks((ring.rank - step) % ring.size, ring.rank, s, causal, layout) for step in range(ring.size)]
     final = torch.empty_like(q) if backend == "triton" else None   # written by each row's last block
     kv = _KVAhead(ring, (k, v))
-    for first in range(0, ring.size, steps_per_launch):
-        steps = range(first, min(first + steps_per_launch, ring.size))
+    groups = launch_groups(ring.size, steps_per_launch)
+    ahead = max(len(g) for g in groups)
+    for steps in groups:
         with phase("ring.exchange"):
-            kv.post_through(steps[-1] + steps_per_launch)   # the next group's K/V, while this one computes
+            kv.post_through(steps[-1] + ahead)   # the next groups' K/V, while this one computes
         blocks = []
         for step in steps:
             with phase("ring.wait"):
@@ -267,20 +269,42 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
-# Two steps per launch where it was measured to pay (docs/PERF.md, "Ring rank, fifth pass": the triton
-# forward of one W8 rank 116% -> 126% of the fused H/W call at S8192, 89% -> 92% at S32768); one K/V block
-# in flight elsewhere, which keeps the memory of the classic ring (one extra K/V buffer less).
-STEPS_PER_LAUNCH = {"triton": 2}
+# Steps per launch where it was measured to pay (docs/PERF.md, ring16: the triton forward of one W8 rank,
+# 0 | 1 | 2 ... 7 one step a launch against 0 | 1 2 3 | 4 5 6 7: 116.0% -> 127.4% of the fused H/W call at
+# S8192, 89.1% -> 91.5% at S32768); it keeps up to 2n - 1 K/V blocks (W=8: every block) where the classic
+# ring keeps two. One block in flight for the other backends, which launch per block anyway.
+STEPS_PER_LAUNCH = {"triton": 4}
+MAX_STEPS_PER_LAUNCH = 4   # kernels.triton_attention.MAX_BLOCKS
 
 
-def check_steps_per_launch(steps_per_launch=None, backend=None) -> int:
-    """1 or 2, from the argument, else ``DISTLAB_RING_STEPS_PER_LAUNCH``, else ``STEPS_PER_LAUNCH[backend]``
-    (1 for backends not listed)."""
+def launch_groups(world: int, steps_per_launch=1) -> list[range]:
+    """The forward's ring steps grouped per launch. ``n`` (an int): step 0 alone — its K/V are local, so the
+    first hop travels behind its compute, as in the classic ring — then the other W−1 steps in groups of n,
+    the short group first (W=8: n=2 0 | 1 | 2 3 | 4 5 | 6 7; n=4 0 | 1 2 3 | 4 5 6 7), each group's K/V
+    travelling while the groups before it compute. A sequence of sizes adding up to W: exactly those groups."""
+    if isinstance(steps_per_launch, int):
+        rest = world - 1
+        sizes = [1] + ([rest % steps_per_launch] if rest % steps_per_launch else []) + \
+            [steps_per_launch] * (rest // steps_per_launch)
+    else:
+        sizes = list(steps_per_launch)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [range(a, a + n) for a, n in zip(starts, sizes)]
+
+
+def check_steps_per_launch(steps_per_launch=None, backend=None, world=None):
+    """n in 1..4 (an int), or group sizes adding up to ``world`` (a tuple): from the argument, else
+    ``DISTLAB_RING_STEPS_PER_LAUNCH`` (``2`` or ``1,1,2,4``), else ``STEPS_PER_LAUNCH[backend]`` (1 for
+    backends not listed)."""
     value = steps_per_launch if steps_per_launch is not None else os.environ.get(
         "DISTLAB_RING_STEPS_PER_LAUNCH", STEPS_PER_LAUNCH.get(backend, 1))
-    if str(value) not in ("1", "2"):
-        raise ValueError(f"ring steps per launch must be 1 or 2; got {value!r}")
-    return int(value)
+    text = ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
+    sizes = text.split(",")
+    if not all(x.strip().isdigit() and 1 <= int(x) <= MAX_STEPS_PER_LAUNCH for x in sizes) \
+            or len(sizes) > 1 and world is not None and sum(map(int, sizes)) != world:
+        raise ValueError(f"ring steps per launch: an integer from 1 to {MAX_STEPS_PER_LAUNCH}, or group sizes "
+                         f"adding up to the ring size{f' ({world})' if world is not None else ''}; got {value!r}")
+    return int(sizes[0]) if len(sizes) == 1 and not isinstance(value, (tuple, list)) else tuple(map(int, sizes))
 
 
 def check_ring_inputs(q, k, v, world: int, causal: bool, layout: str, backend: str) -> str:
@@ -302,12 +326,13 @@ def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backe
 
     q: ``(batch, seq/W, heads, head_dim)``; k, v: ``(batch, seq/W, kv_heads, head_dim)``. Returns this
     rank's shard of the output (and, with ``return_lse``, its float32 ``(batch, heads, seq/W)`` LSE).
-    ``steps_per_launch`` (1 or 2): the forward's K/V blocks in flight, and (``triton``) ring steps per
-    kernel launch; default ``DISTLAB_RING_STEPS_PER_LAUNCH``, else 2 for ``triton`` and 1 for the others.
+    ``steps_per_launch`` (1 to 4, or group sizes adding up to W): the forward's steps per group (``launch_groups``)
+    — with ``triton`` one kernel launch each — and the K/V blocks in flight; default
+    ``DISTLAB_RING_STEPS_PER_LAUNCH``, else 4 for ``triton`` and 1 for the others.
     """
     ring = comm.RingExchanger(group)
     backend = check_ring_inputs(q, k, v, ring.size, causal, layout, backend)
-    steps_per_launch = check_steps_per_launch(steps_per_launch, backend)
+    steps_per_launch = check_steps_per_launch(steps_per_launch, backend, ring.size)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out, lse = _RingAttention.apply(q, k, v, ring, causal, layout, scale, backend, steps_per_launch)
     return (out, lse) if return_lse else out
