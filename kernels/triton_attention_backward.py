@@ -212,10 +212,11 @@ def _dq_kernel(Q, K, V, KD, VD, DO, LSE2, DELTA, DQ, DKP, DVP, ACCK, ACCV, seq_q
                sum_rows, sum_per_program, sakb, saks, sakh, savb, savs, savh,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
                PREC: tl.constexpr, TMA: tl.constexpr, DQ_ADD: tl.constexpr, PDL: tl.constexpr,
-               SUM_SPLITS: tl.constexpr, SUM_ROWS: tl.constexpr):
-    """Program (batch · head, query tile): dQ of its rows. With ``SUM_SPLITS`` (a later ring step's split
-    dK/dV) it then adds its share (``sum_per_program`` rows) of the dK/dV kernel's per-q-head partials into
-    the received accumulators ACCK/ACCV — in place of a separate ``_sum_splits_kernel`` launch."""
+               SUM_SPLITS: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_ADD: tl.constexpr):
+    """Program (batch · head, query tile): dQ of its rows. With ``SUM_SPLITS`` (split dK/dV) it then sums
+    its share (``sum_per_program`` rows) of the dK/dV kernel's per-q-head partials into ACCK/ACCV (dK, dV;
+    ``SUM_ADD``: added to what they hold, a later ring step's received accumulators) — in place of a
+    separate ``_sum_splits_kernel`` launch."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)   # grid (batch · heads, query tiles): heaviest first
@@ -256,7 +257,7 @@ def _dq_kernel(Q, K, V, KD, VD, DO, LSE2, DELTA, DQ, DKP, DVP, ACCK, ACCV, seq_q
         first = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * sum_per_program
         for r0 in range(first, tl.minimum(first + sum_per_program, sum_rows), SUM_ROWS):
             _sum_split_rows(DKP, DVP, ACCK, ACCV, r0 + tl.arange(0, SUM_ROWS), seq_k, heads // groups, sum_rows,
-                            sakb, saks, sakh, savb, savs, savh, SUM_SPLITS, D, True)
+                            sakb, saks, sakh, savb, savs, savh, SUM_SPLITS, D, SUM_ADD)
 
 
 def backward_rows(dout, out, lse):
@@ -274,7 +275,7 @@ def backward_rows(dout, out, lse):
 
 
 def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, split_groups=None, rows=None,
-                   dq_acc=None, dk_out=None, dv_out=None, dkv_into=None):
+                   dq_acc=None, dk_out=None, dv_out=None, dkv_into=None, dq_add=True):
     """``(dq, dk, dv)`` in the inputs' dtype, from the final ``out`` and float32 ``lse``.
 
     ``split_groups``: with GQA, one dK/dV program per *q* head (float32 partial sums added up after) instead
@@ -284,8 +285,9 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
 
     A ring step (``distlab.cp.ring``) passes ``rows`` = ``backward_rows`` of these query rows (then ``out``
     and ``lse`` are not read), ``dq_acc``, a float32 ``(batch, seq_q, heads, D)`` view that dQ is *added*
-    to, and ``dk_out``/``dv_out``, float32 ``(batch, seq_k, kv_heads, D)`` views dK/dV are written to; it
-    gets those three back. Instead of ``dk_out``/``dv_out``, a later ring step passes ``dkv_into``: a callable
+    to (``dq_add=False``: written, the ring's first step, so its accumulator needs no zero fill), and
+    ``dk_out``/``dv_out``, float32 ``(batch, seq_k, kv_heads, D)`` views dK/dV are written to; it gets those
+    three back. Instead of ``dk_out``/``dv_out``, a later ring step passes ``dkv_into``: a callable
     that returns the float32 views dK/dV are *added* to (the accumulator this rank receives for the block),
     called after this step's dK/dV kernel is launched, so the wait for it comes after that compute (and after
     the dQ kernel too, but for split groups summed by the dQ kernel, ``SPLIT_SUM=dq``); with split groups the
@@ -334,6 +336,8 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
         dq_sum = dq
     else:   # atomics add into a float32 dQ: the ring's accumulator itself, or a zeroed one
         dq_sum = dq_acc if dq_acc is not None else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        if dq_acc is not None and not dq_add:
+            dq_sum.zero_()
     # the interpreter has no TMA reduce: pointer atomics there (the GPU tests check the reduce-adds)
     atomic = DQ_MODES.index(mode) if mode != "tma-reduce" or (q.is_cuda and _tma_fits(dq_sum)) else 1
     dqd = _descriptor(dq_sum, bm) if atomic == 2 else dq_sum
@@ -347,7 +351,7 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
         dq_sum.stride(1), dq_sum.stride(2),
         BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), ATOMIC_DQ=atomic, TMA=tma,
         PDL=bool(pdl), num_warps=warps, num_stages=stages, **pdl)
-    if splits > 1 and dkv_into is None:   # one launch sums the partials into dK and dV
+    if splits > 1 and dkv_into is None and (atomic or split_sum == "kernel"):   # one launch sums the partials
         _sum_splits(dk_part, dv_part, dk, dv, splits, add=False)
     if atomic:
         dq = dq_sum if dq_acc is not None else dq_sum.to(q.dtype)
@@ -355,22 +359,22 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
         bm, bn, warps, stages = tile_config("DQ" if rows is None else "DQ_RING", q.device, d)
         kd, vd, tma = _tile_descriptors("dq", k, v, bn)
         grid = (b * h, triton.cdiv(sq, bm))
-        # a later ring step's split partials: summed into the received accumulators by the dQ kernel's programs
-        # after their dQ (DISTLAB_TRITON_ATTN_SPLIT_SUM=dq, the default: W8 ring rank at S8192 f+b 0.902 ->
-        # 0.854 ms on the H200, ring15) or by their own launch after the dQ kernel (kernel). With dq the wait for
-        # the received accumulator comes before the dQ launch instead of after it
-        in_dq = dkv_into is not None and splits > 1 and split_sum == "dq"
-        acc_k, acc_v = _received(dkv_into, k, v) if in_dq else (dq, dq)
+        # split partials: summed into dK/dV (a later ring step: added into the received accumulators) by the
+        # dQ kernel's programs after their dQ (DISTLAB_TRITON_ATTN_SPLIT_SUM=dq, the default: W8 ring rank at
+        # S8192 f+b 0.902 -> 0.854 ms on the H200, ring15) or by their own launch (kernel). With dq a ring
+        # step's wait for the received accumulator comes before the dQ launch instead of after it
+        in_dq = splits > 1 and split_sum == "dq"
+        acc_k, acc_v = (_received(dkv_into, k, v) if dkv_into is not None else (dk, dv)) if in_dq else (dq, dq)
         rows_per_program = triton.cdiv(triton.cdiv(b * sk * hk, grid[0] * grid[1]), 16) * 16
         _dq_kernel[grid](
             q, k, v, kd, vd, dout, lse2, delta, dq, dk_part, dv_part, acc_k, acc_v, sq, sk, h, h // hk, scale * LOG2E,
             scale, delta.stride(0), delta.stride(1), *strides, dq.stride(0), dq.stride(1), dq.stride(2),
             b * sk * hk, rows_per_program, acc_k.stride(0), acc_k.stride(1), acc_k.stride(2), acc_v.stride(0),
             acc_v.stride(1), acc_v.stride(2),
-            BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), TMA=tma, DQ_ADD=dq_acc is not None,
-            PDL=bool(pdl), SUM_SPLITS=splits if in_dq else 0, SUM_ROWS=16, num_warps=warps, num_stages=stages,
-            **pdl)
-        if in_dq:
+            BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), TMA=tma,
+            DQ_ADD=dq_acc is not None and dq_add, PDL=bool(pdl), SUM_SPLITS=splits if in_dq else 0, SUM_ROWS=16,
+            SUM_ADD=dkv_into is not None, num_warps=warps, num_stages=stages, **pdl)
+        if in_dq and dkv_into is not None:
             return dq, acc_k, acc_v
     if dkv_into is None:
         return dq, dk, dv

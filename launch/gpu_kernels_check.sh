@@ -325,6 +325,12 @@ if [ "$part" = ring17 ]; then   # the final defaults (triton: 0 | 1 2 3 | 4 5 6 
   LIMIT=50 run bench_gqa $py -m kernels.bench --kv-heads 8 --only attention --iters 10 --json "$out/bench_gqa.json"
   emulate_defaults
 fi
+if [ "$part" = ring18 ]; then   # the ring backward's first step writes dQ (no zero fill) and its split partials
+  # are summed by the dQ kernel (the one call's too): checked, then the rank PDL off / on and an S8192 timeline
+  LIMIT=200 run check_attention $py tests/kernel_checks.py attention --device cuda --dtype bfloat16 --big
+  LIMIT=150 run check_ring $py tests/kernel_checks.py emulate --device cuda --dtype bfloat16 --big
+  emulate_defaults
+fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
 tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"
 exit $status

@@ -90,6 +90,17 @@ def check_attention(device, dtype, big=False):
                 assert dk_ is acc[0] and dv_ is acc[1]
                 for name, g_, w in (("dq", dq_, grads[0]), ("dk", dk_, want[0]), ("dv", dv_, want[1])):
                     assert rel(g_, w) < tol(dtype) * 4, (i, split, split_sum, "dkv_into", name, rel(g_, w))
+            # the ring's first step: dQ written into a float32 buffer that holds garbage (dq_add=False), dK/dV
+            # written to float32 views, the split partials summed by the dQ kernel or by their own launch
+            from kernels.triton_attention_backward import backward_rows
+
+            for split, split_sum in ((False, "dq"), (True, "dq"), (True, "kernel")):
+                os.environ["DISTLAB_TRITON_ATTN_SPLIT_SUM"] = split_sum
+                dq_, dk_, dv_ = (torch.empty(t.shape, dtype=torch.float32, device=device) for t in (q, k, v))
+                flash_backward(dout, q, k, v, None, None, causal, split_groups=split, rows=backward_rows(dout, o, lse),
+                               dq_acc=dq_, dk_out=dk_, dv_out=dv_, dq_add=False)
+                for name, g_, w in (("dq", dq_, grads[0]), ("dk", dk_, grads[1]), ("dv", dv_, grads[2])):
+                    assert rel(g_, w) < tol(dtype) * 4, (i, split, split_sum, "first step", name, rel(g_, w))
             os.environ.pop("DISTLAB_TRITON_ATTN_SPLIT_SUM")
     os.environ.pop("DISTLAB_TRITON_ATTN_DQ_MODE")
     os.environ.pop("DISTLAB_TRITON_ATTN_TMA")

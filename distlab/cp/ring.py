@@ -183,9 +183,10 @@ def _accumulate(acc, part, index, like, dtype):
 
 
 def _triton_block_backward(dq, dout, q, k, v, back_rows, rows, cols, causal, scale, received=None):
-    """The ``triton`` backend's block backward: dQ added into the float32 ``dq`` inside its kernel, the
-    backward rows (delta, exp2 LSE) computed once per ring backward — no per-step conversions. dK/dV: at
-    step 0 written in float32 into new step accumulators (zeros where the block has no keys; a step has at
+    """The ``triton`` backend's block backward: dQ added into the float32 ``dq`` inside its kernel (written at
+    step 0, whose block covers every row, so ``dq`` starts unfilled), the backward rows (delta, exp2 LSE)
+    computed once per ring backward — no per-step conversions. dK/dV: at step 0 written in float32 into new
+    step accumulators (zeros where the block has no keys; a step has at
     most one block); at a later step added into the accumulator ``received`` from the previous rank, whose
     wait comes after this step's kernels are launched (with split groups, the partials' sum adds into it).
     Returns the step's (dK, dV)."""
@@ -193,11 +194,13 @@ def _triton_block_backward(dq, dout, q, k, v, back_rows, rows, cols, causal, sca
 
     common = dict(rows=(back_rows[0][:, :, rows], back_rows[1][:, :, rows]), dq_acc=dq[:, rows])
     if received is None:
+        if (rows.start, rows.stop) != (0, q.shape[1]):
+            raise RuntimeError("the ring's first backward block must cover every query row (it writes dQ)")
         new = torch.empty if cols.start == 0 and cols.stop == k.shape[1] else torch.zeros
         dk_blk, dv_blk = (new(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
         with phase("ring.block_backward"):
             flash_backward(dout[:, rows], q[:, rows], k[:, cols], v[:, cols], None, None, causal, scale,
-                           dk_out=dk_blk[:, cols], dv_out=dv_blk[:, cols], **common)
+                           dk_out=dk_blk[:, cols], dv_out=dv_blk[:, cols], dq_add=False, **common)
         return dk_blk, dv_blk
     got = []
 
@@ -220,7 +223,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
         from kernels.triton_attention_backward import backward_rows
 
         back_rows = backward_rows(dout, out, lse)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)   # written by step 0's dQ kernel
     for step in range(ring.size):
         with phase("ring.exchange"):
             kv_pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
