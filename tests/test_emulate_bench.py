@@ -24,13 +24,22 @@ def test_zigzag_gives_every_rank_an_equal_share_of_causal_flops(world):
 
 def test_emulate_and_bench_commands_write_their_json(tmp_path):
     em, be = tmp_path / "emulate.json", tmp_path / "bench.json"
+    # two step groupings (one step a launch; step 0, then the other three together) and two knob variants
     out = subprocess.run([sys.executable, "-m", "distlab.cp.emulate", "--world", "4", "--seq", "256", "--iters", "1",
-                          "--layout", "zigzag", "contiguous", "--json", str(em)], capture_output=True, text=True,
+                          "--layout", "zigzag", "contiguous", "--steps-per-launch", "1", "1,3",
+                          "--variant", "", "SPLIT_GROUPS=1", "--json", str(em)], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     results = json.loads(em.read_text())["results"]
-    assert [r["layout"] for r in results] == ["zigzag", "contiguous"] and [r["rank"] for r in results] == [0, 3]
+    assert [r["layout"] for r in results] == ["zigzag"] * 4 + ["contiguous"] * 4
+    assert [r["rank"] for r in results] == [0] * 4 + [3] * 4
+    assert [r["steps_per_launch"] for r in results[:4]] == [1, 1, [1, 3], [1, 3]]
+    assert [r["variant"] for r in results[:4]] == ["", "SPLIT_GROUPS=1"] * 2
     assert all(r["fwd_s"] > 0 and r["bwd_s"] > 0 and r["backend"] == "torch" for r in results)
+    assert "1|3" in out.stdout and "[SPLIT_GROUPS=1]" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "distlab.cp.emulate", "--world", "4", "--seq", "256", "--iters", "1",
+                          "--steps-per-launch", "2,1"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "group sizes adding up to the ring size (4)" in bad.stderr, bad.stderr[-2000:]
     out = subprocess.run([sys.executable, "-m", "kernels.bench", "--seq", "128", "--iters", "1", "--warmup", "0",
                           "--only", "attention", "--json", str(be)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
