@@ -367,22 +367,21 @@ def flash_forward_blocks(q, blocks, softmax_scale=None, out=None, lse=None, accu
     bm, bn, warps, stages = tile_config("FWD", q.device, d)
     grid = (b * h, triton.cdiv(row1 - row0, bm))
     # TMA descriptors for every block's K/V, or pointers for all of them when one block cannot use TMA
-    descs = [_tile_descriptors("fwd", kb, vb, bn) for kb, vb in [(k, v)] + [blk[2:] for blk in later]]
-    if not all(tma for *_, tma in descs):
-        descs = [(kb, vb, False) for kb, vb in [(k, v)] + [blk[2:] for blk in later]]
-    tma = descs[0][2]
-    pad = [(0, 0, k, v)] * (MAX_BLOCKS - 1 - len(later))   # unused block slots (never read: BLOCKS says so)
-    slots = later + pad
-    slot_descs = descs[1:] + [descs[0]] * len(pad)
-    k2, v2 = slots[0][2:]
-    block_args = [x for (_, _, kb, vb), (kd_, vd_, _) in zip(slots, slot_descs) for x in (kb, vb, kd_, vd_)]
+    kvs = [(k, v)] + [(kb, vb) for _, _, kb, vb in later]
+    descs = [_tile_descriptors("fwd", kb, vb, bn) for kb, vb in kvs]
+    tma = all(t for *_, t in descs)
+    descs = [(kd_, vd_) if tma else (kb, vb) for (kd_, vd_, _), (kb, vb) in zip(descs, kvs)]
+    # blocks 2-4: (lo, hi, k, v, kd, vd); unused slots repeat block 1 with no rows (BLOCKS says they are unused)
+    slots = [(*blk, *dsc) for blk, dsc in zip(later, descs[1:])]
+    slots += [(0, 0, k, v, *descs[0])] * (MAX_BLOCKS - len(blocks))
+    k2, v2 = slots[0][2:4]
     # PDL: an accumulating step launches as a dependent of the kernel before it; every forward lets its
     # dependents start early (they wait for it before touching what it writes)
     use_pdl = q.is_cuda and pdl_enabled(q.device)
     pdl = {"launch_pdl": True} if accumulate and use_pdl else {}
-    _fwd_kernel[grid](q, k, v, descs[0][0], descs[0][1], *block_args, out, lse, fo, sq, k.shape[1],
-                      *(blk[2].shape[1] for blk in slots), h, h // k.shape[2], scale * LOG2E, row0, lo1, hi1,
-                      *(x for blk in slots for x in blk[:2]), f_lo, f_hi,
+    _fwd_kernel[grid](q, k, v, *descs[0], *(x for slot in slots for x in slot[2:]), out, lse, fo, sq, k.shape[1],
+                      *(slot[2].shape[1] for slot in slots), h, h // k.shape[2], scale * LOG2E, row0, lo1, hi1,
+                      *(x for slot in slots for x in slot[:2]), f_lo, f_hi,
                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                       v.stride(0), v.stride(1), v.stride(2), k2.stride(0), k2.stride(1), k2.stride(2),
                       v2.stride(0), v2.stride(1), v2.stride(2), out.stride(0), out.stride(1), out.stride(2),

@@ -12,9 +12,9 @@ added up after; one kernel per (BLOCK_M queries, q head) accumulates dQ over the
 it into a float32 dQ in place (a ring step). ``DISTLAB_TRITON_ATTN_DQ_MODE``: ``kernel`` (default, 7
 matmuls per tile pair), ``atomic`` (the dK/dV kernel adds each tile's dQ share into a float32 buffer with
 pointer atomics: 5 matmuls; 10% slower on the H200) or ``tma-reduce`` (the same with one TMA reduce-add
-per tile: 13% slower). ``DISTLAB_TRITON_ATTN_SPLIT_SUM``: where a later ring step's per-q-head dK/dV partials
-are summed into the accumulator it received: ``dq`` (default: by the dQ kernel's programs after their dQ,
-no extra launch) or ``kernel`` (one launch of its own after the dQ kernel).
+per tile: 13% slower). ``DISTLAB_TRITON_ATTN_SPLIT_SUM``: where the per-q-head dK/dV partials are summed into
+dK/dV (a later ring step: into the accumulator it received): ``dq`` (default: by the dQ kernel's programs
+after their dQ, no extra launch) or ``kernel`` (one launch of its own).
 """
 
 from __future__ import annotations

@@ -301,13 +301,12 @@ def check_steps_per_launch(steps_per_launch=None, backend=None, world=None):
     backends not listed)."""
     value = steps_per_launch if steps_per_launch is not None else os.environ.get(
         "DISTLAB_RING_STEPS_PER_LAUNCH", STEPS_PER_LAUNCH.get(backend, 1))
-    text = ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
-    sizes = text.split(",")
+    sizes = str(value).split(",") if isinstance(value, (int, str)) else [str(x) for x in value]
     if not all(x.strip().isdigit() and 1 <= int(x) <= MAX_STEPS_PER_LAUNCH for x in sizes) \
             or len(sizes) > 1 and world is not None and sum(map(int, sizes)) != world:
         raise ValueError(f"ring steps per launch: an integer from 1 to {MAX_STEPS_PER_LAUNCH}, or group sizes "
                          f"adding up to the ring size{f' ({world})' if world is not None else ''}; got {value!r}")
-    return int(sizes[0]) if len(sizes) == 1 and not isinstance(value, (tuple, list)) else tuple(map(int, sizes))
+    return int(sizes[0]) if len(sizes) == 1 and isinstance(value, (int, str)) else tuple(map(int, sizes))
 
 
 def check_ring_inputs(q, k, v, world: int, causal: bool, layout: str, backend: str) -> str:
