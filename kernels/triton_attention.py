@@ -91,16 +91,6 @@ def _kv_tile(k_ptrs, v_ptrs, start, stride_kn, stride_vn, cols, seq_k, KD, VD, b
 
 
 @triton.jit
-def _tile(ptrs, desc, start, stride_n, b, col, TMA: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """One whole tile of rows ``start + [0, BLOCK_N)`` (all inside the sequence), by pointers or by TMA."""
-    if TMA:
-        t = desc.load([b, start, col]).reshape(BLOCK_N, D)
-    else:
-        t = tl.load(ptrs + start * stride_n)
-    return t
-
-
-@triton.jit
 def _visible(cols, rows, seq_k, CAUSAL: tl.constexpr):
     """Which (query row, key column) pairs of a tile exist (key < seq_k) and, causal, are not in the future."""
     visible = cols[None, :] < seq_k
@@ -110,56 +100,35 @@ def _visible(cols, rows, seq_k, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax(acc, m_i, l_i, s, v, qk_scale, PREC: tl.constexpr, FMA: tl.constexpr):
-    """Fold one tile of raw scores ``s`` (masked ones -inf) and its V tile into the running (acc, m, l)."""
-    if FMA:   # the row max of the raw scores, scaled once; then one FMA per score (qk_scale > 0)
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])
-    else:
-        s = s * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
-    return acc, m_new, l_i
-
-
-@triton.jit
 def _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, KD, VD, b, kcol, rows, lo, hi, seq_k,
                qk_scale, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
-               TMA: tl.constexpr, D: tl.constexpr, FMA: tl.constexpr, OVERLAP: tl.constexpr):
+               TMA: tl.constexpr, D: tl.constexpr, FMA: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
-    if OVERLAP and not MASK:
-        # FA3's intra-warpgroup overlap, written out: the next tile's scores are issued (an asynchronous
-        # wgmma on sm_90) before this tile's softmax, so the exp2s can run under the matmul. hi - lo is a
-        # whole number of tiles here (unmasked loops only)
-        if lo < hi:
-            s = tl.dot(q, tl.trans(_tile(k_ptrs, KD, lo, stride_kn, b, kcol, TMA, BLOCK_N, D)), input_precision=PREC)
-            for start in range(lo + BLOCK_N, hi, BLOCK_N):
-                s_next = tl.dot(q, tl.trans(_tile(k_ptrs, KD, start, stride_kn, b, kcol, TMA, BLOCK_N, D)),
-                                input_precision=PREC)
-                v = _tile(v_ptrs, VD, start - BLOCK_N, stride_vn, b, kcol, TMA, BLOCK_N, D)
-                acc, m_i, l_i = _online_softmax(acc, m_i, l_i, s, v, qk_scale, PREC, FMA)
-                s = s_next
-            v = _tile(v_ptrs, VD, hi - BLOCK_N, stride_vn, b, kcol, TMA, BLOCK_N, D)
-            acc, m_i, l_i = _online_softmax(acc, m_i, l_i, s, v, qk_scale, PREC, FMA)
-    else:
-        for start in range(lo, hi, BLOCK_N):
-            cols = start + offs_n
-            k, v = _kv_tile(k_ptrs, v_ptrs, start, stride_kn, stride_vn, cols, seq_k, KD, VD, b, kcol, MASK, TMA,
-                            BLOCK_N, D)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC)
-            if MASK:
-                s = tl.where(_visible(cols, rows, seq_k, CAUSAL), s, float("-inf"))
-            acc, m_i, l_i = _online_softmax(acc, m_i, l_i, s, v, qk_scale, PREC, FMA)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + offs_n
+        k, v = _kv_tile(k_ptrs, v_ptrs, start, stride_kn, stride_vn, cols, seq_k, KD, VD, b, kcol, MASK, TMA,
+                        BLOCK_N, D)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if MASK:
+            s = tl.where(_visible(cols, rows, seq_k, CAUSAL), s, float("-inf"))
+        if FMA:   # the row max of the raw scores, scaled once; then one FMA per score (qk_scale > 0)
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        else:
+            s = s * qk_scale
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+        m_i = m_new
     return acc, m_i, l_i
 
 
 @triton.jit
 def _fwd_later_block(acc, m_i, l_i, q, K, V, KD, VD, seq_k, lo, hi, first, rows, b, hk, skb, sks, skh, svb, svs, svh,
                      qk_scale, BLOCK_N: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, D: tl.constexpr,
-                     FMA: tl.constexpr, OVERLAP: tl.constexpr):
+                     FMA: tl.constexpr):
     """A later block of a launch (another ring step): rows [lo, hi) see all of its keys, no causal mask."""
     if (first >= lo) & (first < hi):
         offs_n = tl.arange(0, BLOCK_N)
@@ -168,9 +137,9 @@ def _fwd_later_block(acc, m_i, l_i, q, K, V, KD, VD, seq_k, lo, hi, first, rows,
         v_ptrs = V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :]
         full = seq_k - seq_k % BLOCK_N
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0, full,
-                                   seq_k, qk_scale, BLOCK_N, False, False, PREC, TMA, D, FMA, OVERLAP)
+                                   seq_k, qk_scale, BLOCK_N, False, False, PREC, TMA, D, FMA)
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, full, seq_k,
-                                   seq_k, qk_scale, BLOCK_N, True, False, PREC, TMA, D, FMA, OVERLAP)
+                                   seq_k, qk_scale, BLOCK_N, True, False, PREC, TMA, D, FMA)
     return acc, m_i, l_i
 
 
@@ -182,8 +151,7 @@ def _fwd_kernel(Q, K, V, KD, VD, K2, V2, KD2, VD2, K3, V3, KD3, VD3, K4, V4, KD4
                 sob, sos, soh, slb, slh, sfb, sfs, sfh,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                 CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-                PDL: tl.constexpr, FMA: tl.constexpr, FINAL: tl.constexpr, BLOCKS: tl.constexpr,
-                OVERLAP: tl.constexpr):
+                PDL: tl.constexpr, FMA: tl.constexpr, FINAL: tl.constexpr, BLOCKS: tl.constexpr):
     if PDL:   # let the next step's kernel start on SMs this one's last wave leaves idle
         tl.extra.cuda.gdc_launch_dependents()
     # grid (batch · heads, query tiles), heads fastest: every head's heaviest causal tile is launched
@@ -208,29 +176,26 @@ def _fwd_kernel(Q, K, V, KD, VD, K2, V2, KD2, VD2, K3, V3, KD3, VD3, K4, V4, KD4
     if run1:
         if CAUSAL:   # unmasked tiles left of the diagonal block, then the masked diagonal tiles
             acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0,
-                                       first, seq_k, qk_scale, BLOCK_N, False, True, PREC, TMA, D, FMA, OVERLAP)
+                                       first, seq_k, qk_scale, BLOCK_N, False, True, PREC, TMA, D, FMA)
             acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, first,
                                        tl.minimum(first + BLOCK_M, seq_k), seq_k, qk_scale, BLOCK_N, True, True, PREC,
-                                       TMA, D, FMA, OVERLAP)
+                                       TMA, D, FMA)
         else:
             full = seq_k - seq_k % BLOCK_N
             acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0, full,
-                                       seq_k, qk_scale, BLOCK_N, False, False, PREC, TMA, D, FMA, OVERLAP)
+                                       seq_k, qk_scale, BLOCK_N, False, False, PREC, TMA, D, FMA)
             acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, full,
-                                       seq_k, seq_k, qk_scale, BLOCK_N, True, False, PREC, TMA, D, FMA, OVERLAP)
+                                       seq_k, seq_k, qk_scale, BLOCK_N, True, False, PREC, TMA, D, FMA)
     # blocks 2-4 (later ring steps in the same launch; one set of strides): rows [lo, hi) see all their keys
     if BLOCKS > 1:
         acc, m_i, l_i = _fwd_later_block(acc, m_i, l_i, q, K2, V2, KD2, VD2, seq_k2, lo2, hi2, first, rows, b, hk,
-                                         s2kb, s2ks, s2kh, s2vb, s2vs, s2vh, qk_scale, BLOCK_N, PREC, TMA, D, FMA,
-                                         OVERLAP)
+                                         s2kb, s2ks, s2kh, s2vb, s2vs, s2vh, qk_scale, BLOCK_N, PREC, TMA, D, FMA)
     if BLOCKS > 2:
         acc, m_i, l_i = _fwd_later_block(acc, m_i, l_i, q, K3, V3, KD3, VD3, seq_k3, lo3, hi3, first, rows, b, hk,
-                                         s2kb, s2ks, s2kh, s2vb, s2vs, s2vh, qk_scale, BLOCK_N, PREC, TMA, D, FMA,
-                                         OVERLAP)
+                                         s2kb, s2ks, s2kh, s2vb, s2vs, s2vh, qk_scale, BLOCK_N, PREC, TMA, D, FMA)
     if BLOCKS > 3:
         acc, m_i, l_i = _fwd_later_block(acc, m_i, l_i, q, K4, V4, KD4, VD4, seq_k4, lo4, hi4, first, rows, b, hk,
-                                         s2kb, s2ks, s2kh, s2vb, s2vs, s2vh, qk_scale, BLOCK_N, PREC, TMA, D, FMA,
-                                         OVERLAP)
+                                         s2kb, s2ks, s2kh, s2vb, s2vs, s2vh, qk_scale, BLOCK_N, PREC, TMA, D, FMA)
     lse = (m_i + tl.math.log2(l_i)) / 1.4426950408889634
     out = acc / l_i[:, None]
     in_rows = rows < seq_q
@@ -423,7 +388,5 @@ def flash_forward_blocks(q, blocks, softmax_scale=None, out=None, lse=None, accu
                       lse.stride(0), lse.stride(1), fo.stride(0), fo.stride(1), fo.stride(2),
                       BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, ACCUMULATE=accumulate, PREC=_precision(q),
                       TMA=tma, PDL=use_pdl, FMA=os.environ.get("DISTLAB_TRITON_ATTN_FMA", "1") == "1",
-                      FINAL=final_out is not None, BLOCKS=len(blocks),
-                      OVERLAP=os.environ.get("DISTLAB_TRITON_ATTN_OVERLAP", "0") == "1", num_warps=warps,
-                      num_stages=stages, **pdl)
+                      FINAL=final_out is not None, BLOCKS=len(blocks), num_warps=warps, num_stages=stages, **pdl)
     return out, lse
