@@ -16,7 +16,8 @@
 # partial sums), ring7 (64-row forward default; the ring step's block kernel swept on its own shape), ring9
 # (the final defaults' GPU tests; the ring backward with 32x64 dK/dV tiles), ring10 (two ring steps per forward
 # launch, checked and timed; one-call attention after that change), ring13 (dK/dV summed into the received
-# accumulator: checked and timed), ring14 (the ring step's dQ / dK/dV tiles swept on its blocks and in the rank).
+# accumulator: checked and timed), ring14 (the ring step's dQ / dK/dV tiles swept on its blocks and in the rank),
+# ring15-ring18 (see each part), ring19 (the forward's next-tile scores issued before this tile's softmax).
 # Every command's full output goes to OUTDIR/<name>.log (and JSON where the command writes one); all of it
 # is packed into OUTDIR/logs.tar.gz. TAIL=n shows n lines of each log; BUDGET=s skips commands after s seconds.
 set -uo pipefail
@@ -330,6 +331,20 @@ if [ "$part" = ring18 ]; then   # the ring backward's first step writes dQ (no z
   LIMIT=200 run check_attention $py tests/kernel_checks.py attention --device cuda --dtype bfloat16 --big
   LIMIT=150 run check_ring $py tests/kernel_checks.py emulate --device cuda --dtype bfloat16 --big
   emulate_defaults
+fi
+if [ "$part" = ring19 ]; then   # the forward with the next tile's scores issued before this tile's softmax
+  # (DISTLAB_TRITON_ATTN_OVERLAP=1): one call, the rank's forward (one process), then checked in bf16 at real sizes
+  for ov in 0 1; do
+    LIMIT=60 run bench_overlap$ov env DISTLAB_TRITON_ATTN_OVERLAP=$ov $py -m kernels.bench --kv-heads 8 \
+        --only attention --iters 10 --json "$out/bench_overlap$ov.json"
+  done
+  LIMIT=150 run emulate_overlap $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend triton --iters 10 \
+      --no-backward --variant '' 'OVERLAP=1' 'OVERLAP=1;FWD=128,64,8,2' 'OVERLAP=1;FWD=64,64,4,2' \
+      --json "$out/emulate_overlap.json"
+  LIMIT=60 run bench_overlap1_128 env DISTLAB_TRITON_ATTN_OVERLAP=1 DISTLAB_TRITON_ATTN_FWD=128,64,8,2 $py -m \
+      kernels.bench --kv-heads 8 --only attention --iters 10 --json "$out/bench_overlap1_128.json"
+  LIMIT=200 run check_overlap env DISTLAB_TRITON_ATTN_OVERLAP=1 $py tests/kernel_checks.py accumulate emulate \
+      --device cuda --dtype bfloat16 --big
 fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
 tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"
