@@ -16,9 +16,16 @@ loading — right for a lab model, not for a 70B one (which would save DTensor s
 from __future__ import annotations
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from distlab.model.llama import Llama
+
+
+def _dcp():
+    """``torch.distributed.checkpoint``, imported when a checkpoint is saved or loaded: importing it costs
+    1.4 s (DTensor, sympy) in every rank of every run, most of which never checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
 
 
 def _is_parallel(model) -> bool:
@@ -50,14 +57,14 @@ def save(path, model, optimizer, step: int) -> None:
     state = {"model": {**_full(model, lambda p: p.detach()), **_buffers(model)},
              "exp_avg": _full(model, moment("exp_avg")), "exp_avg_sq": _full(model, moment("exp_avg_sq")),
              "step": torch.tensor(step), "adam_step": adam_step.detach().clone().float()}
-    dcp.save(state, checkpoint_id=path)
+    _dcp().save(state, checkpoint_id=path)
 
 
 def load_weights(path, cfg) -> Llama:
     """Only the weights (and router buffers) of a checkpoint, as the one-device ``Llama`` (for inference)."""
     model = Llama(cfg)
     state = {"model": dict(model.state_dict())}
-    dcp.load(state, checkpoint_id=path)
+    _dcp().load(state, checkpoint_id=path)
     model.load_state_dict(state["model"])
     return model
 
@@ -69,7 +76,7 @@ def load(path, cfg, build, make_optimizer):
                 "exp_avg": {n: torch.zeros_like(p) for n, p in template_model.named_parameters()},
                 "exp_avg_sq": {n: torch.zeros_like(p) for n, p in template_model.named_parameters()},
                 "step": torch.tensor(0), "adam_step": torch.tensor(0.0)}
-    dcp.load(template, checkpoint_id=path)
+    _dcp().load(template, checkpoint_id=path)
     ref = Llama(cfg)
     ref.load_state_dict(template["model"])
     model = build(ref)
