@@ -11,12 +11,15 @@ expect every rank to refuse an input. A task that does not finish in ``timeout_s
 process group may be stuck in a collective), and the error says which ranks did not answer.
 
 Workers use one thread each (a 2-core machine runs 8 of them) and the group's collectives time out
-after ``group_timeout_s`` so a bug fails instead of hanging.
+after ``group_timeout_s`` so a bug fails instead of hanging. The process groups a task creates (a
+``DeviceMesh``'s subgroups) are destroyed when it returns: each gloo group keeps threads that poll, and
+a pool that had served the model tests held 60 of them per worker, a third of a core between them.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing as mp
 import queue
 import socket
@@ -38,6 +41,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _groups() -> list:
+    """Every process group this process holds (the default one included). torch has no public list of
+    them, so this reads ``distributed_c10d``'s own map."""
+    from torch.distributed import distributed_c10d
+
+    return list(distributed_c10d._world.pg_map)
+
+
 def _worker(rank, world, port, group_timeout_s, tasks, results):
     import torch
     import torch.distributed as dist
@@ -51,10 +62,15 @@ def _worker(rank, world, port, group_timeout_s, tasks, results):
         if task is None:
             break
         task_id, fn, args, kwargs = task
+        groups_before = set(_groups())
         try:
             results.put((rank, task_id, True, fn(*args, **kwargs)))
         except BaseException as e:  # report everything, keep serving
             results.put((rank, task_id, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        for group in _groups():   # a mesh's subgroups: each keeps gloo threads polling (CPU) until destroyed
+            if group not in groups_before:
+                dist.destroy_process_group(group)
+        gc.collect()   # and freed: the meshes that held them sit in reference cycles
     dist.destroy_process_group()
 
 

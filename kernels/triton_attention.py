@@ -126,20 +126,28 @@ def _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, KD, VD, b
 
 
 @triton.jit
+def _fwd_all_keys(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, kcol, rows, seq_k, qk_scale,
+                  BLOCK_N: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, D: tl.constexpr, FMA: tl.constexpr):
+    """Every key of a block, no causal mask: the whole tiles unmasked, then the last partial tile masked."""
+    full = seq_k - seq_k % BLOCK_N
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, kcol, rows, 0, full, seq_k,
+                               qk_scale, BLOCK_N, False, False, PREC, TMA, D, FMA)
+    return _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, kcol, rows, full, seq_k, seq_k, qk_scale,
+                      BLOCK_N, True, False, PREC, TMA, D, FMA)
+
+
+@triton.jit
 def _fwd_later_block(acc, m_i, l_i, q, K, V, KD, VD, seq_k, lo, hi, first, rows, b, hk, skb, sks, skh, svb, svs, svh,
                      qk_scale, BLOCK_N: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, D: tl.constexpr,
                      FMA: tl.constexpr):
-    """A later block of a launch (another ring step): rows [lo, hi) see all of its keys, no causal mask."""
+    """A later block of a launch (another ring step): rows [lo, hi) see all of its keys."""
     if (first >= lo) & (first < hi):
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, D)
         k_ptrs = K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :]
         v_ptrs = V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :]
-        full = seq_k - seq_k % BLOCK_N
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0, full,
-                                   seq_k, qk_scale, BLOCK_N, False, False, PREC, TMA, D, FMA)
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, full, seq_k,
-                                   seq_k, qk_scale, BLOCK_N, True, False, PREC, TMA, D, FMA)
+        acc, m_i, l_i = _fwd_all_keys(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, seq_k,
+                                      qk_scale, BLOCK_N, PREC, TMA, D, FMA)
     return acc, m_i, l_i
 
 
@@ -181,11 +189,8 @@ def _fwd_kernel(Q, K, V, KD, VD, K2, V2, KD2, VD2, K3, V3, KD3, VD3, K4, V4, KD4
                                        tl.minimum(first + BLOCK_M, seq_k), seq_k, qk_scale, BLOCK_N, True, True, PREC,
                                        TMA, D, FMA)
         else:
-            full = seq_k - seq_k % BLOCK_N
-            acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, 0, full,
-                                       seq_k, qk_scale, BLOCK_N, False, False, PREC, TMA, D, FMA)
-            acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, full,
-                                       seq_k, seq_k, qk_scale, BLOCK_N, True, False, PREC, TMA, D, FMA)
+            acc, m_i, l_i = _fwd_all_keys(acc, m_i, l_i, q, k_ptrs, v_ptrs, sks, svs, KD, VD, b, hk * D, rows, seq_k,
+                                          qk_scale, BLOCK_N, PREC, TMA, D, FMA)
     # blocks 2-4 (later ring steps in the same launch; one set of strides): rows [lo, hi) see all their keys
     if BLOCKS > 1:
         acc, m_i, l_i = _fwd_later_block(acc, m_i, l_i, q, K2, V2, KD2, VD2, seq_k2, lo2, hi2, first, rows, b, hk,
