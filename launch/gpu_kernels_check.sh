@@ -17,7 +17,8 @@
 # (the final defaults' GPU tests; the ring backward with 32x64 dK/dV tiles), ring10 (two ring steps per forward
 # launch, checked and timed; one-call attention after that change), ring13 (dK/dV summed into the received
 # accumulator: checked and timed), ring14 (the ring step's dQ / dK/dV tiles swept on its blocks and in the rank),
-# ring15-ring18 (see each part), ring19 (the forward's next-tile scores issued before this tile's softmax).
+# ring15-ring18 (see each part), ring19 (the forward's next-tile scores issued before this tile's softmax; the
+# knob is gone after commit 73fc197), ring20 (the forward's refactor: checked, one call, the rank).
 # Every command's full output goes to OUTDIR/<name>.log (and JSON where the command writes one); all of it
 # is packed into OUTDIR/logs.tar.gz. TAIL=n shows n lines of each log; BUDGET=s skips commands after s seconds.
 set -uo pipefail
@@ -333,7 +334,7 @@ if [ "$part" = ring18 ]; then   # the ring backward's first step writes dQ (no z
   emulate_defaults
 fi
 if [ "$part" = ring19 ]; then   # the forward with the next tile's scores issued before this tile's softmax
-  # (DISTLAB_TRITON_ATTN_OVERLAP=1): one call, the rank's forward (one process), then checked in bf16 at real sizes
+  # (DISTLAB_TRITON_ATTN_OVERLAP=1, commit 73fc197, reverted: 2x slower): one call, the rank's forward, checked
   for ov in 0 1; do
     LIMIT=60 run bench_overlap$ov env DISTLAB_TRITON_ATTN_OVERLAP=$ov $py -m kernels.bench --kv-heads 8 \
         --only attention --iters 10 --json "$out/bench_overlap$ov.json"
@@ -345,6 +346,15 @@ if [ "$part" = ring19 ]; then   # the forward with the next tile's scores issued
       kernels.bench --kv-heads 8 --only attention --iters 10 --json "$out/bench_overlap1_128.json"
   LIMIT=200 run check_overlap env DISTLAB_TRITON_ATTN_OVERLAP=1 $py tests/kernel_checks.py accumulate emulate \
       --device cuda --dtype bfloat16 --big
+fi
+if [ "$part" = ring20 ]; then   # the forward kernel's refactor (one _fwd_all_keys for every unmasked block) and
+  # ea7bcd8's host code: checked in bf16 at real sizes, then one call and the rank at the defaults, PDL off / on
+  LIMIT=200 run check_ring $py tests/kernel_checks.py accumulate emulate --device cuda --dtype bfloat16 --big
+  LIMIT=60 run bench_gqa $py -m kernels.bench --kv-heads 8 --only attention --iters 10 --json "$out/bench_gqa.json"
+  for pdl in 0 1; do
+    LIMIT=100 run emulate_pdl$pdl env DISTLAB_TRITON_ATTN_PDL=$pdl $py -m distlab.cp.emulate --world 8 \
+        --seq 8192 32768 --backend triton --iters 10 --json "$out/emulate_pdl$pdl.json"
+  done
 fi
 # the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
 tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"

@@ -10,14 +10,11 @@ from distlab.model.data import batch, corpus
 from distlab.model.parallel import ParallelLlama
 from distlab.runtime import ParallelDims
 
-_MESH = {}
-
 
 def mesh_for(dp, tp, ring=1, ulysses=1):
-    key = (dp, tp, ring, ulysses)
-    if key not in _MESH:
-        _MESH[key] = ParallelDims(comm.group_size(), dp=dp, tp=tp, ring=ring, ulysses=ulysses).build_mesh("cpu")
-    return _MESH[key]
+    """A new mesh on every call: the pool destroys the groups a task creates when it returns
+    (``distlab.testing``), so a mesh cannot outlive its test."""
+    return ParallelDims(comm.group_size(), dp=dp, tp=tp, ring=ring, ulysses=ulysses).build_mesh("cpu")
 
 
 def rel(a, b):

@@ -18,14 +18,13 @@ from distlab.runtime import ParallelDims
 from kernels.attention import attention_reference
 
 SEQ = 48
-_GROUPS = {}  # per worker process: one mesh per (ulysses, ring) split, so tests don't pile up groups
 
 
 def usp_groups(ulysses, ring):
-    if (ulysses, ring) not in _GROUPS:
-        mesh = ParallelDims(comm.group_size(), cp=comm.group_size(), ulysses=ulysses, ring=ring).build_mesh("cpu")
-        _GROUPS[ulysses, ring] = (mesh.get_group("ulysses"), mesh.get_group("ring"))
-    return _GROUPS[ulysses, ring]
+    """The (ulysses, ring) groups of a new mesh; the pool destroys them when the task returns
+    (``distlab.testing``)."""
+    mesh = ParallelDims(comm.group_size(), cp=comm.group_size(), ulysses=ulysses, ring=ring).build_mesh("cpu")
+    return mesh.get_group("ulysses"), mesh.get_group("ring")
 
 
 def rel_err(a, b):
