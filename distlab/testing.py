@@ -2,8 +2,9 @@
 
     python -m pytest tests/test_ring.py     # the tests use one pool per world size for the whole session
 
-Starting W processes costs seconds (mostly ``import torch``), so tests keep a pool per world size and send
-it work: ``pool.run(fn, *args)`` calls ``fn(*args)`` on every rank (after ``init_process_group``) and
+Starting W processes costs seconds, so tests keep a pool per world size and send it work (the workers are
+forked from a forkserver that has imported torch once, so a new pool costs no ``import torch``; ``env``:
+variables set in each worker before it imports anything else): ``pool.run(fn, *args)`` calls ``fn(*args)`` on every rank (after ``init_process_group``) and
 returns the per-rank results in rank order. ``fn`` must be importable by name (a module-level function
 of a test module or package). If any rank raises, ``run`` raises ``RankErrors`` holding every rank's
 error; ``pool.run_all(fn, ...)`` returns ``(ok, value_or_error_text)`` per rank instead, for tests that
@@ -49,7 +50,10 @@ def _groups() -> list:
     return list(distributed_c10d._world.pg_map)
 
 
-def _worker(rank, world, port, group_timeout_s, tasks, results):
+def _worker(rank, world, port, group_timeout_s, tasks, results, env):
+    import os
+
+    os.environ.update(env)   # before anything reads it (TRITON_INTERPRET: when the kernels are defined)
     import torch
     import torch.distributed as dist
 
@@ -75,14 +79,17 @@ def _worker(rank, world, port, group_timeout_s, tasks, results):
 
 
 class ProcessGroupPool:
-    def __init__(self, world_size: int, group_timeout_s: float = 60.0, start_timeout_s: float = 120.0):
-        ctx = mp.get_context("spawn")
+    def __init__(self, world_size: int, group_timeout_s: float = 60.0, start_timeout_s: float = 120.0,
+                 env: dict[str, str] | None = None):
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
         self.world_size = world_size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         port = _free_port()
         self.procs = [ctx.Process(target=_worker, daemon=True,
-                                  args=(r, world_size, port, group_timeout_s, self.tasks[r], self.results))
+                                  args=(r, world_size, port, group_timeout_s, self.tasks[r], self.results,
+                                        dict(env or {})))
                       for r in range(world_size)]
         for p in self.procs:
             p.start()

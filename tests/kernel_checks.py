@@ -69,6 +69,8 @@ def check_attention(device, dtype, big=False):
         paths = (("kernel", "0"), ("kernel", "1"), ("kernel", "fwd"), ("atomic", "0"), ("tma-reduce", "dkv"))
         if device.type == "cpu" and dtype != torch.float32:
             paths = (("kernel", "fwd"), ("atomic", "0"))
+        if device.type == "cpu" and i not in (0, 3):   # on CPU the other paths run on two odd GQA cases,
+            paths = (("kernel", "fwd"),)                # causal and not; every case runs the default one
         modes = [(sp, m, t) for sp in ((False, True) if h > hk else (None,)) for m, t in paths]
         for split, dq_mode, tma in modes:
             os.environ.update(DISTLAB_TRITON_ATTN_DQ_MODE=dq_mode, DISTLAB_TRITON_ATTN_TMA=tma)
