@@ -2,9 +2,8 @@
 
     python -m pytest tests/test_ring.py     # the tests use one pool per world size for the whole session
 
-Starting W processes costs seconds, so tests keep a pool per world size and send it work (the workers are
-forked from a forkserver that has imported torch once, so a new pool costs no ``import torch``; ``env``:
-variables set in each worker before it imports anything else): ``pool.run(fn, *args)`` calls ``fn(*args)`` on every rank (after ``init_process_group``) and
+Starting W processes costs seconds, so tests keep a pool per world size and send it work:
+``pool.run(fn, *args)`` calls ``fn(*args)`` on every rank (after ``init_process_group``) and
 returns the per-rank results in rank order. ``fn`` must be importable by name (a module-level function
 of a test module or package). If any rank raises, ``run`` raises ``RankErrors`` holding every rank's
 error; ``pool.run_all(fn, ...)`` returns ``(ok, value_or_error_text)`` per rank instead, for tests that
@@ -14,7 +13,11 @@ process group may be stuck in a collective), and the error says which ranks did 
 Workers use one thread each (a 2-core machine runs 8 of them) and the group's collectives time out
 after ``group_timeout_s`` so a bug fails instead of hanging. The process groups a task creates (a
 ``DeviceMesh``'s subgroups) are destroyed when it returns: each gloo group keeps threads that poll, and
-a pool that had served the model tests held 60 of them per worker, a third of a core between them.
+a pool that had served the model tests held 97 threads per worker, a third of a core between four.
+
+Workers are forked from a forkserver that imported torch once, so a new pool costs no ``import torch``
+(0.1 s instead of seconds). They see the environment the forkserver started with (the first pool's),
+plus ``env``, which each worker sets before it imports anything else (e.g. ``TRITON_INTERPRET``).
 """
 
 from __future__ import annotations
