@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import gc
 import multiprocessing as mp
+import os
 import queue
 import socket
 import time
@@ -53,9 +54,18 @@ def _groups() -> list:
     return list(distributed_c10d._world.pg_map)
 
 
-def _worker(rank, world, port, group_timeout_s, tasks, results, env):
-    import os
+def _destroy_groups_but(keep) -> int:
+    """Destroy every process group not in ``keep`` (a task's mesh subgroups: each keeps gloo threads polling,
+    i.e. CPU, until destroyed); returns how many."""
+    import torch.distributed as dist
 
+    created = [group for group in _groups() if group not in keep]
+    for group in created:
+        dist.destroy_process_group(group)
+    return len(created)
+
+
+def _worker(rank, world, port, group_timeout_s, tasks, results, env):
     os.environ.update(env)   # before anything reads it (TRITON_INTERPRET: when the kernels are defined)
     import torch
     import torch.distributed as dist
@@ -74,10 +84,8 @@ def _worker(rank, world, port, group_timeout_s, tasks, results, env):
             results.put((rank, task_id, True, fn(*args, **kwargs)))
         except BaseException as e:  # report everything, keep serving
             results.put((rank, task_id, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        for group in _groups():   # a mesh's subgroups: each keeps gloo threads polling (CPU) until destroyed
-            if group not in groups_before:
-                dist.destroy_process_group(group)
-        gc.collect()   # and freed: the meshes that held them sit in reference cycles
+        if _destroy_groups_but(groups_before):
+            gc.collect()   # and free them: the meshes that held them sit in reference cycles
     dist.destroy_process_group()
 
 

@@ -64,13 +64,14 @@ def check_attention(device, dtype, big=False):
         grads = attention_backward(dout.double(), q.double(), k.double(), v.double(), ro, rl, causal, backend="torch")
         # GQA: per-kv-head and per-q-head dK/dV programs; dQ from its own kernel or added atomically by dK/dV's;
         # tiles through pointers, TMA descriptors in every kernel, or the default (forward only); dQ added by
-        # pointer atomics or TMA reduce-adds. On CPU the float32 run goes through every path; float16 (the
-        # dtypes' rounding, not the indexing) through the default one and the atomics
+        # pointer atomics or TMA reduce-adds. On CPU float32 goes through every path on cases 0 and 3 (odd GQA
+        # shapes, causal and not) and the default one elsewhere; float16 (the dtypes' rounding, not the
+        # indexing) through the default one and the atomics on those two cases
         paths = (("kernel", "0"), ("kernel", "1"), ("kernel", "fwd"), ("atomic", "0"), ("tma-reduce", "dkv"))
         if device.type == "cpu" and dtype != torch.float32:
             paths = (("kernel", "fwd"), ("atomic", "0"))
-        if device.type == "cpu" and i not in (0, 3):   # on CPU the other paths run on two odd GQA cases,
-            paths = (("kernel", "fwd"),)                # causal and not; every case runs the default one
+        if device.type == "cpu" and i not in (0, 3):
+            paths = (("kernel", "fwd"),)
         modes = [(sp, m, t) for sp in ((False, True) if h > hk else (None,)) for m, t in paths]
         for split, dq_mode, tma in modes:
             os.environ.update(DISTLAB_TRITON_ATTN_DQ_MODE=dq_mode, DISTLAB_TRITON_ATTN_TMA=tma)
