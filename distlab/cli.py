@@ -14,8 +14,12 @@ unless they are already set. Everything after the module or script is passed to 
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import logging
 import os
 import sys
+import tempfile
 
 from distlab.runtime import GPU_SAFE_ENV
 
@@ -51,10 +55,11 @@ def split_program(argv: list[str]) -> tuple[list[str], list[str]]:
         name, eq, value = arg.partition("=")
         if not eq and name not in flags:             # an option with its value in the next word
             if i + 1 >= len(argv):
-                raise SystemExit(f"distlab run: {name} needs a value\n{USAGE}")
+                _die(f"{name} needs a value (see distlab --help)")
             value = argv[i + 1]
             i += 1
         if name in ("--nproc", "--nproc-per-node", "--nproc_per_node"):
+            check_nproc(value)
             out += ["--nproc-per-node", value]
         else:
             has_nodes |= name in ("--nnodes", "--rdzv-endpoint", "--rdzv_endpoint", "--master-addr",
@@ -65,10 +70,108 @@ def split_program(argv: list[str]) -> tuple[list[str], list[str]]:
     if rest and rest[0] in ("-m", "--module", "--no-python"):
         out.append(rest.pop(0))
     if not rest:
-        raise SystemExit(f"distlab run: no module or script to run\n{USAGE}")
+        _die("no module or script to run (e.g. distlab run --nproc 4 -m distlab.cp.ring)")
     if not has_nodes:
         out.insert(0, "--standalone")
     return out + rest[:1], rest[1:]
+
+
+def _die(message: str) -> None:
+    print(f"distlab run: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_nproc(value: str) -> None:
+    if value in ("auto", "cpu", "gpu", "xpu"):
+        return
+    if not value.isdigit() or int(value) < 1:
+        _die(f"--nproc {value!r}: give a positive number of processes per node (or auto, cpu, gpu)")
+
+
+def check_program(launcher: list[str]) -> None:
+    """The module or script exists here, before any rank starts (status 2 otherwise)."""
+    target, is_module = launcher[-1], len(launcher) > 1 and launcher[-2] in ("-m", "--module")
+    if is_module:
+        try:
+            found = importlib.util.find_spec(target) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            _die(f"no module named {target!r} (is distlab installed here? pip install -e .)")
+    elif "--no-python" not in launcher and not os.path.isfile(target):
+        _die(f"no script {target!r}")
+
+
+def summarize_failures(failures: dict, error_dir: str) -> int:
+    """Print each distinct error once with the ranks that raised it; return the exit status to use.
+
+    A rank that failed through ``distlab.bench.run_study`` left its message in ``error_dir``; a rank killed
+    by a signal left nothing, and is named with the signal (SIGKILL is usually the kernel's OOM killer)."""
+    errors: dict[str, list[int]] = {}
+    codes: dict[int, int] = {}
+    for name in sorted(os.listdir(error_dir)):
+        with open(os.path.join(error_dir, name)) as f:
+            e = json.load(f)
+        errors.setdefault(e["message"], []).append(e["rank"])
+        codes[e["rank"]] = e["code"]
+    stopped = []
+    for rank, failure in sorted(failures.items()):
+        if rank in codes:
+            continue
+        if failure.exitcode < 0:
+            sig = failure.signal_name()
+            if sig == "SIGTERM":
+                stopped.append(rank)   # stopped by the launcher once another rank failed
+                continue
+            hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if sig == "SIGKILL" else ""
+            errors.setdefault(f"killed by {sig}{hint}", []).append(rank)
+            codes[rank] = 128 - failure.exitcode
+        else:
+            errors.setdefault(f"exited with status {failure.exitcode} (see its output above)", []).append(rank)
+            codes[rank] = failure.exitcode
+    for message, ranks in errors.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_span(ranks)}"
+        sep = "\n" if "\n" in message else " "
+        print(f"error ({who}):{sep}{message}", file=sys.stderr)
+    if stopped and errors:
+        print(f"(ranks stopped after that failure: {_span(stopped)})", file=sys.stderr)
+    return codes[min(codes)] if codes else 1
+
+
+def _span(ranks: list[int]) -> str:
+    ranks = sorted(ranks)
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
+
+
+def launch(argv: list[str]) -> int:
+    """``distlab run``: torchrun with the program's arguments kept away from its parser, errors summarised."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    launcher, program_args = split_program(argv)
+    check_program(launcher)
+    args = parse_args(launcher)
+    args.training_script_args = program_args  # not parsed by torchrun's argparse (see module doc)
+    for key, value in GPU_SAFE_ENV.items():
+        os.environ.setdefault(key, value)
+    nproc = args.nproc_per_node
+    if nproc.isdigit() and int(nproc) > 1:   # what torchrun would set, without its four-line warning
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(nproc))))
+    # torchrun's own failure report is a traceback of the launcher plus one per rank: replaced by ours
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    with tempfile.TemporaryDirectory(prefix="distlab-errors-") as error_dir:
+        os.environ["DISTLAB_ERROR_DIR"] = error_dir
+        try:
+            run(args)
+        except ChildFailedError as e:
+            return summarize_failures(e.failures, error_dir)
+        except KeyboardInterrupt:
+            return 130
+        finally:
+            os.environ.pop("DISTLAB_ERROR_DIR", None)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,15 +185,9 @@ def main(argv: list[str] | None = None) -> None:
         submit_main(argv[1:])
         return
     if argv[0] != "run":
-        raise SystemExit(f"distlab: unknown command {argv[0]!r}\n{USAGE}")
-    for key, value in GPU_SAFE_ENV.items():
-        os.environ.setdefault(key, value)
-    from torch.distributed.run import parse_args, run
-
-    launcher, program_args = split_program(argv[1:])
-    args = parse_args(launcher)
-    args.training_script_args = program_args  # not parsed by torchrun's argparse (see module doc)
-    run(args)
+        print(f"distlab: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(launch(argv[1:]))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from distlab.model.llama import Llama
 from distlab.model.parallel import ParallelLlama
 from distlab.runtime import init_runtime, shutdown
 from kernels.attention import attention
+from distlab.bench import StudyParser, run_study
 
 
 def _last_logits(model: ParallelLlama, logits, positions, last: int):
@@ -120,7 +121,7 @@ def prompt_ids(text, length: int, batch: int, multiple: int):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m distlab.infer", description=__doc__.split("\n\n")[0])
+    p = StudyParser(prog="python -m distlab.infer", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="tiny", help="a preset in configs/ or a JSON path (its model section)")
     p.add_argument("--checkpoint", default=None, help="a training checkpoint (…/step_N); default: the seeded init")
     p.add_argument("--prompt", default=None, help="prompt text (default: the first --prompt-len corpus bytes)")
@@ -192,4 +193,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

@@ -78,10 +78,10 @@ def launch_env() -> tuple[str, int, int, int]:
 
 def pick_device(local_rank: int, device: str | None = None) -> torch.device:
     if device is not None:
-        dev = torch.device(device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"device {device!r} asked for, but CUDA is not available here")
-        return dev
+        from distlab.bench import resolve_device
+
+        dev = resolve_device(device)   # refuses a CUDA device on a machine without one, with the fix
+        return torch.device("cuda", local_rank % torch.cuda.device_count()) if dev == torch.device("cuda") else dev
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
@@ -102,7 +102,7 @@ def init_runtime(device: str | None = None, backend: str | None = None, timeout_
         torch.cuda.set_device(dev)
     backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
     if backend == "nccl" and dev.type != "cuda":
-        raise RuntimeError("backend 'nccl' needs CUDA devices; use gloo on CPU")
+        raise ValueError("backend 'nccl' needs CUDA devices; use gloo on CPU")
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"unknown backend {backend!r}; use nccl (CUDA) or gloo (CPU)")
     if not dist.is_initialized():

@@ -19,6 +19,7 @@ import os
 import runpy
 import sys
 import time
+from distlab.bench import StudyParser
 
 
 class StudyTask:
@@ -89,7 +90,7 @@ def main(argv=None):
     if "-m" not in argv:
         raise SystemExit("usage: python -m launch.submit [options] -m MODULE [study flags ...]")
     cut = argv.index("-m")
-    p = argparse.ArgumentParser(prog="python -m launch.submit", description=__doc__.split("\n\n")[0])
+    p = StudyParser(prog="python -m launch.submit", description=__doc__.split("\n\n")[0])
     p.add_argument("--cluster", choices=("auto", "slurm", "local"), default="auto")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--tasks-per-node", type=int, default=1, help="one task per GPU")

@@ -42,6 +42,7 @@ from distlab.model.data import batch, corpus
 from distlab.model.llama import Llama
 from distlab.model.parallel import ParallelLlama
 from distlab.runtime import init_runtime, shutdown
+from distlab.bench import StudyParser, run_study
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -112,7 +113,7 @@ def progress(step, total, loss, tokens_per_s, width=24, mfu=None) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m distlab.train", description=__doc__.split("\n\n")[0])
+    p = StudyParser(prog="python -m distlab.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="tiny", help="a preset in configs/ or a JSON path")
     p.add_argument("--steps", type=int, default=None, help="override the config's steps")
     p.add_argument("--stop-after", type=int, default=None, help="stop (and checkpoint) after this many steps")
@@ -207,4 +208,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

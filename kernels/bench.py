@@ -26,6 +26,7 @@ import time
 import torch
 
 from kernels.attention import attention_backward, attention_forward, available_backends
+from distlab.bench import StudyParser, run_study
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -187,7 +188,7 @@ def bench_memory_bound(dev, dtype, iters, warmup, compile_ref=True, only=None):
 
 def main(argv=None):
     gpu = torch.cuda.is_available()
-    p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
+    p = StudyParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=8192 if gpu else 1024)
     p.add_argument("--heads", type=int, default=32 if gpu else 4)
@@ -277,4 +278,4 @@ def bench_attention(args, dev, dtype, kvh):
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

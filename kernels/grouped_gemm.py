@@ -27,6 +27,7 @@ import argparse
 import os
 
 import torch
+from distlab.bench import StudyParser, run_study
 
 BACKENDS = ("auto", "loop", "torch", "triton")
 
@@ -388,7 +389,7 @@ def main(argv=None):
 
     from kernels.bench import timeit
 
-    p = argparse.ArgumentParser(prog="python -m kernels.grouped_gemm", description=__doc__.split("\n\n")[0])
+    p = StudyParser(prog="python -m kernels.grouped_gemm", description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--rows", type=int, default=32768)
     p.add_argument("--k", type=int, default=4096)
@@ -455,4 +456,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

@@ -24,6 +24,7 @@ import torch
 from kernels.bench import timeit
 from kernels.triton_attention import flash_forward
 from kernels.triton_attention_backward import backward_rows, flash_backward
+from distlab.bench import StudyParser, run_study
 
 SWEEP = {
     "FWD": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 2)],
@@ -33,7 +34,7 @@ SWEEP = {
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m kernels.tune_attention", description=__doc__.split("\n\n")[0])
+    p = StudyParser(prog="python -m kernels.tune_attention", description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=8192, help="query rows")
     p.add_argument("--seq-k", type=int, default=None, help="keys (default: --seq; causal needs them equal)")
     p.add_argument("--accumulate", action="store_true", help="forward merges into float32 running (out, lse)")
@@ -113,4 +114,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

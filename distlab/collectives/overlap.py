@@ -42,6 +42,7 @@ import torch.distributed as dist
 from distlab.collectives.playground import bandwidths, parse_size
 from distlab.profiling import MODES, phase, profile_steps
 from distlab.runtime import init_runtime, shutdown
+from distlab.bench import StudyParser, run_study
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "sendrecv")
 
@@ -96,7 +97,7 @@ def make_collective(op, size, dtype, device, n):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m distlab.collectives.overlap", description=__doc__.split("\n\n")[0])
+    p = StudyParser(prog="python -m distlab.collectives.overlap", description=__doc__.split("\n\n")[0])
     p.add_argument("--op", choices=OPS, default="all_reduce")
     p.add_argument("--size", default=None, help="collective bytes (default 256M on GPU, 8M on CPU)")
     p.add_argument("--gemm", type=int, default=None, help="GEMM size N (default 8192 on GPU, 384 on CPU)")
@@ -215,7 +216,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from distlab.profiling import end_process
-
-    main()
-    end_process()
+    run_study(main)

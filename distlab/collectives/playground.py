@@ -34,7 +34,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from distlab.report import pyplot
+from distlab.bench import pyplot
+from distlab.bench import StudyParser
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
 DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64,
@@ -238,7 +239,7 @@ def plot(results, path):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m distlab.collectives", description=__doc__.split("\n\n")[0])
+    p = StudyParser(prog="python -m distlab.collectives", description=__doc__.split("\n\n")[0])
     p.add_argument("--op", default="all", help=f"one of {', '.join(OPS)}, a comma list, or all")
     p.add_argument("--min", default="8", help="smallest size in bytes (K/M/G suffixes)")
     p.add_argument("--max", default=None, help="largest size (default: 1G on GPU, 1M on CPU)")

@@ -20,10 +20,10 @@ import sys
 import torch
 
 from distlab.cp.cost import cp_bytes
-from distlab.cp.study import (DTYPES, CPMethod, build_method, header, make_inputs, measure, one_device_timing,
-                              parse_args, reference_on_rank0, summarize, write_json)
+from distlab.bench import DTYPES, check_memory, progress, pyplot, run_study, write_json
+from distlab.cp.study import (CPMethod, build_method, header, make_inputs, measure, memory_estimate,
+                              one_device_timing, parse_args, reference_on_rank0, summarize)
 from distlab.cp.ulysses import kv_replication
-from distlab.report import pyplot
 from distlab.runtime import init_runtime, shutdown
 from kernels.attention import attention, resolve_backend
 
@@ -39,7 +39,10 @@ def method_plan(world, heads, kv_heads):
 
 def deepspeed_method(args, world, rank, backend) -> CPMethod:
     """DeepSpeed's DistributedAttention (Ulysses) around the same local kernel, on the same shards."""
-    import deepspeed
+    try:
+        import deepspeed
+    except ImportError:
+        raise ValueError("--deepspeed needs DeepSpeed: pip install 'distlab[deepspeed]'") from None
     from deepspeed.sequence.layer import DistributedAttention
 
     from distlab.cp.layout import gather_sequence, shard_sequence
@@ -74,7 +77,7 @@ def table(results, args) -> str:
     return "\n".join(lines)
 
 
-def plot(results, path):
+def plot(results, path, title):
     plt = pyplot()
     if plt is None:
         return
@@ -92,6 +95,7 @@ def plot(results, path):
     ax2.legend()
     for ax in (ax1, ax2):
         ax.set_xticks(list(x), names, rotation=30, ha="right")
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
@@ -99,24 +103,21 @@ def plot(results, path):
 
 def main(argv=None):
     args = parse_args(argv, "compare")
-    try:
-        rt = init_runtime(device=args.device, seed=args.seed)
-        world, rank, dev = rt.world_size, rt.rank, rt.device
-        backend = resolve_backend(args.backend, dev, DTYPES[args.dtype])
-        plan = method_plan(world, args.heads, args.kv_heads)
-        methods = [build_method(a, args, world, rank, dev, backend, ulysses=u, ring=r, layout=lay)
-                   for a, u, r, lay in plan]
-        if args.deepspeed:
-            methods.append(deepspeed_method(args, world, rank, backend))
-    except (ValueError, ImportError) as e:  # same on every rank, before any collective of the study
-        print(f"error: {e}", file=sys.stderr)
-        shutdown()
-        sys.exit(2)
+    rt = init_runtime(device=args.device, seed=args.seed)
+    world, rank, dev = rt.world_size, rt.rank, rt.device
+    # bad input raises ValueError here, the same on every rank, before any collective of the study
+    backend = resolve_backend(args.backend, dev, DTYPES[args.dtype])
+    plan = method_plan(world, args.heads, args.kv_heads)
+    methods = [build_method(a, args, world, rank, dev, backend, ulysses=u, ring=r, layout=lay)
+               for a, u, r, lay in plan]
+    if args.deepspeed:
+        methods.append(deepspeed_method(args, world, rank, backend))
+    check_memory(memory_estimate(args, world), dev, f"seq {args.seq} x {args.heads} heads (batch {args.batch})")
     full = make_inputs(args, dev)
     reference = reference_on_rank0(full, args, rank)
     one = one_device_timing(full, args, dev, backend) if (not args.no_baseline and rank == 0) else None
     results = []
-    for method in methods:
+    for method in progress(methods, "cp.compare"):
         result = measure(method, full, args, dev, reference)
         if one is not None:
             result["one_device"] = one
@@ -134,7 +135,10 @@ def main(argv=None):
             print(f"check vs one device: {'PASS' if passed else 'FAIL'} "
                   f"(tolerance {results[0]['tolerance']:.0e} on every method)")
         if args.plot:
-            plot(results, args.plot)
+            a = args
+            plot(results, args.plot, f"CP attention: batch {a.batch}, seq {a.seq}, {a.heads} q / {a.kv_heads} kv heads, "
+                                     f"head_dim {a.head_dim}, {a.dtype}, {'causal' if a.causal else 'full'}, "
+                                     f"W={world}, {dev.type}, backend {backend}")
         if args.json:
             write_json(args.json, {"world_size": world, "device": str(dev), "backend": backend, "args": vars(args),
                                    "one_device": one, "methods": results})
@@ -144,4 +148,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

@@ -21,6 +21,7 @@ import argparse
 import torch
 
 from distlab.cp.ulysses import kv_replication
+from distlab.bench import DTYPES, StudyParser, dtype_arg, positive_int, run_study, write_json
 
 ITEMSIZE = {torch.float64: 8, torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
@@ -67,27 +68,37 @@ def cp_bytes(method, batch, seq, heads, kv_heads, head_dim, dtype, ulysses=1, ri
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m distlab.cp.cost", description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=65536)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--world", type=int, default=8)
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p = StudyParser(prog="python -m distlab.cp.cost", description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--seq", type=positive_int, default=65536)
+    p.add_argument("--heads", type=positive_int, default=32)
+    p.add_argument("--kv-heads", type=positive_int, default=8)
+    p.add_argument("--head-dim", type=positive_int, default=128)
+    p.add_argument("--world", type=positive_int, default=8)
+    p.add_argument("--dtype", type=dtype_arg(), default="bfloat16", help="bf16, fp16, fp32, ... (default bf16)")
+    p.add_argument("--json", metavar="PATH", help="write the table as JSON")
     a = p.parse_args(argv)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
+    if a.heads % a.kv_heads:
+        raise ValueError(f"--heads {a.heads} must be a multiple of --kv-heads {a.kv_heads}")
+    rows = []
+    for u in [d for d in range(1, a.world + 1) if a.world % d == 0]:
+        r = a.world // u
+        if a.heads % u or a.seq % (u * r):
+            continue
+        name = "ring" if u == 1 else "ulysses" if r == 1 else f"usp {u}x{r}"
+        rows.append({"method": name, "ulysses": u, "ring": r,
+                     **cp_bytes("usp", a.batch, a.seq, a.heads, a.kv_heads, a.head_dim, DTYPES[a.dtype], u, r)})
+    if not rows:
+        raise ValueError(f"no CP split of W={a.world} fits seq {a.seq} and {a.heads} heads (the seq must divide "
+                         f"by W, the heads by the Ulysses degree)")
     print(f"bytes sent per rank, batch {a.batch} · seq {a.seq} · heads {a.heads} (kv {a.kv_heads}) · "
           f"head_dim {a.head_dim} · {a.dtype} · W={a.world}")
     print(f"{'method':<14} {'fwd MB':>10} {'bwd MB':>10} {'fwd+bwd MB':>11}")
-    for u in [d for d in range(1, a.world + 1) if a.world % d == 0]:
-        r = a.world // u
-        if a.heads % u:
-            continue
-        name = "ring" if u == 1 else "ulysses" if r == 1 else f"usp {u}x{r}"
-        b = cp_bytes("usp", a.batch, a.seq, a.heads, a.kv_heads, a.head_dim, dtype, u, r)
-        print(f"{name:<14} {b['fwd'] / 1e6:>10.2f} {b['bwd'] / 1e6:>10.2f} {b['fwd_bwd'] / 1e6:>11.2f}")
+    for b in rows:
+        print(f"{b['method']:<14} {b['fwd'] / 1e6:>10.2f} {b['bwd'] / 1e6:>10.2f} {b['fwd_bwd'] / 1e6:>11.2f}")
+    if a.json:
+        write_json(a.json, {"args": vars(a), "bytes_per_rank": rows})
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from distlab import comm
 from kernels.attention import attention_forward, check_qkv
+from distlab.bench import DTYPES, StudyParser, dtype_arg, positive_int, run_study, write_json
 
 
 class KVCacheShard:
@@ -93,24 +94,26 @@ def cp_decode_attention(q, cache: KVCacheShard, softmax_scale=None, backend="aut
 def main(argv=None):
     from distlab.runtime import init_runtime, shutdown
 
-    p = argparse.ArgumentParser(prog="python -m distlab.cp.decode", description=__doc__.split("\n\n")[0])
-    p.add_argument("--cache", type=int, default=16384, help="cached tokens before decoding (all ranks)")
-    p.add_argument("--steps", type=int, default=32)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=None)
-    p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--head-dim", type=int, default=None)
+    p = StudyParser(prog="python -m distlab.cp.decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cache", type=positive_int, default=16384, help="cached tokens before decoding (all ranks)")
+    p.add_argument("--steps", type=positive_int, default=32)
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--heads", type=positive_int, default=None)
+    p.add_argument("--kv-heads", type=positive_int, default=None)
+    p.add_argument("--head-dim", type=positive_int, default=None)
+    p.add_argument("--dtype", type=dtype_arg(), default=None, help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--check", action="store_true", help="compare every step with one-device attention")
     p.add_argument("--device", default=None)
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON (rank 0)")
     a = p.parse_args(argv)
     rt = init_runtime(device=a.device)
     gpu = rt.device.type == "cuda"
     h, kv, d = a.heads or (32 if gpu else 4), a.kv_heads or (8 if gpu else 2), a.head_dim or (128 if gpu else 32)
-    dtype = torch.bfloat16 if gpu else torch.float32
+    dtype = DTYPES[a.dtype or ("bfloat16" if gpu else "float32")]
+    if h % kv:
+        raise ValueError(f"--heads {h} must be a multiple of --kv-heads {kv}")
     if a.cache % rt.world_size:
-        print(f"error: --cache {a.cache} is not divisible by the {rt.world_size} CP ranks", file=sys.stderr)
-        shutdown()
-        sys.exit(2)
+        raise ValueError(f"--cache {a.cache} is not divisible by the {rt.world_size} CP ranks")
     g = torch.Generator(device="cpu").manual_seed(0)
     k_all = torch.randn(a.batch, a.cache + a.steps, kv, d, generator=g)
     v_all = torch.randn(a.batch, a.cache + a.steps, kv, d, generator=g)
@@ -132,15 +135,23 @@ def main(argv=None):
             ref, _ = attention_forward(q_all[:, step:step + 1].double(), k_all[:, :pos + 1].double(),
                                        v_all[:, :pos + 1].double(), backend="torch")
             worst = max(worst, ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item())
+    median = sorted(times)[len(times) // 2]
+    tol = {torch.float64: 1e-10, torch.float32: 1e-5}.get(dtype, 3e-2)
+    passed = worst < tol
     if rt.is_main:
         print(f"CP decode, W={rt.world_size}, {rt.device}: cache {a.cache} tokens (+{a.steps} decoded), heads {h} "
-              f"(kv {kv}), head_dim {d}, {str(dtype)[6:]}; per step median {sorted(times)[len(times) // 2] * 1e3:.3f} ms, "
+              f"(kv {kv}), head_dim {d}, {str(dtype)[6:]}; per step median {median * 1e3:.3f} ms, "
               f"cache per rank {cache.k.shape[1]} tokens")
         if a.check:
-            tol = 1e-5 if dtype == torch.float32 else 3e-2
-            print(f"check vs one device over {a.steps} steps: max rel error {worst:.2e}: {'PASS' if worst < tol else 'FAIL'}")
+            print(f"check vs one device over {a.steps} steps: max rel error {worst:.2e}: {'PASS' if passed else 'FAIL'}")
+        if a.json:
+            write_json(a.json, {"args": vars(a), "world_size": rt.world_size, "device": str(rt.device),
+                                "step_median_s": median, "step_s": times, "cache_per_rank": cache.k.shape[1],
+                                **({"max_rel_error": worst, "check_passed": passed} if a.check else {})})
     shutdown()
+    if a.check and not passed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

@@ -48,6 +48,7 @@ from distlab.cp.local_kernels import block_flops
 from distlab.cp.ring import _ring_backward, _ring_forward, check_steps_per_launch, launch_groups, ring_blocks
 from kernels.attention import attention_backward, attention_forward, resolve_backend
 from kernels.bench import DTYPES, timeit
+from distlab.bench import StudyParser, run_study
 
 
 class _Ready:
@@ -216,7 +217,7 @@ def _set_knobs(variant):
 
 def main(argv=None):
     gpu = torch.cuda.is_available()
-    p = argparse.ArgumentParser(prog="python -m distlab.cp.emulate", description=__doc__.split("\n\n")[0])
+    p = StudyParser(prog="python -m distlab.cp.emulate", description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=8)
     p.add_argument("--seq", type=int, nargs="+", default=[8192] if gpu else [1024])
     p.add_argument("--heads", type=int, default=32 if gpu else 8)
@@ -310,4 +311,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

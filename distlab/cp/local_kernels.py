@@ -23,6 +23,7 @@ from distlab.cp.ring import ring_blocks
 from distlab.cp.ulysses import kv_replication
 from kernels.attention import attention_backward, attention_forward, resolve_backend
 from kernels.bench import DTYPES, timeit
+from distlab.bench import StudyParser, run_study
 
 
 def method_blocks(method, world, seq, heads, kv_heads, ulysses=1):
@@ -71,7 +72,7 @@ def time_blocks(batch, heads, kv_heads, head_dim, blocks, dtype, device, backend
 
 def main(argv=None):
     gpu = torch.cuda.is_available()
-    p = argparse.ArgumentParser(prog="python -m distlab.cp.local_kernels", description=__doc__.split("\n\n")[0])
+    p = StudyParser(prog="python -m distlab.cp.local_kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=8)
     p.add_argument("--seq", type=int, nargs="+", default=[8192, 32768] if gpu else [1024])
     p.add_argument("--batch", type=int, default=1)
@@ -118,4 +119,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

@@ -341,8 +341,7 @@ def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backe
 
 
 if __name__ == "__main__":
+    from distlab.bench import run_study
     from distlab.cp.study import main
-    from distlab.profiling import end_process
 
-    main(algorithm="ring")
-    end_process()
+    run_study(lambda: main(algorithm="ring"))

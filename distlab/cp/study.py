@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -38,29 +37,30 @@ from distlab.cp.layout import LAYOUTS, check_divisible, gather_sequence, shard_s
 from distlab.profiling import MODES, profile_steps
 from distlab.runtime import ParallelDims, init_runtime, shutdown
 from kernels.attention import BACKENDS, attention_backward, attention_forward, resolve_backend
+from distlab.bench import (DTYPES, StudyParser, check_memory, dtype_arg, nonnegative_int,
+                           positive_int, resolve_device, write_json)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "fp64": torch.float64}
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
 
 def parse_args(argv=None, algorithm="ring"):
-    p = argparse.ArgumentParser(prog=f"python -m distlab.cp.{algorithm}", description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq", type=int, default=8192, help="full sequence length (all ranks together)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=None, help="default: 32 on GPU, 4 on CPU")
-    p.add_argument("--kv-heads", type=int, default=None, help="default: 8 on GPU, 2 on CPU")
-    p.add_argument("--head-dim", type=int, default=None, help="default: 128 on GPU, 32 on CPU")
+    p = StudyParser(prog=f"python -m distlab.cp.{algorithm}", description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq", type=positive_int, default=8192, help="full sequence length (all ranks together)")
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--heads", type=positive_int, default=None, help="default: 32 on GPU, 4 on CPU")
+    p.add_argument("--kv-heads", type=positive_int, default=None, help="default: 8 on GPU, 2 on CPU")
+    p.add_argument("--head-dim", type=positive_int, default=None, help="default: 128 on GPU, 32 on CPU")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--layout", choices=LAYOUTS, default="contiguous" if algorithm == "ulysses" else "zigzag",
                    help="sequence layout of the ring axis (Ulysses alone: contiguous)")
     if algorithm in ("usp", "compare"):
-        p.add_argument("--ulysses", type=int, default=None, help="Ulysses degree (default: 2, or 1 if W is odd)")
-        p.add_argument("--ring", type=int, default=None, help="ring degree (default: W / ulysses)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on GPU, float32 on CPU")
+        p.add_argument("--ulysses", type=positive_int, default=None, help="Ulysses degree (default: 2, or 1 if W is odd)")
+        p.add_argument("--ring", type=positive_int, default=None, help="ring degree (default: W / ulysses)")
+    p.add_argument("--dtype", type=dtype_arg(), default=None,
+                   help="float32|bfloat16|float16|float64 (or fp32, bf16, ...); default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--backend", choices=BACKENDS, default="auto")
-    p.add_argument("--iters", type=int, default=None, help="timed runs (default: 5 on GPU, 2 on CPU)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed runs first (default: 2 on GPU, 1 on CPU)")
+    p.add_argument("--iters", type=positive_int, default=None, help="timed runs (default: 5 on GPU, 2 on CPU)")
+    p.add_argument("--warmup", type=nonnegative_int, default=None, help="untimed runs first (default: 2 on GPU, 1 on CPU)")
     p.add_argument("--check", action="store_true", help="compare output and grads with one device")
     p.add_argument("--no-baseline", action="store_true", help="skip the one-device timing")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON (rank 0)")
@@ -74,7 +74,7 @@ def parse_args(argv=None, algorithm="ring"):
         p.add_argument("--deepspeed", action="store_true", help="add DeepSpeed's DistributedAttention (Ulysses)")
     args = p.parse_args(argv)
     # defaults follow the device the study will run on (a forced --device cpu on a GPU box gets CPU sizes)
-    gpu = args.device.startswith("cuda") if args.device else torch.cuda.is_available()
+    gpu = resolve_device(args.device).type == "cuda"
     for name, on_gpu, on_cpu in (("heads", 32, 4), ("kv_heads", 8, 2), ("head_dim", 128, 32),
                                  ("dtype", "bfloat16", "float32"), ("iters", 5, 2), ("warmup", 2, 1)):
         if getattr(args, name) is None:
@@ -187,6 +187,17 @@ def rel_error(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
+def memory_estimate(args, world) -> float:
+    """Bytes one rank holds at its peak, roughly: the full q, k, v, dout every rank draws, its shards with
+    their gradients, and with ``--check`` the float64 one-device reference (inputs, output, grads)."""
+    elems = args.batch * args.seq * args.head_dim * (2 * args.heads + 2 * args.kv_heads)
+    size = DTYPES[args.dtype].itemsize
+    need = elems * size * (1 + 3 / world)
+    if args.check:
+        need += elems * 8 * 2.5
+    return need
+
+
 def make_inputs(args, device):
     """The full q, k, v, dout, drawn identically on every rank."""
     dtype = DTYPES[args.dtype]
@@ -297,6 +308,7 @@ def run(args, algorithm="ring"):
     backend = resolve_backend(args.backend, dev, DTYPES[args.dtype])
     u, r = default_split(world, args.heads, args.ulysses, args.ring) if algorithm == "usp" else (1, world)
     method = build_method(algorithm, args, world, rank, dev, backend, ulysses=u, ring=r)
+    check_memory(memory_estimate(args, world), dev, f"seq {args.seq} x {args.heads} heads (batch {args.batch})")
     full = make_inputs(args, dev)
     result = measure(method, full, args, dev, reference_on_rank0(full, args, rank))
     result.update(algorithm=algorithm, world_size=world, device=str(dev), backend=backend, launcher=rt.launcher,
@@ -328,8 +340,9 @@ def header(result, args) -> list[str]:
              f"{a.dtype} · {'causal' if a.causal else 'full'} · W={result['world_size']} ({result['launcher']}) · "
              f"{result['device']} · backend {result['backend']}"]
     if not result["device"].startswith("cuda"):
-        lines.append(f"(CPU run: CPU-sized defaults; {result['world_size']} processes share {result['cpu_cores']} "
-                     f"CPU cores, so times show correctness-scale work, not scaling)")
+        w, cores = result["world_size"], result["cpu_cores"]
+        share = f"{w} processes share {cores} CPU cores, so " if w > 1 else ""
+        lines.append(f"(CPU run: CPU-sized defaults; {share}times show correctness-scale work, not scaling)")
     return lines
 
 
@@ -351,8 +364,13 @@ def report(result, args) -> str:
               f"{result['comm_forward_backward']['calls']}"]
     if "one_device" in result:
         one, eff = result["one_device"], result["efficiency"]
-        lines.append(f"one device, whole sequence: fwd {one['fwd_s'] * 1e3:.2f} ms, fwd+bwd {one['fwd_bwd_s'] * 1e3:.2f} "
-                     f"ms -> efficiency T_one/(W*T_cp): fwd {eff['fwd'] * 100:.1f}%, fwd+bwd {eff['fwd_bwd'] * 100:.1f}%")
+        times = f"one device, whole sequence: fwd {one['fwd_s'] * 1e3:.2f} ms, fwd+bwd {one['fwd_bwd_s'] * 1e3:.2f} ms"
+        if result["world_size"] == 1:   # nothing is parallel: what remains is the CP code's own overhead
+            lines.append(f"{times} -> W=1, no scaling to measure; the CP path takes {1 / eff['fwd'] * 100:.0f}% / "
+                         f"{1 / eff['fwd_bwd'] * 100:.0f}% of the plain call's time (fwd / fwd+bwd)")
+        else:
+            lines.append(f"{times} -> efficiency T_one/(W*T_cp): fwd {eff['fwd'] * 100:.1f}%, "
+                         f"fwd+bwd {eff['fwd_bwd'] * 100:.1f}%")
     if result.get("trace"):
         lines.append(f"traces: {os.path.dirname(result['trace'])}/trace_rank*.json "
                      f"(python -m distlab.profiling.overlap {os.path.dirname(result['trace'])}/trace_rank*.json)")
@@ -364,22 +382,11 @@ def report(result, args) -> str:
     return "\n".join(lines)
 
 
-def write_json(path, result):
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path}")
-
-
 def main(argv=None, algorithm="ring"):
     args = parse_args(argv, algorithm)
     if algorithm != "usp":
         args.ulysses = args.ring = None
-    try:
-        rt, result = run(args, algorithm)
-    except ValueError as e:  # bad input: every rank raises the same before any collective
-        print(f"error: {e}", file=sys.stderr)
-        shutdown()
-        sys.exit(2)
+    rt, result = run(args, algorithm)   # bad input raises ValueError on every rank before any collective
     if rt.is_main:
         print(report(result, args), flush=True)
         if args.json:

@@ -77,8 +77,7 @@ def ulysses_attention(q, k, v, group=None, causal=False, backend="auto", softmax
 
 
 if __name__ == "__main__":
+    from distlab.bench import run_study
     from distlab.cp.study import main
-    from distlab.profiling import end_process
 
-    main(algorithm="ulysses")
-    end_process()
+    run_study(lambda: main(algorithm="ulysses"))

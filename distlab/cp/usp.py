@@ -42,8 +42,7 @@ def usp_attention(q, k, v, ulysses_group, ring_group, causal=False, layout="cont
 
 
 if __name__ == "__main__":
+    from distlab.bench import run_study
     from distlab.cp.study import main
-    from distlab.profiling import end_process
 
-    main(algorithm="usp")
-    end_process()
+    run_study(lambda: main(algorithm="usp"))

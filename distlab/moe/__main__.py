@@ -1,7 +1,6 @@
 """``python -m distlab.moe`` — see ``distlab/moe/study.py``."""
 
+from distlab.bench import run_study
 from distlab.moe.study import main
-from distlab.profiling import end_process
 
-main()
-end_process()  # after a torch profile: exit without the profiler's teardown (distlab.profiling)
+run_study(main)

@@ -28,14 +28,15 @@ from distlab import comm
 from distlab.moe.dispatch import combine, dispatch
 from distlab.moe.layer import MoE, MoEReference
 from distlab.profiling import MODES, profile_steps
-from distlab.report import pyplot
+from distlab.bench import pyplot
 from distlab.runtime import init_runtime, shutdown
+from distlab.bench import StudyParser
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m distlab.moe", description=__doc__.split("\n\n")[0])
+    p = StudyParser(prog="python -m distlab.moe", description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--hidden", type=int, default=None, help="default 4096 on GPU, 256 on CPU")

@@ -33,6 +33,7 @@ import re
 import sys
 
 from distlab.collectives.playground import bus_factor
+from distlab.bench import StudyParser, run_study
 
 COMM = re.compile(r"nccl|gloo|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|broadcast|send_?recv", re.I)
 COLLECTIVE_OPS = {"allreduce": "all_reduce", "all_reduce": "all_reduce", "allgather": "all_gather",
@@ -188,7 +189,7 @@ def report(results) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m distlab.profiling.overlap", description=__doc__.split("\n\n")[0])
+    p = StudyParser(prog="python -m distlab.profiling.overlap", description=__doc__.split("\n\n")[0])
     p.add_argument("traces", nargs="+", help="Chrome/Perfetto trace JSON files, one per rank")
     p.add_argument("--use", choices=("auto", "kernel", "phases", "cpu"), default="auto",
                    help="which events to analyse (see above)")
@@ -208,4 +209,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

@@ -1,7 +1,6 @@
 """``python -m distlab.tp`` — see ``distlab/tp/study.py``."""
 
+from distlab.bench import run_study
 from distlab.tp.study import main
-from distlab.profiling import end_process
 
-main()
-end_process()  # after a torch profile: exit without the profiler's teardown (distlab.profiling)
+run_study(main)

@@ -17,6 +17,7 @@ import json
 import torch
 
 from kernels.bench import timeit
+from distlab.bench import StudyParser, run_study
 
 
 def layer_shapes(hidden, ffn, heads, kv_heads, tp):
@@ -28,7 +29,7 @@ def layer_shapes(hidden, ffn, heads, kv_heads, tp):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m distlab.tp.shard_gemms", description=__doc__.split("\n\n")[0])
+    p = StudyParser(prog="python -m distlab.tp.shard_gemms", description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=14336)
     p.add_argument("--heads", type=int, default=32)
@@ -72,4 +73,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

@@ -31,12 +31,13 @@ from distlab import comm
 from distlab.profiling import MODES, profile_steps
 from distlab.runtime import init_runtime, shutdown
 from distlab.tp.block import LlamaBlock, TPLlamaBlock
+from distlab.bench import StudyParser
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m distlab.tp", description=__doc__.split("\n\n")[0])
+    p = StudyParser(prog="python -m distlab.tp", description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=None, help="default 4096 on GPU, 256 on CPU")
     p.add_argument("--ffn", type=int, default=None, help="default 14336 on GPU, 768 on CPU")
     p.add_argument("--heads", type=int, default=None, help="default 32 on GPU, 8 on CPU")

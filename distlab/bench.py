@@ -1,0 +1,248 @@
+"""What every study shares: its entry point, argument parser and types, one dtype table, device and memory
+checks, a progress line, JSON and plots.
+
+    if __name__ == "__main__":
+        run_study(main)          # every ``python -m distlab...`` study ends like this
+
+``run_study`` turns the errors a person can make into one line and an exit status: invalid arguments and
+inputs (``ValueError``, including the parser's own) exit with status 2 as ``error: <what is wrong>``, a
+missing file as well; anything else is a bug and keeps its traceback (status 1). Under ``distlab run``
+(``DISTLAB_ERROR_DIR`` set) a failing rank writes its error to that folder instead of printing it, and the
+launcher prints each distinct error once with the ranks that raised it (``distlab/cli.py``).
+``StudyParser`` is ``argparse.ArgumentParser`` that raises instead of printing its usage on every rank,
+and prints ``--help`` on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+# one dtype vocabulary for every study: the canonical name, then the spellings it accepts
+DTYPE_NAMES = {
+    "float32": ("float32", "fp32", "f32", "float"),
+    "bfloat16": ("bfloat16", "bf16"),
+    "float16": ("float16", "fp16", "f16", "half"),
+    "float64": ("float64", "fp64", "f64", "double"),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+_SPELLINGS = {alias: name for name, aliases in DTYPE_NAMES.items() for alias in aliases}
+
+
+class UsageError(ValueError):
+    """A command line that cannot run (raised by ``StudyParser`` and the argument types below)."""
+
+
+def dtype_arg(*allowed: str):
+    """An argparse ``type``: any spelling of a dtype (``fp32``, ``float32``, ``float``, ``bf16`` ...) -> its
+    canonical name; ``allowed`` (canonical names) limits which dtypes the study takes."""
+    allowed = allowed or tuple(DTYPE_NAMES)
+
+    def parse(text: str) -> str:
+        name = _SPELLINGS.get(text.lower())
+        if name is None or name not in allowed:
+            spell = ", ".join(f"{n} ({'/'.join(DTYPE_NAMES[n][1:3])})" for n in allowed)
+            raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; this study takes {spell}")
+        return name
+
+    parse.__name__ = "dtype"
+    return parse
+
+
+def to_dtype(name: str) -> torch.dtype:
+    """The torch dtype of any accepted spelling."""
+    return DTYPES[_SPELLINGS[name.lower()]]
+
+
+def positive_int(text: str) -> int:
+    return _bounded_int(text, 1, "a positive integer")
+
+
+def nonnegative_int(text: str) -> int:
+    return _bounded_int(text, 0, "an integer >= 0")
+
+
+def _bounded_int(text: str, low: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{text} is not {what}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+class StudyParser(argparse.ArgumentParser):
+    """argparse that raises ``UsageError`` (one line, status 2 through ``run_study``) instead of printing
+    its usage on every rank, and prints ``--help`` on rank 0 only."""
+
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message} (see --help)")
+
+    def _print_message(self, message, file=None):
+        if _rank() == 0:
+            super()._print_message(message, file)
+
+
+def run_study(main, argv=None) -> None:
+    """Run a study's ``main``; turn a person's mistakes into one line and status 2 (see the module doc)."""
+    try:
+        main() if argv is None else main(argv)
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
+        _fail(str(e) if isinstance(e, ValueError) else f"{e.strerror or e}: {e.filename}", 2)
+    except Exception:   # a bug, not a mistake: keep the traceback (printed once by distlab run)
+        _fail(traceback.format_exc().rstrip(), 1)
+    from distlab.profiling import end_process
+
+    end_process()
+
+
+def _fail(message: str, code: int) -> None:
+    error_dir = os.environ.get("DISTLAB_ERROR_DIR")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if error_dir and os.path.isdir(error_dir):
+        with open(os.path.join(error_dir, f"rank{_rank()}.json"), "w") as f:
+            json.dump({"rank": _rank(), "code": code, "message": message}, f)
+    else:
+        where = f" (rank {_rank()})" if world > 1 else ""
+        text = f"error{where}: {message}" if code == 2 else f"error{where}:\n{message}"
+        print(text, file=sys.stderr, flush=True)
+    _destroy_groups()
+    sys.exit(code)
+
+
+def _destroy_groups() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        try:
+            dist.destroy_process_group()
+        except Exception:   # leaving anyway; a failed teardown must not hide the error above
+            pass
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``--device``: None -> cuda when present, else cpu; a CUDA device asked for on a machine without one
+    is refused with the fix."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a device (use cpu or cuda)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device} asked for, but this machine has no CUDA device "
+                         f"(torch {torch.__version__}); use --device cpu or leave --device out")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device}: distlab runs on cpu or cuda")
+    return dev
+
+
+def require_gpu(study: str, device: torch.device | None = None) -> None:
+    """Refuse GPU-only work (kernel timings, GEMM overlap) on a machine without CUDA."""
+    on_gpu = torch.cuda.is_available() if device is None else device.type == "cuda"
+    if not on_gpu:
+        raise ValueError(f"{study} times GPU kernels and needs a CUDA device; this machine has none "
+                         "(the CPU checks of the same code: TRITON_INTERPRET=1 python tests/kernel_checks.py)")
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory free for new allocations: the GPU's free memory, or the machine's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def check_memory(need_per_rank: float, device: torch.device, what: str) -> None:
+    """Refuse, before allocating, a run whose buffers cannot fit: on a CPU every local rank shares the
+    machine's memory; on a GPU each rank has its own device. The estimate is printed with the refusal."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    need, free = need_per_rank * local, available_bytes(device)
+    if need > 0.9 * free:
+        ranks = f" x {local} local ranks" if local > 1 else ""
+        raise ValueError(f"{what} needs about {fmt_bytes(need_per_rank)} per rank{ranks} = {fmt_bytes(need)}, "
+                         f"but {fmt_bytes(free)} is free on {device.type}; choose a smaller size")
+
+
+def progress(items, label: str):
+    """Yield ``items``; on rank 0 with a terminal on stderr, show ``label [i/n] item`` as it goes (rich
+    when installed, one rewritten line otherwise). Silent in logs and pipes."""
+    items = list(items)
+    if _rank() != 0 or not sys.stderr.isatty() or not items:
+        yield from items
+        return
+    try:
+        from rich.progress import Progress
+    except ImportError:
+        start = time.perf_counter()
+        for i, item in enumerate(items):
+            print(f"\r{label} [{i + 1}/{len(items)}] {getattr(item, 'name', item)} ({time.perf_counter() - start:.0f} s)\033[K",
+                  end="", file=sys.stderr, flush=True)
+            yield item
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
+        return
+    with Progress(transient=True) as bar:
+        task = bar.add_task(label, total=len(items))
+        for item in items:
+            bar.update(task, description=f"{label}: {getattr(item, 'name', item)}")
+            yield item
+            bar.advance(task)
+
+
+def write_json(path: str, result) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {path}")
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (with a message) when the plot extra is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no plot: matplotlib is not installed; pip install 'distlab[plot]')")
+        return None
+    return plt
