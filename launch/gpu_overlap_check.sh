@@ -12,7 +12,7 @@ py=${PYTHON:-python3}
 status=0
 
 echo "== playground, 1 rank NCCL (correctness of the GPU path; busbw needs >1 rank) =="
-$py -m distlab.collectives --op all --min 1K --max 64M --factor 64 --json "$out/playground_w1.json" || status=1
+$py -m distlab.collectives --op all -b 1K -e 64M -f 64 --json "$out/playground_w1.json" || status=1
 echo "== overlap study, 1 rank NCCL (send/recv to itself runs a real NCCL kernel), torch profiler =="
 $py -m distlab.collectives.overlap --op sendrecv --size 1G --gemm 8192 --gemms 4 --profile torch \
     --profile-dir "$out/overlap" --json "$out/overlap.json" || status=1

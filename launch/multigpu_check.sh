@@ -53,7 +53,7 @@ done
 fi
 if want collectives; then
 echo "== 2. collectives playground =="
-LIMIT=500 run "$n" distlab.collectives --op all --min 8 --max 4G --factor 2 --json "$out/collectives.json" \
+LIMIT=500 run "$n" distlab.collectives --op all -b 8 -e 4G -f 2 --json "$out/collectives.json" \
   --plot "$out/collectives.png" > "$out/collectives.txt" || status=1
 grep -E "^# [a-z_]+,|Avg bus" "$out/collectives.txt"
 

@@ -1,8 +1,12 @@
 """A collectives playground that reads like nccl-tests: size sweep, algbw/busbw, #wrong, both placements.
 
-    distlab run --nproc 8 -m distlab.collectives --op all --min 8 --max 1G --factor 2 --json c.json --plot c.png
+    distlab run --nproc 8 -m distlab.collectives --op all -b 8 -e 1G -f 2 --json c.json --plot c.png
     torchrun --nproc-per-node 8 -m distlab.collectives --op all_reduce --algo Ring --proto Simple
-    distlab run --nproc 4 -m distlab.collectives --op all --max 1M          # CPU: gloo, correctness only
+    distlab run --nproc 4 -m distlab.collectives --op all -e 1M          # CPU: gloo, correctness only
+
+The sweep takes nccl-tests' own flags: ``-b/--minbytes``, ``-e/--maxbytes``, ``-f/--stepfactor``,
+``-n/--iters``, ``-w/--warmup_iters``, ``-c/--check 0|1``, ``-d/--datatype`` (float, half, bfloat16,
+double, int32, or fp32/bf16/... as every distlab study spells them).
 
 Conventions follow nccl-tests so numbers can be compared line by line:
 
@@ -19,14 +23,15 @@ Conventions follow nccl-tests so numbers can be compared line by line:
   is this rank's slice of the output, reduce_scatter's output is this rank's slice of the input,
   all_reduce and broadcast reuse one buffer). torch has no in-place all_to_all or sendrecv: ``n/a``.
 
-``--algo``/``--proto`` set ``NCCL_ALGO``/``NCCL_PROTO`` before the process group starts. On gloo (CPU) the
-sweep runs too, labelled correctness-only: gloo emulates reduce_scatter and its times are not NCCL's.
+``--algo``/``--proto`` set ``NCCL_ALGO``/``NCCL_PROTO`` before the process group starts (refused on gloo,
+which has neither). On gloo (CPU) the sweep runs too, labelled correctness-only: its times are not NCCL's.
+Before allocating, the sweep's largest buffers are checked against the memory free on the device (on a
+CPU, shared by every local rank).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -34,12 +39,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from distlab.bench import pyplot
-from distlab.bench import StudyParser
+from distlab.bench import (StudyParser, check_memory, dtype_arg, fmt_bytes, nonnegative_int,
+                           positive_int, pyplot, to_dtype, write_json)
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
-DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64,
-          "int32": torch.int32}
+NCCL_TYPE_NAMES = {"float32": "float", "float16": "half", "bfloat16": "bfloat16", "float64": "double", "int32": "int32"}
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -60,9 +64,44 @@ def bandwidths(op: str, size_bytes: int, seconds: float, n: int) -> tuple[float,
 
 
 def parse_size(text: str) -> int:
+    """Bytes from ``8``, ``64K``, ``1M``, ``1G`` (powers of 2, as nccl-tests reads them)."""
     units = {"K": 2**10, "M": 2**20, "G": 2**30}
-    text = text.strip().upper().rstrip("B")
-    return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
+    t = text.strip().upper().removesuffix("B")
+    try:
+        value = int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or a number with K, M or G)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be at least 1 byte")
+    return value
+
+
+def datatype(text: str) -> str:
+    """nccl-tests' type names (float, half, bfloat16, double, int32) or distlab's spellings -> canonical."""
+    if text.lower() == "int32":
+        return "int32"
+    return dtype_arg()(text)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return torch.int32 if name == "int32" else to_dtype(name)
+
+
+def sweep_sizes(lo: int, hi: int, factor: int) -> list[int]:
+    if lo > hi:
+        raise ValueError(f"-b/--minbytes {lo} is larger than -e/--maxbytes {hi}: nothing to sweep")
+    sizes, s = [], lo
+    while s <= hi:
+        sizes.append(s)
+        s *= factor
+    return sizes
+
+
+def peak_bytes(op: str, size: int, n: int) -> int:
+    """This rank's buffers for one case of ``op`` at ``size`` bytes: input, output, its fresh copy and the
+    float64 expected result (4 bytes per 8-byte element in the worst dtype ratio, counted generously)."""
+    inp = size if op != "all_gather" else size // n
+    return 3 * inp + size + 2 * size
 
 
 def pattern(rank: int, count: int, dtype, device) -> torch.Tensor:
@@ -174,7 +213,10 @@ def sweep(op, sizes, dtype, device, iters, warmup, check=True, corrupt_rank=-1):
         count = max(1, size // elem)
         if op in ("all_gather", "reduce_scatter", "all_to_all"):
             count = max(n, count // n * n)
-        row = {"op": op, "size": size_bytes(op, count, elem, n), "count": count, "type": str(dtype).split(".")[-1]}
+        row = {"op": op, "size": size_bytes(op, count, elem, n), "count": count,
+               "type": NCCL_TYPE_NAMES[str(dtype).split(".")[-1]]}
+        if rows and row["size"] == rows[-1]["size"]:
+            continue   # sizes below one element per rank round to the same buffer: one row, not several
         for placement in ("out", "in"):
             if placement == "in" and op in ("all_to_all", "sendrecv"):
                 row[placement] = None
@@ -221,7 +263,7 @@ def format_table(rows, title) -> str:
     return "\n".join(lines)
 
 
-def plot(results, path):
+def plot(results, path, title):
     plt = pyplot()
     if plt is None:
         return
@@ -233,6 +275,7 @@ def plot(results, path):
     ax.set_ylabel("busbw, out-of-place (GB/s)")
     ax.grid(True, alpha=0.3)
     ax.legend()
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
@@ -241,13 +284,15 @@ def plot(results, path):
 def parse_args(argv=None):
     p = StudyParser(prog="python -m distlab.collectives", description=__doc__.split("\n\n")[0])
     p.add_argument("--op", default="all", help=f"one of {', '.join(OPS)}, a comma list, or all")
-    p.add_argument("--min", default="8", help="smallest size in bytes (K/M/G suffixes)")
-    p.add_argument("--max", default=None, help="largest size (default: 1G on GPU, 1M on CPU)")
-    p.add_argument("--factor", type=int, default=2)
-    p.add_argument("--dtype", choices=DTYPES, default="float")
-    p.add_argument("--iters", type=int, default=None, help="timed calls per size (default: 20 GPU, 5 CPU)")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--no-check", action="store_true", help="skip the #wrong check")
+    p.add_argument("-b", "--minbytes", type=parse_size, default=8, help="smallest size in bytes (K/M/G suffixes)")
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=None,
+                   help="largest size (default: 1G on GPU, 1M on CPU)")
+    p.add_argument("-f", "--stepfactor", type=int, default=2, help="multiply the size by this each step (>= 2)")
+    p.add_argument("-d", "--datatype", "--dtype", dest="dtype", type=datatype, default="float32",
+                   help="float (fp32), half, bfloat16, double, int32")
+    p.add_argument("-n", "--iters", type=positive_int, default=None, help="timed calls per size (default: 20 GPU, 5 CPU)")
+    p.add_argument("-w", "--warmup_iters", "--warmup-iters", dest="warmup", type=nonnegative_int, default=5)
+    p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1, help="1: count #wrong (default), 0: skip")
     p.add_argument("--algo", default=None, help="NCCL_ALGO (e.g. Ring, Tree) for this run")
     p.add_argument("--proto", default=None, help="NCCL_PROTO (e.g. Simple, LL, LL128) for this run")
     p.add_argument("--device", default=None)
@@ -257,36 +302,40 @@ def parse_args(argv=None):
                    help="trace a few calls of each op at the largest size")
     p.add_argument("--profile-dir", default="traces/collectives")
     p.add_argument("--corrupt-rank", type=int, default=-1, help=argparse.SUPPRESS)  # shows #wrong firing
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    ops = OPS if args.op == "all" else tuple(args.op.split(","))
+    unknown = [o for o in ops if o not in OPS]
+    if unknown:
+        p.error(f"--op: unknown {', '.join(unknown)} (choose from {', '.join(OPS)}, or all)")
+    if args.stepfactor < 2:
+        p.error(f"-f/--stepfactor {args.stepfactor}: the size must grow, use 2 or more")
+    args.ops = ops
+    return args
 
 
 def main(argv=None):
     args = parse_args(argv)
+    from distlab.bench import resolve_device
+    from distlab.runtime import init_runtime, shutdown
+
+    if (args.algo or args.proto) and resolve_device(args.device).type != "cuda":
+        raise ValueError("--algo/--proto set NCCL_ALGO/NCCL_PROTO, and this run uses gloo (no GPU), which has "
+                         "neither; drop them, or run on GPUs")
     if args.algo:
         os.environ["NCCL_ALGO"] = args.algo      # before the process group (and NCCL) starts
     if args.proto:
         os.environ["NCCL_PROTO"] = args.proto
-    from distlab.runtime import init_runtime, shutdown
-
-    ops = OPS if args.op == "all" else tuple(args.op.split(","))
-    unknown = [o for o in ops if o not in OPS]
-    if unknown or args.factor < 2:
-        print(f"error: unknown op {unknown} (choose from {', '.join(OPS)})" if unknown else "error: --factor must be >= 2",
-              file=sys.stderr)
-        sys.exit(2)
     rt = init_runtime(device=args.device)
     gpu = rt.device.type == "cuda"
-    lo, hi = parse_size(args.min), parse_size(args.max or ("1G" if gpu else "1M"))
-    sizes = []
-    s = lo
-    while s <= hi:
-        sizes.append(s)
-        s *= args.factor
+    hi = args.maxbytes or (2**30 if gpu else 2**20)
+    sizes = sweep_sizes(args.minbytes, hi, args.stepfactor)
+    check_memory(max(peak_bytes(op, hi, rt.world_size) for op in args.ops), rt.device,
+                 f"the sweep up to {fmt_bytes(hi)} ({', '.join(args.ops)})")
     iters = args.iters or (20 if gpu else 5)
-    dtype = DTYPES[args.dtype]
+    dtype = torch_dtype(args.dtype)
     results = {}
-    for op in ops:
-        results[op] = sweep(op, sizes, dtype, rt.device, iters, args.warmup, not args.no_check, args.corrupt_rank)
+    for op in args.ops:
+        results[op] = sweep(op, sizes, dtype, rt.device, iters, args.warmup, bool(args.check), args.corrupt_rank)
         if args.profile != "none":
             from distlab.profiling import phase, profile_steps
 
@@ -300,17 +349,17 @@ def main(argv=None):
             profile_steps(traced, args.profile, os.path.join(args.profile_dir, op), rt.rank)
     if rt.is_main:
         label = (f"nccl{' NCCL_ALGO=' + args.algo if args.algo else ''}{' NCCL_PROTO=' + args.proto if args.proto else ''}"
-                 if rt.backend == "nccl" else "gloo: correctness only (gloo emulates reduce_scatter; CPU times are not NCCL's)")
+                 if rt.backend == "nccl" else "gloo")
+        if rt.backend != "nccl":
+            print("# gloo on CPU: a correctness check (#wrong); its times are not NCCL's")
         for op, rows in results.items():
             print(format_table(rows, f"{op}, {rt.world_size} ranks, {rt.device.type}, {label}"))
             print()
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"world_size": rt.world_size, "backend": rt.backend, "device": str(rt.device),
-                           "args": vars(args), "results": results}, f, indent=2)
-            print(f"wrote {args.json}")
+            write_json(args.json, {"world_size": rt.world_size, "backend": rt.backend, "device": str(rt.device),
+                                   "args": vars(args), "results": results})
         if args.plot:
-            plot(results, args.plot)
+            plot(results, args.plot, f"busbw, {rt.world_size} ranks, {rt.device.type} ({label}), {args.dtype}")
     wrong = sum((p or {}).get("wrong") or 0 for rows in results.values() for r in rows for p in (r["out"], r["in"]))
     shutdown()
     if wrong:

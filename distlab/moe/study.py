@@ -15,8 +15,6 @@ group, the bytes each rank sent in the all-to-alls, and the experts' TFLOP/s (th
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import statistics
 import sys
@@ -28,26 +26,25 @@ from distlab import comm
 from distlab.moe.dispatch import combine, dispatch
 from distlab.moe.layer import MoE, MoEReference
 from distlab.profiling import MODES, profile_steps
-from distlab.bench import pyplot
+from distlab.bench import (DTYPES, StudyParser, dtype_arg, nonnegative_int, positive_float, positive_int, progress,
+                           pyplot, resolve_device, write_json)
 from distlab.runtime import init_runtime, shutdown
-from distlab.bench import StudyParser
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from kernels.grouped_gemm import BACKENDS, resolve as resolve_grouped_backend
 
 
 def parse_args(argv=None):
     p = StudyParser(prog="python -m distlab.moe", description=__doc__.split("\n\n")[0])
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=None, help="default 4096 on GPU, 256 on CPU")
-    p.add_argument("--ffn", type=int, default=None, help="default 14336 on GPU, 512 on CPU")
-    p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 4096 GPU, 2048 CPU)")
+    p.add_argument("--experts", type=positive_int, default=8)
+    p.add_argument("--topk", type=positive_int, default=2)
+    p.add_argument("--hidden", type=positive_int, default=None, help="default 4096 on GPU, 256 on CPU")
+    p.add_argument("--ffn", type=positive_int, default=None, help="default 14336 on GPU, 512 on CPU")
+    p.add_argument("--tokens", type=nonnegative_int, default=None, help="tokens per rank (default 4096 GPU, 2048 CPU)")
     p.add_argument("--skew", type=float, default=0.0)
     p.add_argument("--sweep", default=None, help="comma-separated skews")
-    p.add_argument("--capacity-factor", type=float, default=None)
-    p.add_argument("--backend", default="auto", help="grouped GEMM: auto, loop, torch, triton")
-    p.add_argument("--dtype", choices=DTYPES, default=None)
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--capacity-factor", type=positive_float, default=None)
+    p.add_argument("--backend", choices=BACKENDS, default="auto", help="grouped GEMM backend")
+    p.add_argument("--dtype", type=dtype_arg("float32", "bfloat16"), default=None, help="fp32 or bf16")
+    p.add_argument("--iters", type=positive_int, default=3)
     p.add_argument("--check", action="store_true")
     p.add_argument("--device", default=None)
     p.add_argument("--json", metavar="PATH")
@@ -55,10 +52,16 @@ def parse_args(argv=None):
     p.add_argument("--profile", choices=MODES, default="none", help="trace a few forward+backward steps")
     p.add_argument("--profile-dir", default="traces/moe")
     a = p.parse_args(argv)
-    gpu = a.device.startswith("cuda") if a.device else torch.cuda.is_available()
-    for name, g, c in (("hidden", 4096, 256), ("ffn", 14336, 512), ("tokens", 4096, 2048), ("dtype", "bf16", "fp32")):
+    gpu = resolve_device(a.device).type == "cuda"
+    for name, g, c in (("hidden", 4096, 256), ("ffn", 14336, 512), ("tokens", 4096, 2048),
+                       ("dtype", "bfloat16", "float32")):
         if getattr(a, name) is None:
             setattr(a, name, g if gpu else c)
+    if a.sweep is not None:
+        try:
+            a.sweep = [float(s) for s in a.sweep.split(",")]
+        except ValueError:
+            p.error(f"--sweep {a.sweep!r}: give comma-separated numbers, e.g. 0,0.5,1,2")
     return a
 
 
@@ -116,20 +119,23 @@ def measure(args, rt, skew):
     with comm.CommLog() as log:
         with torch.no_grad():
             layer(x)
-    med = [statistics.median(col) for col in zip(*times)]
-    mine = torch.tensor([*med, statistics.median(fwd), statistics.median(fb), sum(state.tokens_per_expert)],
+    # the phases of the round whose instrumented total is the median, so they add up to that total
+    mid = sorted(range(len(times)), key=lambda i: sum(times[i]))[len(times) // 2]
+    mine = torch.tensor([[*times[mid], statistics.median(fwd), statistics.median(fb), sum(state.tokens_per_expert)]],
                         dtype=torch.float64)
-    worst = mine.clone()
-    if rt.world_size > 1:
-        torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
+    per_rank = comm.all_gather_raw(mine, None, 0)
+    slowest = per_rank[per_rank[:, :4].sum(1).argmax()]      # one rank's phases: they add up to its total
     total = comm.all_reduce_raw(counts.to(torch.int64))
-    rows_max = worst[6].item()
-    expert_flops = 3 * 2 * rows_max * args.hidden * args.ffn
-    result = {"skew": skew, "phases_s": dict(zip(("router", "dispatch", "experts", "combine"), worst[:4].tolist())),
-              "fwd_s": worst[4].item(), "fwd_bwd_s": worst[5].item(), "tokens_per_expert": total.tolist(),
-              "imbalance": (total.max() / total.float().mean()).item(), "bytes_sent_fwd": log.total_bytes(),
+    rows = slowest[6].item()
+    expert_flops = 3 * 2 * rows * args.hidden * args.ffn
+    result = {"skew": skew, "phases_s": dict(zip(("router", "dispatch", "experts", "combine"), slowest[:4].tolist())),
+              "instrumented_fwd_s": slowest[:4].sum().item(),
+              "fwd_s": per_rank[:, 4].max().item(), "fwd_bwd_s": per_rank[:, 5].max().item(),
+              "tokens_per_expert": total.tolist(),
+              "imbalance": (total.max() / total.float().mean().clamp_min(1e-30)).item(),
+              "bytes_sent_fwd": log.total_bytes(),
               "a2a_calls_fwd": log.calls["all_to_all"], "dropped": state.dropped,
-              "expert_tflops": expert_flops / worst[2].item() / 1e12}  # busiest rank's rows over the slowest time
+              "expert_tflops": expert_flops / slowest[2].item() / 1e12}   # that rank's rows over its experts time
     if args.profile != "none":
         result["trace"] = profile_steps(lambda: layer(x).float().square().mean().backward(), args.profile,
                                         f"{args.profile_dir}/skew{skew}", rt.rank)
@@ -137,7 +143,9 @@ def measure(args, rt, skew):
         xs = comm.all_gather_raw(x.detach(), None, 0)
         out = layer(x.detach())
         ref64 = ref.double() if dev.type == "cpu" else ref
-        want = ref64(xs.to(ref64.w_gate.dtype))[rt.rank * args.tokens:(rt.rank + 1) * args.tokens]
+        # capacity applies per rank: the reference drops the same assignments with one chunk per rank
+        want = ref64(xs.to(ref64.w_gate.dtype), capacity_factor=args.capacity_factor,
+                     chunks=rt.world_size)[rt.rank * args.tokens:(rt.rank + 1) * args.tokens]
         err = torch.tensor([((out.double() - want.double()).abs().max() / want.double().abs().max()).item()])
         torch.distributed.all_reduce(err, op=torch.distributed.ReduceOp.MAX)
         result["max_rel_error"] = err.item()
@@ -154,12 +162,11 @@ def main(argv=None):
     args = parse_args(argv)
     rt = init_runtime(device=args.device)
     if args.experts % rt.world_size or not 1 <= args.topk <= args.experts:
-        print(f"error: {args.experts} experts over {rt.world_size} ranks with top-{args.topk} is not a valid "
-              f"configuration (experts must divide by the EP size; 1 <= top-k <= experts)", file=sys.stderr)
-        shutdown()
-        sys.exit(2)
-    skews = [float(s) for s in args.sweep.split(",")] if args.sweep else [args.skew]
-    results = [measure(args, rt, s) for s in skews]
+        raise ValueError(f"{args.experts} experts over {rt.world_size} ranks with top-{args.topk} is not a valid "
+                         f"configuration (experts must divide by the EP size; 1 <= top-k <= experts)")
+    resolve_grouped_backend(args.backend, torch.empty(0, device=rt.device, dtype=DTYPES[args.dtype]))
+    skews = args.sweep or [args.skew]
+    results = [measure(args, rt, s) for s in progress(skews, "moe skew")]
     if rt.is_main:
         print(f"MoE, EP={rt.world_size}, {rt.device}: {args.experts} experts, top-{args.topk}, hidden {args.hidden}, "
               f"ffn {args.ffn}, {args.tokens} tokens/rank, {args.dtype}, grouped GEMM backend {args.backend}")
@@ -167,8 +174,10 @@ def main(argv=None):
             ph = r["phases_s"]
             print(f"\nskew {r['skew']}: router {ph['router'] * 1e3:.2f} ms · dispatch {ph['dispatch'] * 1e3:.2f} ms · "
                   f"experts {ph['experts'] * 1e3:.2f} ms ({r['expert_tflops']:.2f} TFLOP/s) · combine "
-                  f"{ph['combine'] * 1e3:.2f} ms | forward {r['fwd_s'] * 1e3:.2f} ms, forward+backward "
-                  f"{r['fwd_bwd_s'] * 1e3:.2f} ms (slowest rank)")
+                  f"{ph['combine'] * 1e3:.2f} ms = {r['instrumented_fwd_s'] * 1e3:.2f} ms (the slowest rank's phases, "
+                  f"synchronised between them)")
+            print(f"un-instrumented, slowest rank: forward {r['fwd_s'] * 1e3:.2f} ms, forward+backward "
+                  f"{r['fwd_bwd_s'] * 1e3:.2f} ms")
             print(f"all-to-alls per rank, forward: {r['a2a_calls_fwd']} calls, {r['bytes_sent_fwd'] / 1e6:.3f} MB sent; "
                   f"dropped assignments: {r['dropped']}; imbalance max/mean {r['imbalance']:.2f}")
             print("\n".join(histogram(r["tokens_per_expert"])))
@@ -176,18 +185,17 @@ def main(argv=None):
                 print(f"check vs one device: max rel error {r['max_rel_error']:.2e}: "
                       f"{'PASS' if r['check_passed'] else 'FAIL'}")
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"args": vars(args), "ep": rt.world_size, "device": str(rt.device), "results": results}, f,
-                          indent=2)
-            print(f"wrote {args.json}")
+            write_json(args.json, {"args": vars(args), "ep": rt.world_size, "device": str(rt.device), "results": results})
         if args.plot:
-            plot(results, args.plot)
+            plot(results, args.plot, f"MoE experts: EP={rt.world_size}, {args.experts} experts top-{args.topk}, "
+                                     f"hidden {args.hidden}, ffn {args.ffn}, {args.tokens} tokens/rank, {args.dtype}, "
+                                     f"{rt.device.type}, backend {args.backend}")
     shutdown()
     if args.check and not all(r["check_passed"] for r in results):
         sys.exit(1)
 
 
-def plot(results, path):
+def plot(results, path, title):
     plt = pyplot()
     if plt is None:
         return
@@ -198,6 +206,7 @@ def plot(results, path):
     ax.set_xlabel("tokens per expert, max / mean")
     ax.set_ylabel("experts' TFLOP/s (slowest rank)")
     ax.grid(True, alpha=0.3)
+    ax.set_title(title, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
