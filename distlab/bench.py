@@ -112,6 +112,9 @@ def run_study(main, argv=None) -> None:
         raise
     except KeyboardInterrupt:
         sys.exit(130)
+    except BrokenPipeError:   # the output went to a pipe that closed (| head): not an error of the study
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
     except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
         _fail(str(e) if isinstance(e, ValueError) else f"{e.strerror or e}: {e.filename}", 2)
     except Exception:   # a bug, not a mistake: keep the traceback (printed once by distlab run)
@@ -162,12 +165,10 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
-def require_gpu(study: str, device: torch.device | None = None) -> None:
-    """Refuse GPU-only work (kernel timings, GEMM overlap) on a machine without CUDA."""
-    on_gpu = torch.cuda.is_available() if device is None else device.type == "cuda"
-    if not on_gpu:
-        raise ValueError(f"{study} times GPU kernels and needs a CUDA device; this machine has none "
-                         "(the CPU checks of the same code: TRITON_INTERPRET=1 python tests/kernel_checks.py)")
+def require_gpu(study: str, cpu_hint: str = "--device cpu runs a CPU-sized check of the same code path") -> None:
+    """Refuse GPU-only work (kernel timings) on a machine without CUDA, saying what runs instead."""
+    if not torch.cuda.is_available():
+        raise ValueError(f"{study} times GPU kernels and needs a CUDA device; this machine has none ({cpu_hint})")
 
 
 def available_bytes(device: torch.device) -> int:

@@ -180,9 +180,10 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE)
         return
     if argv[0] == "submit":
+        from distlab.bench import run_study
         from distlab.submit import main as submit_main
 
-        submit_main(argv[1:])
+        run_study(submit_main, argv[1:])
         return
     if argv[0] != "run":
         print(f"distlab: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)

@@ -21,8 +21,6 @@ disables CP for decoding).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 
@@ -37,7 +35,7 @@ from distlab.model.llama import Llama
 from distlab.model.parallel import ParallelLlama
 from distlab.runtime import init_runtime, shutdown
 from kernels.attention import attention
-from distlab.bench import StudyParser, run_study
+from distlab.bench import StudyParser, dtype_arg, positive_int, run_study, write_json
 
 
 def _last_logits(model: ParallelLlama, logits, positions, last: int):
@@ -125,35 +123,37 @@ def main(argv=None):
     p.add_argument("--config", default="tiny", help="a preset in configs/ or a JSON path (its model section)")
     p.add_argument("--checkpoint", default=None, help="a training checkpoint (…/step_N); default: the seeded init")
     p.add_argument("--prompt", default=None, help="prompt text (default: the first --prompt-len corpus bytes)")
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--batch", type=int, default=1, help="prompt copies (split over the data-parallel ranks)")
-    p.add_argument("--steps", type=int, default=32, help="tokens to generate")
-    p.add_argument("--tp", type=int, default=None)
-    p.add_argument("--ring", type=int, default=None)
-    p.add_argument("--ulysses", type=int, default=None)
-    p.add_argument("--cp-layout", choices=("zigzag", "contiguous"), default=None)
-    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32")
+    p.add_argument("--prompt-len", type=positive_int, default=64)
+    p.add_argument("--batch", type=positive_int, default=1, help="prompt copies (split over the data-parallel ranks)")
+    p.add_argument("--steps", type=positive_int, default=32, help="tokens to generate")
+    p.add_argument("--tp", type=positive_int, default=None)
+    p.add_argument("--ring", type=positive_int, default=None)
+    p.add_argument("--ulysses", type=positive_int, default=None)
+    p.add_argument("--layout", "--cp-layout", dest="cp_layout", choices=("zigzag", "contiguous"), default=None,
+                   help="sequence layout of the ring axis, as in the CP studies")
+    p.add_argument("--dtype", type=dtype_arg("float32", "float64", "bfloat16"), default="float32")
     p.add_argument("--check", action="store_true", help="compare with the one-device model's greedy decode")
     p.add_argument("--json", metavar="PATH", help="write tokens, timings and the check (rank 0)")
     p.add_argument("--device", default=None)
     a = p.parse_args(argv)
     rt = init_runtime(device=a.device)
-    try:
-        mcfg, tcfg = load_config(a.config)
-        layout = {"tp": 1, "ring": 1, "ulysses": 1, "cp_layout": "zigzag", **load_layout(a.config)}
-        for key in ("tp", "ring", "ulysses", "cp_layout"):   # flags override the preset; its sp is ignored
-            if getattr(a, key) is None:
-                setattr(a, key, layout[key])
-        dims = layout_dims(rt.world_size, a.tp, a.ring, a.ulysses, a.batch)
-        layout_name = a.cp_layout if a.ring > 1 else "contiguous"
-        multiple = a.ring * a.ulysses * (2 if layout_name == "zigzag" else 1)
-        ids = prompt_ids(a.prompt, a.prompt_len, a.batch, multiple)
-    except (ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        shutdown()
-        sys.exit(2)
+    # bad input raises ValueError here, on every rank, before any collective
+    mcfg, tcfg = load_config(a.config)
+    layout = {"tp": 1, "ring": 1, "ulysses": 1, "cp_layout": "zigzag", **load_layout(a.config)}
+    for key in ("tp", "ring", "ulysses", "cp_layout"):   # flags override the preset; its sp is ignored
+        if getattr(a, key) is None:
+            setattr(a, key, layout[key])
+    dims = layout_dims(rt.world_size, a.tp, a.ring, a.ulysses, a.batch)
+    layout_name = a.cp_layout if a.ring > 1 else "contiguous"
+    multiple = a.ring * a.ulysses * (2 if layout_name == "zigzag" else 1)
+    ids = prompt_ids(a.prompt, a.prompt_len, a.batch, multiple)
     dtype = getattr(torch, a.dtype)
     torch.manual_seed(tcfg.seed)
+    if a.checkpoint:
+        checkpoint.check_folder(a.checkpoint, mcfg)
+    elif rt.is_main:
+        print(f"note: no --checkpoint: decoding from the seeded random initialisation of {a.config!r} "
+              "(train one with python -m distlab.train --config tiny --checkpoint-dir ckpt)", flush=True)
     ref = checkpoint.load_weights(a.checkpoint, mcfg) if a.checkpoint else Llama(mcfg)
     ref = ref.to(rt.device, dtype)
     model = ParallelLlama(ref, dims.build_mesh(rt.device.type), False, layout_name)
@@ -185,8 +185,7 @@ def main(argv=None):
             print(f"check vs one-device greedy: {same}/{a.steps} tokens equal, logits max rel error {err:.2e}: "
                   f"{'PASS' if ok else 'FAIL'}")
         if a.json:
-            with open(a.json, "w") as f:
-                json.dump(result, f, indent=1)
+            write_json(a.json, result)
     shutdown()
     if a.check and same != a.steps:
         sys.exit(1)

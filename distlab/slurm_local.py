@@ -1,6 +1,6 @@
 """A real one-node SLURM cluster on this machine, for tests and for trying the launch scripts.
 
-    python -m distlab.slurm_local          # start it, print the SLURM_CONF to export, stop on Ctrl-C
+    python -m distlab.slurm_local          # start it, print the SLURM_CONF to export, stop on Ctrl-C or SIGTERM
 
 Debian's ``slurmctld`` and ``slurmd`` (package slurm-wlm / slurmctld + slurmd + slurm-client) started by
 hand with a configuration written to a temp dir: state, spool, logs and pid files live there, the ports
@@ -113,13 +113,30 @@ class LocalSlurm:
         self.stop()
 
 
-if __name__ == "__main__":
+def main(argv=None):
+    from distlab.bench import StudyParser, positive_int
+
+    p = StudyParser(prog="python -m distlab.slurm_local", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpus", type=positive_int, default=16, help="CPUs the node declares (default 16)")
+    a = p.parse_args(argv)
     if missing_binaries():
-        raise SystemExit(f"missing {missing_binaries()}: apt-get install slurmctld slurmd slurm-client")
-    with LocalSlurm() as cluster:
-        print(f"one-node SLURM up; in another shell: export SLURM_CONF={cluster.conf}   (Ctrl-C stops it)")
+        raise ValueError(f"missing {', '.join(missing_binaries())}: apt-get install slurmctld slurmd slurm-client")
+
+    def stop_on(signum, frame):   # SIGTERM/SIGHUP stop the daemons as Ctrl-C does (they run in their own session)
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop_on)
+    with LocalSlurm(cpus=a.cpus) as cluster:
+        print(f"one-node SLURM up; in another shell: export SLURM_CONF={cluster.conf}   (Ctrl-C stops it)", flush=True)
         try:
             while True:
                 time.sleep(3600)
         except KeyboardInterrupt:
-            pass
+            print("stopping slurmctld and slurmd", flush=True)
+
+
+if __name__ == "__main__":
+    from distlab.bench import run_study
+
+    run_study(main)

@@ -13,13 +13,12 @@ executor. Every wait is bounded (``timeout_s``): a job that does not finish is c
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import runpy
 import sys
 import time
-from distlab.bench import StudyParser
+from distlab.bench import StudyParser, nonnegative_int, positive_int
 
 
 class StudyTask:
@@ -48,16 +47,26 @@ class StudyTask:
             return json.load(f)
 
 
+DEFAULT_FOLDER = os.path.join("logs", "submitit")
+
+
 def submit(module: str, study_args: list[str], nodes: int = 1, tasks_per_node: int = 1, gpus_per_node: int = 0,
-           cluster: str = "auto", folder: str = "submitit", partition: str | None = None, time_min: int = 30,
-           timeout_s: float = 1800.0, slurm_extra: dict | None = None) -> dict:
-    """Run the study as a submitit job and return rank 0's JSON result."""
+           cluster: str = "auto", folder: str = DEFAULT_FOLDER, partition: str | None = None, time_min: int = 30,
+           timeout_s: float = 1800.0, slurm_extra: dict | None = None, with_job: bool = False):
+    """Run the study as a submitit job and return rank 0's JSON result (and the job, ``with_job``)."""
     import importlib.util
 
-    import submitit
+    try:
+        import submitit
+    except ImportError:
+        raise ValueError("distlab submit needs submitit: pip install 'distlab[slurm]'") from None
 
-    if importlib.util.find_spec(module) is None:
-        raise ValueError(f"no module named {module}")
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ValueError(f"no module named {module!r}")
     if cluster == "auto":
         cluster = "slurm" if any(os.access(os.path.join(p, "sbatch"), os.X_OK)
                                  for p in os.environ.get("PATH", "").split(os.pathsep)) else "local"
@@ -81,34 +90,47 @@ def submit(module: str, study_args: list[str], nodes: int = 1, tasks_per_node: i
             job.cancel()
             raise TimeoutError(f"job {job.job_id} did not finish within {timeout_s:.0f} s and was cancelled")
         time.sleep(0.5)
-    results = job.results()
-    return results[0]
+    try:
+        results = job.results()
+    except Exception as e:   # submitit's FailedJobError: the task's traceback; keep the study's own error line
+        lines = (job.stderr() or "").strip().splitlines() + str(e).strip().splitlines()
+        why = next((line for line in lines if line.startswith("error")), lines[-1] if lines else "unknown")
+        raise ValueError(f"job {job.job_id} failed: {why} (its logs: {folder}/)") from None
+    return (results[0], job) if with_job else results[0]
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if "-m" not in argv:
-        raise SystemExit("usage: python -m launch.submit [options] -m MODULE [study flags ...]")
-    cut = argv.index("-m")
-    p = StudyParser(prog="python -m launch.submit", description=__doc__.split("\n\n")[0])
+    cut = argv.index("-m") if "-m" in argv else len(argv)
+    p = StudyParser(prog="python -m launch.submit", description=__doc__.split("\n\n")[0],
+                    usage="python -m launch.submit [options] -m MODULE [study flags ...]",
+                    epilog="Example: distlab submit --cluster local --tasks-per-node 4 -m distlab.cp.ring --seq 4096 "
+                           "--device cpu")
     p.add_argument("--cluster", choices=("auto", "slurm", "local"), default="auto")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--tasks-per-node", type=int, default=1, help="one task per GPU")
-    p.add_argument("--gpus-per-node", type=int, default=0)
+    p.add_argument("--nodes", type=positive_int, default=1)
+    p.add_argument("--tasks-per-node", type=positive_int, default=1, help="one task per GPU")
+    p.add_argument("--gpus-per-node", type=nonnegative_int, default=0)
     p.add_argument("-p", "--partition", default=None)
-    p.add_argument("--time", type=int, default=30, help="minutes")
-    p.add_argument("--folder", default="submitit")
+    p.add_argument("--time", type=positive_int, default=30, help="minutes")
+    p.add_argument("--folder", default=DEFAULT_FOLDER, help=f"submitit's job folder (default {DEFAULT_FOLDER})")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait before cancelling")
     a = p.parse_args(argv[:cut])
     if cut + 1 >= len(argv):
-        raise SystemExit("error: -m needs a module")
+        p.error("-m MODULE is missing: the study to run, e.g. -m distlab.cp.ring")
     module, study_args = argv[cut + 1], argv[cut + 2:]
     try:
-        result = submit(module, study_args, a.nodes, a.tasks_per_node, a.gpus_per_node, a.cluster, a.folder,
-                        a.partition, a.time, a.timeout)
-    except (ValueError, TimeoutError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    summary = {k: result[k] for k in ("method", "world_size", "check_passed", "max_rel_error", "slowest") if k in result}
-    print(json.dumps(summary, indent=2))
+        result, job = submit(module, study_args, a.nodes, a.tasks_per_node, a.gpus_per_node, a.cluster, a.folder,
+                             a.partition, a.time, a.timeout, with_job=True)
+    except TimeoutError as e:
+        raise ValueError(str(e)) from None
+    table = job_output(job)
+    if table:
+        print(table)
+    print(f"job {job.job_id}: rank 0's JSON and the per-task logs are in {a.folder}/")
     return result
+
+
+def job_output(job) -> str:
+    """What rank 0's study printed (the table), without submitit's own log lines."""
+    text = job.stdout() or ""   # the first task's log: rank 0 prints the table
+    return "\n".join(line for line in text.splitlines() if not line.startswith("submitit ")).strip()

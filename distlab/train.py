@@ -25,11 +25,8 @@ the one-device norm.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
-import sys
 import time
 
 import torch
@@ -42,7 +39,7 @@ from distlab.model.data import batch, corpus
 from distlab.model.llama import Llama
 from distlab.model.parallel import ParallelLlama
 from distlab.runtime import init_runtime, shutdown
-from distlab.bench import StudyParser, run_study
+from distlab.bench import StudyParser, nonnegative_int, positive_int, run_study, write_json
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -115,27 +112,25 @@ def progress(step, total, loss, tokens_per_s, width=24, mfu=None) -> str:
 def main(argv=None):
     p = StudyParser(prog="python -m distlab.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="tiny", help="a preset in configs/ or a JSON path")
-    p.add_argument("--steps", type=int, default=None, help="override the config's steps")
-    p.add_argument("--stop-after", type=int, default=None, help="stop (and checkpoint) after this many steps")
+    p.add_argument("--steps", type=positive_int, default=None, help="override the config's steps")
+    p.add_argument("--stop-after", type=positive_int, default=None, help="stop (and checkpoint) after this many steps")
     p.add_argument("--checkpoint-dir", default=None)
-    p.add_argument("--checkpoint-every", type=int, default=None, help="override the config's checkpoint_every")
+    p.add_argument("--checkpoint-every", type=nonnegative_int, default=None,
+                   help="override the config's checkpoint_every")
     p.add_argument("--resume", default=None, help="a checkpoint folder (…/step_N)")
     p.add_argument("--json", metavar="PATH", help="write the loss curve (rank 0)")
     p.add_argument("--device", default=None)
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: the config's layout, or 1)")
+    p.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree (default: the config's layout, or 1)")
     p.add_argument("--sp", action="store_true", default=None, help="sequence parallelism inside TP")
-    p.add_argument("--ring", type=int, default=None, help="context parallelism: ring degree")
-    p.add_argument("--ulysses", type=int, default=None, help="context parallelism: Ulysses degree")
-    p.add_argument("--cp-layout", choices=("zigzag", "contiguous"), default=None)
+    p.add_argument("--ring", type=positive_int, default=None, help="context parallelism: ring degree")
+    p.add_argument("--ulysses", type=positive_int, default=None, help="context parallelism: Ulysses degree")
+    p.add_argument("--layout", "--cp-layout", dest="cp_layout", choices=("zigzag", "contiguous"), default=None,
+                   help="sequence layout of the ring axis, as in the CP studies")
     p.add_argument("--amp", choices=("bf16", "none"), default=None, help="autocast (default: bf16 on GPU, none on CPU)")
     p.add_argument("--peak-tflops", type=float, default=None, help="per-GPU peak for MFU (default: by GPU name)")
     a = p.parse_args(argv)
-    try:
-        mcfg, tcfg = load_config(a.config)
-        layout = {"tp": 1, "sp": False, "ring": 1, "ulysses": 1, "cp_layout": "zigzag", **load_layout(a.config)}
-    except (ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    mcfg, tcfg = load_config(a.config)
+    layout = {"tp": 1, "sp": False, "ring": 1, "ulysses": 1, "cp_layout": "zigzag", **load_layout(a.config)}
     for key in layout:                      # command-line flags override the preset's layout
         if getattr(a, key) is None:
             setattr(a, key, layout[key])
@@ -145,16 +140,15 @@ def main(argv=None):
         tcfg.checkpoint_every = a.checkpoint_every
     rt = init_runtime(device=a.device, seed=tcfg.seed)
     model_parallel = a.tp * a.ring * a.ulysses
-    try:
-        dims = layout_dims(rt.world_size, a.tp, a.ring, a.ulysses, tcfg.batch)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        shutdown()
-        sys.exit(2)
+    dims = layout_dims(rt.world_size, a.tp, a.ring, a.ulysses, tcfg.batch)   # ValueError on every rank
+    if a.resume:
+        checkpoint.check_folder(a.resume, mcfg)   # before any collective: a wrong path is one line, not DCP's
     mesh = dims.build_mesh(rt.device.type) if model_parallel > 1 else None
     build = (lambda ref: ParallelLlama(ref.to(rt.device), mesh, a.sp, a.cp_layout)) if mesh else (lambda ref: ref.to(rt.device))
     if a.resume:   # consolidated checkpoint: any layout can resume any other's
         model, optimizer, start = checkpoint.load(a.resume, mcfg, build, lambda m: make_optimizer(m, tcfg))
+        if rt.is_main:
+            print(f"resumed from {a.resume} at step {start}", flush=True)
     else:
         torch.manual_seed(tcfg.seed)
         model = build(Llama(mcfg))
@@ -199,10 +193,9 @@ def main(argv=None):
             print(f"throughput (last window): {rate:,.0f} tok/s" + (f", MFU {100 * mfu:.1f}% of {peak:g} TFLOP/s "
                   f"x {rt.world_size} ({flops / 1e9:.2f} GFLOP/token)" if mfu else ""))
         if a.json:
-            with open(a.json, "w") as f:
-                json.dump({"losses": {str(k): v for k, v in losses.items()}, "world_size": rt.world_size,
-                           "tokens_per_s": [r for r, _ in rates], "mfu": [m for _, m in rates],
-                           "flops_per_token": flops, "peak_tflops": peak, "device": str(rt.device)}, f)
+            write_json(a.json, {"losses": {str(k): v for k, v in losses.items()}, "world_size": rt.world_size,
+                                "tokens_per_s": [r for r, _ in rates], "mfu": [m for _, m in rates],
+                                "flops_per_token": flops, "peak_tflops": peak, "device": str(rt.device)})
     dist.barrier()
     shutdown()
 

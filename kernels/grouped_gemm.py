@@ -23,7 +23,6 @@ SPLIT_EPILOGUE}``; ``--variant`` times several in the same interleaved rounds. `
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch

@@ -30,10 +30,8 @@ this shows mechanics, not hardware.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 import time
 
 import torch
@@ -42,7 +40,10 @@ import torch.distributed as dist
 from distlab.collectives.playground import bandwidths, parse_size
 from distlab.profiling import MODES, phase, profile_steps
 from distlab.runtime import init_runtime, shutdown
-from distlab.bench import StudyParser, run_study
+from distlab.bench import (DTYPES, StudyParser, check_memory, dtype_arg, fmt_bytes, positive_int,
+                           run_study)
+
+CPU_MAX_GEMM = 2048   # a 2048^3 GEMM is about a second on a 2-core CPU; larger ones are GPU work
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "sendrecv")
 
@@ -99,11 +100,12 @@ def make_collective(op, size, dtype, device, n):
 def main(argv=None):
     p = StudyParser(prog="python -m distlab.collectives.overlap", description=__doc__.split("\n\n")[0])
     p.add_argument("--op", choices=OPS, default="all_reduce")
-    p.add_argument("--size", default=None, help="collective bytes (default 256M on GPU, 8M on CPU)")
-    p.add_argument("--gemm", type=int, default=None, help="GEMM size N (default 8192 on GPU, 384 on CPU)")
-    p.add_argument("--gemms", type=int, default=None, help="GEMMs per step (default 4 on GPU, 2 on CPU)")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default bf16 on GPU, fp32 on CPU")
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--size", type=parse_size, default=None, help="collective bytes (default 256M on GPU, 8M on CPU)")
+    p.add_argument("--gemm", type=positive_int, default=None, help="GEMM size N (default 8192 on GPU, 384 on CPU)")
+    p.add_argument("--gemms", type=positive_int, default=None, help="GEMMs per step (default 4 on GPU, 2 on CPU)")
+    p.add_argument("--dtype", type=dtype_arg("bfloat16", "float32"), default=None,
+                   help="bf16 or fp32 (default bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--iters", type=positive_int, default=5)
     p.add_argument("--order", choices=("gemm-first", "comm-first"), default="gemm-first",
                    help="GPU launch order in the overlapped run (see above)")
     p.add_argument("--profile", choices=MODES, default="none")
@@ -113,10 +115,14 @@ def main(argv=None):
     args = p.parse_args(argv)
     rt = init_runtime(device=args.device)
     gpu = rt.device.type == "cuda"
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if gpu else "fp32")]
+    dtype = DTYPES[args.dtype or ("bfloat16" if gpu else "float32")]
     n = args.gemm or (8192 if gpu else 384)
     gemms = args.gemms or (4 if gpu else 2)
-    size = parse_size(args.size or ("256M" if gpu else "8M"))
+    size = args.size or (256 * 2**20 if gpu else 8 * 2**20)
+    if not gpu and n > CPU_MAX_GEMM:
+        raise ValueError(f"--gemm {n} is GPU-sized: one {n}^3 GEMM takes {2 * n**3 / 50e9:.0f} s or more on a CPU; "
+                         f"use --gemm {CPU_MAX_GEMM} or less here (the CPU default is 384), or run on a GPU")
+    check_memory(2 * size + 3 * n * n * dtype.itemsize, rt.device, f"--size {fmt_bytes(size)} with --gemm {n}")
     a = torch.randn(n, n, device=rt.device).to(dtype)
     b = torch.randn(n, n, device=rt.device).to(dtype)
     launch, nbytes = make_collective(args.op, size, dtype, rt.device, rt.world_size)

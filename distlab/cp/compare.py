@@ -64,7 +64,7 @@ def deepspeed_method(args, world, rank, backend) -> CPMethod:
 
 
 def table(results, args) -> str:
-    lines = [f"(sent MB: measured by distlab.comm on the busiest rank, fwd+bwd; n/a: not through distlab.comm)",
+    lines = ["(sent MB: measured by distlab.comm on the busiest rank, fwd+bwd; n/a: not through distlab.comm)",
              f"{'method':<24} {'fwd ms':>9} {'f+b ms':>9} {'fwd TF/s':>9} {'f+b TF/s':>9} {'sent MB':>9} "
              f"{'model MB':>9} {'eff f+b':>8} {'max err':>9}"]
     for r in results:

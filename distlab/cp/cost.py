@@ -16,7 +16,6 @@ The all-to-all and ring bytes are integer floors, as the log counts them.
 
 from __future__ import annotations
 
-import argparse
 
 import torch
 

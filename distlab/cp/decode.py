@@ -18,7 +18,6 @@ disables CP for decode).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 

@@ -14,16 +14,16 @@ purpose: this is the kernels' ceiling.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 
 from distlab.cp.ring import ring_blocks
 from distlab.cp.ulysses import kv_replication
-from kernels.attention import attention_backward, attention_forward, resolve_backend
-from kernels.bench import DTYPES, timeit
-from distlab.bench import StudyParser, run_study
+from distlab.bench import (DTYPES, StudyParser, dtype_arg, nonnegative_int, positive_int, require_gpu, resolve_device,
+                           run_study)
+from kernels.attention import BACKENDS, attention_backward, attention_forward, resolve_backend
+from kernels.bench import timeit
 
 
 def method_blocks(method, world, seq, heads, kv_heads, ulysses=1):
@@ -71,21 +71,30 @@ def time_blocks(batch, heads, kv_heads, head_dim, blocks, dtype, device, backend
 
 
 def main(argv=None):
-    gpu = torch.cuda.is_available()
     p = StudyParser(prog="python -m distlab.cp.local_kernels", description=__doc__.split("\n\n")[0])
-    p.add_argument("--world", type=int, default=8)
-    p.add_argument("--seq", type=int, nargs="+", default=[8192, 32768] if gpu else [1024])
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=32 if gpu else 8)
-    p.add_argument("--kv-heads", type=int, default=8 if gpu else 2)
-    p.add_argument("--head-dim", type=int, default=128 if gpu else 32)
-    p.add_argument("--dtype", choices=DTYPES, default="bf16" if gpu else "fp32")
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--iters", type=int, default=10 if gpu else 2)
-    p.add_argument("--warmup", type=int, default=3 if gpu else 1)
+    p.add_argument("--world", type=positive_int, default=8)
+    p.add_argument("--seq", type=positive_int, nargs="+", default=None, help="default: 8192 32768 (GPU), 1024 (CPU)")
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--heads", type=positive_int, default=None, help="default: 32 (GPU), 8 (CPU)")
+    p.add_argument("--kv-heads", type=positive_int, default=None, help="default: 8 (GPU), 2 (CPU)")
+    p.add_argument("--head-dim", type=positive_int, default=None, help="default: 128 (GPU), 32 (CPU)")
+    p.add_argument("--dtype", type=dtype_arg(), default=None, help="default: bf16 (GPU), fp32 (CPU)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto")
+    p.add_argument("--iters", type=positive_int, default=None)
+    p.add_argument("--warmup", type=nonnegative_int, default=None)
+    p.add_argument("--device", default=None, help="cuda (default); cpu only when asked for: CPU-sized code-path check")
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
-    device, dtype = torch.device("cuda" if gpu else "cpu"), DTYPES[a.dtype]
+    if a.device is None:
+        require_gpu("distlab.cp.local_kernels")   # a GPU timing tool: on CPU only with an explicit --device cpu
+    device = resolve_device(a.device)
+    gpu = device.type == "cuda"
+    for name, on_gpu, on_cpu in (("seq", [8192, 32768], [1024]), ("heads", 32, 8), ("kv_heads", 8, 2),
+                                 ("head_dim", 128, 32), ("dtype", "bfloat16", "float32"), ("iters", 10, 2),
+                                 ("warmup", 3, 1)):
+        if getattr(a, name) is None:
+            setattr(a, name, on_gpu if gpu else on_cpu)
+    dtype = DTYPES[a.dtype]
     backend = resolve_backend(a.backend, device, dtype)
     methods = [("ring-contiguous", 1), ("ring-zigzag", 1)]
     if a.heads % a.world == 0:

@@ -15,7 +15,6 @@ group, the bytes each rank sent in the all-to-alls, and the experts' TFLOP/s (th
 
 from __future__ import annotations
 
-import math
 import statistics
 import sys
 import time

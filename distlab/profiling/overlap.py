@@ -27,7 +27,6 @@ same "External id"), the kernel's algbw and busbw (nccl-tests factors, GB = 1e9)
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys

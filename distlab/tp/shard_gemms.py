@@ -11,13 +11,12 @@ The anchor is one square bf16 GEMM of ``--anchor`` (8192³) in the same run.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 
 from kernels.bench import timeit
-from distlab.bench import StudyParser, run_study
+from distlab.bench import StudyParser, positive_int, require_gpu, resolve_device, run_study
 
 
 def layer_shapes(hidden, ffn, heads, kv_heads, tp):
@@ -30,18 +29,22 @@ def layer_shapes(hidden, ffn, heads, kv_heads, tp):
 
 def main(argv=None):
     p = StudyParser(prog="python -m distlab.tp.shard_gemms", description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--ffn", type=int, default=14336)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=8192, help="batch × sequence")
-    p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--anchor", type=int, default=8192)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--hidden", type=positive_int, default=4096)
+    p.add_argument("--ffn", type=positive_int, default=14336)
+    p.add_argument("--heads", type=positive_int, default=32)
+    p.add_argument("--kv-heads", type=positive_int, default=8)
+    p.add_argument("--tokens", type=positive_int, default=8192, help="batch × sequence")
+    p.add_argument("--tp", type=positive_int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--anchor", type=positive_int, default=8192)
+    p.add_argument("--iters", type=positive_int, default=20)
+    p.add_argument("--device", default=None, help="cuda (default); cpu only when asked for: CPU-sized code-path check")
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
-    gpu = torch.cuda.is_available()
-    dev, dtype = torch.device("cuda" if gpu else "cpu"), torch.bfloat16 if gpu else torch.float32
+    if a.device is None:
+        require_gpu("distlab.tp.shard_gemms")   # a GPU timing tool: on CPU only with an explicit --device cpu
+    dev = resolve_device(a.device)
+    gpu = dev.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
     if not gpu:
         a.tokens, a.hidden, a.ffn, a.anchor, a.iters = min(a.tokens, 256), min(a.hidden, 256), min(a.ffn, 512), 256, 2
     n = a.anchor

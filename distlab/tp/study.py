@@ -17,9 +17,7 @@ SP the norms and the residual stream stay replicated, so the measured figure sit
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import statistics
 import sys
 import time
@@ -31,33 +29,33 @@ from distlab import comm
 from distlab.profiling import MODES, profile_steps
 from distlab.runtime import init_runtime, shutdown
 from distlab.tp.block import LlamaBlock, TPLlamaBlock
-from distlab.bench import StudyParser
+from distlab.bench import DTYPES, StudyParser, dtype_arg, nonnegative_int, positive_int, resolve_device, write_json
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 def parse_args(argv=None):
     p = StudyParser(prog="python -m distlab.tp", description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=None, help="default 4096 on GPU, 256 on CPU")
-    p.add_argument("--ffn", type=int, default=None, help="default 14336 on GPU, 768 on CPU")
-    p.add_argument("--heads", type=int, default=None, help="default 32 on GPU, 8 on CPU")
-    p.add_argument("--kv-heads", type=int, default=None, help="default 8 on GPU, 2 on CPU")
-    p.add_argument("--seq", type=int, default=None, help="default 8192 on GPU, 512 on CPU")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--hidden", type=positive_int, default=None, help="default 4096 on GPU, 256 on CPU")
+    p.add_argument("--ffn", type=positive_int, default=None, help="default 14336 on GPU, 768 on CPU")
+    p.add_argument("--heads", type=positive_int, default=None, help="default 32 on GPU, 8 on CPU")
+    p.add_argument("--kv-heads", type=positive_int, default=None, help="default 8 on GPU, 2 on CPU")
+    p.add_argument("--seq", type=positive_int, default=None, help="default 8192 on GPU, 512 on CPU")
+    p.add_argument("--batch", type=positive_int, default=1)
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
     p.add_argument("--async-tp", action="store_true", help="ring-step AG/RS overlapped with GEMMs (needs --sp)")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="default bf16 on GPU, fp32 on CPU")
-    p.add_argument("--iters", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--dtype", type=dtype_arg("float32", "bfloat16", "float64"), default=None,
+                   help="fp32, bf16 or fp64 (default bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--iters", type=positive_int, default=None)
+    p.add_argument("--warmup", type=nonnegative_int, default=1)
     p.add_argument("--check", action="store_true")
     p.add_argument("--device", default=None)
     p.add_argument("--profile", choices=MODES, default="none")
     p.add_argument("--profile-dir", default="traces/tp")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
-    gpu = args.device.startswith("cuda") if args.device else torch.cuda.is_available()
+    gpu = resolve_device(args.device).type == "cuda"
     for name, g, c in (("hidden", 4096, 256), ("ffn", 14336, 768), ("heads", 32, 8), ("kv_heads", 8, 2),
-                       ("seq", 8192, 512), ("dtype", "bf16", "fp32"), ("iters", 5, 2)):
+                       ("seq", 8192, 512), ("dtype", "bfloat16", "float32"), ("iters", 5, 2)):
         if getattr(args, name) is None:
             setattr(args, name, g if gpu else c)
     return args
@@ -205,18 +203,11 @@ def report(result) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        rt, result = run(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        shutdown()
-        sys.exit(2)
+    rt, result = run(args)   # bad input: ValueError on every rank before any collective
     if rt.is_main:
         print(report(result))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
-            print(f"wrote {args.json}")
+            write_json(args.json, result)
     shutdown()
     if args.check and not result["check_passed"]:
         sys.exit(1)
