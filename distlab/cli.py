@@ -114,15 +114,13 @@ def summarize_failures(failures: dict, error_dir: str) -> int:
             e = json.load(f)
         errors.setdefault(e["message"], []).append(e["rank"])
         codes[e["rank"]] = e["code"]
-    stopped = []
     for rank, failure in sorted(failures.items()):
         if rank in codes:
             continue
         if failure.exitcode < 0:
             sig = failure.signal_name()
             if sig == "SIGTERM":
-                stopped.append(rank)   # stopped by the launcher once another rank failed
-                continue
+                continue   # stopped by the launcher once another rank failed: not a cause
             hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if sig == "SIGKILL" else ""
             errors.setdefault(f"killed by {sig}{hint}", []).append(rank)
             codes[rank] = 128 - failure.exitcode
@@ -133,8 +131,6 @@ def summarize_failures(failures: dict, error_dir: str) -> int:
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_span(ranks)}"
         sep = "\n" if "\n" in message else " "
         print(f"error ({who}):{sep}{message}", file=sys.stderr)
-    if stopped and errors:
-        print(f"(ranks stopped after that failure: {_span(stopped)})", file=sys.stderr)
     return codes[min(codes)] if codes else 1
 
 

@@ -26,9 +26,8 @@ import time
 import torch
 
 from kernels.attention import attention_backward, attention_forward, available_backends
-from distlab.bench import StudyParser, run_study
+from distlab.bench import DTYPES, StudyParser, dtype_arg, run_study
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def timeit(fn, iters, warmup, device):
@@ -195,7 +194,8 @@ def main(argv=None):
     p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
     p.add_argument("--head-dim", type=int, default=128 if gpu else 32)
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--dtype", choices=DTYPES, default="bf16" if gpu else "fp32")
+    p.add_argument("--dtype", type=dtype_arg("bfloat16", "float16", "float32"), default="bfloat16" if gpu else "float32",
+                   help="bf16, fp16 or fp32")
     p.add_argument("--iters", type=int, default=20 if gpu else 3)
     p.add_argument("--warmup", type=int, default=5 if gpu else 1)
     p.add_argument("--only", choices=("attention", "memory"), default=None,

@@ -21,7 +21,7 @@ import sys
 import warnings
 
 
-class _Parsed(Exception):
+class _Parsed(BaseException):   # not an Exception: run_study must not catch it
     pass
 
 

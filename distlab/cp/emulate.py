@@ -47,8 +47,8 @@ from distlab.cp.layout import check_divisible, chunks_per_rank, rank_chunks
 from distlab.cp.local_kernels import block_flops
 from distlab.cp.ring import _ring_backward, _ring_forward, check_steps_per_launch, launch_groups, ring_blocks
 from kernels.attention import attention_backward, attention_forward, resolve_backend
-from kernels.bench import DTYPES, timeit
-from distlab.bench import StudyParser, run_study
+from kernels.bench import timeit
+from distlab.bench import DTYPES, StudyParser, dtype_arg, run_study
 
 
 class _Ready:
@@ -228,7 +228,8 @@ def main(argv=None):
     p.add_argument("--backend", nargs="+", default=["triton", "sdpa-cudnn"] if gpu else ["torch"])
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=gpu, help="replay as a CUDA graph")
     p.add_argument("--rank", type=int, default=None, help="default: the busiest rank (W-1 contiguous, 0 zigzag)")
-    p.add_argument("--dtype", choices=DTYPES, default="bf16" if gpu else "fp32")
+    p.add_argument("--dtype", type=dtype_arg("bfloat16", "float16", "float32"), default="bfloat16" if gpu else "float32",
+                   help="bf16, fp16 or fp32")
     p.add_argument("--iters", type=int, default=20 if gpu else 2)
     p.add_argument("--no-backward", action="store_true")
     p.add_argument("--steps-per-launch", nargs="+", default=[None], metavar="N|SIZES",
