@@ -1,6 +1,6 @@
 """Grouped GEMM over variable-size row segments (MoE experts): a loop reference, torch._grouped_mm, Triton.
 
-    python -m kernels.grouped_gemm --experts 8 --rows 32768 --k 4096 --n 7168   # GPU benchmark vs torch._grouped_mm
+    python -m kernels.grouped_gemm --experts 8 --rows 32768 --k-dim 4096 --n-dim 7168   # GPU benchmark vs torch._grouped_mm
 
 ``x`` (M, K) holds the rows of E groups back to back (``counts[e]`` rows for group e, possibly 0);
 ``w`` (E, K, N). ``grouped_mm(x, w, counts)`` returns (M, N) with rows of group e multiplied by ``w[e]``.
@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 
 import torch
-from distlab.bench import StudyParser, run_study
+from distlab.bench import StudyParser, require_gpu, run_study
 
 BACKENDS = ("auto", "loop", "torch", "triton")
 
@@ -391,8 +391,8 @@ def main(argv=None):
     p = StudyParser(prog="python -m kernels.grouped_gemm", description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--rows", type=int, default=32768)
-    p.add_argument("--k", type=int, default=4096)
-    p.add_argument("--n", type=int, default=7168)
+    p.add_argument("--k-dim", type=int, default=4096, help="K: each row's features in")
+    p.add_argument("--n-dim", type=int, default=7168, help="N: features out (--n would clash with torchrun's --nnodes)")
     p.add_argument("--skew", type=float, default=0.0, help="0: uniform rows per group; >0 Zipf-like")
     p.add_argument("--iters", type=int, default=20, help="timed calls per backend per round")
     p.add_argument("--rounds", type=int, default=5, help="rounds; each times every backend in turn")
@@ -402,6 +402,8 @@ def main(argv=None):
                         "repeatable, all timed in the same rounds")
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
+    require_gpu("kernels.grouped_gemm", "tests/test_moe.py checks the kernels under TRITON_INTERPRET=1 on CPU")
+    a.k, a.n = a.k_dim, a.n_dim
     dev = torch.device("cuda")
     weights = torch.tensor([(e + 1.0) ** -a.skew for e in range(a.experts)])
     counts = (weights / weights.sum() * a.rows).floor().long()

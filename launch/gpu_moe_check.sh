@@ -25,7 +25,7 @@ for dtype, tol in ((torch.float32, 2e-2), (torch.bfloat16, 2e-2)):   # fp32 dots
     assert max(errs) < tol
 PY
 for skew in 0 1.5; do
-  $py -m kernels.grouped_gemm --experts 8 --rows 32768 --k 4096 --n 7168 --skew $skew || status=1
+  $py -m kernels.grouped_gemm --experts 8 --rows 32768 --k-dim 4096 --n-dim 7168 --skew $skew || status=1
 done
 for b in torch triton; do
   $py -m distlab.moe --experts 8 --topk 2 --hidden 4096 --ffn 14336 --tokens 4096 --backend $b --json "$out/moe_$b.json" || status=1

@@ -32,7 +32,7 @@ if [ -z "$module" ]; then
 fi
 cd "${SLURM_SUBMIT_DIR:-.}"
 py="${DISTLAB_PYTHON:-python3}"
-if ! "$py" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$module') is None)" 2>/dev/null; then
+if ! "$py" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)' "$module" 2>/dev/null; then
   echo "error: no module named $module for $py (is distlab installed here? pip install -e .)" >&2
   exit 2
 fi

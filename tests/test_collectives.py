@@ -64,11 +64,11 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 def test_playground_cli_prints_nccl_tests_table_and_json(tmp_path):
     out = tmp_path / "c.json"
     cmd = [sys.executable, "-m", "distlab", "run", "--nproc", "2", "-m", "distlab.collectives", "--op", "all",
-           "--min", "8", "--max", "4K", "--factor", "8", "--iters", "2", "--warmup", "1", "--device", "cpu",
+           "-b", "8", "-e", "4K", "-f", "8", "-n", "2", "-w", "1", "--device", "cpu",
            "--json", str(out), "--plot", str(tmp_path / "c.png")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "gloo: correctness only" in proc.stdout and "# Out of bounds values : 0 OK" in proc.stdout
+    assert "gloo on CPU: a correctness check" in proc.stdout and "# Out of bounds values : 0 OK" in proc.stdout
     assert "#wrong" in proc.stdout and "busbw" in proc.stdout and "# Avg bus bandwidth" in proc.stdout
     result = json.loads(out.read_text())
     assert set(result["results"]) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv"}

@@ -246,3 +246,61 @@ def test_ring_study_at_one_rank_reports_overhead_not_efficiency():
     assert proc.returncode == 0, proc.stderr
     assert "efficiency" not in proc.stdout and "1 processes" not in proc.stdout, proc.stdout
     assert "W=1, no scaling to measure" in proc.stdout, proc.stdout
+
+
+# ---------------------------------------------------------------------------------- torchrun-safe flags
+
+STUDIES = ["distlab.cp.ring", "distlab.cp.ulysses", "distlab.cp.usp", "distlab.cp.compare", "distlab.cp.cost",
+           "distlab.cp.decode", "distlab.cp.emulate", "distlab.cp.local_kernels", "distlab.tp",
+           "distlab.tp.shard_gemms", "distlab.moe", "distlab.collectives", "distlab.collectives.overlap",
+           "distlab.train", "distlab.infer", "distlab.profiling.overlap", "kernels.bench", "kernels.grouped_gemm",
+           "kernels.tune_attention"]
+
+
+class _Got(BaseException):
+    pass
+
+
+def study_options(module: str) -> list[str]:
+    """Every option string of the module's parser (built by running the module up to its parse)."""
+    import argparse
+    import runpy
+    import warnings
+
+    original, saved = argparse.ArgumentParser.parse_args, sys.argv
+
+    def grab(self, *a, **k):
+        raise _Got([o for action in self._actions for o in action.option_strings])
+
+    argparse.ArgumentParser.parse_args, sys.argv = grab, [module]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            runpy.run_module(module, run_name="__main__")
+    except _Got as got:
+        return got.args[0]
+    finally:
+        argparse.ArgumentParser.parse_args, sys.argv = original, saved
+    raise AssertionError(f"{module} did not build a parser")
+
+
+def test_no_study_flag_is_a_prefix_of_a_torchrun_option():
+    """Plain ``torchrun --nproc-per-node N -m STUDY --flag`` lets torchrun's argparse see ``--flag``: a prefix
+    of one of its options (``--max`` of ``--max-restarts``, ``--n`` of ``--nnodes``) fails as ambiguous."""
+    from torch.distributed.run import get_args_parser
+
+    theirs = {o for action in get_args_parser()._actions for o in action.option_strings}
+    clashes = {}
+    for module in STUDIES:
+        for opt in study_options(module):
+            hit = [t for t in theirs if t != opt and t.startswith(opt) and opt.startswith("--")]
+            if hit and opt not in ("-h", "--help"):
+                clashes[f"{module} {opt}"] = sorted(hit)
+    assert not clashes, clashes
+
+
+def test_plain_torchrun_takes_a_study_flag_that_distlab_run_takes():
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "distlab.collectives", "--op", "all_reduce", "-e", "64", "-n", "1", "-w", "0"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "Out of bounds values : 0 OK" in proc.stdout, proc.stderr[-2000:]

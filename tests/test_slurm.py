@@ -94,7 +94,7 @@ def test_scripts_refuse_to_run_outside_slurm():
 def test_submit_refuses_an_unknown_module(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "launch.submit", "--cluster", "local", "--folder", str(tmp_path),
                            "-m", "distlab.cp.nope"], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert proc.returncode == 2 and "no module named distlab.cp.nope" in proc.stderr
+    assert proc.returncode == 2 and "no module named 'distlab.cp.nope'" in proc.stderr
 
 
 def test_sbatch_training_script(slurm, tmp_path):

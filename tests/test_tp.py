@@ -243,4 +243,4 @@ def test_tp_study_cli(tmp_path):
     assert results["--sp"]["ranks"][0]["activation_bytes"] < results[""]["ranks"][0]["activation_bytes"]
     bad = subprocess.run(base[:-1] + ["--heads", "3", "--kv-heads", "3", "--hidden", "48"], capture_output=True, text=True,
                          timeout=120, env=ENV)
-    assert bad.returncode != 0 and bad.stderr.count("q heads (3) are not divisible by the tensor-parallel size 2") == 2
+    assert bad.returncode != 0 and bad.stderr.count("error (ranks 0, 1): q heads (3) are not divisible by the tensor-parallel size 2") == 1

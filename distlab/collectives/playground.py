@@ -291,7 +291,7 @@ def parse_args(argv=None):
     p.add_argument("-d", "--datatype", "--dtype", dest="dtype", type=datatype, default="float32",
                    help="float (fp32), half, bfloat16, double, int32")
     p.add_argument("-n", "--iters", type=positive_int, default=None, help="timed calls per size (default: 20 GPU, 5 CPU)")
-    p.add_argument("-w", "--warmup_iters", "--warmup-iters", dest="warmup", type=nonnegative_int, default=5)
+    p.add_argument("-w", "--warmup_iters", dest="warmup", type=nonnegative_int, default=5)
     p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1, help="1: count #wrong (default), 0: skip")
     p.add_argument("--algo", default=None, help="NCCL_ALGO (e.g. Ring, Tree) for this run")
     p.add_argument("--proto", default=None, help="NCCL_PROTO (e.g. Simple, LL, LL128) for this run")
