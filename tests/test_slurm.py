@@ -55,7 +55,7 @@ def test_sbatch_degrees_the_world_cannot_hold_fail_on_every_rank(slurm, tmp_path
     proc, log = sbatch(slurm, tmp_path, "launch/usp.sh", "--ulysses", "2", "--ring", "2", "--device", "cpu",
                        env={"DISTLAB_NPROC_PER_NODE": "3"}, timeout=120)
     assert proc.returncode != 0
-    assert log.count("but the world size is 3") == 3, log[-3000:]
+    assert log.count("error (ranks 0-2): --ulysses 2 x --ring 2 = 4, but the world size is 3") == 1, log[-3000:]
 
 
 def test_submitit_job_on_slurm_returns_the_study_json(slurm, tmp_path):
