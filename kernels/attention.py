@@ -34,6 +34,7 @@ import os
 import torch
 
 BACKENDS = ("auto", "torch", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "triton")
+MASK_BACKENDS = ("torch",)   # backends that take a KeyMask (documents, windows); SDPA's ops cannot
 _SDPA_DTYPES = {
     "sdpa-cudnn": (torch.float16, torch.bfloat16),
     "sdpa-flash": (torch.float16, torch.bfloat16),
@@ -68,6 +69,16 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
         raise ValueError(f"causal attention needs seq_q == seq_k; got {q.shape[1]} and {k.shape[1]}")
 
 
+def check_mask(mask, q, k, causal) -> None:
+    if mask is None:
+        return
+    if causal:
+        raise ValueError("give causal=False with a mask: the KeyMask already holds causality")
+    if mask.q_lo.shape != (q.shape[1],) or mask.q_hi.shape != (q.shape[1],) or mask.k_pos.shape != (k.shape[1],):
+        raise ValueError(f"mask: q_lo/q_hi need ({q.shape[1]},) and k_pos ({k.shape[1]},); got "
+                         f"{tuple(mask.q_lo.shape)}, {tuple(mask.q_hi.shape)}, {tuple(mask.k_pos.shape)}")
+
+
 def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[str]:
     """Backends that can run on this device and dtype, fastest first (``torch`` always last)."""
     device = torch.device(device)
@@ -93,11 +104,17 @@ def triton_runs_on(device) -> bool:
     return True
 
 
-def resolve_backend(backend: str, device: torch.device | str, dtype: torch.dtype) -> str:
-    """Map ``auto`` to a concrete backend, and refuse one that cannot run here with a clear message."""
+def resolve_backend(backend: str, device: torch.device | str, dtype: torch.dtype, masked: bool = False) -> str:
+    """Map ``auto`` to a concrete backend, and refuse one that cannot run here with a clear message.
+    ``masked``: the attention has documents or a window (a ``KeyMask``), which only ``MASK_BACKENDS`` take."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     present = available_backends(device, dtype)
+    if masked:
+        present = [n for n in present if n in MASK_BACKENDS]
+        if backend not in ("auto", *MASK_BACKENDS):
+            raise ValueError(f"attention backend {backend!r} cannot express packed documents or windows; "
+                             f"backends that can: {', '.join(MASK_BACKENDS)} (or auto)")
     if backend == "auto":
         return next(n for n in present if n != "triton")
     if backend not in present:
@@ -121,13 +138,17 @@ def _sdpa_op_present(name: str) -> bool:
 # ---------------------------------------------------------------------------------------------------------
 # public entry points
 # ---------------------------------------------------------------------------------------------------------
-def attention_forward(q, k, v, causal=False, softmax_scale=None, backend="auto"):
-    """Return ``(out, lse)``: ``out`` like ``q`` in q's dtype, ``lse`` float32 ``(batch, heads, seq_q)``."""
+def attention_forward(q, k, v, causal=False, softmax_scale=None, backend="auto", mask=None):
+    """Return ``(out, lse)``: ``out`` like ``q`` in q's dtype, ``lse`` float32 ``(batch, heads, seq_q)``.
+
+    ``mask``: a ``kernels.masks.KeyMask`` (documents, windows, a ring block's positions) instead of
+    ``causal``; a row that sees no key gets out 0 and LSE -inf. Backends that take one: ``MASK_BACKENDS``."""
     check_qkv(q, k, v, causal)
-    backend = resolve_backend(backend, q.device, q.dtype)
+    check_mask(mask, q, k, causal)
+    backend = resolve_backend(backend, q.device, q.dtype, masked=mask is not None)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if backend == "torch":
-        return _torch_forward(q, k, v, causal, scale)
+        return _torch_forward(q, k, v, causal, scale, mask)
     if backend == "triton":
         from kernels.triton_attention import flash_forward
 
@@ -135,18 +156,19 @@ def attention_forward(q, k, v, causal=False, softmax_scale=None, backend="auto")
     return _sdpa_forward(backend, q, k, v, causal, scale)
 
 
-def attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, backend="auto"):
+def attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, backend="auto", mask=None):
     """Return ``(dq, dk, dv)`` in the inputs' dtype, given the final ``out`` and ``lse`` (see module doc)."""
     check_qkv(q, k, v, causal)
+    check_mask(mask, q, k, causal)
     if dout.shape != q.shape or out.shape != q.shape:
         raise ValueError(f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
     if lse.shape != (q.shape[0], q.shape[2], q.shape[1]):
         raise ValueError(f"lse must be (batch, heads, seq_q) = {(q.shape[0], q.shape[2], q.shape[1])}; "
                          f"got {tuple(lse.shape)}")
-    backend = resolve_backend(backend, q.device, q.dtype)
+    backend = resolve_backend(backend, q.device, q.dtype, masked=mask is not None)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if backend == "torch":
-        return _torch_backward(dout, q, k, v, out, lse, causal, scale)
+        return _torch_backward(dout, q, k, v, out, lse, causal, scale, mask)
     if backend == "triton":
         from kernels.triton_attention_backward import flash_backward
 
@@ -154,9 +176,11 @@ def attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None
     return _sdpa_backward(backend, dout, q, k, v, out, lse, causal, scale)
 
 
-def attention_reference(q, k, v, causal=False, softmax_scale=None):
-    """Whole-matrix attention through autograd, in the inputs' dtype: the one-device ground truth for tests."""
+def attention_reference(q, k, v, causal=False, softmax_scale=None, mask=None):
+    """Whole-matrix attention through autograd, in the inputs' dtype: the one-device ground truth for tests.
+    With a ``mask``, a row that sees no key gives 0 (as every backend)."""
     check_qkv(q, k, v, causal)
+    check_mask(mask, q, k, causal)
     groups = q.shape[2] // k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     kh = k.repeat_interleave(groups, dim=2).transpose(1, 2)
@@ -164,8 +188,13 @@ def attention_reference(q, k, v, causal=False, softmax_scale=None):
     scores = q.transpose(1, 2) @ kh.transpose(-1, -2) * scale
     if causal:
         n = q.shape[1]
-        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
+        above = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(above, float("-inf"))
+    if mask is not None:
+        seen = mask.dense()
+        scores = scores.masked_fill(~seen, float("-inf"))
+        probs = torch.where(seen.any(-1, keepdim=True), scores.softmax(-1), torch.zeros_like(scores))
+        return (probs @ vh).transpose(1, 2)
     return (scores.softmax(-1) @ vh).transpose(1, 2)
 
 
@@ -209,7 +238,17 @@ def _block_scores(qb, kt, scale, causal, start, stop, g):
     return s
 
 
-def _torch_forward(q, k, v, causal, scale):
+def _masked_columns(mask, start, stop, g):
+    """(key columns, fill) of a row block under a ``KeyMask``: the keys any of its rows sees (a slice or an
+    index) and the boolean 'hidden' matrix of those keys, rows in (group, position) order; None: no key."""
+    block = mask.rows(start, stop)
+    cols = block.key_columns()
+    if cols is None:
+        return None, None
+    return cols, ~block.dense(cols).repeat(g, 1)
+
+
+def _torch_forward(q, k, v, causal, scale, mask=None):
     b, sq, h, d = q.shape
     hk, g, ct = k.shape[2], h // k.shape[2], _compute_dtype(q.dtype)
     kt = k.to(ct).permute(0, 2, 3, 1)                          # (b, hk, d, sk)
@@ -221,19 +260,29 @@ def _torch_forward(q, k, v, causal, scale):
         stop = min(sq, start + step)
         kend = stop if causal else k.shape[1]
         qb = _grouped(q[:, start:stop], hk, ct)
-        s = _block_scores(qb, kt[..., :kend], scale, causal, start, stop, g)
+        if mask is not None:   # only the keys some row of the block sees: work follows the visible pairs
+            cols, hidden = _masked_columns(mask, start, stop, g)
+            if cols is None:
+                out[:, start:stop] = 0
+                lse[:, :, start:stop] = float("-inf")
+                continue
+            s = (qb @ kt[..., cols] * scale).masked_fill_(hidden, float("-inf"))
+            vb = vv[:, :, cols]
+        else:
+            s = _block_scores(qb, kt[..., :kend], scale, causal, start, stop, g)
+            vb = vv[:, :, :kend]
         m = s.amax(-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         p = s.sub_(m).exp_()
         denom = p.sum(-1, keepdim=True)
-        o = (p @ vv[:, :, :kend]) / denom.clamp_min(torch.finfo(ct).tiny)
+        o = (p @ vb) / denom.clamp_min(torch.finfo(ct).tiny)
         row_lse = (m + denom.log()).squeeze(-1)                 # -inf for a row that sees no key
         out[:, start:stop] = _ungrouped(o, stop - start).to(q.dtype)
         lse[:, :, start:stop] = row_lse.view(b, hk, g, stop - start).reshape(b, h, stop - start)
     return out, lse.float() if ct == torch.float32 else lse
 
 
-def _torch_backward(dout, q, k, v, out, lse, causal, scale):
+def _torch_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     b, sq, h, d = q.shape
     hk, g, ct = k.shape[2], h // k.shape[2], _compute_dtype(q.dtype)
     kk = k.to(ct).permute(0, 2, 1, 3)                          # (b, hk, sk, d)
@@ -251,12 +300,26 @@ def _torch_backward(dout, q, k, v, out, lse, causal, scale):
         dob = _grouped(dout[:, start:stop], hk, ct)
         lb = lse[:, :, start:stop].reshape(b, hk, g * n, 1)
         db = delta[:, :, start:stop].reshape(b, hk, g * n, 1)
-        s = _block_scores(qb, kk[:, :, :kend].transpose(-1, -2), scale, causal, start, stop, g)
+        cols = slice(0, kend)
+        if mask is not None:
+            cols, hidden = _masked_columns(mask, start, stop, g)
+            if cols is None:
+                dq[:, start:stop] = 0
+                continue
+            s = (qb @ kk[:, :, cols].transpose(-1, -2) * scale).masked_fill_(hidden, float("-inf"))
+        else:
+            s = _block_scores(qb, kk[:, :, :kend].transpose(-1, -2), scale, causal, start, stop, g)
         p = s.sub_(torch.where(torch.isfinite(lb), lb, torch.full_like(lb, float("inf")))).exp_()
-        dv[:, :, :kend] += p.transpose(-1, -2) @ dob
-        ds = (dob @ vv[:, :, :kend].transpose(-1, -2)).sub_(db).mul_(p).mul_(scale)
-        dq[:, start:stop] = _ungrouped(ds @ kk[:, :, :kend], n)
-        dk[:, :, :kend] += ds.transpose(-1, -2) @ qb
+        dv_b = p.transpose(-1, -2) @ dob
+        ds = (dob @ vv[:, :, cols].transpose(-1, -2)).sub_(db).mul_(p).mul_(scale)
+        dq[:, start:stop] = _ungrouped(ds @ kk[:, :, cols], n)
+        dk_b = ds.transpose(-1, -2) @ qb
+        if isinstance(cols, slice):
+            dv[:, :, cols] += dv_b
+            dk[:, :, cols] += dk_b
+        else:
+            dv.index_add_(2, cols, dv_b)
+            dk.index_add_(2, cols, dk_b)
     return dq.to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
 
 
@@ -319,19 +382,21 @@ def _sdpa_backward(backend, dout, q, k, v, out, lse, causal, scale):
 # ---------------------------------------------------------------------------------------------------------
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, backend):
-        out, lse = attention_forward(q, k, v, causal, scale, backend)
+    def forward(ctx, q, k, v, causal, scale, backend, mask):
+        out, lse = attention_forward(q, k, v, causal, scale, backend, mask)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (causal, scale, backend)
+        ctx.args = (causal, scale, backend, mask)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*attention_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args), None, None, None)
+        return (*attention_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args), None, None, None, None)
 
 
-def attention(q, k, v, causal=False, softmax_scale=None, backend="auto"):
+def attention(q, k, v, causal=False, softmax_scale=None, backend="auto", mask=None):
     """Differentiable attention through ``attention_forward`` / ``attention_backward``; returns ``out``."""
     check_qkv(q, k, v, causal)
-    return _Attention.apply(q, k, v, causal, softmax_scale, resolve_backend(backend, q.device, q.dtype))
+    check_mask(mask, q, k, causal)
+    backend = resolve_backend(backend, q.device, q.dtype, masked=mask is not None)
+    return _Attention.apply(q, k, v, causal, softmax_scale, backend, mask)

@@ -1,0 +1,120 @@
+"""Attention masks as key intervals: packed documents, sliding windows and causality, for any block of
+query rows against any set of key rows.
+
+    python -m pytest tests/test_packed.py -k mask
+
+Every mask distlab needs gives each query an *interval* of visible key positions: with documents given by
+``cu_seqlens`` (global boundaries ``[0, l1, l1+l2, ..., T]``), query position i sees key position j iff
+
+    doc_start(i) <= j < doc_end(i),   and  j <= i  when causal,   and  i - j <= window  when a window is given
+
+so ``lo(i) = max(doc_start(i), i - window)`` and ``hi(i) = i + 1`` (causal) or ``doc_end(i)``. A block of
+attention is then described by ``KeyMask(q_lo, q_hi, k_pos)``: per query row the global interval
+``[q_lo, q_hi)`` it may see, and per key row its global position. That covers a ring step (my rows against
+another rank's rows, in any layout), Ulysses' whole sequence and all-gather-KV's gathered keys alike, and
+lets a kernel skip what the mask removes: rows whose interval holds no key, and keys outside the union of
+a row block's intervals. Positions are int64; a key set whose positions ascend (every layout's shard)
+is sliced, any other order is selected by index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyMask:
+    """Query rows see the keys whose global position lies in ``[q_lo[i], q_hi[i])``."""
+
+    q_lo: torch.Tensor      # (seq_q,) int64
+    q_hi: torch.Tensor      # (seq_q,) int64
+    k_pos: torch.Tensor     # (seq_k,) int64
+    k_sorted: bool = True   # k_pos ascends (then a row block's keys are one slice)
+
+    def rows(self, start: int, stop: int) -> "KeyMask":
+        return KeyMask(self.q_lo[start:stop], self.q_hi[start:stop], self.k_pos, self.k_sorted)
+
+    def to(self, device) -> "KeyMask":
+        return KeyMask(self.q_lo.to(device), self.q_hi.to(device), self.k_pos.to(device), self.k_sorted)
+
+    def key_columns(self) -> slice | torch.Tensor | None:
+        """The key rows any query of this mask can see: a slice (ascending keys) or an index tensor; None
+        when no query sees any key."""
+        seeing = self.q_lo < self.q_hi
+        if not bool(seeing.any()):
+            return None
+        lo, hi = self.q_lo[seeing].min(), self.q_hi[seeing].max()
+        if self.k_sorted:
+            a, b = torch.searchsorted(self.k_pos, torch.stack([lo, hi])).tolist()
+            return slice(a, b) if b > a else None
+        idx = ((self.k_pos >= lo) & (self.k_pos < hi)).nonzero().squeeze(1)
+        return idx if idx.numel() else None
+
+    def dense(self, cols=None) -> torch.Tensor:
+        """(seq_q, keys) boolean: True where the query sees the key (``cols``: a subset of the keys)."""
+        k = self.k_pos if cols is None else self.k_pos[cols]
+        return (k[None, :] >= self.q_lo[:, None]) & (k[None, :] < self.q_hi[:, None])
+
+    def visible_pairs(self) -> int:
+        """How many (query, key) pairs the mask lets through: the attention's real work."""
+        k = self.k_pos if self.k_sorted else self.k_pos.sort().values
+        seen = torch.searchsorted(k, self.q_hi) - torch.searchsorted(k, self.q_lo)
+        return int(seen.clamp_min(0).sum())
+
+
+def check_cu_seqlens(cu_seqlens, total: int) -> torch.Tensor:
+    """``cu_seqlens`` as an int64 CPU tensor, or a ValueError that says what is wrong with it."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        try:
+            cu_seqlens = torch.tensor(cu_seqlens)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor of document boundaries; got "
+                             f"{type(cu_seqlens).__name__}") from None
+    if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() \
+            or cu_seqlens.dtype == torch.bool or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [0, l1, l1+l2, ..., T] with at least two "
+                         f"entries; got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0; got {cu[0].item()}")
+    if cu[-1] != total:
+        raise ValueError(f"cu_seqlens must end at the sequence length {total}; got {cu[-1].item()}")
+    if bool((cu[1:] < cu[:-1]).any()):
+        i = int((cu[1:] < cu[:-1]).nonzero()[0])
+        raise ValueError(f"cu_seqlens must not decrease; entry {i + 1} is {cu[i + 1].item()} after {cu[i].item()}")
+    return cu
+
+
+def check_window(window, causal: bool):
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an integer >= 0 (keys at most `window` positions back); got {window!r}")
+    if not causal:
+        raise ValueError("a sliding window needs causal=True (it counts keys back from each query)")
+    return window
+
+
+def key_interval(q_pos: torch.Tensor, cu_seqlens: torch.Tensor | None, causal: bool, window: int | None,
+                 total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi): global positions query ``q_pos`` may see (module doc); int64 on q_pos's device."""
+    if cu_seqlens is None:
+        start = torch.zeros_like(q_pos)
+        end = torch.full_like(q_pos, total)
+    else:
+        cu = cu_seqlens.to(q_pos.device)
+        doc = torch.searchsorted(cu, q_pos, right=True) - 1
+        start, end = cu[doc], cu[doc + 1]
+    hi = q_pos + 1 if causal else end
+    lo = start if window is None else torch.maximum(start, q_pos - window)
+    return lo, hi
+
+
+def document_mask(q_pos, k_pos, cu_seqlens=None, causal=False, window=None, total=None) -> KeyMask:
+    """The ``KeyMask`` of queries at ``q_pos`` against keys at ``k_pos`` (global positions)."""
+    total = int(total if total is not None else max(int(q_pos.max()), int(k_pos.max())) + 1)
+    lo, hi = key_interval(q_pos.long(), cu_seqlens, causal, window, total)
+    k_pos = k_pos.long()
+    return KeyMask(lo, hi, k_pos, bool((k_pos[1:] >= k_pos[:-1]).all()) if k_pos.numel() > 1 else True)
