@@ -34,7 +34,7 @@ from distlab.model.data import corpus, decode, encode
 from distlab.model.llama import Llama
 from distlab.model.parallel import ParallelLlama
 from distlab.runtime import init_runtime, shutdown
-from kernels.attention import attention
+from distlab.kernels.attention import attention
 from distlab.bench import StudyParser, dtype_arg, positive_int, run_study, write_json
 
 

@@ -20,9 +20,9 @@ $py -m pytest -q -p no:cacheprovider tests > "$out/pytest.log" 2>&1 || status=1
 tail -30 "$out/pytest.log"
 
 echo "== attention backends, B1 H32 S8192 D128 causal bf16 =="
-$py -m kernels.bench --seq 8192 --heads 32 --head-dim 128 --causal --dtype bf16 --json "$out/bench_mha.json" || status=1
+$py -m distlab.kernels.bench --seq 8192 --heads 32 --head-dim 128 --causal --dtype bf16 --json "$out/bench_mha.json" || status=1
 echo "== same, GQA 32/8 (Llama-3-8B attention) =="
-$py -m kernels.bench --seq 8192 --heads 32 --kv-heads 8 --head-dim 128 --causal --dtype bf16 --json "$out/bench_gqa.json" || status=1
+$py -m distlab.kernels.bench --seq 8192 --heads 32 --kv-heads 8 --head-dim 128 --causal --dtype bf16 --json "$out/bench_gqa.json" || status=1
 
 echo "== ring study, W=1 on the GPU =="
 $py -m distlab.cp.ring --seq 8192 --check --json "$out/ring_w1.json" || status=1

@@ -9,7 +9,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}; status=0
 $py - <<'PY' || status=1
 import torch
-from kernels.grouped_gemm import grouped_mm
+from distlab.kernels.grouped_gemm import grouped_mm
 for dtype, tol in ((torch.float32, 2e-2), (torch.bfloat16, 2e-2)):   # fp32 dots run as tf32 on the GPU
     counts = [0, 300, 1, 1024, 0, 77]
     x = torch.randn(sum(counts), 512, device="cuda", dtype=dtype, requires_grad=True)
@@ -25,7 +25,7 @@ for dtype, tol in ((torch.float32, 2e-2), (torch.bfloat16, 2e-2)):   # fp32 dots
     assert max(errs) < tol
 PY
 for skew in 0 1.5; do
-  $py -m kernels.grouped_gemm --experts 8 --rows 32768 --k-dim 4096 --n-dim 7168 --skew $skew || status=1
+  $py -m distlab.kernels.grouped_gemm --experts 8 --rows 32768 --k-dim 4096 --n-dim 7168 --skew $skew || status=1
 done
 for b in torch triton; do
   $py -m distlab.moe --experts 8 --topk 2 --hidden 4096 --ffn 14336 --tokens 4096 --backend $b --json "$out/moe_$b.json" || status=1

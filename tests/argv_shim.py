@@ -35,7 +35,7 @@ def target(argv):
             return None
         i = rest.index("-m")
         module, rest = rest[i + 1], rest[i + 2:]
-    return (module, rest) if module.startswith(("distlab", "kernels")) else None
+    return (module, rest) if module.startswith("distlab") else None
 
 
 def check(path):

@@ -48,9 +48,9 @@ def rand(*shape, dtype, device, seed=0):
 
 # ----------------------------------------------------------------------------------------------------------
 def check_attention(device, dtype, big=False):
-    from kernels.attention import attention_backward, attention_forward
-    from kernels.triton_attention import flash_forward
-    from kernels.triton_attention_backward import flash_backward
+    from distlab.kernels.attention import attention_backward, attention_forward
+    from distlab.kernels.triton_attention import flash_forward
+    from distlab.kernels.triton_attention_backward import flash_backward
 
     cases = [(2, 37, 37, 4, 2, 16, True), (1, 50, 23, 2, 1, 32, False), (1, 64, 64, 4, 4, 64, True),
              (1, 33, 70, 6, 2, 16, False), (1, 100, 100, 2, 1, 32, True)]
@@ -95,7 +95,7 @@ def check_attention(device, dtype, big=False):
                     assert rel(g_, w) < tol(dtype) * 4, (i, split, split_sum, "dkv_into", name, rel(g_, w))
             # the ring's first step: dQ written into a float32 buffer that holds garbage (dq_add=False), dK/dV
             # written to float32 views, the split partials summed by the dQ kernel or by their own launch
-            from kernels.triton_attention_backward import backward_rows
+            from distlab.kernels.triton_attention_backward import backward_rows
 
             for split, split_sum in ((False, "dq"), (True, "dq"), (True, "kernel")):
                 os.environ["DISTLAB_TRITON_ATTN_SPLIT_SUM"] = split_sum
@@ -141,8 +141,8 @@ def check_attention_accumulate(device, dtype, big=False):
 
 
 def _accumulate_blocks(device, dtype, big):
-    from kernels.attention import attention_forward
-    from kernels.triton_attention import flash_forward
+    from distlab.kernels.attention import attention_forward
+    from distlab.kernels.triton_attention import flash_forward
 
     b, sq, h, hk, d = (2, 40, 4, 2, 32) if not big else (1, 1024, 8, 2, 128)
     q = rand(b, sq, h, d, dtype=dtype, device=device, seed=1)
@@ -195,8 +195,8 @@ def _two_blocks_per_launch(q, k, v, want, want_lse, diag, dtype):
     with an earlier block over a tail of the rows, fresh buffers, the tail final in q's dtype; (b) two
     blocks accumulated onto a running result, the first over a tail only; (c) two tail blocks: rows before
     the tail are not touched."""
-    from kernels.attention import attention_forward
-    from kernels.triton_attention import blocks_fit_one_launch, flash_forward, flash_forward_blocks, tile_config
+    from distlab.kernels.attention import attention_forward
+    from distlab.kernels.triton_attention import blocks_fit_one_launch, flash_forward, flash_forward_blocks, tile_config
 
     b, sq, h, d = q.shape
     bm = tile_config("FWD", q.device, d)[0]
@@ -258,7 +258,7 @@ def _more_blocks_per_launch(q, k, v, dtype):
     diagonal block and three later blocks over all rows or a tail, fresh buffers, the tail final in q's
     dtype; (e) three later blocks accumulated onto a running result; (f) later blocks whose K/V are
     strided differently do not fit one launch (one set of strides is passed for them)."""
-    from kernels.triton_attention import MAX_BLOCKS, blocks_fit_one_launch, flash_forward, flash_forward_blocks, tile_config
+    from distlab.kernels.triton_attention import MAX_BLOCKS, blocks_fit_one_launch, flash_forward, flash_forward_blocks, tile_config
 
     b, sq, h, d = q.shape
     lo = tile_config("FWD", q.device, d)[0] * max(1, (sq // 2) // tile_config("FWD", q.device, d)[0])
@@ -289,7 +289,7 @@ def _more_blocks_per_launch(q, k, v, dtype):
 
 
 def check_rmsnorm(device, dtype, big=False):
-    from kernels.rmsnorm import rmsnorm_residual, rmsnorm_residual_reference
+    from distlab.kernels.rmsnorm import rmsnorm_residual, rmsnorm_residual_reference
 
     cases = ((7, 100, True, "1"), (5, 64, False, "2"), (3, 130, True, "4"), (4, 2, True, "1"), (7, 100, True, "4"))
     for rows, n, residual, per in cases:            # per: rows per forward program (a ragged last program)
@@ -317,7 +317,7 @@ def check_rmsnorm(device, dtype, big=False):
 
 def check_rope(device, dtype, big=False):
     from distlab.tp.block import rope
-    from kernels.rope import rope_qk, rope_tables
+    from distlab.kernels.rope import rope_qk, rope_tables
 
     b, s, hq, hk, d = (2, 11, 3, 1, 16) if not big else (2, 4096, 32, 8, 128)
     positions = torch.randperm(4 * s, generator=torch.Generator().manual_seed(0))[:s]   # a CP shard's positions
@@ -340,7 +340,7 @@ def check_rope(device, dtype, big=False):
 
 
 def check_swiglu(device, dtype, big=False):
-    from kernels.swiglu import swiglu, swiglu_reference
+    from distlab.kernels.swiglu import swiglu, swiglu_reference
 
     shape = (3, 5, 2 * 37) if not big else (4096, 2 * 14336)
     gu = rand(*shape, dtype=dtype, device=device, seed=1).requires_grad_(True)
@@ -357,7 +357,7 @@ def check_swiglu(device, dtype, big=False):
 
 def check_merge(device, dtype, big=False):
     from distlab.cp.merge import merge_into
-    from kernels.lse_merge import lse_merge_
+    from distlab.kernels.lse_merge import lse_merge_
 
     b, s, h, d = (2, 45, 3, 16) if not big else (1, 4096, 32, 128)
     out = rand(b, s, h, d, dtype=torch.float32, device=device, seed=1)
@@ -382,7 +382,7 @@ def check_emulate(device, dtype, big=False):
     the output, and dQ (which depends on those rows' dO only). On a GPU also replayed as a CUDA graph, and
     with the accumulating forwards launched as programmatic dependents (``DISTLAB_TRITON_ATTN_PDL=1``)."""
     from distlab.cp.emulate import emulate_rank
-    from kernels.attention import attention_backward, attention_forward
+    from distlab.kernels.attention import attention_backward, attention_forward
 
     # on CPU a shard of 64 rows: zigzag's half blocks start on a 32-row query tile, so steps can share a launch
     world, seq, h, hk, d = (3, 192, 2, 1, 16) if not big else (8, 8192, 8, 2, 128)

@@ -1,4 +1,4 @@
-"""kernels/attention.py: every backend against whole-matrix float64 attention, forward and backward.
+"""distlab/kernels/attention.py: every backend against whole-matrix float64 attention, forward and backward.
 
 The property context parallelism relies on is tested directly: attention over keys cut into blocks,
 each block's (out, lse) merged, then each block's backward run with the *merged* out and lse, must give
@@ -8,9 +8,9 @@ the whole attention's output and gradients (dK/dV per block, dQ summed over bloc
 import pytest
 import torch
 
-import kernels.attention as attn
+import distlab.kernels.attention as attn
 from distlab.cp.merge import merge_attention
-from kernels.attention import attention_backward, attention_forward, attention_reference
+from distlab.kernels.attention import attention_backward, attention_forward, attention_reference
 
 
 def make(batch=2, seq=40, heads=4, kv_heads=2, head_dim=16, dtype=torch.float64, device="cpu", seed=0, seq_k=None):

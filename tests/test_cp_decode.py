@@ -5,7 +5,7 @@ import torch
 
 from distlab import comm
 from distlab.cp.decode import KVCacheShard, cp_decode_attention
-from kernels.attention import attention_forward
+from distlab.kernels.attention import attention_forward
 
 
 def decode_steps(heads, kv_heads, cache_len, steps, uneven):

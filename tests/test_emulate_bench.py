@@ -40,7 +40,7 @@ def test_emulate_and_bench_commands_write_their_json(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "distlab.cp.emulate", "--world", "4", "--seq", "256", "--iters", "1",
                           "--steps-per-launch", "2,1"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "group sizes adding up to the ring size (4)" in bad.stderr, bad.stderr[-2000:]
-    out = subprocess.run([sys.executable, "-m", "kernels.bench", "--seq", "128", "--iters", "1", "--warmup", "0",
+    out = subprocess.run([sys.executable, "-m", "distlab.kernels.bench", "--seq", "128", "--iters", "1", "--warmup", "0",
                           "--only", "attention", "--json", str(be)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(be.read_text())["results"]

@@ -253,8 +253,8 @@ def test_ring_study_at_one_rank_reports_overhead_not_efficiency():
 STUDIES = ["distlab.cp.ring", "distlab.cp.ulysses", "distlab.cp.usp", "distlab.cp.compare", "distlab.cp.cost",
            "distlab.cp.decode", "distlab.cp.emulate", "distlab.cp.local_kernels", "distlab.tp",
            "distlab.tp.shard_gemms", "distlab.moe", "distlab.collectives", "distlab.collectives.overlap",
-           "distlab.train", "distlab.infer", "distlab.profiling.overlap", "kernels.bench", "kernels.grouped_gemm",
-           "kernels.tune_attention"]
+           "distlab.train", "distlab.infer", "distlab.profiling.overlap", "distlab.kernels.bench", "distlab.kernels.grouped_gemm",
+           "distlab.kernels.tune_attention"]
 
 
 class _Got(BaseException):

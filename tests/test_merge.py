@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from distlab.cp.merge import merge_attention, merge_into
-from kernels.attention import attention_forward
+from distlab.kernels.attention import attention_forward
 
 
 def halves(seq_k=20, cut=7, dtype=torch.float64):

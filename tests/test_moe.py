@@ -139,7 +139,7 @@ def test_bad_moe_configs_refused_on_every_rank(pools, case, message):
 TRITON_CHECK = r"""
 import os
 import torch
-from kernels.grouped_gemm import grouped_mm
+from distlab.kernels.grouped_gemm import grouped_mm
 from tests.kernel_checks import poison_allocations, rel
 poison_allocations()                      # every torch.empty is NaN: an unwritten output element fails
 torch.manual_seed(0)

@@ -16,7 +16,7 @@ from distlab import comm
 from distlab.cp.layout import gather_sequence, shard_sequence
 from distlab.cp.ring import ring_attention
 from distlab.testing import ProcessGroupPool
-from kernels.attention import attention_reference
+from distlab.kernels.attention import attention_reference
 
 WORLDS = [1, 2, 3, 4, 8]
 SEQ = 48  # divisible by 2W for every W above, so zigzag runs everywhere

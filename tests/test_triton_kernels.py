@@ -35,7 +35,7 @@ def test_kernels_in_the_interpreter():
 
 
 WRONG_KERNEL = """
-import kernels.triton_attention as t
+import distlab.kernels.triton_attention as t
 import tests.kernel_checks as checks
 
 orig = t.flash_forward
@@ -60,7 +60,7 @@ def test_a_kernel_that_leaves_an_element_unwritten_fails_the_checks():
 
 def test_triton_backend_refuses_what_it_cannot_run():
     pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
-    from kernels.triton_attention import check_triton_inputs, tile_config
+    from distlab.kernels.triton_attention import check_triton_inputs, tile_config
 
     q = torch.zeros(1, 4, 2, 48)
     with pytest.raises(ValueError, match="head_dim 16, 32, 64, 128 or 256"):
@@ -74,8 +74,8 @@ def test_triton_backend_refuses_what_it_cannot_run():
     finally:
         del os.environ["DISTLAB_TRITON_ATTN_FWD"]
     # knobs and ring buffers are checked before any kernel launches (these tensors are on the CPU, no interpreter)
-    from kernels.triton_attention import tma_kernels
-    from kernels.triton_attention_backward import flash_backward
+    from distlab.kernels.triton_attention import tma_kernels
+    from distlab.kernels.triton_attention_backward import flash_backward
 
     q, k = torch.zeros(1, 8, 4, 32), torch.zeros(1, 8, 2, 32)
     for env, value, match in (("TMA", "fwd,dk", "DISTLAB_TRITON_ATTN_TMA='fwd,dk'"),

@@ -15,7 +15,7 @@ from distlab.cp.ring import ring_attention
 from distlab.cp.ulysses import kv_replication, ulysses_attention
 from distlab.cp.usp import usp_attention
 from distlab.runtime import ParallelDims
-from kernels.attention import attention_reference
+from distlab.kernels.attention import attention_reference
 
 SEQ = 48
 
@@ -192,7 +192,7 @@ def ours_vs_deepspeed(causal):
     import deepspeed
     from deepspeed.sequence.layer import DistributedAttention
 
-    from kernels.attention import attention
+    from distlab.kernels.attention import attention
 
     ds_torch = importlib.import_module("deepspeed.comm.torch")   # (deepspeed.comm's attribute `torch` is torch)
     # DeepSpeed JIT-compiles a shared-memory all-reduce for CPU backends at init (85 s on a 2-core machine,

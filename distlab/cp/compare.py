@@ -25,7 +25,7 @@ from distlab.cp.study import (CPMethod, build_method, header, make_inputs, measu
                               one_device_timing, parse_args, reference_on_rank0, summarize)
 from distlab.cp.ulysses import kv_replication
 from distlab.runtime import init_runtime, shutdown
-from kernels.attention import attention, resolve_backend
+from distlab.kernels.attention import attention, resolve_backend
 
 
 def method_plan(world, heads, kv_heads):

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from distlab import comm
-from kernels.attention import attention_forward, check_qkv
+from distlab.kernels.attention import attention_forward, check_qkv
 from distlab.bench import DTYPES, StudyParser, dtype_arg, positive_int, run_study, write_json
 
 

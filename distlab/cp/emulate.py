@@ -19,7 +19,7 @@ shows one call with all H heads; the schedule's TFLOP/s against that line is the
 schedule costs (launches, merges) from how fast its block kernel is. What helps, and is here: the ``triton``
 backend accumulates each block into the running (out, LSE) inside its kernel (no merge launches) and, in
 the backward, adds dQ and writes float32 dK/dV inside its kernels with the backward rows computed once;
-other backends merge with one Triton kernel (``kernels.lse_merge``); ``--graphs`` replays the whole step
+other backends merge with one Triton kernel (``distlab.kernels.lse_merge``); ``--graphs`` replays the whole step
 sequence as one CUDA graph (no launch gaps); ``DISTLAB_TRITON_ATTN_PDL=1`` lets each accumulating forward
 start while the previous step's last wave finishes (programmatic dependent launch, sm_90+):
 
@@ -46,8 +46,8 @@ import torch
 from distlab.cp.layout import check_divisible, chunks_per_rank, rank_chunks
 from distlab.cp.local_kernels import block_flops
 from distlab.cp.ring import _ring_backward, _ring_forward, check_steps_per_launch, launch_groups, ring_blocks
-from kernels.attention import attention_backward, attention_forward, resolve_backend
-from kernels.bench import timeit
+from distlab.kernels.attention import attention_backward, attention_forward, resolve_backend
+from distlab.kernels.bench import timeit
 from distlab.bench import DTYPES, StudyParser, dtype_arg, run_study
 
 

@@ -13,12 +13,12 @@ makes W−1 K/V exchanges. With ``steps_per_launch=n`` > 1 (4 is the ``triton`` 
 first hop travels behind it) and the later steps go in groups of n, the short one first (``launch_groups``):
 up to n K/V blocks beyond the current group are in flight, each forwarded as soon as it arrives
 (``comm.RingExchanger.exchange_after``), and the ``triton`` backend computes a group in one kernel launch
-(``kernels.triton_attention.flash_forward_blocks``, up to four steps): one accumulate epilogue per group and
+(``distlab.kernels.triton_attention.flash_forward_blocks``, up to four steps): one accumulate epilogue per group and
 a longer key loop, where the step kernels of a short shard lose most of their time.
 
 Backward: K/V travel the ring again, and so does a float32 (dK, dV) accumulator for the block being
 visited; each rank adds its contribution to it (computed with the *global* out and lse, see
-``kernels/attention.py``), and after W hops it is back home. That is W−1 K/V exchanges and W dK/dV
+``distlab/kernels/attention.py``), and after W hops it is back home. That is W−1 K/V exchanges and W dK/dV
 exchanges.
 
 Causal attention: with the contiguous layout, blocks from later ranks are fully masked and skipped (rank
@@ -39,7 +39,7 @@ from distlab import comm
 from distlab.cp.layout import check_layout
 from distlab.cp.merge import merge_attention, merge_into
 from distlab.profiling import phase
-from kernels.attention import attention_backward, attention_forward, check_qkv, resolve_backend, triton_runs_on
+from distlab.kernels.attention import attention_backward, attention_forward, check_qkv, resolve_backend, triton_runs_on
 
 
 def ring_blocks(step_src: int, rank: int, seq: int, causal: bool, layout: str):
@@ -80,7 +80,7 @@ def _triton_blocks_into(out, lse, final, q, blocks, schedule, scale):
     """The ``triton`` backend's launch: the kernel merges its blocks (``[(step, index, rows, k, v, causal)]``,
     one, or two ring steps when ``blocks_fit_one_launch``) into the float32 running (out, lse) and writes
     the rows that no later block touches straight into ``final`` in q's dtype."""
-    from kernels.triton_attention import blocks_fit_one_launch, flash_forward_blocks
+    from distlab.kernels.triton_attention import blocks_fit_one_launch, flash_forward_blocks
 
     launch = [(r.start, r.stop, k, v, c) for _, _, r, k, v, c in blocks]
     if len(blocks) > 1 and not blocks_fit_one_launch(q, launch):
@@ -105,7 +105,7 @@ def _triton_blocks_into(out, lse, final, q, blocks, schedule, scale):
 def _block_into(out, lse, q, k, v, rows, causal, scale, backend):
     """Attention of q[:, rows] against k, v merged into the float32 running (out, lse); creates them at
     step 0 (whose block covers every row). Backends on CUDA merge with one Triton kernel
-    (``kernels.lse_merge``), on CPU with ``merge_into`` (the ``triton`` backend: ``_triton_blocks_into``)."""
+    (``distlab.kernels.lse_merge``), on CPU with ``merge_into`` (the ``triton`` backend: ``_triton_blocks_into``)."""
     with phase("ring.block"):
         o, l = attention_forward(q[:, rows], k, v, causal, scale, backend)
     with phase("ring.merge"):
@@ -114,7 +114,7 @@ def _block_into(out, lse, q, k, v, rows, causal, scale, backend):
         d = q.shape[-1]
         if q.is_cuda and out.dtype == torch.float32 and o.stride(-1) == 1 and not d & (d - 1) \
                 and triton_runs_on(q.device):
-            from kernels.lse_merge import lse_merge_
+            from distlab.kernels.lse_merge import lse_merge_
 
             lse_merge_(out[:, rows], lse[:, :, rows], o, l)
         else:
@@ -148,7 +148,7 @@ class _KVAhead:
 def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launch=1):
     """The steps go in the groups of ``launch_groups(W, steps_per_launch)``, and the K/V of the steps up to
     n = the largest group beyond the current one travel while it computes; with the ``triton`` backend a
-    group is one kernel launch (``kernels.triton_attention.flash_forward_blocks``)."""
+    group is one kernel launch (``distlab.kernels.triton_attention.flash_forward_blocks``)."""
     s = q.shape[1]
     out = lse = None  # step 0 (own K/V) always covers every query row, and starts the accumulators
     schedule = [ring_blocks((ring.rank - step) % ring.size, ring.rank, s, causal, layout) for step in range(ring.size)]
@@ -190,7 +190,7 @@ def _triton_block_backward(dq, dout, q, k, v, back_rows, rows, cols, causal, sca
     most one block); at a later step added into the accumulator ``received`` from the previous rank, whose
     wait comes after this step's kernels are launched (with split groups, the partials' sum adds into it).
     Returns the step's (dK, dV)."""
-    from kernels.triton_attention_backward import flash_backward
+    from distlab.kernels.triton_attention_backward import flash_backward
 
     common = dict(rows=(back_rows[0][:, :, rows], back_rows[1][:, :, rows]), dq_acc=dq[:, rows])
     if received is None:
@@ -220,7 +220,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq, kv, dkv_pending, back_rows = None, (k, v), None, None
     if backend == "triton":
-        from kernels.triton_attention_backward import backward_rows
+        from distlab.kernels.triton_attention_backward import backward_rows
 
         back_rows = backward_rows(dout, out, lse)
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)   # written by step 0's dQ kernel
@@ -277,7 +277,7 @@ class _RingAttention(torch.autograd.Function):
 # S8192, 89.1% -> 91.5% at S32768); it keeps up to 2n - 1 K/V blocks (W=8: every block) where the classic
 # ring keeps two. One block in flight for the other backends, which launch per block anyway.
 STEPS_PER_LAUNCH = {"triton": 4}
-MAX_STEPS_PER_LAUNCH = 4   # kernels.triton_attention.MAX_BLOCKS
+MAX_STEPS_PER_LAUNCH = 4   # distlab.kernels.triton_attention.MAX_BLOCKS
 
 
 def launch_groups(world: int, steps_per_launch=1) -> list[range]:

@@ -36,7 +36,7 @@ from distlab.cp.cost import cp_bytes
 from distlab.cp.layout import LAYOUTS, check_divisible, gather_sequence, shard_sequence
 from distlab.profiling import MODES, profile_steps
 from distlab.runtime import ParallelDims, init_runtime, shutdown
-from kernels.attention import BACKENDS, attention_backward, attention_forward, resolve_backend
+from distlab.kernels.attention import BACKENDS, attention_backward, attention_forward, resolve_backend
 from distlab.bench import (DTYPES, StudyParser, check_memory, dtype_arg, nonnegative_int,
                            positive_int, resolve_device, write_json)
 

@@ -23,7 +23,7 @@ import math
 
 from distlab import comm
 from distlab.profiling import phase
-from kernels.attention import attention, check_qkv, resolve_backend
+from distlab.kernels.attention import attention, check_qkv, resolve_backend
 
 
 def kv_replication(heads: int, kv_heads: int, degree: int) -> int:

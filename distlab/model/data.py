@@ -27,7 +27,7 @@ def decode(ids) -> str:
 def corpus() -> torch.Tensor:
     """All shipped text as one byte tensor (README, docs, then the Python sources, sorted)."""
     paths = [os.path.join(ROOT, "README.md")]
-    for sub in ("docs", "distlab", "kernels"):
+    for sub in ("docs", "distlab"):
         for folder, _, files in sorted(os.walk(os.path.join(ROOT, sub))):
             paths += [os.path.join(folder, f) for f in sorted(files) if f.endswith((".md", ".py"))]
     text = []

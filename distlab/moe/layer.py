@@ -10,7 +10,7 @@ is the reference run on all ranks' tokens together; the router's gradient on a r
 tokens' share (sum it over the group, as data-parallel training does, to get the reference's).
 
 Experts are SwiGLU, ``down(silu(x·gate_e) * (x·up_e))``, as three grouped GEMMs over the local experts'
-row segments (``kernels.grouped_gemm``: ``loop``, ``torch`` = torch._grouped_mm, ``triton``).
+row segments (``distlab.kernels.grouped_gemm``: ``loop``, ``torch`` = torch._grouped_mm, ``triton``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from distlab import comm
 from distlab.moe.dispatch import capacity_keep, combine, dispatch
 from distlab.moe.router import Router
 from distlab.profiling import phase
-from kernels.grouped_gemm import grouped_mm
+from distlab.kernels.grouped_gemm import grouped_mm
 
 
 class MoEReference(torch.nn.Module):

@@ -28,7 +28,7 @@ from distlab.profiling import MODES, profile_steps
 from distlab.bench import (DTYPES, StudyParser, dtype_arg, nonnegative_int, positive_float, positive_int, progress,
                            pyplot, resolve_device, write_json)
 from distlab.runtime import init_runtime, shutdown
-from kernels.grouped_gemm import BACKENDS, resolve as resolve_grouped_backend
+from distlab.kernels.grouped_gemm import BACKENDS, resolve as resolve_grouped_backend
 
 
 def parse_args(argv=None):

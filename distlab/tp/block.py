@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from distlab import comm
 from distlab.tp.linear import ColumnParallelLinear, RowParallelLinear, shard_rows
 from distlab.tp.norm import RMSNorm
-from kernels.attention import attention
+from distlab.kernels.attention import attention
 
 
 def rope(x, base=10000.0, offset=0, positions=None):

@@ -1,7 +1,7 @@
 """Launch knobs of the memory-bound Triton kernels (RMSNorm, RoPE, SwiGLU, LSE merge), for tuning sweeps.
 
-    DISTLAB_KERNEL_WARPS=8 python -m kernels.bench --only memory      # warps per program, every kernel
-    DISTLAB_KERNEL_RMSNORM_ROWS=2 DISTLAB_KERNEL_ROPE_TOKENS=4 python -m kernels.bench --only memory
+    DISTLAB_KERNEL_WARPS=8 python -m distlab.kernels.bench --only memory      # warps per program, every kernel
+    DISTLAB_KERNEL_RMSNORM_ROWS=2 DISTLAB_KERNEL_ROPE_TOKENS=4 python -m distlab.kernels.bench --only memory
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The log-sum-exp merge of a partial attention result into a running one, in one Triton launch.
 
-    python -m kernels.bench --only memory --kernel merge
+    python -m distlab.kernels.bench --only memory --kernel merge
 
 For backends that cannot accumulate (cuDNN, flash SDPA), a ring step's block result ``(o_b, lse_b)`` is
 merged into the float32 running ``(out, lse)`` in place — the same rule and the same care for rows with
@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.launch import knob, num_warps
+from distlab.kernels.launch import knob, num_warps
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Fused residual add + RMSNorm in Triton (forward and backward), and its plain-PyTorch reference.
 
-    python -m kernels.bench --only memory --kernel rmsnorm   # GPU: % of copy bandwidth, vs torch.compile
+    python -m distlab.kernels.bench --only memory --kernel rmsnorm   # GPU: % of copy bandwidth, vs torch.compile
 
 ``rmsnorm_residual(x, residual, weight, eps)`` returns ``(y, h)`` with ``h = x + residual`` (the new
 residual stream; ``residual=None`` means ``h = x``) and ``y = h / sqrt(mean(h²) + eps) · weight``, the
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import knob, num_warps
+from distlab.kernels.launch import knob, num_warps
 
 
 def rmsnorm_residual_reference(x, residual, weight, eps=1e-6):

@@ -1,9 +1,9 @@
 """Flash attention in Triton (FA2-style): forward with LSE, backward, causal, GQA, and an accumulate mode.
 
-    python -m kernels.bench --only attention          # GPU: against cuDNN / flash SDPA
+    python -m distlab.kernels.bench --only attention          # GPU: against cuDNN / flash SDPA
     TRITON_INTERPRET=1 python -m pytest tests/test_triton_kernels.py -k attention   # CPU, fp32/fp16
 
-Layout as in ``kernels.attention``: q ``(batch, seq_q, heads, D)``, k/v ``(batch, seq_k, kv_heads, D)``
+Layout as in ``distlab.kernels.attention``: q ``(batch, seq_q, heads, D)``, k/v ``(batch, seq_k, kv_heads, D)``
 (any strides with the last dim contiguous), LSE float32 ``(batch, heads, seq_q)``. D is a power of two
 from 16 to 256; fp16/bf16 on a GPU, fp32 too under ``TRITON_INTERPRET=1`` (the CPU checks).
 
@@ -22,7 +22,7 @@ and ``lse`` are float32 running results, possibly views of some rows of a larger
 its block into them in place, ``lse' = logaddexp(lse, lse_b)``, ``out' = out·e^(lse−lse') +
 out_b·e^(lse_b−lse')`` (a row whose running LSE is −inf takes the block's result).
 
-Backward: ``kernels/triton_attention_backward.py`` (``flash_backward``).
+Backward: ``distlab/kernels/triton_attention_backward.py`` (``flash_backward``).
 
 Knobs, measured on the H200 (docs/PERF.md): ``DISTLAB_TRITON_ATTN_TMA`` — which kernels move their
 streamed tiles (K/V of the forward and dQ kernels, Q/dO of the dK/dV kernel) through TMA descriptors over
@@ -45,7 +45,7 @@ LOG2E = 1.4426950408889634
 # tile configs: (BLOCK_M, BLOCK_N, num_warps, num_stages); env DISTLAB_TRITON_ATTN_{FWD,DKV,DQ}="128,64,8,3".
 # DKV_RING: the dK/dV kernel of a ring step's block (``flash_backward(rows=...)``), whose short key range
 # wants smaller tiles than one call over the whole sequence (H200, ``ring9``: ring fwd+bwd 4-8% faster,
-# one call 2% slower); DQ_RING: the dQ kernel of a ring step (``kernels.tune_attention --ring-step``)
+# one call 2% slower); DQ_RING: the dQ kernel of a ring step (``distlab.kernels.tune_attention --ring-step``)
 _GPU_DEFAULTS = {"FWD": (64, 64, 4, 3), "DKV": (64, 128, 8, 3), "DKV_RING": (32, 64, 4, 3), "DQ": (128, 64, 8, 3),
                  "DQ_RING": (128, 64, 8, 3)}
 _CPU = {"FWD": (32, 16, 4, 1), "DKV": (16, 32, 4, 1), "DKV_RING": (16, 32, 4, 1), "DQ": (32, 16, 4, 1),

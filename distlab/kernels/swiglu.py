@@ -1,6 +1,6 @@
 """SwiGLU ``silu(gate) · up`` in Triton (forward and backward) on the fused gate/up projection, and its reference.
 
-    python -m kernels.bench --only memory --kernel swiglu
+    python -m distlab.kernels.bench --only memory --kernel swiglu
 
 Input ``gu`` is the output of the fused gate-up GEMM, ``(…, 2F)`` = ``[gate | up]`` (as
 ``distlab.tp.block`` splits it); output ``(…, F)``. Forward reads 2F and writes F per row; backward reads
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.launch import knob, num_warps
+from distlab.kernels.launch import knob, num_warps
 
 
 def swiglu_reference(gu):

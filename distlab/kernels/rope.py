@@ -1,6 +1,6 @@
 """RoPE on Q and K in one Triton launch (forward and backward), and its reference.
 
-    python -m kernels.bench --only memory --kernel rope
+    python -m distlab.kernels.bench --only memory --kernel rope
 
 Rotate-half RoPE as ``distlab.tp.block.rope``: for each head, with ``x = [x1, x2]`` (halves of head_dim)
 and angle ``θ_i = pos · base^(−2i/d)``: ``[x1 cos θ − x2 sin θ, x2 cos θ + x1 sin θ]``. The cos/sin tables
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import knob, num_warps
+from distlab.kernels.launch import knob, num_warps
 
 
 def rope_tables(positions, head_dim, base=10000.0, device=None):

@@ -1,6 +1,6 @@
 """Grouped GEMM over variable-size row segments (MoE experts): a loop reference, torch._grouped_mm, Triton.
 
-    python -m kernels.grouped_gemm --experts 8 --rows 32768 --k-dim 4096 --n-dim 7168   # GPU benchmark vs torch._grouped_mm
+    python -m distlab.kernels.grouped_gemm --experts 8 --rows 32768 --k-dim 4096 --n-dim 7168   # GPU benchmark vs torch._grouped_mm
 
 ``x`` (M, K) holds the rows of E groups back to back (``counts[e]`` rows for group e, possibly 0);
 ``w`` (E, K, N). ``grouped_mm(x, w, counts)`` returns (M, N) with rows of group e multiplied by ``w[e]``.
@@ -386,9 +386,9 @@ def main(argv=None):
     import statistics
     import time
 
-    from kernels.bench import timeit
+    from distlab.kernels.bench import timeit
 
-    p = StudyParser(prog="python -m kernels.grouped_gemm", description=__doc__.split("\n\n")[0])
+    p = StudyParser(prog="python -m distlab.kernels.grouped_gemm", description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--rows", type=int, default=32768)
     p.add_argument("--k-dim", type=int, default=4096, help="K: each row's features in")
@@ -402,7 +402,7 @@ def main(argv=None):
                         "repeatable, all timed in the same rounds")
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
-    require_gpu("kernels.grouped_gemm", "tests/test_moe.py checks the kernels under TRITON_INTERPRET=1 on CPU")
+    require_gpu("distlab.kernels.grouped_gemm", "tests/test_moe.py checks the kernels under TRITON_INTERPRET=1 on CPU")
     a.k, a.n = a.k_dim, a.n_dim
     dev = torch.device("cuda")
     weights = torch.tensor([(e + 1.0) ** -a.skew for e in range(a.experts)])

@@ -1,7 +1,7 @@
-"""Flash attention backward in Triton (FA2-style), for ``kernels.triton_attention``'s forward.
+"""Flash attention backward in Triton (FA2-style), for ``distlab.kernels.triton_attention``'s forward.
 
     TRITON_INTERPRET=1 python tests/kernel_checks.py attention emulate    # CPU, against the PyTorch reference
-    python -m kernels.bench --only attention                             # GPU: against cuDNN / flash SDPA
+    python -m distlab.kernels.bench --only attention                             # GPU: against cuDNN / flash SDPA
 
 Backward (given the *final* out and LSE, as every backend here): a small kernel computes
 ``delta = rowsum(dO ∘ O)`` and the exp2-domain LSE (``backward_rows``; a ring does it once for its shard);
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_attention import (LOG2E, _descriptor, _kv_tile, _last_contiguous, _precision, _tile_descriptors,
+from distlab.kernels.triton_attention import (LOG2E, _descriptor, _kv_tile, _last_contiguous, _precision, _tile_descriptors,
                                       _tma_fits, _visible, check_triton_inputs, pdl_enabled, tile_config)
 
 DQ_MODES = ("kernel", "atomic", "tma-reduce")   # DISTLAB_TRITON_ATTN_DQ_MODE (see the module doc)

@@ -1,13 +1,13 @@
 """Every kernel of ``kernels/`` against its anchor on the same GPU, in one run and one table.
 
-    python -m kernels.bench --seq 8192 --heads 32 --head-dim 128 --causal --json bench.json
-    python -m kernels.bench --only memory          # RMSNorm+residual, RoPE, SwiGLU, LSE merge only
+    python -m distlab.kernels.bench --seq 8192 --heads 32 --head-dim 128 --causal --json bench.json
+    python -m distlab.kernels.bench --only memory          # RMSNorm+residual, RoPE, SwiGLU, LSE merge only
 
 Memory-bound kernels (Triton: RMSNorm with the residual add, RoPE on q and k, SwiGLU, the LSE merge) are
 reported in GB/s of the bytes they must move, as a percentage of a device-to-device copy measured in
 the same run, next to ``torch.compile`` of their PyTorch reference (fwd, and fwd+bwd through autograd).
 
-For each backend of ``kernels.attention`` present for the dtype: forward (``attention_forward``) and
+For each backend of ``distlab.kernels.attention`` present for the dtype: forward (``attention_forward``) and
 backward (``attention_backward``, given the forward's out and lse) times, and TFLOP/s as FlashAttention
 counts them (4·b·s²·h·d forward, halved when causal; backward 2.5× forward). The anchors are
 ``torch.nn.functional.scaled_dot_product_attention`` pinned to the cuDNN and the flash kernels, timed
@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from kernels.attention import attention_backward, attention_forward, available_backends
+from distlab.kernels.attention import attention_backward, attention_forward, available_backends
 from distlab.bench import DTYPES, StudyParser, dtype_arg, run_study
 
 
@@ -94,10 +94,10 @@ def copy_bandwidth(device, iters, warmup, nbytes=2**30):
 
 def memory_bound_cases(dev, dtype):
     """(name, make inputs, triton fn, reference fn, bytes fwd, bytes fwd+bwd) at Llama-8B-like sizes."""
-    from kernels.lse_merge import lse_merge_
-    from kernels.rmsnorm import rmsnorm_residual, rmsnorm_residual_reference
-    from kernels.rope import rope_qk, rope_reference, rope_tables
-    from kernels.swiglu import swiglu, swiglu_reference
+    from distlab.kernels.lse_merge import lse_merge_
+    from distlab.kernels.rmsnorm import rmsnorm_residual, rmsnorm_residual_reference
+    from distlab.kernels.rope import rope_qk, rope_reference, rope_tables
+    from distlab.kernels.swiglu import swiglu, swiglu_reference
     from distlab.cp.merge import merge_into
 
     gpu = dev.type == "cuda"
@@ -187,7 +187,7 @@ def bench_memory_bound(dev, dtype, iters, warmup, compile_ref=True, only=None):
 
 def main(argv=None):
     gpu = torch.cuda.is_available()
-    p = StudyParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
+    p = StudyParser(prog="python -m distlab.kernels.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=8192 if gpu else 1024)
     p.add_argument("--heads", type=int, default=32 if gpu else 4)

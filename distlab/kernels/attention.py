@@ -1,6 +1,6 @@
 """Attention forward/backward that return and consume the log-sum-exp (LSE).
 
-    python -m kernels.bench --seq 8192 --heads 32 --head-dim 128 --causal   # GPU benchmark of the backends
+    python -m distlab.kernels.bench --seq 8192 --heads 32 --head-dim 128 --causal   # GPU benchmark of the backends
 
 Context-parallel attention computes attention block by block and merges the partial results through the
 LSE, so every backend here returns ``(out, lse)`` and its backward takes the *final* ``out`` and ``lse``
@@ -19,7 +19,7 @@ Backends (``backend=``):
   never holds more than one block of query rows' scores (``block_bytes``).
 - ``sdpa-cudnn``, ``sdpa-flash``, ``sdpa-efficient``: PyTorch's LSE-returning SDPA ops and their backward
   ops (CUDA only; cuDNN and flash take fp16/bf16, efficient fp32 — see ``_SDPA_DTYPES``).
-- ``triton``: distlab's own FA2-style kernel (``kernels.triton_attention``): fp16/bf16 on CUDA (fp32/fp16 on
+- ``triton``: distlab's own FA2-style kernel (``distlab.kernels.triton_attention``): fp16/bf16 on CUDA (fp32/fp16 on
   CPU under ``TRITON_INTERPRET=1``, the tests' path), head_dim a power of two; it can also accumulate into a running
   (out, LSE), which the ring uses to skip its merge launches. Never picked by ``auto``.
 - ``auto``: the fastest present for the tensors given: cuDNN for fp16/bf16 on CUDA, then flash; efficient
@@ -141,7 +141,7 @@ def _sdpa_op_present(name: str) -> bool:
 def attention_forward(q, k, v, causal=False, softmax_scale=None, backend="auto", mask=None):
     """Return ``(out, lse)``: ``out`` like ``q`` in q's dtype, ``lse`` float32 ``(batch, heads, seq_q)``.
 
-    ``mask``: a ``kernels.masks.KeyMask`` (documents, windows, a ring block's positions) instead of
+    ``mask``: a ``distlab.kernels.masks.KeyMask`` (documents, windows, a ring block's positions) instead of
     ``causal``; a row that sees no key gets out 0 and LSE -inf. Backends that take one: ``MASK_BACKENDS``."""
     check_qkv(q, k, v, causal)
     check_mask(mask, q, k, causal)
@@ -150,7 +150,7 @@ def attention_forward(q, k, v, causal=False, softmax_scale=None, backend="auto",
     if backend == "torch":
         return _torch_forward(q, k, v, causal, scale, mask)
     if backend == "triton":
-        from kernels.triton_attention import flash_forward
+        from distlab.kernels.triton_attention import flash_forward
 
         return flash_forward(q, k, v, causal, scale)
     return _sdpa_forward(backend, q, k, v, causal, scale)
@@ -170,7 +170,7 @@ def attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None
     if backend == "torch":
         return _torch_backward(dout, q, k, v, out, lse, causal, scale, mask)
     if backend == "triton":
-        from kernels.triton_attention_backward import flash_backward
+        from distlab.kernels.triton_attention_backward import flash_backward
 
         return flash_backward(dout, q, k, v, out, lse, causal, scale)
     return _sdpa_backward(backend, dout, q, k, v, out, lse, causal, scale)

@@ -1,16 +1,16 @@
 """Tile sweep of the Triton attention kernels on this GPU: TFLOP/s per (BLOCK_M, BLOCK_N, warps, stages).
 
-    python -m kernels.tune_attention --json tune.json          # B1·H32·S8192·D128 causal bf16
-    python -m kernels.tune_attention --seq 2048 --seq-k 4096 --no-causal --kv-heads 8 --accumulate --only FWD \
+    python -m distlab.kernels.tune_attention --json tune.json          # B1·H32·S8192·D128 causal bf16
+    python -m distlab.kernels.tune_attention --seq 2048 --seq-k 4096 --no-causal --kv-heads 8 --accumulate --only FWD \
         --config FWD=64,64,4,3 --config FWD=64,64,4,2        # a W=8 S=32k ring step's block, accumulating
-    python -m kernels.tune_attention --seq 1024 --seq-k 512 --no-causal --kv-heads 8 --ring-step --only DQ
+    python -m distlab.kernels.tune_attention --seq 1024 --seq-k 512 --no-causal --kv-heads 8 --ring-step --only DQ
                                                              # a W=8 S=8k ring step's dQ kernel (DQ_RING tiles)
 
 For the forward, then the dK/dV kernel (backward timed whole, dQ at its default), then the dQ kernel
 (dK/dV at the best found): one line per config, the best of each marked. ``--ring-step`` times the backward
 as a ring step runs it (delta and LSE rows given, dQ added into float32, dK/dV written in float32) and
 sweeps the ``DKV_RING`` / ``DQ_RING`` tiles. The chosen tiles go into
-``kernels/triton_attention.py``'s ``_GPU_DEFAULTS`` by hand (or ``DISTLAB_TRITON_ATTN_{FWD,DKV,DQ}``).
+``distlab/kernels/triton_attention.py``'s ``_GPU_DEFAULTS`` by hand (or ``DISTLAB_TRITON_ATTN_{FWD,DKV,DQ}``).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import os
 
 import torch
 
-from kernels.bench import timeit
-from kernels.triton_attention import flash_forward
-from kernels.triton_attention_backward import backward_rows, flash_backward
+from distlab.kernels.bench import timeit
+from distlab.kernels.triton_attention import flash_forward
+from distlab.kernels.triton_attention_backward import backward_rows, flash_backward
 from distlab.bench import StudyParser, run_study
 
 SWEEP = {
@@ -34,7 +34,7 @@ SWEEP = {
 
 
 def main(argv=None):
-    p = StudyParser(prog="python -m kernels.tune_attention", description=__doc__.split("\n\n")[0])
+    p = StudyParser(prog="python -m distlab.kernels.tune_attention", description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=8192, help="query rows")
     p.add_argument("--seq-k", type=int, default=None, help="keys (default: --seq; causal needs them equal)")
     p.add_argument("--accumulate", action="store_true", help="forward merges into float32 running (out, lse)")
