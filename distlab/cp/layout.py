@@ -8,19 +8,31 @@ gives rank W−1 W times the work of rank 0.
 ``zigzag``: the sequence is cut into 2W chunks; rank r holds chunks r and 2W−1−r (in that order). Every
 rank then holds one early and one late chunk, so causal attention costs every rank the same.
 
+``balanced`` (packed documents, ``cu_seqlens=``): the sequence is cut into m units per rank (m = 16, 8, 4
+or 2, the largest that divides; the length must divide by 2W), each unit's causal work — the visible
+query–key pairs of its queries, documents respected — is counted, and the units are dealt out heaviest
+first, each to the rank with the least work that still has room, so every rank holds T/W tokens and
+about the same work whatever the document lengths. A rank's units are kept in position order. Without
+``cu_seqlens`` it balances one causal sequence (as zigzag does, in more pieces).
+
 USP (a Ulysses group of U ranks inside each ring position, ``ulysses_group=``): the sequence is first cut
 for the ring group as above, then each ring shard is cut into U contiguous pieces, piece u to Ulysses
 rank u. The Ulysses all-to-all concatenates the pieces in rank order, so it rebuilds exactly the ring
 shard (for zigzag: chunk r followed by chunk 2R−1−r), and the ring's zigzag masks stay correct.
+
+``shard_positions`` gives the global positions a rank holds, in its shard's order: what the CP methods
+use to build their masks, whatever the layout.
 """
 
 from __future__ import annotations
 
 import torch
 
+import functools
+
 from distlab import comm
 
-LAYOUTS = ("contiguous", "zigzag")
+LAYOUTS = ("contiguous", "zigzag", "balanced")
 
 
 def check_layout(layout: str) -> None:
@@ -29,8 +41,9 @@ def check_layout(layout: str) -> None:
 
 
 def chunks_per_rank(layout: str) -> int:
+    """Chunks of equal length a rank's shard is made of (balanced: at least 2; see ``balanced_units``)."""
     check_layout(layout)
-    return 2 if layout == "zigzag" else 1
+    return 1 if layout == "contiguous" else 2
 
 
 def check_divisible(seq_len: int, world: int, layout: str, ulysses: int = 1) -> None:
@@ -46,19 +59,81 @@ def check_divisible(seq_len: int, world: int, layout: str, ulysses: int = 1) -> 
 
 
 def rank_chunks(rank: int, world: int, layout: str) -> list[int]:
-    """Indices of the sequence chunks (of ``world * chunks_per_rank``) that ``rank`` holds, in order."""
+    """Indices of the sequence chunks (of ``world * chunks_per_rank``) that ``rank`` holds, in order
+    (contiguous and zigzag; balanced chunks depend on the documents: ``balanced_units``)."""
+    if layout == "balanced":
+        raise ValueError("the balanced layout's chunks depend on the documents: use shard_positions")
     return [rank, 2 * world - 1 - rank] if chunks_per_rank(layout) == 2 else [rank]
 
 
+def units_per_rank(total: int, world: int) -> int:
+    for m in (16, 8, 4, 2):
+        if total % (world * m) == 0:
+            return m
+    raise ValueError(f"the balanced layout needs a sequence length divisible by 2 x {world} ranks; got {total}")
+
+
+def unit_work(total: int, units: int, cu_seqlens=None) -> torch.Tensor:
+    """Causal visible pairs of the queries of each of ``units`` equal units (documents respected)."""
+    pos = torch.arange(total)
+    if cu_seqlens is None:
+        start = torch.zeros_like(pos)
+    else:
+        cu = torch.as_tensor(cu_seqlens, dtype=torch.int64)
+        start = cu[torch.searchsorted(cu, pos, right=True) - 1]
+    return (pos - start + 1).view(units, -1).sum(1)
+
+
+@functools.lru_cache(maxsize=64)
+def _balanced(total: int, world: int, cu_key: tuple | None) -> tuple[tuple[int, ...], ...]:
+    m = units_per_rank(total, world)
+    work = unit_work(total, world * m, None if cu_key is None else torch.tensor(cu_key)).tolist()
+    load, room, owned = [0] * world, [m] * world, [[] for _ in range(world)]
+    for unit in sorted(range(world * m), key=lambda u: (-work[u], u)):     # heaviest first, ties by position
+        r = min((r for r in range(world) if room[r]), key=lambda r: (load[r], r))
+        load[r] += work[unit]
+        room[r] -= 1
+        owned[r].append(unit)
+    return tuple(tuple(sorted(units)) for units in owned)
+
+
+def balanced_units(total: int, world: int, cu_seqlens=None) -> list[list[int]]:
+    """Per rank, the indices (ascending) of the ``world·m`` equal units it holds (module doc)."""
+    key = None if cu_seqlens is None else tuple(torch.as_tensor(cu_seqlens).tolist())
+    return [list(u) for u in _balanced(total, world, key)]
+
+
+def shard_positions(total: int, world: int, rank: int, layout: str, cu_seqlens=None, ulysses: int = 1,
+                    ulysses_rank: int = 0) -> torch.Tensor:
+    """The global positions (int64, in shard order) of the tokens ``rank`` holds; with ``ulysses`` > 1 those
+    of Ulysses rank ``ulysses_rank``'s piece of that ring shard (USP)."""
+    check_divisible(total, world, layout, ulysses)
+    if layout == "balanced":
+        units = balanced_units(total, world, cu_seqlens)[rank]
+        size = total // (world * units_per_rank(total, world))
+        pos = torch.cat([torch.arange(u * size, (u + 1) * size) for u in units])
+    else:
+        size = total // (world * chunks_per_rank(layout))
+        pos = torch.cat([torch.arange(c * size, (c + 1) * size) for c in rank_chunks(rank, world, layout)])
+    if ulysses > 1:
+        pos = pos.chunk(ulysses)[ulysses_rank]
+    return pos
+
+
 def shard_sequence(x: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1,
-                   ulysses_group=None) -> torch.Tensor:
+                   ulysses_group=None, cu_seqlens=None) -> torch.Tensor:
     """This rank's shard of the full tensor ``x`` along ``dim`` (no communication; a copy).
 
     ``group`` is the ring (or only) CP group; with ``ulysses_group`` the ring shard is cut further (USP).
+    ``cu_seqlens``: the packed documents (the balanced layout places by them; the others ignore them).
     """
     world, rank = comm.group_size(group), comm.group_rank(group)
     ulysses = comm.group_size(ulysses_group) if ulysses_group is not None else 1
     check_divisible(x.shape[dim], world, layout, ulysses)
+    if layout == "balanced":
+        pos = shard_positions(x.shape[dim], world, rank, layout, cu_seqlens, ulysses,
+                              comm.group_rank(ulysses_group) if ulysses > 1 else 0)
+        return x.index_select(dim, pos.to(x.device))
     pieces = x.chunk(world * chunks_per_rank(layout), dim)
     ring_shard = torch.cat([pieces[c] for c in rank_chunks(rank, world, layout)], dim)
     if ulysses > 1:
@@ -67,7 +142,7 @@ def shard_sequence(x: torch.Tensor, group=None, layout: str = "contiguous", dim:
 
 
 def gather_sequence(x_local: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1,
-                    ulysses_group=None) -> torch.Tensor:
+                    ulysses_group=None, cu_seqlens=None) -> torch.Tensor:
     """The full tensor from every rank's shard (all-gather, then undo the layout's chunk order).
 
     Differentiable: the gradient of the full tensor is reduce-scattered back to the shards (each rank's
@@ -80,6 +155,10 @@ def gather_sequence(x_local: torch.Tensor, group=None, layout: str = "contiguous
     if x_local.shape[dim] % per_rank:
         raise ValueError(f"a {layout} shard must have a length divisible by {per_rank}; got {x_local.shape[dim]}")
     full = comm.all_gather(x_local, group, dim)
+    if layout == "balanced":   # rank order -> position order: the inverse of every rank's positions
+        total = full.shape[dim]
+        order = torch.cat([shard_positions(total, world, r, layout, cu_seqlens) for r in range(world)])
+        return full.index_select(dim, torch.argsort(order).to(full.device))
     if per_rank == 1:
         return full
     pieces = full.chunk(world * per_rank, dim)                 # rank order: r0c0, r0c1, r1c0, ...

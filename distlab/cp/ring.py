@@ -21,6 +21,9 @@ visited; each rank adds its contribution to it (computed with the *global* out a
 ``distlab/kernels/attention.py``), and after W hops it is back home. That is W−1 K/V exchanges and W dK/dV
 exchanges.
 
+Packed documents and sliding windows (``cu_seqlens=``, ``window=``), and the ``balanced`` layout, run the
+same ring with a mask per block built from global positions: ``distlab/cp/ring_packed.py``.
+
 Causal attention: with the contiguous layout, blocks from later ranks are fully masked and skipped (rank
 W−1 does W times rank 0's work). With zigzag (rank r holds chunks r and 2W−1−r) every step after the
 first is exactly half a block: keys from an earlier rank are seen by all queries through their first
@@ -36,7 +39,8 @@ import os
 import torch
 
 from distlab import comm
-from distlab.cp.layout import check_layout
+from distlab.cp.documents import Documents, check_same_everywhere
+from distlab.cp.layout import check_layout, shard_positions
 from distlab.cp.merge import merge_attention, merge_into
 from distlab.profiling import phase
 from distlab.kernels.attention import attention_backward, attention_forward, check_qkv, resolve_backend, triton_runs_on
@@ -309,21 +313,22 @@ def check_steps_per_launch(steps_per_launch=None, backend=None, world=None):
     return int(sizes[0]) if len(sizes) == 1 and isinstance(value, (int, str)) else tuple(map(int, sizes))
 
 
-def check_ring_inputs(q, k, v, world: int, causal: bool, layout: str, backend: str) -> str:
+def check_ring_inputs(q, k, v, world: int, causal: bool, layout: str, backend: str, masked: bool = False) -> str:
     """Validate on this rank, with no communication; return the concrete backend. Same answer on every rank."""
     check_layout(layout)
     check_qkv(q, k, v, causal=False)
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"ring attention needs q and k shards of one length; got {q.shape[1]} and {k.shape[1]}")
-    if layout == "zigzag" and q.shape[1] % 2:
-        raise ValueError(f"a zigzag shard holds two equal chunks, so its length must be even; got {q.shape[1]}")
+    if layout != "contiguous" and q.shape[1] % 2:
+        raise ValueError(f"a {layout} shard holds two or more equal chunks, so its length must be even; "
+                         f"got {q.shape[1]}")
     if world < 1:
         raise ValueError(f"world size must be >= 1; got {world}")
-    return resolve_backend(backend, q.device, q.dtype)
+    return resolve_backend(backend, q.device, q.dtype, masked=masked)
 
 
 def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backend="auto", softmax_scale=None,
-                   return_lse=False, steps_per_launch=None):
+                   return_lse=False, steps_per_launch=None, cu_seqlens=None, window=None):
     """Attention over the whole sequence, given this rank's shards (``distlab.cp.layout.shard_sequence``).
 
     q: ``(batch, seq/W, heads, head_dim)``; k, v: ``(batch, seq/W, kv_heads, head_dim)``. Returns this
@@ -331,8 +336,22 @@ def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backe
     ``steps_per_launch`` (1 to 4, or group sizes adding up to W): the forward's steps per group (``launch_groups``)
     — with ``triton`` one kernel launch each — and the K/V blocks in flight; default
     ``DISTLAB_RING_STEPS_PER_LAUNCH``, else 4 for ``triton`` and 1 for the others.
+    ``cu_seqlens`` (global document boundaries, the same on every rank) and ``window`` (keys at most that
+    many positions back; causal only): packed documents, see ``distlab.cp.documents``.
     """
     ring = comm.RingExchanger(group)
+    total = q.shape[1] * ring.size
+    docs = Documents.from_args(total, cu_seqlens, causal, window)
+    if docs.masked or layout == "balanced":
+        backend = check_ring_inputs(q, k, v, ring.size, causal, layout, backend, masked=True)
+        from distlab.cp.ring_packed import PackedRingAttention, step_masks
+
+        positions = [shard_positions(total, ring.size, r, layout, docs.cu_seqlens) for r in range(ring.size)]
+        masks = step_masks(docs, positions, ring.rank, q.device)
+        check_same_everywhere(docs, group)
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        out, lse = PackedRingAttention.apply(q, k, v, ring, masks, scale, backend)
+        return (out, lse) if return_lse else out
     backend = check_ring_inputs(q, k, v, ring.size, causal, layout, backend)
     steps_per_launch = check_steps_per_launch(steps_per_launch, backend, ring.size)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])

@@ -13,17 +13,23 @@ GQA beyond the kv heads: when W does not divide the kv heads, each kv head is re
 times first (kv' = lcm(kv, W) heads, which W divides, and q head h still reads a copy of kv head
 h // (H/kv)); autograd sums the copies' gradients. So the degree can go up to the q-head count.
 
-Causal attention needs the contiguous layout here (the gathered sequence must be in order); for zigzag
-under Ulysses, use USP (``distlab.cp.usp``), whose ring axis does the zigzag.
+Layouts: with the contiguous layout the gathered sequence is in order and the kernel's own causal flag
+does; with zigzag or balanced shards, packed documents (``cu_seqlens=``) or a ``window``, the kernel gets a
+``KeyMask`` built from every rank's global positions (``distlab.cp.documents``), which holds whatever order
+the all-to-all gathered the sequence in.
 """
 
 from __future__ import annotations
 
 import math
 
+import torch
+
 from distlab import comm
-from distlab.profiling import phase
+from distlab.cp.documents import Documents, check_same_everywhere
+from distlab.cp.layout import check_layout, shard_positions
 from distlab.kernels.attention import attention, check_qkv, resolve_backend
+from distlab.profiling import phase
 
 
 def kv_replication(heads: int, kv_heads: int, degree: int) -> int:
@@ -38,13 +44,13 @@ def kv_replication(heads: int, kv_heads: int, degree: int) -> int:
     return degree // math.gcd(kv_heads, degree)
 
 
-def check_ulysses_inputs(q, k, v, degree: int, backend: str) -> str:
+def check_ulysses_inputs(q, k, v, degree: int, backend: str, masked: bool = False) -> str:
     """Validate on this rank with no communication; return the concrete backend."""
     check_qkv(q, k, v, causal=False)
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"Ulysses needs q and k shards of one length; got {q.shape[1]} and {k.shape[1]}")
     kv_replication(q.shape[2], k.shape[2], degree)
-    return resolve_backend(backend, q.device, q.dtype)
+    return resolve_backend(backend, q.device, q.dtype, masked=masked)
 
 
 def to_head_shards(q, k, v, group):
@@ -61,17 +67,28 @@ def to_sequence_shards(out, group):
     return comm.all_to_all(out, group, scatter_dim=1, gather_dim=2)
 
 
-def ulysses_attention(q, k, v, group=None, causal=False, backend="auto", softmax_scale=None):
-    """Attention over the whole sequence, given this rank's contiguous shards (differentiable).
+def ulysses_attention(q, k, v, group=None, causal=False, backend="auto", softmax_scale=None, layout="contiguous",
+                      cu_seqlens=None, window=None):
+    """Attention over the whole sequence, given this rank's shards (differentiable).
 
     q: ``(batch, seq/W, heads, head_dim)``; k, v: ``(batch, seq/W, kv_heads, head_dim)``. Returns this
-    rank's ``(batch, seq/W, heads, head_dim)`` output shard.
+    rank's ``(batch, seq/W, heads, head_dim)`` output shard. ``layout``: how the shards were cut
+    (``distlab.cp.layout``); ``cu_seqlens`` / ``window``: packed documents (``distlab.cp.documents``).
     """
-    backend = check_ulysses_inputs(q, k, v, comm.group_size(group), backend)
+    world = comm.group_size(group)
+    check_layout(layout)
+    docs = Documents.from_args(q.shape[1] * world, cu_seqlens, causal, window)
+    masked = docs.masked or (causal and layout != "contiguous")
+    backend = check_ulysses_inputs(q, k, v, world, backend, masked=masked)
+    mask = None
+    if masked:   # the gathered sequence holds every rank's positions, in rank order
+        pos = torch.cat([shard_positions(docs.total, world, r, layout, docs.cu_seqlens) for r in range(world)])
+        mask = docs.mask(pos, pos, q.device)
+        check_same_everywhere(docs, group)
     with phase("ulysses.all_to_all"):
         qh, kh, vh = to_head_shards(q, k, v, group)
     with phase("ulysses.attention"):
-        out = attention(qh, kh, vh, causal, softmax_scale, backend)
+        out = attention(qh, kh, vh, causal and mask is None, softmax_scale, backend, mask=mask)
     with phase("ulysses.all_to_all"):
         return to_sequence_shards(out, group)
 

@@ -21,23 +21,28 @@ from __future__ import annotations
 from distlab import comm
 from distlab.cp.layout import check_layout
 from distlab.cp.ring import ring_attention
+from distlab.cp.documents import Documents
 from distlab.cp.ulysses import check_ulysses_inputs, to_head_shards, to_sequence_shards
 
 
 def usp_attention(q, k, v, ulysses_group, ring_group, causal=False, layout="contiguous", backend="auto",
-                  softmax_scale=None):
+                  softmax_scale=None, cu_seqlens=None, window=None):
     """Attention over the whole sequence from this rank's USP piece (differentiable).
 
     q: ``(batch, seq/(U·R), heads, head_dim)``; k, v: ``(batch, seq/(U·R), kv_heads, head_dim)``.
+    ``cu_seqlens`` / ``window``: packed documents (``distlab.cp.documents``), handled by the ring axis.
     """
     u = comm.group_size(ulysses_group)
     check_layout(layout)
-    backend = check_ulysses_inputs(q, k, v, u, backend)
-    if layout == "zigzag" and (q.shape[1] * u) % 2:
-        raise ValueError(f"a zigzag ring shard ({u} x {q.shape[1]} tokens) holds two equal chunks, so its "
-                         f"length must be even")
+    masked = cu_seqlens is not None or window is not None or layout == "balanced"
+    backend = check_ulysses_inputs(q, k, v, u, backend, masked=masked)
+    if layout != "contiguous" and (q.shape[1] * u) % 2:
+        raise ValueError(f"a {layout} ring shard ({u} x {q.shape[1]} tokens) holds two or more equal chunks, so "
+                         f"its length must be even")
+    Documents.from_args(q.shape[1] * u * comm.group_size(ring_group), cu_seqlens, causal, window)   # before any a2a
     qh, kh, vh = to_head_shards(q, k, v, ulysses_group)
-    out = ring_attention(qh, kh, vh, ring_group, causal, layout, backend, softmax_scale)
+    out = ring_attention(qh, kh, vh, ring_group, causal, layout, backend, softmax_scale, cu_seqlens=cu_seqlens,
+                         window=window)
     return to_sequence_shards(out, ulysses_group)
 
 

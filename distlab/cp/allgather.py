@@ -1,0 +1,160 @@
+"""All-gather-KV context parallelism (Llama 3's): gather K/V, attend the local queries, reduce-scatter dK/dV.
+
+    distlab run --nproc 4 -m distlab.cp.allgather --seq 8192 --check
+    distlab run --nproc 4 -m distlab.cp.allgather --seq 8192 --docs lognormal:mean=1024,seed=0 --window 2048 --check
+
+Each rank keeps its queries and receives every rank's K/V: one all-gather of K and V (under GQA a fraction
+of q's size), then one attention of the local queries against all keys through a ``KeyMask`` built from
+the layout's positions, so causality, documents and windows hold in any layout (zigzag balances causal
+work; ``balanced`` balances documents). The backward computes dQ locally and the full dK/dV, then
+reduce-scatters dK/dV back to their owners.
+
+Overlap: the kv heads are cut into ``chunks`` groups (each with its q heads, GQA-aligned); the gather of
+group c+1 is posted before group c is computed, and in the backward the reduce-scatter of group c's
+dK/dV travels while group c+1 is computed. Bytes per rank: forward (W−1)/W of the full K+V; backward the
+same for dK/dV (``distlab.cp.cost``). The gathered K/V are kept for the backward (small under GQA) rather
+than gathered again.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from distlab import comm
+from distlab.cp.documents import Documents, check_same_everywhere
+from distlab.cp.layout import check_layout, shard_positions
+from distlab.kernels.attention import attention_backward, attention_forward, check_qkv, resolve_backend
+from distlab.profiling import phase
+
+
+def _gather_fn():
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _scatter_fn():
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _post_gather(k, v, group, world):
+    """Async all-gather of (k, v) along the sequence; returns (work, buffer, finish) where ``finish()`` gives
+    the gathered ``(k, v)`` in rank order along dim 1."""
+    send = torch.stack([k, v]).movedim(2, 0).contiguous()          # (s, 2, b, h, d): gather along dim 0
+    recv = send.new_empty((world * send.shape[0],) + tuple(send.shape[1:]))
+    comm.record("allgather_kv", (world - 1) * send.numel() * send.element_size())
+    work = _gather_fn()(recv, send, group=group, async_op=True)
+
+    def finish():
+        work.wait()
+        full = recv.movedim(0, 2)                                    # (2, b, W*s, h, d)
+        return full[0], full[1]
+
+    return finish
+
+
+def _post_scatter(dk, dv, group, world):
+    send = torch.stack([dk, dv]).movedim(2, 0).contiguous()        # (W*s, 2, b, h, d)
+    recv = send.new_empty((send.shape[0] // world,) + tuple(send.shape[1:]))
+    comm.record("reduce_scatter_dkv", (world - 1) * send.numel() * send.element_size() // world)
+    work = _scatter_fn()(recv, send, group=group, async_op=True)
+
+    def finish():
+        work.wait()
+        part = recv.movedim(0, 2)
+        return part[0], part[1]
+
+    return finish
+
+
+def head_chunks(heads: int, kv_heads: int, chunks: int):
+    """(q-head slice, kv-head slice) of each chunk: kv heads cut into ``chunks`` groups, q heads with them."""
+    g, per = heads // kv_heads, kv_heads // chunks
+    return [(slice(c * per * g, (c + 1) * per * g), slice(c * per, (c + 1) * per)) for c in range(chunks)]
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, world, mask, scale, backend, chunks):
+        parts = head_chunks(q.shape[2], k.shape[2], chunks)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float64 if q.dtype == torch.float64
+                          else torch.float32, device=q.device)
+        gathered = []
+        with phase("allgather.exchange"):
+            pending = _post_gather(k[:, :, parts[0][1]], v[:, :, parts[0][1]], group, world) if world > 1 else None
+        for c, (qh, kh) in enumerate(parts):
+            if world > 1:
+                with phase("allgather.wait"):
+                    kf, vf = pending()
+                if c + 1 < len(parts):   # the next group's K/V travel while this one computes
+                    with phase("allgather.exchange"):
+                        pending = _post_gather(k[:, :, parts[c + 1][1]], v[:, :, parts[c + 1][1]], group, world)
+            else:
+                kf, vf = k[:, :, kh], v[:, :, kh]
+            with phase("allgather.block"):
+                o, l = attention_forward(q[:, :, qh], kf, vf, False, scale, backend, mask=mask)
+            out[:, :, qh] = o
+            lse[:, qh] = l
+            gathered.append((kf, vf))
+        ctx.save_for_backward(q, out, lse, *[t for kv in gathered for t in kv])
+        ctx.args = (group, world, mask, scale, backend, parts)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, out, lse, *gathered = ctx.saved_tensors
+        group, world, mask, scale, backend, parts = ctx.args
+        dout = dout.contiguous()
+        dq = torch.empty_like(q)
+        kv_heads = sum(kh.stop - kh.start for _, kh in parts)
+        local = (q.shape[0], gathered[0].shape[1] // world, kv_heads, q.shape[3])
+        dk, dv = q.new_empty(local), q.new_empty(local)
+        pending = []
+        for c, (qh, kh) in enumerate(parts):
+            kf, vf = gathered[2 * c], gathered[2 * c + 1]
+            with phase("allgather.block_backward"):
+                dq_c, dk_c, dv_c = attention_backward(dout[:, :, qh], q[:, :, qh], kf, vf, out[:, :, qh],
+                                                      lse[:, qh], False, scale, backend, mask=mask)
+            dq[:, :, qh] = dq_c
+            if world > 1:   # this group's dK/dV go home while the next group computes
+                with phase("allgather.exchange"):
+                    pending.append((kh, _post_scatter(dk_c, dv_c, group, world)))
+            else:
+                dk[:, :, kh], dv[:, :, kh] = dk_c, dv_c
+        for kh, finish in pending:
+            with phase("allgather.wait"):
+                dk[:, :, kh], dv[:, :, kh] = finish()
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def allgather_attention(q, k, v, group=None, causal=False, layout="contiguous", backend="auto", softmax_scale=None,
+                        cu_seqlens=None, window=None, chunks=None, return_lse=False):
+    """Attention over the whole sequence from this rank's shards (``distlab.cp.layout.shard_sequence`` with
+    the same ``layout`` and ``cu_seqlens``), by all-gathering K/V.
+
+    q: ``(batch, seq/W, heads, head_dim)``; k, v: ``(batch, seq/W, kv_heads, head_dim)``. ``chunks``: kv-head
+    groups whose gathers overlap the previous group's compute (default: 2 when the kv heads split evenly, else
+    1). ``cu_seqlens`` / ``window``: packed documents and a sliding window (``distlab.cp.documents``).
+    """
+    world, rank = comm.group_size(group), comm.group_rank(group)
+    check_layout(layout)
+    check_qkv(q, k, v, causal=False)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"all-gather attention needs q and k shards of one length; got {q.shape[1]} and {k.shape[1]}")
+    total = q.shape[1] * world
+    docs = Documents.from_args(total, cu_seqlens, causal, window)
+    chunks = chunks if chunks is not None else (2 if k.shape[2] % 2 == 0 else 1)
+    if not isinstance(chunks, int) or chunks < 1 or k.shape[2] % chunks:
+        raise ValueError(f"chunks={chunks!r} must be a positive divisor of the kv heads ({k.shape[2]})")
+    positions = [shard_positions(total, world, r, layout, docs.cu_seqlens) for r in range(world)]
+    # causal (local queries against all keys: the diagonal is offset) and documents need the positions' mask;
+    # full attention does not care in which order the gathered keys come
+    mask = docs.mask(positions[rank], torch.cat(positions), q.device) if causal or docs.masked else None
+    backend = resolve_backend(backend, q.device, q.dtype, masked=mask is not None)
+    check_same_everywhere(docs, group)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out, lse = _AllGatherAttention.apply(q, k, v, group, world, mask, scale, backend, chunks)
+    return (out, lse) if return_lse else out

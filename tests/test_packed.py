@@ -1,0 +1,243 @@
+"""Packed documents and sliding windows under every CP method and layout, against one device, on gloo.
+
+The reference is whole-matrix float64 attention through autograd with the documents' mask
+(``attention_reference(mask=...)``), a different code path from the blockwise masked kernel. In float64
+the methods agree with it to ~1e-15; the bar of 1e-10 catches a key seen across a document boundary, a
+window off by one, a block skipped that had a visible pair, or a dK/dV lost on the way home (each moves
+some row by O(1/doc length)). In float32 the bar is 1e-5.
+"""
+
+import pytest
+import torch
+
+from distlab import comm
+from distlab.cp import allgather_attention, gather_sequence, ring_attention, shard_sequence, ulysses_attention
+from distlab.cp import usp_attention
+from distlab.cp.documents import Documents, parse_docs
+from distlab.cp.layout import balanced_units, shard_positions, units_per_rank
+from distlab.kernels.masks import document_mask
+
+T = 96   # divisible by 2W for W in 1, 2, 3, 4, 8 (zigzag, balanced) and by U x R for the USP splits
+
+CASES = {   # name: (cu_seqlens, causal, window)
+    "one_doc": ([0, T], True, None),
+    "one_token_docs": ([0, 1, 40, 41, 42, T], True, None),
+    "spanning": ([0, 5, 90, T], True, None),
+    "tiny_docs": ([0] + list(range(3, T, 3)) + [T], True, None),
+    "zero_length_doc": ([0, 30, 30, T], True, None),
+    "window_in_doc": ([0, 60, T], True, 7),
+    "window_over_shards": ([0, 70, T], True, 40),
+    "full_in_docs": ([0, 17, 50, T], False, None),
+}
+
+
+def _inputs(heads, kv_heads, seed=0, batch=2, head_dim=8):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, T, heads, head_dim, generator=g, dtype=torch.float64)
+    k = torch.randn(batch, T, kv_heads, head_dim, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, T, kv_heads, head_dim, generator=g, dtype=torch.float64)
+    return q, k, v, torch.randn(batch, T, heads, head_dim, generator=g, dtype=torch.float64)
+
+
+def definition_mask(cu, causal, window) -> torch.Tensor:
+    """(T, T) bool, written from the definition alone (not from distlab's masks): i sees j iff one
+    document holds both, j <= i when causal, i - j <= window when given."""
+    doc = torch.zeros(T, dtype=torch.long)
+    for d, (a, b) in enumerate(zip(cu, cu[1:])):
+        doc[a:b] = d
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    seen = doc[:, None] == doc[None, :]
+    if causal:
+        seen &= j <= i
+    if window is not None:
+        seen &= i - j <= window
+    return seen
+
+
+def reference(q, k, v, dout, cu, causal, window):
+    """Whole-matrix float64 attention through autograd with the definition's mask (empty rows give 0)."""
+    seen = definition_mask(cu, causal, window)
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    g = q.shape[2] // k.shape[2]
+    kh, vh = (t.repeat_interleave(g, dim=2).transpose(1, 2) for t in full[1:])
+    scores = (full[0].transpose(1, 2) @ kh.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~seen, float("-inf"))
+    probs = torch.where(seen.any(-1, keepdim=True), scores.softmax(-1), torch.zeros_like(scores))
+    out = (probs @ vh).transpose(1, 2)
+    out.backward(dout)
+    return [out.detach()] + [t.grad for t in full]
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)).item()
+
+
+def methods(world, heads):
+    """(name, attention fn(q, k, v, **docs), shard, gather) for every method and layout at this world size."""
+    from distlab.runtime import ParallelDims
+
+    out = []
+    for layout in ("contiguous", "zigzag", "balanced"):
+        def sh(x, cu, layout=layout):
+            return shard_sequence(x, None, layout, cu_seqlens=cu)
+
+        def ga(x, cu, layout=layout):
+            return gather_sequence(x, None, layout, cu_seqlens=cu)
+
+        out.append((f"ring-{layout}", lambda q, k, v, layout=layout, **kw: ring_attention(q, k, v, None, layout=layout, **kw), sh, ga))
+        out.append((f"allgather-{layout}", lambda q, k, v, layout=layout, **kw: allgather_attention(q, k, v, None, layout=layout, **kw), sh, ga))
+        if heads % world == 0:
+            out.append((f"ulysses-{layout}", lambda q, k, v, layout=layout, **kw: ulysses_attention(q, k, v, None, layout=layout, **kw), sh, ga))
+    splits = {4: [(2, 2)], 8: [(2, 4), (4, 2)]}.get(world, [])
+    for u, r in splits:
+        mesh = ParallelDims(world, cp=world, ulysses=u, ring=r).build_mesh("cpu")
+        ug, rg = mesh.get_group("ulysses"), mesh.get_group("ring")
+        for layout in ("zigzag", "balanced"):
+            def sh(x, cu, layout=layout, ug=ug, rg=rg):
+                return shard_sequence(x, rg, layout, ulysses_group=ug, cu_seqlens=cu)
+
+            def ga(x, cu, layout=layout, ug=ug, rg=rg):
+                return gather_sequence(x, rg, layout, ulysses_group=ug, cu_seqlens=cu)
+
+            out.append((f"usp{u}x{r}-{layout}", lambda q, k, v, layout=layout, ug=ug, rg=rg, **kw:
+                        usp_attention(q, k, v, ug, rg, layout=layout, **kw), sh, ga))
+    return out
+
+
+def every_method_vs_one_device(case, dtype=torch.float64, heads=8, kv_heads=2):
+    """Runs on every rank: each method on shards vs the float64 masked reference on the full tensors."""
+    cu, causal, window = CASES[case]
+    q, k, v, dout = _inputs(heads, kv_heads)
+    want = reference(q, k, v, dout, cu, causal, window)
+    cu_t = torch.tensor(cu)
+    errors, world = {}, comm.group_size()
+    for name, fn, sh, ga in methods(world, heads):
+        local = [sh(t.to(dtype), cu_t).requires_grad_(True) for t in (q, k, v)]
+        out = fn(*local, causal=causal, cu_seqlens=cu_t, window=window)
+        out.backward(sh(dout.to(dtype), cu_t))
+        got = [ga(t, cu_t) for t in (out.detach(), *(x.grad for x in local))]
+        errors[name] = max(rel_err(a, b) for a, b in zip(got, want))
+    return errors
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_method_and_layout_matches_one_device_float64(pools, world, case):
+    for rank, errors in enumerate(pools(world).run(every_method_vs_one_device, case)):
+        bad = {name: f"{e:.1e}" for name, e in errors.items() if not e < 1e-10}
+        assert not bad, f"W={world} {case} rank {rank}: {bad}"
+        assert any(n.startswith("ulysses") for n in errors) == (8 % world == 0)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_float32_documents_and_window(pools, world):
+    for errors in pools(world).run(every_method_vs_one_device, "window_in_doc", torch.float32):
+        assert all(e < 1e-5 for e in errors.values()), errors
+
+
+def one_document_equals_the_plain_path(layout):
+    q, k, v, _ = _inputs(4, 2)
+    local = [shard_sequence(t, None, layout) for t in (q, k, v)]
+    plain = ring_attention(*local, causal=True, layout=layout)
+    packed = ring_attention(*local, causal=True, layout=layout, cu_seqlens=torch.tensor([0, T]))
+    return rel_err(packed, plain)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_one_document_is_the_plain_causal_ring(pools, layout):
+    assert all(e < 1e-13 for e in pools(4).run(one_document_equals_the_plain_path, layout))
+
+
+# ------------------------------------------------------------------------------------------- what is skipped
+
+def blocks_launched(layout, cu):
+    """The ring steps whose block has a visible pair (the others launch nothing)."""
+    from distlab.cp.ring_packed import step_masks
+
+    world, rank = comm.group_size(), comm.group_rank()
+    docs = Documents.from_args(T, torch.tensor(cu), True, None)
+    positions = [shard_positions(T, world, r, layout, docs.cu_seqlens) for r in range(world)]
+    return [m is not None for m in step_masks(docs, positions, rank, "cpu")]
+
+
+def test_a_ring_step_with_no_visible_pair_launches_nothing(pools):
+    """Four documents, one per contiguous shard: each rank sees only its own keys, every other step is empty."""
+    for rank, launched in enumerate(pools(4).run(blocks_launched, "contiguous", [0, 24, 48, 72, T])):
+        assert launched == [True, False, False, False], (rank, launched)
+
+
+def test_the_masked_kernel_skips_keys_outside_every_rows_interval():
+    """Work follows the visible pairs: with documents, the blockwise kernel reads only the keys some row of
+    the block sees (counted through a KeyMask's key_columns)."""
+    pos = torch.arange(T)
+    m = document_mask(pos, pos, torch.tensor([0, 32, 64, T]), True, None, T)
+    assert m.rows(40, 50).key_columns() == slice(32, 50)
+    assert m.rows(70, 80).key_columns() == slice(64, 80)
+    w = document_mask(pos, pos, None, True, 5, T)
+    assert w.rows(60, 70).key_columns() == slice(55, 70)
+    assert w.visible_pairs() == sum(min(i, 5) + 1 for i in range(T))
+
+
+# --------------------------------------------------------------------------------------------- the layout
+
+def test_balanced_layout_is_within_5_percent_on_lognormal_documents():
+    """Each rank's causal visible pairs within 5% of the mean, for realistic mixes at W = 2..8."""
+    for world in (2, 4, 8):
+        for seed in range(5):
+            total = 32768
+            cu = parse_docs(f"lognormal:mean=2048,seed={seed}", total)
+            docs = Documents.from_args(total, cu, True, None)
+            work = [docs.work(shard_positions(total, world, r, "balanced", cu)) for r in range(world)]
+            mean = sum(work) / world
+            assert max(work) / mean < 1.05, (world, seed, [w / mean for w in work])
+
+
+def test_balanced_layout_holds_every_token_once():
+    cu = parse_docs("3000,1200,800,17", 6144)
+    for world in (3, 4, 8):
+        units = balanced_units(6144, world, cu)
+        assert sorted(u for r in units for u in r) == list(range(world * units_per_rank(6144, world)))
+        pos = torch.cat([shard_positions(6144, world, r, "balanced", cu) for r in range(world)])
+        assert torch.equal(pos.sort().values, torch.arange(6144))
+
+
+def test_parse_docs():
+    assert parse_docs("3000,1200,800", 5000).tolist() == [0, 3000, 4200, 5000]
+    assert parse_docs("10,20", 45).tolist() == [0, 10, 30, 40, 45]
+    cu = parse_docs("lognormal:mean=100,seed=3", 4096)
+    assert cu[0] == 0 and cu[-1] == 4096 and bool((cu[1:] > cu[:-1]).all())
+    for bad in ("x", "lognormal:mean=0", "gamma:k=2", "10,-1", "lognormal:mean=10,bogus=1"):
+        with pytest.raises(ValueError):
+            parse_docs(bad, 100)
+
+
+# ------------------------------------------------------------------------------------------- bad input
+
+def bad_call(what):
+    """Runs on every rank; what each rank raised (the same ValueError everywhere, before any K/V moved)."""
+    q, k, v, _ = _inputs(4, 2)
+    local = [shard_sequence(t, None, "zigzag") for t in (q, k, v)]
+    rank = comm.group_rank()
+    kwargs = {
+        "not_zero": dict(cu_seqlens=torch.tensor([1, T]), causal=True),
+        "not_total": dict(cu_seqlens=torch.tensor([0, T - 1]), causal=True),
+        "decreasing": dict(cu_seqlens=torch.tensor([0, 50, 40, T]), causal=True),
+        "float": dict(cu_seqlens=torch.tensor([0.0, T]), causal=True),
+        "window_no_causal": dict(window=4, causal=False),
+        "negative_window": dict(window=-1, causal=True),
+        "differs_by_rank": dict(cu_seqlens=torch.tensor([0, 10 + rank, T]), causal=True),
+    }[what]
+    with comm.CommLog() as log:
+        try:
+            ring_attention(*local, layout="zigzag", **kwargs)
+        except ValueError as e:
+            return str(e), dict(log.calls)
+    return None, dict(log.calls)
+
+
+@pytest.mark.parametrize("what", ["not_zero", "not_total", "decreasing", "float", "window_no_causal",
+                                  "negative_window", "differs_by_rank"])
+def test_invalid_documents_fail_on_every_rank_before_any_exchange(pools, what):
+    results = pools(3).run(bad_call, what)
+    messages = {msg for msg, _ in results}
+    assert None not in messages and len(messages) == 1, results
+    assert all(calls == {} for _, calls in results), results      # no K/V exchange was posted
