@@ -158,3 +158,10 @@ def allgather_attention(q, k, v, group=None, causal=False, layout="contiguous", 
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out, lse = _AllGatherAttention.apply(q, k, v, group, world, mask, scale, backend, chunks)
     return (out, lse) if return_lse else out
+
+
+if __name__ == "__main__":
+    from distlab.bench import run_study
+    from distlab.cp.study import main
+
+    run_study(lambda: main(algorithm="allgather"))

@@ -28,9 +28,13 @@ from distlab.runtime import init_runtime, shutdown
 from distlab.kernels.attention import attention, resolve_backend
 
 
-def method_plan(world, heads, kv_heads):
-    """(algorithm, ulysses, ring, layout) for every method that runs at this world size and head count."""
+def method_plan(world, heads, kv_heads, packed=False):
+    """(algorithm, ulysses, ring, layout) for every method that runs at this world size and head count;
+    ``packed`` (documents or a window): the balanced layout too."""
     plan = [("ring", 1, world, "contiguous"), ("ring", 1, world, "zigzag")]
+    if packed:
+        plan.append(("ring", 1, world, "balanced"))
+    plan += [("allgather", 1, world, "zigzag")] + ([("allgather", 1, world, "balanced")] if packed else [])
     if world > 1 and heads % world == 0:
         plan.append(("ulysses", world, 1, "contiguous"))
     plan += [("usp", u, world // u, "zigzag") for u in range(2, world) if world % u == 0 and heads % u == 0]
@@ -64,16 +68,17 @@ def deepspeed_method(args, world, rank, backend) -> CPMethod:
 
 
 def table(results, args) -> str:
-    lines = ["(sent MB: measured by distlab.comm on the busiest rank, fwd+bwd; n/a: not through distlab.comm)",
+    lines = ["(sent MB: measured by distlab.comm on the busiest rank, fwd+bwd; n/a: not through distlab.comm; "
+             "imbal.: the busiest rank's visible query-key pairs over the mean)",
              f"{'method':<24} {'fwd ms':>9} {'f+b ms':>9} {'fwd TF/s':>9} {'f+b TF/s':>9} {'sent MB':>9} "
-             f"{'model MB':>9} {'eff f+b':>8} {'max err':>9}"]
+             f"{'model MB':>9} {'imbal.':>7} {'eff f+b':>8} {'max err':>9}"]
     for r in results:
         sent = f"{max(x['fwd_bwd_bytes'] for x in r['ranks']) / 1e6:>9.3f}" if r["logged"] else f"{'n/a':>9}"
         err = max(r["max_rel_error"].values()) if "max_rel_error" in r else float("nan")
         eff = r.get("efficiency", {}).get("fwd_bwd", float("nan")) * 100
         lines.append(f"{r['method']:<24} {r['slowest']['fwd_s'] * 1e3:>9.2f} {r['slowest']['fwd_bwd_s'] * 1e3:>9.2f} "
                      f"{r['tflops']['fwd']:>9.3f} {r['tflops']['fwd_bwd']:>9.3f} {sent} "
-                     f"{r['model_bytes']['fwd_bwd'] / 1e6:>9.3f} {eff:>7.1f}% {err:>9.2e}")
+                     f"{r['model_bytes']['fwd_bwd'] / 1e6:>9.3f} {r['work_imbalance']:>7.3f} {eff:>7.1f}% {err:>9.2e}")
     return "\n".join(lines)
 
 
@@ -106,8 +111,9 @@ def main(argv=None):
     rt = init_runtime(device=args.device, seed=args.seed)
     world, rank, dev = rt.world_size, rt.rank, rt.device
     # bad input raises ValueError here, the same on every rank, before any collective of the study
-    backend = resolve_backend(args.backend, dev, DTYPES[args.dtype])
-    plan = method_plan(world, args.heads, args.kv_heads)
+    packed = args.docs is not None or args.window is not None
+    backend = resolve_backend(args.backend, dev, DTYPES[args.dtype], masked=True)   # all-gather's causal needs it
+    plan = method_plan(world, args.heads, args.kv_heads, packed)
     methods = [build_method(a, args, world, rank, dev, backend, ulysses=u, ring=r, layout=lay)
                for a, u, r, lay in plan]
     if args.deepspeed:

@@ -10,6 +10,9 @@ The counts follow exactly what ``distlab/comm.py`` logs (tests assert they agree
 - Ulysses: forward all-to-alls of q, k, v and out, backward of dout, dq, dk, dv; each sends (U−1)/U of
   the local tensor. k and v count kv' heads, the kv heads after replication (``kv_replication``).
 - USP: the Ulysses all-to-alls on the local piece plus ring hops of the (b, s/R, kv'/U, d) K/V.
+- all-gather KV: forward one all-gather of K and V, (W−1)/W of the full K+V, i.e. (W−1) local blocks;
+  backward one reduce-scatter of dK and dV (in K's dtype), the same bytes. Packed documents, windows and
+  the balanced layout change what is computed, never what travels: every method sends the same bytes.
 
 The all-to-all and ring bytes are integer floors, as the log counts them.
 """
@@ -48,8 +51,15 @@ def ulysses_bytes(batch, seq, heads, kv_heads, head_dim, itemsize, ulysses):
     return one_way, one_way
 
 
+def allgather_bytes(batch, seq, kv_heads, head_dim, itemsize, world):
+    """(forward, backward) bytes sent per rank by all-gather-KV attention over ``world`` ranks."""
+    block = 2 * batch * (seq // world) * kv_heads * head_dim * itemsize     # this rank's K and V
+    return (world - 1) * block, (world - 1) * block
+
+
 def cp_bytes(method, batch, seq, heads, kv_heads, head_dim, dtype, ulysses=1, ring=1):
-    """{"fwd": bytes, "bwd": bytes, "fwd_bwd": bytes} each rank sends for ``method`` in {ring, ulysses, usp}."""
+    """{"fwd": bytes, "bwd": bytes, "fwd_bwd": bytes} each rank sends for ``method`` in {ring, ulysses, usp,
+    allgather} (allgather: W = ``ring``)."""
     e = ITEMSIZE[dtype]
     acc = 8 if dtype == torch.float64 else 4
     if method == "ring":
@@ -61,6 +71,8 @@ def cp_bytes(method, batch, seq, heads, kv_heads, head_dim, dtype, ulysses=1, ri
         kv = kv_heads * kv_replication(heads, kv_heads, ulysses) // ulysses
         rf, rb = ring_bytes(batch, seq, heads // ulysses, kv, head_dim, e, ring, acc)
         fwd, bwd = uf + rf, ub + rb
+    elif method == "allgather":
+        fwd, bwd = allgather_bytes(batch, seq, kv_heads, head_dim, e, ring)
     else:
         raise ValueError(f"unknown CP method {method!r}")
     return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + bwd}
@@ -87,6 +99,10 @@ def main(argv=None):
         name = "ring" if u == 1 else "ulysses" if r == 1 else f"usp {u}x{r}"
         rows.append({"method": name, "ulysses": u, "ring": r,
                      **cp_bytes("usp", a.batch, a.seq, a.heads, a.kv_heads, a.head_dim, DTYPES[a.dtype], u, r)})
+    if a.seq % a.world == 0:
+        rows.append({"method": "allgather", "ulysses": 1, "ring": a.world,
+                     **cp_bytes("allgather", a.batch, a.seq, a.heads, a.kv_heads, a.head_dim, DTYPES[a.dtype],
+                                ring=a.world)})
     if not rows:
         raise ValueError(f"no CP split of W={a.world} fits seq {a.seq} and {a.heads} heads (the seq must divide "
                          f"by W, the heads by the Ulysses degree)")

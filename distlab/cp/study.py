@@ -3,6 +3,8 @@
     distlab run --nproc 4 -m distlab.cp.ring --seq 8192 --check --json ring.json
     distlab run --nproc 4 -m distlab.cp.ulysses --seq 8192 --check
     distlab run --nproc 4 -m distlab.cp.usp --ulysses 2 --ring 2 --seq 8192 --check
+    distlab run --nproc 4 -m distlab.cp.allgather --seq 8192 --check
+    distlab run --nproc 4 -m distlab.cp.ring --seq 8192 --docs lognormal:mean=1024,seed=0 --layout balanced --check
     torchrun --nproc-per-node 8 -m distlab.cp.ring --seq 65536 --layout zigzag --check
 
 Every rank draws the same full q, k, v (same seed), keeps its shard, and runs the method ``--warmup``
@@ -13,6 +15,11 @@ the whole sequence with the same kernel (``T_one / (W · T_cp)``; 100% is perfec
 ``--check`` the max relative error of the output and of dq, dk, dv against a float64 (float32 on GPU)
 one-device reference on the gathered tensors. ``--check`` exits with status 1 when an error is above the
 dtype's tolerance; invalid arguments exit with status 2 on every rank.
+
+``--docs`` packs documents (a list of lengths, repeated to fill ``--seq``, or ``lognormal:mean=2048,seed=0``)
+and ``--window N`` adds a sliding window (``distlab.cp.documents``); the work column then counts each
+rank's visible query–key pairs, the table shows the imbalance (max/mean), FLOPs count visible pairs, and
+``--check`` compares with one-device attention under the same mask in float64.
 
 Without a GPU the defaults are CPU-sized (4 heads, 2 kv heads, head_dim 32, float32); with one, the
 Llama-3-8B attention shape (32 heads, 8 kv heads, head_dim 128, bfloat16).
@@ -33,7 +40,8 @@ import torch.distributed as dist
 
 from distlab import comm
 from distlab.cp.cost import cp_bytes
-from distlab.cp.layout import LAYOUTS, check_divisible, gather_sequence, shard_sequence
+from distlab.cp.documents import Documents, describe, parse_docs
+from distlab.cp.layout import LAYOUTS, check_divisible, gather_sequence, shard_positions, shard_sequence
 from distlab.profiling import MODES, profile_steps
 from distlab.runtime import ParallelDims, init_runtime, shutdown
 from distlab.kernels.attention import BACKENDS, attention_backward, attention_forward, resolve_backend
@@ -52,7 +60,10 @@ def parse_args(argv=None, algorithm="ring"):
     p.add_argument("--head-dim", type=positive_int, default=None, help="default: 128 on GPU, 32 on CPU")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--layout", choices=LAYOUTS, default="contiguous" if algorithm == "ulysses" else "zigzag",
-                   help="sequence layout of the ring axis (Ulysses alone: contiguous)")
+                   help="sequence layout (balanced: placed by the documents' causal work)")
+    p.add_argument("--docs", default=None, metavar="SPEC",
+                   help="packed documents: lengths 3000,1200,800 (repeated) or lognormal:mean=2048,seed=0")
+    p.add_argument("--window", type=nonnegative_int, default=None, help="sliding window (causal): keys at most N back")
     if algorithm in ("usp", "compare"):
         p.add_argument("--ulysses", type=positive_int, default=None, help="Ulysses degree (default: 2, or 1 if W is odd)")
         p.add_argument("--ring", type=positive_int, default=None, help="ring degree (default: W / ulysses)")
@@ -82,23 +93,16 @@ def parse_args(argv=None, algorithm="ring"):
     return args
 
 
-def attention_flops(batch, seq, heads, head_dim, causal, backward=False):
-    """FLOPs of attention as FlashAttention counts them: 4·b·s²·h·d forward, halved when causal; bwd 2.5×."""
-    f = 4 * batch * seq * seq * heads * head_dim * (0.5 if causal else 1.0)
+def attention_flops(batch, seq, heads, head_dim, causal, backward=False, pairs=None):
+    """FLOPs of attention as FlashAttention counts them: 4·b·s²·h·d forward, halved when causal; bwd 2.5×.
+    ``pairs``: the visible (query, key) pairs instead (packed documents, windows): 4·b·pairs·h·d."""
+    f = 4 * batch * heads * head_dim * (pairs if pairs is not None else seq * seq * (0.5 if causal else 1.0))
     return f * 2.5 if backward else f
 
 
-def ring_work_share(rank, world, causal, layout, local_seq):
-    """Fraction of the whole attention's score entries ring rank ``rank`` computes (shows causal balance)."""
-    from distlab.cp.ring import ring_blocks
-
-    area = 0
-    for step in range(world):
-        for rows, cols, blk_causal in ring_blocks((rank - step) % world, rank, local_seq, causal, layout):
-            n, m = rows.stop - rows.start, cols.stop - cols.start
-            area += n * (n + 1) / 2 if blk_causal else n * m
-    full = world * local_seq
-    return area / (full * (full + 1) / 2 if causal else full * full)
+def study_documents(args) -> Documents:
+    """The study's mask: ``--docs`` and ``--window`` (ValueError on every rank when they are wrong)."""
+    return Documents.from_args(args.seq, parse_docs(args.docs, args.seq), args.causal, args.window)
 
 
 @dataclasses.dataclass
@@ -114,37 +118,53 @@ class CPMethod:
     logged: bool = True  # its communication goes through distlab.comm (so CommLog sees it)
 
 
+def needs_mask(algorithm: str, layout: str, docs: Documents) -> bool:
+    """Whether the method's kernel calls carry a KeyMask (only the backends in MASK_BACKENDS take one)."""
+    if docs.masked or layout == "balanced":
+        return True
+    return docs.causal and (algorithm == "allgather" or algorithm == "ulysses" and layout != "contiguous")
+
+
+def work_share(docs: Documents, world: int, rank: int, layout: str) -> float:
+    """This rank's share of the visible (query, key) pairs when ``world`` ranks hold the sequence in ``layout``."""
+    mine = docs.work(shard_positions(docs.total, world, rank, layout, docs.cu_seqlens))
+    return mine / max(1, docs.work(torch.arange(docs.total)))
+
+
 def build_method(algorithm, args, world, rank, device, backend, ulysses=1, ring=None, layout=None) -> CPMethod:
     """Validate (same answer on every rank, no communication), then build groups and the method."""
+    from distlab.cp.allgather import allgather_attention
     from distlab.cp.ring import ring_attention
     from distlab.cp.ulysses import kv_replication, ulysses_attention
     from distlab.cp.usp import usp_attention
 
     layout = layout or args.layout
     dtype = DTYPES[args.dtype]
-    model = {}
+    docs = study_documents(args)
+    cu = docs.cu_seqlens
+    kw = dict(cu_seqlens=cu, window=docs.window)
     if args.heads % args.kv_heads:
         raise ValueError(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
-    if algorithm == "ring":
+    shape = (args.batch, args.seq, args.heads, args.kv_heads, args.head_dim, dtype)
+    g = dist.group.WORLD
+    if algorithm in ("ring", "allgather"):
         check_divisible(args.seq, world, layout)
-        g = dist.group.WORLD
-        model = cp_bytes("ring", args.batch, args.seq, args.heads, args.kv_heads, args.head_dim, dtype, ring=world)
-        return CPMethod(f"ring ({layout})",
-                        lambda q, k, v: ring_attention(q, k, v, g, args.causal, layout, backend),
-                        lambda x: shard_sequence(x, g, layout), lambda x: gather_sequence(x, g, layout),
-                        ring_work_share(rank, world, args.causal, layout, args.seq // world), model)
+        if algorithm == "ring":
+            attn = lambda q, k, v: ring_attention(q, k, v, g, args.causal, layout, backend, **kw)  # noqa: E731
+        else:
+            attn = lambda q, k, v: allgather_attention(q, k, v, g, args.causal, layout, backend, **kw)  # noqa: E731
+        return CPMethod(f"{algorithm} ({layout})", attn,
+                        lambda x: shard_sequence(x, g, layout, cu_seqlens=cu),
+                        lambda x: gather_sequence(x, g, layout, cu_seqlens=cu),
+                        work_share(docs, world, rank, layout), cp_bytes(algorithm, *shape, ring=world))
     if algorithm == "ulysses":
-        if layout != "contiguous":
-            raise ValueError("Ulysses alone runs the contiguous layout (the gathered sequence must be in order); "
-                             "for zigzag balance use the ring axis of distlab.cp.usp")
-        check_divisible(args.seq, world, "contiguous")
+        check_divisible(args.seq, world, layout)
         kv_replication(args.heads, args.kv_heads, world)
-        g = dist.group.WORLD
-        model = cp_bytes("ulysses", args.batch, args.seq, args.heads, args.kv_heads, args.head_dim, dtype,
-                         ulysses=world)
-        return CPMethod("ulysses", lambda q, k, v: ulysses_attention(q, k, v, g, args.causal, backend),
-                        lambda x: shard_sequence(x, g, "contiguous"), lambda x: gather_sequence(x, g, "contiguous"),
-                        1.0 / world, model)
+        return CPMethod(f"ulysses ({layout})" if layout != "contiguous" else "ulysses",
+                        lambda q, k, v: ulysses_attention(q, k, v, g, args.causal, backend, layout=layout, **kw),
+                        lambda x: shard_sequence(x, g, layout, cu_seqlens=cu),
+                        lambda x: gather_sequence(x, g, layout, cu_seqlens=cu),
+                        1.0 / world, cp_bytes("ulysses", *shape, ulysses=world))
     if algorithm == "usp":
         ring = ring if ring is not None else world // ulysses
         dims = ParallelDims(world, cp=world, ulysses=ulysses, ring=ring)
@@ -153,13 +173,12 @@ def build_method(algorithm, args, world, rank, device, backend, ulysses=1, ring=
         mesh = dims.build_mesh(device.type)
         ug, rg = mesh.get_group("ulysses"), mesh.get_group("ring")
         r_rank = mesh.get_local_rank("ring")
-        model = cp_bytes("usp", args.batch, args.seq, args.heads, args.kv_heads, args.head_dim, dtype,
-                         ulysses=ulysses, ring=ring)
         return CPMethod(f"usp {ulysses}x{ring} ({layout})",
-                        lambda q, k, v: usp_attention(q, k, v, ug, rg, args.causal, layout, backend),
-                        lambda x: shard_sequence(x, rg, layout, ulysses_group=ug),
-                        lambda x: gather_sequence(x, rg, layout, ulysses_group=ug),
-                        ring_work_share(r_rank, ring, args.causal, layout, args.seq // ring) / ulysses, model)
+                        lambda q, k, v: usp_attention(q, k, v, ug, rg, args.causal, layout, backend, **kw),
+                        lambda x: shard_sequence(x, rg, layout, ulysses_group=ug, cu_seqlens=cu),
+                        lambda x: gather_sequence(x, rg, layout, ulysses_group=ug, cu_seqlens=cu),
+                        work_share(docs, ring, r_rank, layout) / ulysses,
+                        cp_bytes("usp", *shape, ulysses=ulysses, ring=ring))
     raise ValueError(f"unknown CP algorithm {algorithm!r}")
 
 
@@ -207,12 +226,22 @@ def make_inputs(args, device):
     return [torch.randn(s, generator=gen).to(device, dtype) for s in (shape_q, shape_kv, shape_kv, shape_q)]
 
 
-def one_device_reference(q, k, v, dout, causal):
+def one_device_mask(docs: Documents, device):
+    """The whole sequence's KeyMask when there are documents or a window (else None: plain causal/full)."""
+    if not docs.masked:
+        return None
+    pos = torch.arange(docs.total)
+    return docs.mask(pos, pos, device)
+
+
+def one_device_reference(q, k, v, dout, causal, docs: Documents | None = None):
     """Output and grads of the whole attention on one device, in float64 on CPU (float32 on GPU)."""
     ct = torch.float64 if q.device.type == "cpu" else torch.float32
     q, k, v, dout = (t.to(ct) for t in (q, k, v, dout))
-    out, lse = attention_forward(q, k, v, causal, backend="torch")
-    return (out, *attention_backward(dout, q, k, v, out, lse, causal, backend="torch"))
+    mask = one_device_mask(docs, q.device) if docs is not None else None
+    causal = causal and mask is None
+    out, lse = attention_forward(q, k, v, causal, backend="torch", mask=mask)
+    return (out, *attention_backward(dout, q, k, v, out, lse, causal, backend="torch", mask=mask))
 
 
 def measure(method: CPMethod, full, args, device, reference=None) -> dict:
@@ -261,13 +290,15 @@ def measure(method: CPMethod, full, args, device, reference=None) -> dict:
 
 def one_device_timing(full, args, device, backend) -> dict:
     fq, fk, fv, fd = full
+    mask = one_device_mask(study_documents(args), device)
+    causal = args.causal and mask is None
 
     def one_fwd():
-        attention_forward(fq, fk, fv, args.causal, backend=backend)
+        attention_forward(fq, fk, fv, causal, backend=backend, mask=mask)
 
     def one_fb():
-        o, l = attention_forward(fq, fk, fv, args.causal, backend=backend)
-        attention_backward(fd, fq, fk, fv, o, l, args.causal, backend=backend)
+        o, l = attention_forward(fq, fk, fv, causal, backend=backend, mask=mask)
+        attention_backward(fd, fq, fk, fv, o, l, causal, backend=backend, mask=mask)
 
     return {"fwd_s": _time(one_fwd, args.iters, args.warmup, device, barrier=False),
             "fwd_bwd_s": _time(one_fb, args.iters, args.warmup, device, barrier=False)}
@@ -280,7 +311,7 @@ def reference_on_rank0(full, args, rank):
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     try:
-        return one_device_reference(*full, args.causal)
+        return one_device_reference(*full, args.causal, study_documents(args))
     finally:
         torch.set_num_threads(threads)
 
@@ -305,7 +336,8 @@ def default_split(world, heads, ulysses=None, ring=None):
 def run(args, algorithm="ring"):
     rt = init_runtime(device=args.device, seed=args.seed)
     world, rank, dev = rt.world_size, rt.rank, rt.device
-    backend = resolve_backend(args.backend, dev, DTYPES[args.dtype])
+    backend = resolve_backend(args.backend, dev, DTYPES[args.dtype],
+                              masked=needs_mask(algorithm, args.layout, study_documents(args)))
     u, r = default_split(world, args.heads, args.ulysses, args.ring) if algorithm == "usp" else (1, world)
     method = build_method(algorithm, args, world, rank, dev, backend, ulysses=u, ring=r)
     check_memory(memory_estimate(args, world), dev, f"seq {args.seq} x {args.heads} heads (batch {args.batch})")
@@ -322,8 +354,12 @@ def summarize(result, args) -> dict:
     """Slowest-rank times, TFLOP/s and efficiency of one measured method (adds them to ``result``)."""
     a = args
     w = len(result["ranks"])
-    f_fwd = attention_flops(a.batch, a.seq, a.heads, a.head_dim, a.causal)
-    f_fb = f_fwd + attention_flops(a.batch, a.seq, a.heads, a.head_dim, a.causal, backward=True)
+    docs = study_documents(a)
+    pairs = docs.work(torch.arange(a.seq)) if docs.masked else None
+    f_fwd = attention_flops(a.batch, a.seq, a.heads, a.head_dim, a.causal, pairs=pairs)
+    f_fb = f_fwd + attention_flops(a.batch, a.seq, a.heads, a.head_dim, a.causal, backward=True, pairs=pairs)
+    shares = [r["work_share"] for r in result["ranks"]]
+    result["work_imbalance"] = max(shares) / (sum(shares) / len(shares)) if sum(shares) else 1.0
     t_fwd = max(r["fwd_s"] for r in result["ranks"])
     t_fb = max(r["fwd_bwd_s"] for r in result["ranks"])
     result["slowest"] = {"fwd_s": t_fwd, "fwd_bwd_s": t_fb}
@@ -339,6 +375,8 @@ def header(result, args) -> list[str]:
     lines = [f"batch {a.batch} · seq {a.seq} · heads {a.heads} (kv {a.kv_heads}) · head_dim {a.head_dim} · "
              f"{a.dtype} · {'causal' if a.causal else 'full'} · W={result['world_size']} ({result['launcher']}) · "
              f"{result['device']} · backend {result['backend']}"]
+    if a.docs or a.window is not None:
+        lines.append(f"packed: {describe(study_documents(a))}")
     if not result["device"].startswith("cuda"):
         w, cores = result["world_size"], result["cpu_cores"]
         share = f"{w} processes share {cores} CPU cores, so " if w > 1 else ""
@@ -361,7 +399,8 @@ def report(result, args) -> str:
     lines += ["", f"slowest rank: fwd {s['fwd_s'] * 1e3:.2f} ms ({result['tflops']['fwd']:.3f} TFLOP/s), "
                   f"fwd+bwd {s['fwd_bwd_s'] * 1e3:.2f} ms ({result['tflops']['fwd_bwd']:.3f} TFLOP/s)",
               f"communication per rank: forward {result['comm_forward']['calls']}, forward+backward "
-              f"{result['comm_forward_backward']['calls']}"]
+              f"{result['comm_forward_backward']['calls']}",
+              f"work (visible query-key pairs) per rank: max/mean {result['work_imbalance']:.3f}"]
     if "one_device" in result:
         one, eff = result["one_device"], result["efficiency"]
         times = f"one device, whole sequence: fwd {one['fwd_s'] * 1e3:.2f} ms, fwd+bwd {one['fwd_bwd_s'] * 1e3:.2f} ms"
