@@ -34,7 +34,7 @@ from distlab.model.data import corpus, decode, encode
 from distlab.model.llama import Llama
 from distlab.model.parallel import ParallelLlama
 from distlab.runtime import init_runtime, shutdown
-from distlab.kernels.attention import attention
+from distlab.tp.block import local_attention
 from distlab.bench import StudyParser, dtype_arg, positive_int, run_study, write_json
 
 
@@ -63,20 +63,20 @@ def generate(model: ParallelLlama, ids, steps: int, timings: dict | None = None)
     saved = [(b.attention_fn, b.positions) for b in model.blocks]
 
     def keeping_cache(i, attend):
-        def fn(q, k, v):
+        def fn(q, k, v, cu_seqlens=None):
             caches[i] = KVCacheShard(k.contiguous(), v.contiguous(), model.cp_group, next_position=length)
-            return attend(q, k, v)
+            return attend(q, k, v, cu_seqlens)
         return fn
 
     def decoding(cache):
-        def fn(q, k, v):
+        def fn(q, k, v, cu_seqlens=None):
             cache.append(k, v)
             return cp_decode_attention(q, cache)
         return fn
 
     try:
         for i, block in enumerate(model.blocks):
-            block.attention_fn = keeping_cache(i, block.attention_fn or (lambda q, k, v: attention(q, k, v, causal=True)))
+            block.attention_fn = keeping_cache(i, block.attention_fn or local_attention)
         t0 = time.perf_counter()
         logits = [_last_logits(model, model(piece), positions, length - 1)]
         tokens = [logits[-1].argmax(-1)]

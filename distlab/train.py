@@ -35,7 +35,7 @@ import torch.distributed as dist
 from distlab import comm
 from distlab.model import checkpoint
 from distlab.model.config import ModelConfig, TrainConfig, layout_dims, load_config, load_layout
-from distlab.model.data import batch, corpus
+from distlab.model.data import batch, corpus_documents, packed_batch
 from distlab.model.llama import Llama
 from distlab.model.parallel import ParallelLlama
 from distlab.runtime import init_runtime, shutdown
@@ -81,15 +81,16 @@ def peak_tflops(device) -> float | None:
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
-def train_step(model, optimizer, ids, targets, step, cfg: TrainConfig, group=None, amp_dtype=None) -> float:
+def train_step(model, optimizer, ids, targets, step, cfg: TrainConfig, group=None, amp_dtype=None, ctx=None) -> float:
     """One optimizer step on this rank's share of the batch; returns the loss averaged over the ranks that
     hold different data. A sharded model (``ParallelLlama``) synchronises and clips its own gradients.
-    ``amp_dtype`` (bf16 on GPU): autocast the forward, weights and optimizer stay float32."""
+    ``amp_dtype`` (bf16 on GPU): autocast the forward, weights and optimizer stay float32. ``ctx``: the
+    packed documents' keyword arguments of ``model.loss`` (``docs``, and ``positions`` for a sharded model)."""
     for group_ in optimizer.param_groups:
         group_["lr"] = lr_at(step, cfg)
     optimizer.zero_grad(set_to_none=False)
     with torch.autocast(ids.device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
-        loss = model.loss(ids, targets)
+        loss = model.loss(ids, targets, **(ctx or {}))
     loss.backward()
     if hasattr(model, "sync_gradients"):
         model.sync_gradients()
@@ -124,8 +125,10 @@ def main(argv=None):
     p.add_argument("--sp", action="store_true", default=None, help="sequence parallelism inside TP")
     p.add_argument("--ring", type=positive_int, default=None, help="context parallelism: ring degree")
     p.add_argument("--ulysses", type=positive_int, default=None, help="context parallelism: Ulysses degree")
-    p.add_argument("--layout", "--cp-layout", dest="cp_layout", choices=("zigzag", "contiguous"), default=None,
-                   help="sequence layout of the ring axis, as in the CP studies")
+    p.add_argument("--layout", "--cp-layout", dest="cp_layout", choices=("zigzag", "contiguous", "balanced"),
+                   default=None, help="sequence layout of the CP axes, as in the CP studies")
+    p.add_argument("--pack", action="store_true", help="packed documents: each corpus file a document, no "
+                   "attention across documents, RoPE restarting in each, the loss over non-ignored targets")
     p.add_argument("--amp", choices=("bf16", "none"), default=None, help="autocast (default: bf16 on GPU, none on CPU)")
     p.add_argument("--peak-tflops", type=float, default=None, help="per-GPU peak for MFU (default: by GPU name)")
     a = p.parse_args(argv)
@@ -139,11 +142,12 @@ def main(argv=None):
     if a.checkpoint_every is not None:
         tcfg.checkpoint_every = a.checkpoint_every
     rt = init_runtime(device=a.device, seed=tcfg.seed)
-    model_parallel = a.tp * a.ring * a.ulysses
     dims = layout_dims(rt.world_size, a.tp, a.ring, a.ulysses, tcfg.batch)   # ValueError on every rank
     if a.resume:
         checkpoint.check_folder(a.resume, mcfg)   # before any collective: a wrong path is one line, not DCP's
-    mesh = dims.build_mesh(rt.device.type) if model_parallel > 1 else None
+    # every multi-rank run is a ParallelLlama (dp alone too): its loss is the global batch's mean over the
+    # non-ignored targets, whatever share of them each rank holds
+    mesh = dims.build_mesh(rt.device.type) if rt.world_size > 1 else None
     build = (lambda ref: ParallelLlama(ref.to(rt.device), mesh, a.sp, a.cp_layout)) if mesh else (lambda ref: ref.to(rt.device))
     if a.resume:   # consolidated checkpoint: any layout can resume any other's
         model, optimizer, start = checkpoint.load(a.resume, mcfg, build, lambda m: make_optimizer(m, tcfg))
@@ -154,22 +158,23 @@ def main(argv=None):
         model = build(Llama(mcfg))
         optimizer = make_optimizer(model, tcfg)
         start = 0
-    data = corpus()
-    per = tcfg.batch // rt.world_size
-    rows = slice(rt.rank * per, (rt.rank + 1) * per)
+    data, doc_starts = corpus_documents()
     end = min(tcfg.steps, start + a.stop_after) if a.stop_after else tcfg.steps
     amp = {"bf16": torch.bfloat16, "none": None}[a.amp or ("bf16" if rt.device.type == "cuda" else "none")]
     peak = a.peak_tflops or peak_tflops(rt.device)
     flops = flops_per_token(mcfg, tcfg.seq)
     losses, t0, tokens, rates = {}, time.perf_counter(), 0, []
     for step in range(start, end):
-        ids, targets = batch(data, step, tcfg.batch, tcfg.seq, tcfg.seed)
-        if model_parallel > 1:
-            ids, targets = model.shard_batch(ids, targets)
+        ctx = None
+        if a.pack:
+            ids, targets, docs = packed_batch(data, doc_starts, step, tcfg.batch, tcfg.seq, tcfg.seed)
+            ids, targets, ctx = model.shard_batch(ids, targets, docs) if mesh else (ids, targets, {"docs": docs})
         else:
-            ids, targets = ids[rows], targets[rows]
+            ids, targets = batch(data, step, tcfg.batch, tcfg.seq, tcfg.seed)
+            if mesh:
+                ids, targets = model.shard_batch(ids, targets)
         losses[step] = train_step(model, optimizer, ids.to(rt.device), targets.to(rt.device), step, tcfg,
-                                  amp_dtype=amp)   # .item() of the loss: the step has finished here
+                                  amp_dtype=amp, ctx=ctx)   # .item() of the loss: the step has finished here
         tokens += tcfg.batch * tcfg.seq
         if step % tcfg.log_every == 0 or step == end - 1:   # rate over the steps since the last line
             rate = tokens / (time.perf_counter() - t0)

@@ -6,7 +6,7 @@ import torch
 
 from distlab import comm
 from distlab.model import Llama, ModelConfig
-from distlab.model.data import batch, corpus
+from distlab.model.data import batch, corpus, packed_batch
 from distlab.model.parallel import ParallelLlama
 from distlab.runtime import ParallelDims
 
@@ -21,7 +21,7 @@ def rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def parallel_vs_one_device(dp, tp, sp, ring=1, ulysses=1, layout="zigzag", experts=0):
+def parallel_vs_one_device(dp, tp, sp, ring=1, ulysses=1, layout="zigzag", experts=0, packed=False):
     cfg = ModelConfig(vocab=256, layers=2, hidden=64, heads=4, kv_heads=2, ffn=96, moe_experts=experts)
     torch.manual_seed(0)
     ref = Llama(cfg, dtype=torch.float64)
@@ -29,15 +29,23 @@ def parallel_vs_one_device(dp, tp, sp, ring=1, ulysses=1, layout="zigzag", exper
         for m in ref.modules():
             if m.__class__.__name__ == "RMSNorm":
                 m.weight.uniform_(0.5, 1.5)
-    ids, targets = batch(corpus(), 3, 4, 16)
-    loss_ref = ref.loss(ids, targets)
+    if packed:   # documents of 1-8 tokens: boundaries inside every shard, ignored targets spread unevenly
+        data = corpus()
+        starts = torch.randint(1, 9, (len(data) // 2,), generator=torch.Generator().manual_seed(1)).cumsum(0)
+        ids, targets, docs = packed_batch(data, starts[starts < len(data)], 3, 4, 16)
+    else:
+        (ids, targets), docs = batch(corpus(), 3, 4, 16), None
+    loss_ref = ref.loss(ids, targets, docs)
     loss_ref.backward()
     mesh = mesh_for(dp, tp, ring, ulysses)
     model = ParallelLlama(ref, mesh, sequence_parallel=sp, cp_layout=layout)
     tpg = model.tp_group
-    my_ids, my_targets = model.shard_batch(ids, targets)
+    if packed:
+        my_ids, my_targets, ctx = model.shard_batch(ids, targets, docs)
+    else:
+        (my_ids, my_targets), ctx = model.shard_batch(ids, targets), {}
     with comm.CommLog() as log:
-        loss = model.loss(my_ids, my_targets)
+        loss = model.loss(my_ids, my_targets, **ctx)
     loss.backward()
     model.sync_gradients()
     loss_all = comm.all_reduce_raw(loss.detach().reshape(1), model.replica_group) / (dp * ring * ulysses)
@@ -144,3 +152,47 @@ def bad_layout():
 def test_indivisible_vocab_refused_on_every_rank(pools):
     outcome = pools(4).run_all(bad_layout, timeout_s=60)
     assert all(not ok and "vocabulary size (250) is not divisible" in msg for ok, msg in outcome), outcome
+
+
+PACKED_LAYOUTS = [  # (world, dp, tp, sp, ring, ulysses, layout, experts)
+    (2, 2, 1, False, 1, 1, "zigzag", 0), (2, 1, 1, False, 2, 1, "zigzag", 0), (4, 1, 1, False, 4, 1, "balanced", 0),
+    (4, 1, 1, False, 1, 4, "contiguous", 0), (4, 1, 1, False, 2, 2, "balanced", 0), (4, 1, 2, True, 2, 1, "zigzag", 0),
+    (4, 2, 2, False, 1, 1, "zigzag", 0), (8, 2, 1, False, 2, 2, "zigzag", 0), (4, 2, 1, False, 2, 1, "zigzag", 4),
+    (8, 1, 2, True, 2, 2, "balanced", 8),
+]
+
+
+@pytest.mark.parametrize("world,dp,tp,sp,ring,ulysses,layout,experts", PACKED_LAYOUTS,
+                         ids=[f"dp{d}-tp{t}{'-sp' if s else ''}-ring{r}-uly{u}-{lay}{f'-e{e}' if e else ''}"
+                              for _, d, t, s, r, u, lay, e in PACKED_LAYOUTS])
+def test_packed_documents_match_one_device(pools, world, dp, tp, sp, ring, ulysses, layout, experts):
+    """Packed rows (documents of 1-8 tokens, RoPE restarting in each, the last token of each ignored): the loss
+    is the mean over the global batch's non-ignored targets and every gradient is the one-device one, though
+    each rank holds a different number of ignored targets."""
+    for errors, _ in pools(world).run(parallel_vs_one_device, dp, tp, sp, ring, ulysses, layout, experts, True):
+        assert max(errors.values()) < 1e-10, {k: v for k, v in errors.items() if v >= 1e-10}
+
+
+def test_a_packed_row_is_its_documents_run_one_by_one():
+    """What packing means: the logits of each document in a packed row equal the model run on that document
+    alone (attention stays inside it, RoPE restarts at its first token)."""
+    cfg = ModelConfig(vocab=256, layers=2, hidden=64, heads=4, kv_heads=2, ffn=96)
+    torch.manual_seed(0)
+    ref = Llama(cfg, dtype=torch.float64)
+    ids = corpus()[:40][None]
+    cu = torch.tensor([0, 1, 9, 9, 25, 40])
+    packed = ref(ids, [cu])
+    for a, b in zip(cu.tolist(), cu[1:].tolist()):
+        if b > a:
+            alone = ref(ids[:, a:b])
+            assert rel(packed[:, a:b], alone) < 1e-12, (a, b)
+    assert rel(ref(ids, [torch.tensor([0, 40])]), ref(ids)) < 1e-12    # one document: the plain model
+
+
+def test_rope_positions_restart_in_every_document():
+    from distlab.model.llama import document_positions
+
+    got = document_positions([torch.tensor([0, 1, 4, 4, 7])], 7)[0].tolist()
+    assert got == [0, 0, 1, 2, 0, 1, 2]
+    shard = torch.tensor([5, 6, 0, 1])                      # a CP piece's global positions
+    assert document_positions([torch.tensor([0, 3, 7])], 7, shard)[0].tolist() == [2, 3, 0, 1]

@@ -2,9 +2,14 @@
 
     python -m distlab.train --config tiny
 
-The corpus is distlab's own documentation and source (``README.md``, ``docs/``, ``distlab/``, ``kernels/``),
-read in a fixed order, so a CPU run has real text to learn from without a download. Batches are drawn
-with a seeded generator from the step number, so any step's batch can be recomputed after a restart.
+The corpus is distlab's own documentation and source (``README.md``, ``docs/``, ``distlab/``), read in a
+fixed order, so a CPU run has real text to learn from without a download. Batches are drawn with a seeded
+generator from the step number, so any step's batch can be recomputed after a restart.
+
+Packed batches (``distlab.train --pack``): each file is a document. A row is the same random window as
+``batch`` draws, with the boundaries of the documents inside it as its ``cu_seqlens``; the target of a
+document's last token (the next document's first byte) is ignored (-100), since nothing in one document
+may predict another.
 """
 
 from __future__ import annotations
@@ -26,6 +31,11 @@ def decode(ids) -> str:
 
 def corpus() -> torch.Tensor:
     """All shipped text as one byte tensor (README, docs, then the Python sources, sorted)."""
+    return corpus_documents()[0]
+
+
+def corpus_documents() -> tuple[torch.Tensor, torch.Tensor]:
+    """(the corpus, the offset where each of its documents — files — starts)."""
     paths = [os.path.join(ROOT, "README.md")]
     for sub in ("docs", "distlab"):
         for folder, _, files in sorted(os.walk(os.path.join(ROOT, sub))):
@@ -35,7 +45,9 @@ def corpus() -> torch.Tensor:
         if os.path.exists(p):
             with open(p, encoding="utf-8") as f:
                 text.append(f.read())
-    return encode("\n\n".join(text))
+    pieces = [encode(t + "\n\n") for t in text]
+    starts = torch.tensor([0] + [len(p) for p in pieces[:-1]]).cumsum(0)
+    return torch.cat(pieces)[:-2], starts
 
 
 def batch(data: torch.Tensor, step: int, batch_size: int, seq: int, seed: int = 0):
@@ -44,3 +56,18 @@ def batch(data: torch.Tensor, step: int, batch_size: int, seq: int, seed: int = 
     starts = torch.randint(0, len(data) - seq - 1, (batch_size,), generator=g)
     windows = torch.stack([data[s:s + seq + 1] for s in starts.tolist()])
     return windows[:, :-1], windows[:, 1:]
+
+
+def packed_batch(data: torch.Tensor, doc_starts: torch.Tensor, step: int, batch_size: int, seq: int, seed: int = 0):
+    """(ids, targets, docs): ``batch``'s windows, each row's documents as cu_seqlens (a list), and the
+    targets that would cross into the next document set to -100."""
+    ids, targets = batch(data, step, batch_size, seq, seed)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(data) - seq - 1, (batch_size,), generator=g)   # batch's own windows
+    docs, targets = [], targets.clone()
+    for row, s in enumerate(starts.tolist()):
+        inside = doc_starts[(doc_starts > s) & (doc_starts < s + seq)] - s
+        cu = torch.cat([torch.tensor([0]), inside, torch.tensor([seq])])
+        targets[row, cu[1:-1] - 1] = -100
+        docs.append(cu)
+    return ids, targets, docs

@@ -31,13 +31,28 @@ class Llama(torch.nn.Module):
         self.norm = RMSNorm(cfg.hidden, **kw)
         self.head = torch.nn.Linear(cfg.hidden, cfg.vocab, bias=False, **kw)
 
-    def forward(self, ids):
+    def forward(self, ids, docs=None):
+        """``docs``: packed documents, one cu_seqlens per row of ``ids``: attention stays inside each
+        document and RoPE positions restart at every document start (as Llama 3 packs)."""
+        positions = document_positions(docs, ids.shape[1]).to(ids.device) if docs is not None else None
         x = self.embed(ids)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, positions, docs)
         return self.head(self.norm(x))
 
-    def loss(self, ids, targets):
-        logits = self(ids)
+    def loss(self, ids, targets, docs=None):
+        """Mean cross-entropy over the targets that are not ``-100`` (ignored: a document's last token)."""
+        logits = self(ids, docs)
         logits = logits if logits.dtype == torch.float64 else logits.float()   # the loss in at least fp32
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+
+
+def document_positions(docs, seq: int, positions=None) -> torch.Tensor:
+    """(rows, len) RoPE positions: each token's offset in its document, for the global ``positions``
+    (default all of ``0..seq-1``) of every row's packed documents ``docs`` (one cu_seqlens per row)."""
+    pos = torch.arange(seq) if positions is None else positions.cpu()
+    rows = []
+    for cu in docs:
+        cu = torch.as_tensor(cu, dtype=torch.int64)
+        rows.append(pos - cu[torch.searchsorted(cu, pos, right=True) - 1])
+    return torch.stack(rows)

@@ -35,7 +35,7 @@ from distlab.cp.layout import check_divisible, shard_sequence
 from distlab.cp.ring import ring_attention
 from distlab.cp.ulysses import ulysses_attention
 from distlab.cp.usp import usp_attention
-from distlab.model.llama import Llama
+from distlab.model.llama import Llama, document_positions
 from distlab.tp.block import TPLlamaBlock
 from distlab.tp.linear import ColumnParallelLinear
 from distlab.tp.norm import RMSNorm
@@ -65,30 +65,45 @@ class ParallelLlama(torch.nn.Module):
         self.head = ColumnParallelLinear.from_linear(ref.head, self.tp_group, sequence_parallel=sequence_parallel)
         if uly > 1 and (ref.cfg.heads // tp) % uly:
             raise ValueError(f"the Ulysses degree {uly} must divide the {ref.cfg.heads // tp} q heads per TP rank")
+        if uly > 1 and ring == 1 and cp_layout == "zigzag":
+            self.cp_layout = cp_layout = "contiguous"   # Ulysses alone gathers the sequence in order
+        ug, rg = self.ulysses_group, self.ring_group
         if ring > 1 and uly > 1:
-            attend = lambda q, k, v: usp_attention(q, k, v, self.ulysses_group, self.ring_group, True, cp_layout)  # noqa: E731
+            attend = lambda q, k, v, cu=None: usp_attention(q, k, v, ug, rg, True, cp_layout, cu_seqlens=cu)  # noqa: E731
         elif uly > 1:
-            attend = lambda q, k, v: ulysses_attention(q, k, v, self.ulysses_group, True)  # noqa: E731
+            attend = lambda q, k, v, cu=None: ulysses_attention(q, k, v, ug, True, layout=cp_layout, cu_seqlens=cu)  # noqa: E731
         elif ring > 1:
-            attend = lambda q, k, v: ring_attention(q, k, v, self.ring_group, True, cp_layout)  # noqa: E731
+            attend = lambda q, k, v, cu=None: ring_attention(q, k, v, rg, True, cp_layout, cu_seqlens=cu)  # noqa: E731
         else:
             attend = None
-        if uly > 1 and ring == 1 and cp_layout != "contiguous":
-            self.cp_layout = "contiguous"     # Ulysses alone gathers the sequence in order
         for block in self.blocks:
             block.attention_fn = attend
 
-    def shard_batch(self, ids, targets):
-        """This rank's rows (dp) and sequence piece (cp) of a global batch; sets the blocks' RoPE positions."""
+    def shard_batch(self, ids, targets, docs=None):
+        """This rank's rows (dp) and sequence piece (cp) of a global batch. Without ``docs`` it sets the
+        blocks' RoPE positions (the pieces' global positions) and returns (ids, targets); with ``docs`` (one
+        cu_seqlens per row of the global batch) it returns (ids, targets, ctx), ``ctx`` the keyword
+        arguments of ``loss`` / ``forward`` for this rank: its rows' documents and in-document positions."""
         dp, r = comm.group_size(self.dp_group), comm.group_rank(self.dp_group)
         if ids.shape[0] % dp:
             raise ValueError(f"batch {ids.shape[0]} is not divisible by the data-parallel size {dp}")
         per = ids.shape[0] // dp
         ids, targets = ids[r * per:(r + 1) * per], targets[r * per:(r + 1) * per]
         ring, uly = comm.group_size(self.ring_group), comm.group_size(self.ulysses_group)
-        check_divisible(ids.shape[1], ring, self.cp_layout, uly)
-        piece = lambda t: shard_sequence(t, self.ring_group, self.cp_layout, 1, self.ulysses_group)  # noqa: E731
-        positions = piece(torch.arange(ids.shape[1])[None])[0]
+        seq = ids.shape[1]
+        check_divisible(seq, ring, self.cp_layout, uly)
+
+        def piece(t, cu=None):
+            return shard_sequence(t, self.ring_group, self.cp_layout, 1, self.ulysses_group, cu_seqlens=cu)
+
+        if docs is not None:
+            docs = [torch.as_tensor(cu, dtype=torch.int64) for cu in docs[r * per:(r + 1) * per]]
+            rows = [piece(torch.stack([i, t, torch.arange(seq)]), cu) for i, t, cu in
+                    zip(ids, targets, docs)]            # each row cut by its own documents (balanced layout)
+            ids, targets = torch.stack([x[0] for x in rows]), torch.stack([x[1] for x in rows])
+            positions = torch.stack([document_positions([cu], seq, x[2])[0] for x, cu in zip(rows, docs)])
+            return ids, targets, {"docs": docs, "positions": positions}
+        positions = piece(torch.arange(seq)[None])[0]
         for block in self.blocks:
             block.positions = positions if ring * uly > 1 else None
         ids, targets = piece(ids), piece(targets)
@@ -98,17 +113,23 @@ class ParallelLlama(torch.nn.Module):
                 raise ValueError(f"sequence piece {ids.shape[1]} is not divisible by the tensor-parallel size {tp}")
         return ids, targets
 
-    def forward(self, ids):
+    def forward(self, ids, docs=None, positions=None):
         """This rank's logits (b, s, vocab/tp) for its ids (its piece of the sequence; the column layer
-        gathers the sequence back under SP)."""
+        gathers the sequence back under SP). ``docs``/``positions``: from ``shard_batch(..., docs)``."""
         x = self.embed(ids)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, positions.to(ids.device) if positions is not None else None, docs)
         return self.head(self.norm(x))
 
-    def loss(self, ids, targets):
-        """Mean cross-entropy over this dp rank's tokens (the vocabulary split over tp)."""
-        return vocab_parallel_cross_entropy(self(ids), targets, self.tp_group)
+    def loss(self, ids, targets, docs=None, positions=None):
+        """This rank's share of the global batch's mean cross-entropy over non-ignored targets (-100):
+        n · (its sum) / (the count over all n = dp x cp ranks that hold different tokens), so averaging the
+        losses and gradients over those ranks (``sync_gradients``) gives exactly the one-device mean, however
+        unevenly the ignored targets fall. Under TP every rank of a tp group holds the same tokens."""
+        local = vocab_parallel_cross_entropy(self(ids, docs, positions), targets, self.tp_group, reduction="sum")
+        count = comm.all_reduce_raw((targets != -100).sum().to(torch.float64).reshape(1), self.replica_group)
+        n = comm.group_size(self.replica_group)
+        return local * (n / count.clamp_min(1).item())
 
     @torch.no_grad()
     def full_tensors(self, get) -> dict:

@@ -27,18 +27,21 @@ from distlab import comm
 from distlab.tp.linear import ColumnParallelLinear, RowParallelLinear, shard_rows
 from distlab.tp.norm import RMSNorm
 from distlab.kernels.attention import attention
+from distlab.kernels.masks import document_mask
 
 
 def rope(x, base=10000.0, offset=0, positions=None):
     """Rotary position embedding (rotate-half form) on ``(batch, seq, heads, head_dim)``, computed in float32
-    (float64 for float64 inputs). ``positions`` (seq,) gives each token's global position (a CP shard's
-    tokens are not 0..s-1); by default ``offset + arange(seq)``."""
+    (float64 for float64 inputs). ``positions`` (seq,) gives each token's position (a CP shard's tokens are
+    not 0..s-1), or (batch, seq) one per row (packed documents: positions restart in each document); by
+    default ``offset + arange(seq)``."""
     b, s, h, d = x.shape
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
     inv = base ** (-torch.arange(0, d, 2, device=x.device, dtype=ct) / d)
     pos = torch.arange(offset, offset + s, device=x.device) if positions is None else positions.to(x.device)
-    ang = pos.to(ct)[:, None] * inv[None]
-    cos, sin = ang.cos()[None, :, None], ang.sin()[None, :, None]
+    ang = pos.to(ct)[..., None] * inv                                  # (s, d/2) or (b, s, d/2)
+    ang = ang if ang.dim() == 3 else ang[None]
+    cos, sin = ang.cos()[:, :, None], ang.sin()[:, :, None]
     x1, x2 = x.to(ct)[..., : d // 2], x.to(ct)[..., d // 2:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
 
@@ -52,9 +55,26 @@ class _Residual:
         gate, up = self.gate_up(x).chunk(2, -1)
         return self.down(F.silu(gate) * up)
 
-    def forward(self, x):
-        h = x + self.attn(self.norm1(x))
+    def forward(self, x, positions=None, docs=None):
+        """``positions``: RoPE positions, (seq,) or (batch, seq); ``docs``: packed documents, one cu_seqlens
+        per batch row (attention stays inside each document)."""
+        h = x + self.attn(self.norm1(x), positions, docs)
         return h + self.mlp(self.norm2(h))
+
+
+def packed_attention(attend, q, k, v, docs):
+    """``attend(q, k, v, cu_seqlens)`` row by row (each row packs its own documents), or on the whole batch."""
+    if docs is None:
+        return attend(q, k, v, None)
+    return torch.cat([attend(q[i:i + 1], k[i:i + 1], v[i:i + 1], cu) for i, cu in enumerate(docs)])
+
+
+def local_attention(q, k, v, cu_seqlens=None):
+    """Causal attention on one device, inside documents when ``cu_seqlens`` is given."""
+    if cu_seqlens is None:
+        return attention(q, k, v, causal=True)
+    pos = torch.arange(q.shape[1])
+    return attention(q, k, v, mask=document_mask(pos, pos, cu_seqlens, True, None, q.shape[1]).to(q.device))
 
 
 class LlamaBlock(_Residual, torch.nn.Module):
@@ -77,12 +97,13 @@ class LlamaBlock(_Residual, torch.nn.Module):
         self.down = torch.nn.Linear(ffn, hidden, bias=False, **kw)
         self.moe = moe
 
-    def attn(self, x):
+    def attn(self, x, positions=None, docs=None):
         b, s, _ = x.shape
         d = self.head_dim
         q, k, v = self.qkv(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
-        q, k = rope(q.view(b, s, -1, d), self.rope_base), rope(k.view(b, s, -1, d), self.rope_base)
-        return self.o(attention(q, k, v.view(b, s, -1, d), causal=True).reshape(b, s, -1))
+        q = rope(q.view(b, s, -1, d), self.rope_base, positions=positions)
+        k = rope(k.view(b, s, -1, d), self.rope_base, positions=positions)
+        return self.o(packed_attention(local_attention, q, k, v.view(b, s, -1, d), docs).reshape(b, s, -1))
 
 
 
@@ -104,7 +125,7 @@ class TPLlamaBlock(_Residual, torch.nn.Module):
         if kv % tp and tp % kv:
             raise ValueError(f"kv heads ({kv}) and the tensor-parallel size {tp}: one must divide the other")
         self.kv_copies = max(1, tp // kv)                 # ranks sharing one kv head
-        self.attention_fn = None   # context parallelism: e.g. ring_attention over the CP group (causal)
+        self.attention_fn = None   # context parallelism: fn(q, k, v, cu_seqlens) over the CP group (causal)
         self.positions = None      # this rank's tokens' global positions, for RoPE under CP
         self.local_heads, self.local_kv = heads // tp, max(1, kv // tp)
         self.head_dim, self.rope_base = d, ref.rope_base
@@ -145,15 +166,16 @@ class TPLlamaBlock(_Residual, torch.nn.Module):
         mine = comm.split_to_group(rows, self.group, 0)
         return comm.gather_from_group(super().mlp(mine), self.group, 0)[:b * s].view(b, s, h)
 
-    def attn(self, x):
+    def attn(self, x, positions=None, docs=None):
         y = self.qkv(x)                                   # (b, s, local q + 2 local kv heads)·d, full sequence
         b, s, _ = y.shape
         d = self.head_dim
+        positions = positions if positions is not None else self.positions
         q, k, v = y.split([self.local_heads * d, self.local_kv * d, self.local_kv * d], -1)
-        q = rope(q.view(b, s, -1, d), self.rope_base, positions=self.positions)
-        k = rope(k.view(b, s, -1, d), self.rope_base, positions=self.positions)
-        attend = self.attention_fn or (lambda q_, k_, v_: attention(q_, k_, v_, causal=True))
-        return self.o(attend(q, k, v.view(b, s, -1, d)).reshape(b, s, -1))
+        q = rope(q.view(b, s, -1, d), self.rope_base, positions=positions)
+        k = rope(k.view(b, s, -1, d), self.rope_base, positions=positions)
+        attend = self.attention_fn or local_attention
+        return self.o(packed_attention(attend, q, k, v.view(b, s, -1, d), docs).reshape(b, s, -1))
 
 
     def sync_replicated_kv_grads(self):

@@ -57,7 +57,7 @@ class VocabParallelEmbedding(torch.nn.Module):
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, start, ignore_index):
+    def forward(ctx, logits, target, group, start, ignore_index, reduction):
         logits_dtype = logits.dtype
         logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
         vmax = _all_reduce(logits.max(-1).values, group, dist.ReduceOp.MAX)
@@ -69,7 +69,7 @@ class _VocabParallelCE(torch.autograd.Function):
         exp = shifted.exp()
         sum_exp = _all_reduce(exp.sum(-1), group)
         keep = target != ignore_index
-        count = keep.sum().clamp_min(1)
+        count = keep.sum().clamp_min(1) if reduction == "mean" else 1
         loss = ((sum_exp.log() - target_logit) * keep).sum() / count
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), idx, mine, keep)
         ctx.count, ctx.dtype = count, logits_dtype
@@ -81,15 +81,18 @@ class _VocabParallelCE(torch.autograd.Function):
         g = softmax
         g.scatter_add_(-1, idx, -mine.unsqueeze(-1).to(g.dtype))
         g = g * (keep.unsqueeze(-1) * (grad / ctx.count))
-        return g.to(ctx.dtype), None, None, None, None
+        return g.to(ctx.dtype), None, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits_local, target, group=None, ignore_index=-100):
-    """Mean cross-entropy over non-ignored tokens from this rank's vocabulary slice of the logits.
+def vocab_parallel_cross_entropy(logits_local, target, group=None, ignore_index=-100, reduction="mean"):
+    """Cross-entropy over non-ignored tokens from this rank's vocabulary slice of the logits: their mean, or
+    with ``reduction="sum"`` their sum (to divide by a count taken over more ranks than this one).
 
     logits_local: ``(..., V/tp)`` for vocabulary rows ``[rank·V/tp, ...)``; target: ``(...)`` global ids.
     """
     if logits_local.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits_local.shape)} and target {tuple(target.shape)} disagree")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum'; got {reduction!r}")
     start = comm.group_rank(group) * logits_local.shape[-1]
-    return _VocabParallelCE.apply(logits_local, target, group, start, ignore_index)
+    return _VocabParallelCE.apply(logits_local, target, group, start, ignore_index, reduction)
