@@ -413,8 +413,42 @@ def check_emulate(device, dtype, big=False):
     print("OK emulate")
 
 
+def check_masked(device, dtype, big=False):
+    """The masked Triton attention (documents, windows, a ring block's positions, rows that see nothing)
+    against the torch backend's masked loop, forward and backward, GQA; the float64 torch result is the
+    reference. Also: a query tile whose rows see no key writes out 0 and LSE -inf."""
+    from distlab.kernels.attention import attention_backward, attention_forward
+    from distlab.kernels.masks import document_mask
+
+    t, d, h, hk = (96, 16, 4, 2) if not big else (8192, 128, 32, 8)
+    lens = [1, 30, 0, 40, 25] if not big else [1, 3000, 0, 2500, 2691]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    cases = [  # (q positions, k positions, causal, window): whole sequence; a ring block; a later rank's keys
+        (torch.arange(t), torch.arange(t), True, None), (torch.arange(t), torch.arange(t), True, 7 if not big else 1000),
+        (torch.arange(t), torch.arange(t), False, None),
+        (torch.cat([torch.arange(t // 4), torch.arange(3 * t // 4, t)]), torch.arange(t // 4, t // 2), True, None),
+        (torch.arange(t // 2), torch.arange(t // 2, t), True, None)]
+    for i, (qp, kp, causal, window) in enumerate(cases):
+        mask = document_mask(qp, kp, cu, causal, window, t).to(device)
+        q = rand(2, len(qp), h, d, dtype=dtype, device=device, seed=i)
+        k = rand(2, len(kp), hk, d, dtype=dtype, device=device, seed=10 + i)
+        v = rand(2, len(kp), hk, d, dtype=dtype, device=device, seed=20 + i)
+        do = rand(2, len(qp), h, d, dtype=dtype, device=device, seed=30 + i)
+        q64, k64, v64, do64 = (x.double() for x in (q, k, v, do))
+        out_w, lse_w = attention_forward(q64, k64, v64, mask=mask, backend="torch")
+        grads_w = attention_backward(do64, q64, k64, v64, out_w, lse_w, mask=mask, backend="torch")
+        out, lse = attention_forward(q, k, v, mask=mask, backend="triton")
+        assert torch.equal(torch.isinf(lse), torch.isinf(lse_w)), (i, "rows without keys")
+        assert rel(out, out_w) < tol(dtype), (i, rel(out, out_w))
+        grads = attention_backward(do, q, k, v, out_w.to(dtype), lse_w.float(), mask=mask, backend="triton")
+        for name, g, w in zip(("dq", "dk", "dv"), grads, grads_w):
+            assert rel(g, w) < tol(dtype) * 4, (i, name, rel(g, w))
+    print("OK masked")
+
+
 CHECKS = {"attention": check_attention, "accumulate": check_attention_accumulate, "rmsnorm": check_rmsnorm,
-          "rope": check_rope, "swiglu": check_swiglu, "merge": check_merge, "emulate": check_emulate}
+          "rope": check_rope, "swiglu": check_swiglu, "merge": check_merge, "emulate": check_emulate,
+          "masked": check_masked}
 
 
 def main(argv=None):

@@ -241,3 +241,35 @@ def test_invalid_documents_fail_on_every_rank_before_any_exchange(pools, what):
     messages = {msg for msg, _ in results}
     assert None not in messages and len(messages) == 1, results
     assert all(calls == {} for _, calls in results), results      # no K/V exchange was posted
+
+
+def triton_methods_vs_one_device(case):
+    """Every method with the masked Triton kernel (Triton's CPU interpreter, float32, head_dim 16)."""
+    cu, causal, window = CASES[case]
+    q, k, v, dout = _inputs(4, 2, head_dim=16)
+    want = reference(q, k, v, dout, cu, causal, window)
+    cu_t, world, errors = torch.tensor(cu), comm.group_size(), {}
+    for name, fn, sh, ga in methods(world, 4):
+        if name.startswith("usp") or name.endswith("contiguous") and not name.startswith("ring"):
+            continue
+        local = [sh(t.float(), cu_t).requires_grad_(True) for t in (q, k, v)]
+        out = fn(*local, causal=causal, cu_seqlens=cu_t, window=window, backend="triton")
+        out.backward(sh(dout.float(), cu_t))
+        got = [ga(t, cu_t) for t in (out.detach(), *(x.grad for x in local))]
+        errors[name] = max(rel_err(a, b) for a, b in zip(got, want))
+    return errors
+
+
+@pytest.mark.parametrize("case", ["tiny_docs", "window_over_shards", "full_in_docs"])
+def test_methods_with_the_masked_triton_kernel(case):
+    """The masked Triton kernel under the ring, all-gather and Ulysses on real gloo ranks (a fresh pool:
+    the interpreter is switched on before the workers define the kernels)."""
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    from distlab.testing import ProcessGroupPool
+
+    pool = ProcessGroupPool(2, env={"TRITON_INTERPRET": "1"})
+    try:
+        for errors in pool.run(triton_methods_vs_one_device, case, timeout_s=400):
+            assert errors and all(e < 2e-5 for e in errors.values()), errors
+    finally:
+        pool.close()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-NAMES = ["attention", "accumulate", "rmsnorm", "rope", "swiglu", "merge", "emulate"]
+NAMES = ["attention", "accumulate", "rmsnorm", "rope", "swiglu", "merge", "masked", "emulate"]
 
 
 def test_kernels_in_the_interpreter():

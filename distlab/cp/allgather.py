@@ -76,7 +76,7 @@ def head_chunks(heads: int, kv_heads: int, chunks: int):
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, world, mask, scale, backend, chunks):
+    def forward(ctx, q, k, v, group, world, mask, scale, backend, chunks, order):
         parts = head_chunks(q.shape[2], k.shape[2], chunks)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float64 if q.dtype == torch.float64
@@ -93,20 +93,22 @@ class _AllGatherAttention(torch.autograd.Function):
                         pending = _post_gather(k[:, :, parts[c + 1][1]], v[:, :, parts[c + 1][1]], group, world)
             else:
                 kf, vf = k[:, :, kh], v[:, :, kh]
+            if order is not None:    # rank order -> position order (the masked kernels want ascending keys)
+                kf, vf = kf.index_select(1, order[0]), vf.index_select(1, order[0])
             with phase("allgather.block"):
                 o, l = attention_forward(q[:, :, qh], kf, vf, False, scale, backend, mask=mask)
             out[:, :, qh] = o
             lse[:, qh] = l
             gathered.append((kf, vf))
         ctx.save_for_backward(q, out, lse, *[t for kv in gathered for t in kv])
-        ctx.args = (group, world, mask, scale, backend, parts)
+        ctx.args = (group, world, mask, scale, backend, parts, order)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, out, lse, *gathered = ctx.saved_tensors
-        group, world, mask, scale, backend, parts = ctx.args
+        group, world, mask, scale, backend, parts, order = ctx.args
         dout = dout.contiguous()
         dq = torch.empty_like(q)
         kv_heads = sum(kh.stop - kh.start for _, kh in parts)
@@ -119,6 +121,8 @@ class _AllGatherAttention(torch.autograd.Function):
                 dq_c, dk_c, dv_c = attention_backward(dout[:, :, qh], q[:, :, qh], kf, vf, out[:, :, qh],
                                                       lse[:, qh], False, scale, backend, mask=mask)
             dq[:, :, qh] = dq_c
+            if order is not None:    # back to rank order, for the reduce-scatter
+                dk_c, dv_c = dk_c.index_select(1, order[1]), dv_c.index_select(1, order[1])
             if world > 1:   # this group's dK/dV go home while the next group computes
                 with phase("allgather.exchange"):
                     pending.append((kh, _post_scatter(dk_c, dv_c, group, world)))
@@ -127,7 +131,7 @@ class _AllGatherAttention(torch.autograd.Function):
         for kh, finish in pending:
             with phase("allgather.wait"):
                 dk[:, :, kh], dv[:, :, kh] = finish()
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def allgather_attention(q, k, v, group=None, causal=False, layout="contiguous", backend="auto", softmax_scale=None,
@@ -152,11 +156,16 @@ def allgather_attention(q, k, v, group=None, causal=False, layout="contiguous", 
     positions = [shard_positions(total, world, r, layout, docs.cu_seqlens) for r in range(world)]
     # causal (local queries against all keys: the diagonal is offset) and documents need the positions' mask;
     # full attention does not care in which order the gathered keys come
-    mask = docs.mask(positions[rank], torch.cat(positions), q.device) if causal or docs.masked else None
+    keys = torch.cat(positions)                     # the gathered keys' positions, in rank order
+    order = None
+    if (causal or docs.masked) and bool((keys[1:] < keys[:-1]).any()):
+        sort = torch.argsort(keys)                  # gathered keys are put in position order (and back)
+        order, keys = (sort.to(q.device), torch.argsort(sort).to(q.device)), keys[sort]
+    mask = docs.mask(positions[rank], keys, q.device) if causal or docs.masked else None
     backend = resolve_backend(backend, q.device, q.dtype, masked=mask is not None)
     check_same_everywhere(docs, group)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out, lse = _AllGatherAttention.apply(q, k, v, group, world, mask, scale, backend, chunks)
+    out, lse = _AllGatherAttention.apply(q, k, v, group, world, mask, scale, backend, chunks, order)
     return (out, lse) if return_lse else out
 
 

@@ -80,15 +80,21 @@ def ulysses_attention(q, k, v, group=None, causal=False, backend="auto", softmax
     docs = Documents.from_args(q.shape[1] * world, cu_seqlens, causal, window)
     masked = docs.masked or (causal and layout != "contiguous")
     backend = check_ulysses_inputs(q, k, v, world, backend, masked=masked)
-    mask = None
-    if masked:   # the gathered sequence holds every rank's positions, in rank order
+    mask = order = None
+    if masked:   # the gathered sequence holds every rank's positions, in rank order: put it in position order
         pos = torch.cat([shard_positions(docs.total, world, r, layout, docs.cu_seqlens) for r in range(world)])
-        mask = docs.mask(pos, pos, q.device)
+        if bool((pos[1:] < pos[:-1]).any()):
+            order = torch.argsort(pos).to(q.device)
+        mask = docs.mask(torch.arange(docs.total), torch.arange(docs.total), q.device)
         check_same_everywhere(docs, group)
     with phase("ulysses.all_to_all"):
         qh, kh, vh = to_head_shards(q, k, v, group)
+    if order is not None:
+        qh, kh, vh = (t.index_select(1, order) for t in (qh, kh, vh))
     with phase("ulysses.attention"):
         out = attention(qh, kh, vh, causal and mask is None, softmax_scale, backend, mask=mask)
+    if order is not None:
+        out = out.index_select(1, torch.argsort(order))
     with phase("ulysses.all_to_all"):
         return to_sequence_shards(out, group)
 

@@ -34,7 +34,7 @@ import os
 import torch
 
 BACKENDS = ("auto", "torch", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "triton")
-MASK_BACKENDS = ("torch",)   # backends that take a KeyMask (documents, windows); SDPA's ops cannot
+MASK_BACKENDS = ("torch", "triton")   # backends that take a KeyMask (documents, windows); SDPA's ops cannot
 _SDPA_DTYPES = {
     "sdpa-cudnn": (torch.float16, torch.bfloat16),
     "sdpa-flash": (torch.float16, torch.bfloat16),
@@ -116,6 +116,8 @@ def resolve_backend(backend: str, device: torch.device | str, dtype: torch.dtype
             raise ValueError(f"attention backend {backend!r} cannot express packed documents or windows; "
                              f"backends that can: {', '.join(MASK_BACKENDS)} (or auto)")
     if backend == "auto":
+        if masked and "triton" in present and torch.device(device).type == "cuda":
+            return "triton"   # the masked Triton kernel skips what the mask removes; torch's loop is a reference
         return next(n for n in present if n != "triton")
     if backend not in present:
         raise ValueError(f"attention backend {backend!r} cannot run {dtype} on {torch.device(device).type}; "
@@ -150,6 +152,10 @@ def attention_forward(q, k, v, causal=False, softmax_scale=None, backend="auto",
     if backend == "torch":
         return _torch_forward(q, k, v, causal, scale, mask)
     if backend == "triton":
+        if mask is not None:
+            from distlab.kernels.triton_masked_attention import masked_forward
+
+            return masked_forward(q, k, v, mask, scale)
         from distlab.kernels.triton_attention import flash_forward
 
         return flash_forward(q, k, v, causal, scale)
@@ -170,6 +176,10 @@ def attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None
     if backend == "torch":
         return _torch_backward(dout, q, k, v, out, lse, causal, scale, mask)
     if backend == "triton":
+        if mask is not None:
+            from distlab.kernels.triton_masked_attention import masked_backward
+
+            return masked_backward(dout, q, k, v, out, lse, mask, scale)
         from distlab.kernels.triton_attention_backward import flash_backward
 
         return flash_backward(dout, q, k, v, out, lse, causal, scale)

@@ -1,0 +1,240 @@
+"""Flash attention in Triton under a ``KeyMask``: packed documents, sliding windows, any block of positions.
+
+    TRITON_INTERPRET=1 python tests/kernel_checks.py masked --dtype float32       # CPU check
+    python -m distlab.cp.emulate_packed --world 8 --seq 65536                    # GPU: a ring rank on packs
+
+The FA2 loop of ``distlab.kernels.triton_attention`` with a mask made of intervals (``distlab.kernels.masks``):
+query row i sees the keys whose global position lies in ``[lo[i], hi[i])``, and keys carry their positions
+``k_pos`` (ascending, as every layout's shard is). So a tile of BLOCK_M query rows needs only the keys in
+``[min lo, max hi)`` of its rows: the host finds that key range per query tile (``searchsorted``) and the
+kernel loops over it alone — tiles outside every document and window are never loaded, and the work
+follows the visible pairs. Inside the range a score is kept iff ``lo <= k_pos < hi``.
+
+Backward (FA2): ``delta = rowsum(dO·O)``; dK/dV per (key tile, kv head) over the q heads of its group and
+the query tiles that can see the key tile (rows' ``lo``/``hi`` ascend with the row, so they are one range;
+when they do not, every query tile is visited); dQ per (query tile, q head) over its key range. A row that
+sees no key has LSE −inf and output 0, and adds nothing to any gradient. fp16/bf16 on a GPU; fp32/fp16
+under ``TRITON_INTERPRET=1``; head_dim a power of two.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+def _tiles(device, d):
+    if device.type != "cuda":
+        return 16, 16, 4
+    return (128, 64, 8) if d <= 128 else (64, 64, 8)
+
+
+@triton.jit
+def _fwd(Q, K, V, O, LSE, LO, HI, KPOS, KB, KE, scale,
+         sqb, sqs, sqh, skb, sks, skh, sob, sos, soh, seq_q, heads, groups,
+         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    tile, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    hk = h // groups
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, D)
+    in_q = rows < seq_q
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=in_q[:, None], other=0.0)
+    lo = tl.load(LO + rows, mask=in_q, other=0)
+    hi = tl.load(HI + rows, mask=in_q, other=0)
+    kb = tl.load(KB + tile)
+    ke = tl.load(KE + tile)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    qk_scale = scale * 1.4426950408889634
+    for start in range(kb, ke, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        in_k = cols < ke
+        kpos = tl.load(KPOS + cols, mask=in_k, other=0)
+        k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + dims[None, :], mask=in_k[:, None], other=0.0)
+        v = tl.load(V + b * skb + hk * skh + cols[:, None] * sks + dims[None, :], mask=in_k[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        seen = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] < hi[:, None]) & in_k[None, :]
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    seen_any = l > 0
+    out = acc / tl.where(seen_any, l, 1.0)[:, None]
+    lse = tl.where(seen_any, (m + tl.log2(tl.where(seen_any, l, 1.0))) / 1.4426950408889634, float("-inf"))
+    tl.store(O + b * sob + h * soh + rows[:, None] * sos + dims[None, :], out.to(O.dtype.element_ty), mask=in_q[:, None])
+    tl.store(LSE + bh * seq_q + rows, lse, mask=in_q)
+
+
+@triton.jit
+def _bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, KPOS, QB, QE, scale,
+             sqb, sqs, sqh, skb, sks, skh, seq_q, seq_k, heads, kv_heads, groups,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    tile, bhk = tl.program_id(0), tl.program_id(1)
+    b, hk = bhk // kv_heads, bhk % kv_heads
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, D)
+    in_k = cols < seq_k
+    k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + dims[None, :], mask=in_k[:, None], other=0.0)
+    v = tl.load(V + b * skb + hk * skh + cols[:, None] * sks + dims[None, :], mask=in_k[:, None], other=0.0)
+    kpos = tl.load(KPOS + cols, mask=in_k, other=0)
+    qb = tl.load(QB + tile)
+    qe = tl.load(QE + tile)
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    dv = tl.zeros([BLOCK_N, D], tl.float32)
+    qk_scale = scale * 1.4426950408889634
+    for g in range(groups):
+        h = hk * groups + g
+        for start in range(qb, qe, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            in_q = rows < qe
+            q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=in_q[:, None], other=0.0)
+            do = tl.load(DO + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=in_q[:, None], other=0.0)
+            lse = tl.load(LSE + (b * heads + h) * seq_q + rows, mask=in_q, other=float("inf"))
+            lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+            delta = tl.load(DELTA + (b * heads + h) * seq_q + rows, mask=in_q, other=0.0)
+            lo = tl.load(LO + rows, mask=in_q, other=0)
+            hi = tl.load(HI + rows, mask=in_q, other=0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            seen = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] < hi[:, None]) & in_q[:, None] & in_k[None, :]
+            p = tl.where(seen, tl.exp2(s - lse[:, None]), 0.0)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    tl.store(DK + b * skb + hk * skh + cols[:, None] * sks + dims[None, :], (dk * scale).to(DK.dtype.element_ty),
+             mask=in_k[:, None])
+    tl.store(DV + b * skb + hk * skh + cols[:, None] * sks + dims[None, :], dv.to(DV.dtype.element_ty),
+             mask=in_k[:, None])
+
+
+@triton.jit
+def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, KPOS, KB, KE, scale,
+            sqb, sqs, sqh, skb, sks, skh, seq_q, heads, groups,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    tile, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    hk = h // groups
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, D)
+    in_q = rows < seq_q
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=in_q[:, None], other=0.0)
+    do = tl.load(DO + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=in_q[:, None], other=0.0)
+    lse = tl.load(LSE + bh * seq_q + rows, mask=in_q, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    delta = tl.load(DELTA + bh * seq_q + rows, mask=in_q, other=0.0)
+    lo = tl.load(LO + rows, mask=in_q, other=0)
+    hi = tl.load(HI + rows, mask=in_q, other=0)
+    kb = tl.load(KB + tile)
+    ke = tl.load(KE + tile)
+    dq = tl.zeros([BLOCK_M, D], tl.float32)
+    qk_scale = scale * 1.4426950408889634
+    for start in range(kb, ke, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        in_k = cols < ke
+        kpos = tl.load(KPOS + cols, mask=in_k, other=0)
+        k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + dims[None, :], mask=in_k[:, None], other=0.0)
+        v = tl.load(V + b * skb + hk * skh + cols[:, None] * sks + dims[None, :], mask=in_k[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        seen = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] < hi[:, None]) & in_k[None, :]
+        p = tl.where(seen, tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    tl.store(DQ + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=in_q[:, None])
+
+
+def key_ranges(mask, block_m: int):
+    """Per query tile, the key rows [begin, end) its rows can see (int32, on the mask's device)."""
+    n = mask.q_lo.shape[0]
+    tiles = (n + block_m - 1) // block_m
+    pad = tiles * block_m - n
+    seeing = mask.q_lo < mask.q_hi
+    big = torch.iinfo(torch.int64).max
+    lo = torch.where(seeing, mask.q_lo, torch.full_like(mask.q_lo, big))
+    hi = torch.where(seeing, mask.q_hi, torch.full_like(mask.q_hi, -big))
+    lo = torch.nn.functional.pad(lo, (0, pad), value=big).view(tiles, block_m).amin(1)
+    hi = torch.nn.functional.pad(hi, (0, pad), value=-big).view(tiles, block_m).amax(1)
+    begin = torch.searchsorted(mask.k_pos, lo.clamp(-2**62, 2**62))
+    end = torch.searchsorted(mask.k_pos, hi.clamp(-2**62, 2**62))
+    end = torch.where(end > begin, end, begin)            # a tile that sees nothing loops zero times
+    return begin.to(torch.int32), end.to(torch.int32)
+
+
+def query_ranges(mask, seq_k: int, block_n: int):
+    """Per key tile, the query rows [begin, end) that can see it: one range when the rows' intervals ascend
+    (every layout's shard); else every row."""
+    tiles = (seq_k + block_n - 1) // block_n
+    lo, hi = mask.q_lo, mask.q_hi
+    monotone = lo.numel() < 2 or bool(((lo[1:] >= lo[:-1]) & (hi[1:] >= hi[:-1])).all())
+    if not monotone:
+        full = torch.tensor([0, lo.numel()], dtype=torch.int32, device=lo.device)
+        return full[0].expand(tiles).contiguous(), full[1].expand(tiles).contiguous()
+    pad = tiles * block_n - seq_k
+    kpos = torch.nn.functional.pad(mask.k_pos, (0, pad), value=int(mask.k_pos[-1])).view(tiles, block_n)
+    kmin, kmax = kpos[:, 0].contiguous(), kpos[:, -1].contiguous()
+    begin = torch.searchsorted(hi, kmin, right=True)      # first row whose interval ends past the tile's start
+    end = torch.searchsorted(lo, kmax, right=True)        # rows whose interval starts at or before its end
+    end = torch.where(end > begin, end, begin)
+    return begin.to(torch.int32), end.to(torch.int32)
+
+
+def _check(q, k, v, mask):
+    if not mask.k_sorted:
+        raise ValueError("the triton masked kernel needs ascending key positions (sort the keys first)")
+    d = q.shape[-1]
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"the triton masked kernel needs head_dim a power of two >= 16; got {d}")
+    for t in (q, k, v):
+        if t.stride(-1) != 1:
+            raise ValueError("the triton masked kernel needs the last dim contiguous")
+
+
+def masked_forward(q, k, v, mask, scale):
+    """(out, lse) of attention under ``mask`` (a ``KeyMask`` on q's device)."""
+    _check(q, k, v, mask)
+    b, sq, h, d = q.shape
+    bm, bn, warps = _tiles(q.device, d)
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
+    kb, ke = key_ranges(mask, bm)
+    lo, hi, kpos = mask.q_lo.contiguous(), mask.q_hi.contiguous(), mask.k_pos.contiguous()
+    grid = (triton.cdiv(sq, bm), b * h)
+    _fwd[grid](q, k, v, out, lse, lo, hi, kpos, kb, ke, scale,
+               q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               out.stride(0), out.stride(1), out.stride(2), sq, h, h // k.shape[2],
+               BLOCK_M=bm, BLOCK_N=bn, D=d, num_warps=warps)
+    return out, lse
+
+
+def masked_backward(dout, q, k, v, out, lse, mask, scale):
+    """(dq, dk, dv) given the final out and lse (as every backend; see ``distlab.kernels.attention``)."""
+    _check(q, k, v, mask)
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    bm, bn, warps = _tiles(q.device, d)
+    q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))   # Q and dO share strides in the kernels
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()     # (b, h, sq)
+    lse = lse.float().contiguous()
+    lo, hi, kpos = mask.q_lo.contiguous(), mask.q_hi.contiguous(), mask.k_pos.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    qb, qe = query_ranges(mask, sk, bn)
+    _bwd_dkv[(triton.cdiv(sk, bn), b * hk)](
+        q, k, v, dout, lse, delta, dk, dv, lo, hi, kpos, qb, qe, scale,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), sq, sk, h, hk, h // hk,
+        BLOCK_M=bm, BLOCK_N=bn, D=d, num_warps=warps)
+    kb, ke = key_ranges(mask, bm)
+    _bwd_dq[(triton.cdiv(sq, bm), b * h)](
+        q, k, v, dout, lse, delta, dq, lo, hi, kpos, kb, ke, scale,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), sq, h, h // hk,
+        BLOCK_M=bm, BLOCK_N=bn, D=d, num_warps=warps)
+    return dq, dk, dv
