@@ -228,6 +228,21 @@ def progress(items, label: str):
             bar.advance(task)
 
 
+def time_wall(fn, iters: int, warmup: int, device: torch.device) -> float:
+    """Seconds per call of ``fn()`` run back to back from Python (no spin kernel, no graph): what a real
+    loop pays, launch latency included — the "wall" figure that benchmarks headline."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / iters
+
+
 def write_json(path: str, result) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)

@@ -273,3 +273,22 @@ def test_methods_with_the_masked_triton_kernel(case):
             assert errors and all(e < 2e-5 for e in errors.values()), errors
     finally:
         pool.close()
+
+
+def test_packed_emulator_runs_and_writes_json(tmp_path):
+    """The packed emulator's CPU code path (the GPU figures are in docs/PERF.md)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "p.json"
+    proc = subprocess.run([sys.executable, "-m", "distlab.cp.emulate_packed", "--device", "cpu", "--seq", "512",
+                           "--world", "4", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--iters", "1",
+                           "--warmup", "0", "--docs", "lognormal:mean=64,seed=0", "--rate-means", "64",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["layout"] for r in result["rows"]] == ["contiguous", "zigzag", "balanced"]
+    balanced = result["rows"][2]
+    assert balanced["imbalance"] < 1.05 and set(balanced["efficiency"]) == {"fwd_wall", "fwd_gpu", "fwd_bwd_wall",
+                                                                         "fwd_bwd_gpu"}

@@ -1,0 +1,171 @@
+"""A ring rank's packed-document schedule on one GPU, against one device running the same pack with the same
+kernel; and the masked kernel's rate on visible pairs.
+
+    python -m distlab.cp.emulate_packed --world 8 --seq 32768 65536 --json packed.json          # GPU
+    python -m distlab.cp.emulate_packed --device cpu --seq 1024 --heads 4 --kv-heads 2 --head-dim 16 --iters 1
+
+For each sequence length and layout, every rank's ring schedule runs with the K/V of all its steps already
+on the device (the exchanges removed: what is left is the masked kernels and the merges, the ceiling once
+communication hides behind compute), and the slowest rank's time T_r is kept; the anchor is the whole
+pack's masked attention in one call, T_one. Efficiency = T_one / (W · T_r): 100% is perfect scaling of the
+same kernel. Forward and forward+backward, each timed two ways: "GPU" (launches queued behind a spin kernel:
+what the kernels take) and "wall" (plain back-to-back calls, launch latency included), the headline.
+Then the kernel alone on one call over packs of shorter and shorter documents: TFLOP/s counted on visible
+pairs stays level when the tiles a mask removes cost nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distlab.bench import (DTYPES, StudyParser, dtype_arg, nonnegative_int, positive_int, resolve_device, run_study,
+                           time_wall, write_json)
+from distlab.cp.documents import Documents, describe, parse_docs
+from distlab.cp.layout import shard_positions
+from distlab.cp.merge import merge_attention
+from distlab.cp.ring_packed import step_masks
+from distlab.kernels.attention import attention_backward, attention_forward, resolve_backend
+from distlab.kernels.bench import timeit
+
+
+def rank_schedule(q, k, v, dout, docs, positions, rank, backend):
+    """(forward, forward+backward) callables of ring rank ``rank``'s packed schedule, every K/V resident."""
+    world = len(positions)
+    masks = step_masks(docs, positions, rank, q.device)
+    mine = positions[rank].to(q.device)
+    qr, dr = q[:, mine].contiguous(), dout[:, mine].contiguous()
+    kv = [(k[:, positions[(rank - s) % world].to(q.device)].contiguous(),
+           v[:, positions[(rank - s) % world].to(q.device)].contiguous()) for s in range(world)]
+    merge = _merger(q)
+
+    def fwd():
+        out = lse = None
+        for step, m in enumerate(masks):
+            if m is not None:
+                o, l = attention_forward(qr, *kv[step], False, None, backend, mask=m)
+                out, lse = merge(out, lse, o, l)
+        return out, lse
+
+    def fwd_bwd():
+        out, lse = fwd()
+        o = out.to(q.dtype)
+        dq = torch.zeros(qr.shape, dtype=torch.float32, device=q.device)
+        for step, m in enumerate(masks):
+            if m is not None:
+                g = attention_backward(dr, qr, *kv[step], o, lse, False, None, backend, mask=m)
+                dq += g[0]
+        return dq
+
+    return fwd, fwd_bwd
+
+
+def _merger(q):
+    """The ring's merge: the one-launch Triton kernel on CUDA (as ``distlab.cp.ring``), else ``merge_attention``."""
+    def merge(out, lse, o, l):
+        if out is None:
+            return o.float().contiguous(), l.float().contiguous()
+        if q.is_cuda:
+            from distlab.kernels.lse_merge import lse_merge_
+
+            return lse_merge_(out, lse, o, l)
+        return merge_attention(out, lse, o, l)
+    return merge
+
+
+def one_call(q, k, v, dout, docs, backend):
+    pos = torch.arange(docs.total)
+    mask = docs.mask(pos, pos, q.device)
+
+    def fwd():
+        return attention_forward(q, k, v, False, None, backend, mask=mask)
+
+    def fwd_bwd():
+        o, l = fwd()
+        return attention_backward(dout, q, k, v, o, l, False, None, backend, mask=mask)
+
+    return fwd, fwd_bwd
+
+
+def measure(fns, args, device):
+    """{name: {"gpu_s", "wall_s"}} for each callable."""
+    return {name: {"gpu_s": timeit(fn, args.iters, args.warmup, device),
+                   "wall_s": time_wall(fn, args.iters, args.warmup, device)} for name, fn in fns.items()}
+
+
+def main(argv=None):
+    p = StudyParser(prog="python -m distlab.cp.emulate_packed", description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=positive_int, default=8)
+    p.add_argument("--seq", type=positive_int, nargs="+", default=None, help="default 32768 65536 (GPU), 1024 (CPU)")
+    p.add_argument("--docs", default="lognormal:mean=2048,seed=0", help="the pack (as the CP studies' --docs)")
+    p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag", "balanced"])
+    p.add_argument("--heads", type=positive_int, default=32)
+    p.add_argument("--kv-heads", type=positive_int, default=8)
+    p.add_argument("--head-dim", type=positive_int, default=128)
+    p.add_argument("--dtype", type=dtype_arg("bfloat16", "float16", "float32"), default=None)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--iters", type=positive_int, default=10)
+    p.add_argument("--warmup", type=nonnegative_int, default=3)
+    p.add_argument("--rate-means", type=positive_int, nargs="*", default=None,
+                   help="mean document lengths for the kernel-rate table (default 32768 8192 2048 512)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--json", metavar="PATH")
+    a = p.parse_args(argv)
+    device = resolve_device(a.device)
+    gpu = device.type == "cuda"
+    dtype = DTYPES[a.dtype or ("bfloat16" if gpu else "float32")]
+    seqs = a.seq or ([32768, 65536] if gpu else [1024])
+    backend = resolve_backend(a.backend, device, dtype, masked=True)
+    result = {"world": a.world, "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "dtype": str(dtype),
+              "backend": backend, "device": torch.cuda.get_device_name() if gpu else "cpu", "rows": [], "rates": []}
+    print(f"a ring rank's packed schedule vs one call, W={a.world}, {a.heads} q / {a.kv_heads} kv heads, "
+          f"head_dim {a.head_dim}, {str(dtype)[6:]}, backend {backend}, {result['device']}")
+    print(f"{'seq':>6} {'layout':<11} {'imbal.':>6}  {'fwd wall':>9} {'f+b wall':>9}   {'fwd GPU':>8} {'f+b GPU':>8}"
+          f"   {'rank f/fb ms (wall)':>20}")
+    for seq in seqs:
+        docs = Documents.from_args(seq, parse_docs(a.docs, seq), True, None)
+        g = torch.Generator(device="cpu").manual_seed(0)
+        q, k, v, dout = (torch.randn(1, seq, h, a.head_dim, generator=g).to(device, dtype)
+                         for h in (a.heads, a.kv_heads, a.kv_heads, a.heads))
+        one = measure(dict(zip(("fwd", "fwd_bwd"), one_call(q, k, v, dout, docs, backend))), a, device)
+        for layout in a.layouts:
+            positions = [shard_positions(seq, a.world, r, layout, docs.cu_seqlens) for r in range(a.world)]
+            work = [docs.work(pos) for pos in positions]
+            ranks = [measure(dict(zip(("fwd", "fwd_bwd"), rank_schedule(q, k, v, dout, docs, positions, r, backend))),
+                             a, device) for r in range(a.world)]
+            row = {"seq": seq, "layout": layout, "docs": describe(docs), "imbalance": max(work) / (sum(work) / a.world),
+                   "one_call": one, "ranks": ranks, "efficiency": {}}
+            for kind in ("fwd", "fwd_bwd"):
+                for clock in ("wall_s", "gpu_s"):
+                    slowest = max(r[kind][clock] for r in ranks)
+                    row["efficiency"][f"{kind}_{clock[:-2]}"] = one[kind][clock] / (a.world * slowest)
+            e = row["efficiency"]
+            worst = max(range(a.world), key=lambda r: ranks[r]["fwd_bwd"]["wall_s"])
+            print(f"{seq:>6} {layout:<11} {row['imbalance']:>6.3f}  {e['fwd_wall'] * 100:>8.1f}% {e['fwd_bwd_wall'] * 100:>8.1f}%"
+                  f"   {e['fwd_gpu'] * 100:>7.1f}% {e['fwd_bwd_gpu'] * 100:>7.1f}%   "
+                  f"r{worst} {ranks[worst]['fwd']['wall_s'] * 1e3:.2f} / {ranks[worst]['fwd_bwd']['wall_s'] * 1e3:.2f}")
+            result["rows"].append(row)
+        print(f"{'':>6} one call: fwd {one['fwd']['wall_s'] * 1e3:.2f} ms, fwd+bwd {one['fwd_bwd']['wall_s'] * 1e3:.2f} ms "
+              f"(wall); {describe(docs)}")
+    seq = max(seqs)
+    means = a.rate_means if a.rate_means is not None else ([32768, 8192, 2048, 512] if gpu else [512, 64])
+    print(f"\nthe masked kernel alone, seq {seq}: TFLOP/s on visible pairs (4·pairs·h·d fwd, 2.5x that bwd)")
+    g = torch.Generator(device="cpu").manual_seed(1)
+    q, k, v, dout = (torch.randn(1, seq, h, a.head_dim, generator=g).to(device, dtype)
+                     for h in (a.heads, a.kv_heads, a.kv_heads, a.heads))
+    for mean in means:
+        spec = "" if mean >= seq else f"lognormal:mean={mean},seed=0"
+        docs = Documents.from_args(seq, parse_docs(spec, seq) if spec else torch.tensor([0, seq]), True, None)
+        pairs = docs.work(torch.arange(seq))
+        t = measure(dict(zip(("fwd", "fwd_bwd"), one_call(q, k, v, dout, docs, backend))), a, device)
+        flops = 4 * pairs * a.heads * a.head_dim
+        rate = {"pairs": pairs, "mean_doc": mean, "fwd_tflops": flops / t["fwd"]["gpu_s"] / 1e12,
+                "fwd_bwd_tflops": 3.5 * flops / t["fwd_bwd"]["gpu_s"] / 1e12, "times": t}
+        result["rates"].append(rate)
+        print(f"  mean doc {mean:>6}: {pairs / 1e6:>9.1f} M pairs  fwd {rate['fwd_tflops']:>6.1f}  "
+              f"fwd+bwd {rate['fwd_bwd_tflops']:>6.1f} TFLOP/s (GPU)")
+    if a.json:
+        write_json(a.json, result)
+
+
+if __name__ == "__main__":
+    run_study(main)
