@@ -102,3 +102,32 @@ def test_sbatch_training_script(slurm, tmp_path):
                        env={"DISTLAB_NPROC_PER_NODE": "2"})
     assert proc.returncode == 0, proc.stderr + log[-3000:]
     assert "trained steps 0..4 on 2 rank(s), dp 2 x tp 1 x ring 1 x ulysses 1" in log
+
+
+def test_slurm_local_stops_its_daemons_on_sigterm():
+    """``python -m distlab.slurm_local`` in the foreground, then SIGTERM (a terminal closed, a job killed):
+    it stops the slurmctld and slurmd it started instead of leaving them orphaned."""
+    import re
+    import signal
+    import time
+
+    missing = missing_binaries()
+    if missing:
+        pytest.skip(f"SLURM is not installed here (missing {', '.join(missing)})")
+    proc = subprocess.Popen([sys.executable, "-m", "distlab.slurm_local"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": REPO})
+    line = proc.stdout.readline()                      # printed once the node is idle
+    conf = re.search(r"SLURM_CONF=(\S+)", line)
+    assert conf, line
+
+    def daemons():
+        out = subprocess.run(["pgrep", "-f", conf.group(1)], capture_output=True, text=True).stdout
+        return [p for p in out.split() if p]
+
+    assert daemons(), "no daemon runs with that configuration"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    deadline = time.monotonic() + 15
+    while daemons() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not daemons(), "slurmctld/slurmd left running after SIGTERM"

@@ -72,7 +72,7 @@ def test_compare_runs_every_method_on_the_same_problem(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     names = [m["method"] for m in result["methods"]]
-    assert names == ["ring (contiguous)", "ring (zigzag)", "ulysses", "usp 2x2 (zigzag)"]
+    assert names == ["ring (contiguous)", "ring (zigzag)", "allgather (zigzag)", "ulysses", "usp 2x2 (zigzag)"]
     for m in result["methods"]:
         assert m["check_passed"], m["method"]
         assert all(r["fwd_bwd_bytes"] == m["model_bytes"]["fwd_bwd"] for r in m["ranks"]), m["method"]
