@@ -26,10 +26,14 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 
-def _tiles(device, d):
+def _tiles(device, d, kind="fwd"):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): the backward holds more tiles, so smaller ones (at 128 x 64
+    and 3 stages its dK/dV kernel asked for 246 KiB of shared memory; the H200 has 227)."""
     if device.type != "cuda":
-        return 16, 16, 4
-    return (128, 64, 8) if d <= 128 else (64, 64, 8)
+        return 16, 16, 4, 1
+    if kind == "fwd":
+        return (128, 64, 8, 3) if d <= 128 else (64, 64, 8, 2)
+    return (64, 64, 8, 2) if d <= 128 else (32, 32, 4, 1)
 
 
 @triton.jit
@@ -203,7 +207,7 @@ def masked_forward(q, k, v, mask, scale):
     """(out, lse) of attention under ``mask`` (a ``KeyMask`` on q's device)."""
     _check(q, k, v, mask)
     b, sq, h, d = q.shape
-    bm, bn, warps = _tiles(q.device, d)
+    bm, bn, warps, stages = _tiles(q.device, d)
     out = torch.empty_like(q)
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
     kb, ke = key_ranges(mask, bm)
@@ -212,7 +216,7 @@ def masked_forward(q, k, v, mask, scale):
     _fwd[grid](q, k, v, out, lse, lo, hi, kpos, kb, ke, scale,
                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                out.stride(0), out.stride(1), out.stride(2), sq, h, h // k.shape[2],
-               BLOCK_M=bm, BLOCK_N=bn, D=d, num_warps=warps)
+               BLOCK_M=bm, BLOCK_N=bn, D=d, num_warps=warps, num_stages=stages)
     return out, lse
 
 
@@ -221,7 +225,7 @@ def masked_backward(dout, q, k, v, out, lse, mask, scale):
     _check(q, k, v, mask)
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    bm, bn, warps = _tiles(q.device, d)
+    bm, bn, warps, stages = _tiles(q.device, d, "bwd")
     q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))   # Q and dO share strides in the kernels
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()     # (b, h, sq)
     lse = lse.float().contiguous()
@@ -231,10 +235,10 @@ def masked_backward(dout, q, k, v, out, lse, mask, scale):
     _bwd_dkv[(triton.cdiv(sk, bn), b * hk)](
         q, k, v, dout, lse, delta, dk, dv, lo, hi, kpos, qb, qe, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), sq, sk, h, hk, h // hk,
-        BLOCK_M=bm, BLOCK_N=bn, D=d, num_warps=warps)
+        BLOCK_M=bm, BLOCK_N=bn, D=d, num_warps=warps, num_stages=stages)
     kb, ke = key_ranges(mask, bm)
     _bwd_dq[(triton.cdiv(sq, bm), b * h)](
         q, k, v, dout, lse, delta, dq, lo, hi, kpos, kb, ke, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), sq, h, h // hk,
-        BLOCK_M=bm, BLOCK_N=bn, D=d, num_warps=warps)
+        BLOCK_M=bm, BLOCK_N=bn, D=d, num_warps=warps, num_stages=stages)
     return dq, dk, dv
