@@ -195,7 +195,7 @@ def test_balanced_layout_holds_every_token_once():
     cu = parse_docs("3000,1200,800,17", 6144)
     for world in (3, 4, 8):
         units = balanced_units(6144, world, cu)
-        assert sorted(u for r in units for u in r) == list(range(world * units_per_rank(6144, world)))
+        assert sorted(u for r in units for u in r) == list(range(world * units_per_rank(6144, world, cu)))
         pos = torch.cat([shard_positions(6144, world, r, "balanced", cu) for r in range(world)])
         assert torch.equal(pos.sort().values, torch.arange(6144))
 

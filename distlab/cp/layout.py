@@ -8,12 +8,14 @@ gives rank W−1 W times the work of rank 0.
 ``zigzag``: the sequence is cut into 2W chunks; rank r holds chunks r and 2W−1−r (in that order). Every
 rank then holds one early and one late chunk, so causal attention costs every rank the same.
 
-``balanced`` (packed documents, ``cu_seqlens=``): the sequence is cut into m units per rank (m = 16, 8, 4
-or 2, the largest that divides; the length must divide by 2W), each unit's causal work — the visible
-query–key pairs of its queries, documents respected — is counted, and the units are dealt out heaviest
-first, each to the rank with the least work that still has room, so every rank holds T/W tokens and
-about the same work whatever the document lengths. A rank's units are kept in position order. Without
-``cu_seqlens`` it balances one causal sequence (as zigzag does, in more pieces).
+``balanced`` (packed documents, ``cu_seqlens=``): the sequence is cut into m units per rank, each unit's
+causal work — the visible query–key pairs of its queries, documents respected — is counted, and the units
+are dealt out heaviest first, each to the rank with the least work that still has room, so every rank
+holds T/W tokens and about the same work whatever the document lengths. m is the smallest of 2, 4, 8, 16
+(dividing the length) whose deal is within 3% of the mean — fewer, longer units keep the kernels' tiles
+whole (on the H200 16 units per rank cost 2-3x the kernel time of 2) — else the best of them; the length
+must divide by 2W. A rank's units are kept in position order. Without ``cu_seqlens`` it balances one
+causal sequence (m = 2: exactly zigzag's work).
 
 USP (a Ulysses group of U ranks inside each ring position, ``ulysses_group=``): the sequence is first cut
 for the ring group as above, then each ring shard is cut into U contiguous pieces, piece u to Ulysses
@@ -66,11 +68,14 @@ def rank_chunks(rank: int, world: int, layout: str) -> list[int]:
     return [rank, 2 * world - 1 - rank] if chunks_per_rank(layout) == 2 else [rank]
 
 
-def units_per_rank(total: int, world: int) -> int:
-    for m in (16, 8, 4, 2):
-        if total % (world * m) == 0:
-            return m
-    raise ValueError(f"the balanced layout needs a sequence length divisible by 2 x {world} ranks; got {total}")
+UNIT_CHOICES = (2, 4, 8, 16)
+BALANCE_TARGET = 1.03   # the busiest rank's work over the mean that a deal of fewer units must reach
+
+
+def units_per_rank(total: int, world: int, cu_seqlens=None) -> int:
+    """m, the units per rank of the balanced layout (module doc)."""
+    key = None if cu_seqlens is None else tuple(torch.as_tensor(cu_seqlens).tolist())
+    return _balanced(total, world, key)[0]
 
 
 def unit_work(total: int, units: int, cu_seqlens=None) -> torch.Tensor:
@@ -84,23 +89,38 @@ def unit_work(total: int, units: int, cu_seqlens=None) -> torch.Tensor:
     return (pos - start + 1).view(units, -1).sum(1)
 
 
-@functools.lru_cache(maxsize=64)
-def _balanced(total: int, world: int, cu_key: tuple | None) -> tuple[tuple[int, ...], ...]:
-    m = units_per_rank(total, world)
-    work = unit_work(total, world * m, None if cu_key is None else torch.tensor(cu_key)).tolist()
+def _deal(total: int, world: int, m: int, cu):
+    """(imbalance, units per rank) of dealing ``world·m`` units heaviest first to the least loaded rank."""
+    work = unit_work(total, world * m, cu).tolist()
     load, room, owned = [0] * world, [m] * world, [[] for _ in range(world)]
     for unit in sorted(range(world * m), key=lambda u: (-work[u], u)):     # heaviest first, ties by position
         r = min((r for r in range(world) if room[r]), key=lambda r: (load[r], r))
         load[r] += work[unit]
         room[r] -= 1
         owned[r].append(unit)
-    return tuple(tuple(sorted(units)) for units in owned)
+    return max(load) / (sum(load) / world), tuple(tuple(sorted(units)) for units in owned)
+
+
+@functools.lru_cache(maxsize=64)
+def _balanced(total: int, world: int, cu_key: tuple | None) -> tuple[int, tuple[tuple[int, ...], ...]]:
+    cu = None if cu_key is None else torch.tensor(cu_key)
+    choices = [m for m in UNIT_CHOICES if total % (world * m) == 0]
+    if not choices:
+        raise ValueError(f"the balanced layout needs a sequence length divisible by 2 x {world} ranks; got {total}")
+    best = None
+    for m in choices:
+        imbalance, owned = _deal(total, world, m, cu)
+        if best is None or imbalance < best[0]:
+            best = (imbalance, m, owned)
+        if imbalance <= BALANCE_TARGET:
+            break
+    return best[1], best[2]
 
 
 def balanced_units(total: int, world: int, cu_seqlens=None) -> list[list[int]]:
     """Per rank, the indices (ascending) of the ``world·m`` equal units it holds (module doc)."""
     key = None if cu_seqlens is None else tuple(torch.as_tensor(cu_seqlens).tolist())
-    return [list(u) for u in _balanced(total, world, key)]
+    return [list(u) for u in _balanced(total, world, key)[1]]
 
 
 def shard_positions(total: int, world: int, rank: int, layout: str, cu_seqlens=None, ulysses: int = 1,
@@ -110,7 +130,7 @@ def shard_positions(total: int, world: int, rank: int, layout: str, cu_seqlens=N
     check_divisible(total, world, layout, ulysses)
     if layout == "balanced":
         units = balanced_units(total, world, cu_seqlens)[rank]
-        size = total // (world * units_per_rank(total, world))
+        size = total // (world * units_per_rank(total, world, cu_seqlens))
         pos = torch.cat([torch.arange(u * size, (u + 1) * size) for u in units])
     else:
         size = total // (world * chunks_per_rank(layout))

@@ -28,6 +28,7 @@ Backends (``backend=``):
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -80,8 +81,13 @@ def check_mask(mask, q, k, causal) -> None:
 
 
 def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[str]:
-    """Backends that can run on this device and dtype, fastest first (``torch`` always last)."""
-    device = torch.device(device)
+    """Backends that can run on this device and dtype, fastest first (``torch`` always last). Cached per
+    (device, dtype, TRITON_INTERPRET): the device queries behind it cost host time on every call."""
+    return list(_available(torch.device(device), dtype, os.environ.get("TRITON_INTERPRET")))
+
+
+@functools.lru_cache(maxsize=64)
+def _available(device: torch.device, dtype: torch.dtype, _interpret) -> tuple[str, ...]:
     names = []
     if device.type == "cuda":
         for name in ("sdpa-cudnn", "sdpa-flash", "sdpa-efficient"):
@@ -90,7 +96,7 @@ def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[s
     if triton_runs_on(device) and (dtype in (torch.float16, torch.bfloat16) or
                                    (dtype == torch.float32 and device.type != "cuda")):
         names.append("triton")
-    return names + ["torch"]
+    return tuple(names + ["torch"])
 
 
 def triton_runs_on(device) -> bool:

@@ -32,6 +32,7 @@ class KeyMask:
     q_hi: torch.Tensor      # (seq_q,) int64
     k_pos: torch.Tensor     # (seq_k,) int64
     k_sorted: bool = True   # k_pos ascends (then a row block's keys are one slice)
+    memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)   # a kernel's per-mask tables
 
     def rows(self, start: int, stop: int) -> "KeyMask":
         return KeyMask(self.q_lo[start:stop], self.q_hi[start:stop], self.k_pos, self.k_sorted)

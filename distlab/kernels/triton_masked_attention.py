@@ -158,7 +158,15 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, KPOS, KB, KE, scale,
 
 
 def key_ranges(mask, block_m: int):
-    """Per query tile, the key rows [begin, end) its rows can see (int32, on the mask's device)."""
+    """Per query tile, the key rows [begin, end) its rows can see (int32, on the mask's device); computed
+    once per mask and tile size (a ring reuses its step masks every iteration)."""
+    key = ("key_ranges", block_m)
+    if key not in mask.memo:
+        mask.memo[key] = _key_ranges(mask, block_m)
+    return mask.memo[key]
+
+
+def _key_ranges(mask, block_m: int):
     n = mask.q_lo.shape[0]
     tiles = (n + block_m - 1) // block_m
     pad = tiles * block_m - n
@@ -176,7 +184,14 @@ def key_ranges(mask, block_m: int):
 
 def query_ranges(mask, seq_k: int, block_n: int):
     """Per key tile, the query rows [begin, end) that can see it: one range when the rows' intervals ascend
-    (every layout's shard); else every row."""
+    (every layout's shard); else every row. Computed once per mask and tile size."""
+    key = ("query_ranges", seq_k, block_n)
+    if key not in mask.memo:
+        mask.memo[key] = _query_ranges(mask, seq_k, block_n)
+    return mask.memo[key]
+
+
+def _query_ranges(mask, seq_k: int, block_n: int):
     tiles = (seq_k + block_n - 1) // block_n
     lo, hi = mask.q_lo, mask.q_hi
     monotone = lo.numel() < 2 or bool(((lo[1:] >= lo[:-1]) & (hi[1:] >= hi[:-1])).all())
