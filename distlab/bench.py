@@ -35,6 +35,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _SPELLINGS = {alias: name for name, aliases in DTYPE_NAMES.items() for alias in aliases}
 
 
+ERROR_GRACE_S = 5.0   # how long a failed rank waits for the others' errors under distlab run
+
+
 class UsageError(ValueError):
     """A command line that cannot run (raised by ``StudyParser`` and the argument types below)."""
 
@@ -128,8 +131,16 @@ def _fail(message: str, code: int) -> None:
     error_dir = os.environ.get("DISTLAB_ERROR_DIR")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if error_dir and os.path.isdir(error_dir):
-        with open(os.path.join(error_dir, f"rank{_rank()}.json"), "w") as f:
+        tmp = os.path.join(error_dir, f".rank{_rank()}.tmp")
+        with open(tmp, "w") as f:
             json.dump({"rank": _rank(), "code": code, "message": message}, f)
+        os.replace(tmp, os.path.join(error_dir, f"rank{_rank()}.json"))
+        # the launcher stops every rank once one exits: give the others (a mistake in the arguments fails on
+        # all of them, a second apart) a moment to file theirs, so the summary names every rank that failed
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        deadline = time.monotonic() + ERROR_GRACE_S
+        while time.monotonic() < deadline and len([f for f in os.listdir(error_dir) if f.endswith(".json")]) < local:
+            time.sleep(0.05)
     else:
         where = f" (rank {_rank()})" if world > 1 else ""
         text = f"error{where}: {message}" if code == 2 else f"error{where}:\n{message}"
