@@ -5,12 +5,7 @@
 #
 #   bash launch/gpu_check.sh OUTDIR        # writes logs and JSON into OUTDIR (default: $OUT or ./out)
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-out=${1:-${OUT:-out}}
-mkdir -p "$out"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-py=${PYTHON:-python3}
-status=0
+source "$(dirname "$0")/gpu_env.sh"
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$out/gpu.txt"
 $py -c 'import torch, sys; print("torch", torch.__version__, "python", sys.version.split()[0])' | tee -a "$out/gpu.txt"

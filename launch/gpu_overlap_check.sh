@@ -4,12 +4,7 @@
 #
 #   bash launch/gpu_overlap_check.sh OUTDIR
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-out=${1:-${OUT:-out}}
-mkdir -p "$out"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-py=${PYTHON:-python3}
-status=0
+source "$(dirname "$0")/gpu_env.sh"
 
 echo "== playground, 1 rank NCCL (correctness of the GPU path; busbw needs >1 rank) =="
 $py -m distlab.collectives --op all -b 1K -e 64M -f 64 --json "$out/playground_w1.json" || status=1

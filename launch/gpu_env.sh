@@ -1,0 +1,8 @@
+# Sourced by the one-GPU check scripts: the NVLink-multicast variables off, unbuffered output, the output
+# folder ($1, else $OUT, else ./out) in $out, this checkout on PYTHONPATH, $py and a $status to return.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+out=${1:-${OUT:-out}}
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+py=${PYTHON:-python3}
+status=0
