@@ -188,11 +188,19 @@ class ParallelDims:
             raise ValueError(f"parallel degrees {shown} multiply to {product}, but the world size is "
                              f"{self.world_size}")
 
-    def build_mesh(self, device_type: str):
+    MESH_GROUPS = AXES + ("cp", "dp_cp", "dp_cp_tp")
+
+    def build_mesh(self, device_type: str, timeout_s: float = 300.0):
+        """The named mesh. Every group in it gets ``timeout_s`` (``init_runtime``'s default): DeviceMesh's
+        subgroups would otherwise take gloo's 30-minute default, so a frozen rank hung training that long."""
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device_type, tuple(self.degrees().values()), mesh_dim_names=self.AXES)
         mesh["ring", "ulysses"]._flatten("cp")
         mesh["dp", "ring", "ulysses"]._flatten("dp_cp")   # ranks that hold the same weights outside TP/EP
         mesh["dp", "ring", "ulysses", "tp"]._flatten("dp_cp_tp")   # all ranks: the expert-parallel group under TP
+        from torch.distributed.distributed_c10d import _set_pg_timeout   # no public setter exists
+
+        for name in self.MESH_GROUPS:
+            _set_pg_timeout(datetime.timedelta(seconds=timeout_s), mesh.get_group(name))
         return mesh

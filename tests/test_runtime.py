@@ -88,3 +88,33 @@ def test_program_arguments_are_not_parsed_by_torchrun():
     launcher, program = split_program(["--nproc", "2", "-m", "distlab.collectives", "--max", "1G", "--min", "8"])
     assert launcher == ["--standalone", "--nproc-per-node", "2", "-m", "distlab.collectives"]
     assert program == ["--max", "1G", "--min", "8"]     # '--max' would be "ambiguous" to torchrun's argparse
+
+
+def stalled_mesh_collective(timeout_s):
+    """Rank 1 never joins an all-reduce on a mesh subgroup: rank 0 must fail after about timeout_s."""
+    import time as _time
+
+    import torch
+    import torch.distributed as dist
+
+    from distlab import comm
+    from distlab.runtime import ParallelDims
+
+    mesh = ParallelDims(comm.group_size(), dp=2).build_mesh("cpu", timeout_s=timeout_s)
+    group = mesh.get_group("dp")
+    if comm.group_rank() == 1:
+        _time.sleep(timeout_s + 6)
+        return None
+    t0 = _time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=group)
+    except RuntimeError as e:   # gloo's timeout error (DistBackendError is a RuntimeError)
+        return _time.monotonic() - t0, str(e)[:200]
+    return None
+
+
+def test_a_stalled_rank_times_out_mesh_subgroups(pools):
+    """DeviceMesh subgroups get the runtime's timeout, not gloo's 30 minutes (issue #27)."""
+    pool = pools(2)
+    got = pool.run(stalled_mesh_collective, 3.0, timeout_s=60)[0]
+    assert got is not None and 2.5 < got[0] < 20, got        # waited its timeout, not gloo's 30 minutes
