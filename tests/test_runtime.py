@@ -113,8 +113,14 @@ def stalled_mesh_collective(timeout_s):
     return None
 
 
-def test_a_stalled_rank_times_out_mesh_subgroups(pools):
-    """DeviceMesh subgroups get the runtime's timeout, not gloo's 30 minutes (issue #27)."""
-    pool = pools(2)
-    got = pool.run(stalled_mesh_collective, 3.0, timeout_s=60)[0]
+def test_a_stalled_rank_times_out_mesh_subgroups():
+    """DeviceMesh subgroups get the runtime's timeout, not gloo's 30 minutes (issue #27). Its own pool: a
+    timed-out gloo pair is closed for good, and the shared pools must not inherit that."""
+    from distlab.testing import ProcessGroupPool
+
+    pool = ProcessGroupPool(2)
+    try:
+        got = pool.run(stalled_mesh_collective, 3.0, timeout_s=60)[0]
+    finally:
+        pool.close()
     assert got is not None and 2.5 < got[0] < 20, got        # waited its timeout, not gloo's 30 minutes

@@ -22,8 +22,7 @@ from distlab.bench import (DTYPES, StudyParser, dtype_arg, nonnegative_int, posi
                            time_wall, write_json)
 from distlab.cp.documents import Documents, describe, parse_docs
 from distlab.cp.layout import shard_positions
-from distlab.cp.merge import merge_attention
-from distlab.cp.ring_packed import step_masks
+from distlab.cp.ring_packed import merge_rows, step_blocks
 from distlab.kernels.attention import attention_backward, attention_forward, resolve_backend
 from distlab.kernels.bench import timeit
 
@@ -31,45 +30,33 @@ from distlab.kernels.bench import timeit
 def rank_schedule(q, k, v, dout, docs, positions, rank, backend):
     """(forward, forward+backward) callables of ring rank ``rank``'s packed schedule, every K/V resident."""
     world = len(positions)
-    masks = step_masks(docs, positions, rank, q.device)
+    blocks = step_blocks(docs, positions, rank, q.device)   # the ring's own blocks: rows that see each step
     mine = positions[rank].to(q.device)
     qr, dr = q[:, mine].contiguous(), dout[:, mine].contiguous()
     kv = [(k[:, positions[(rank - s) % world].to(q.device)].contiguous(),
            v[:, positions[(rank - s) % world].to(q.device)].contiguous()) for s in range(world)]
-    merge = _merger(q)
 
     def fwd():
-        out = lse = None
-        for step, m in enumerate(masks):
-            if m is not None:
-                o, l = attention_forward(qr, *kv[step], False, None, backend, mask=m)
-                out, lse = merge(out, lse, o, l)
+        out = torch.zeros(qr.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full((qr.shape[0], qr.shape[2], qr.shape[1]), float("-inf"), device=q.device)
+        for step, runs in enumerate(blocks):
+            for a, b, m in runs:
+                o, l = attention_forward(qr[:, a:b], *kv[step], False, None, backend, mask=m)
+                merge_rows(out, lse, o, l, a, b)
         return out, lse
 
     def fwd_bwd():
         out, lse = fwd()
         o = out.to(q.dtype)
         dq = torch.zeros(qr.shape, dtype=torch.float32, device=q.device)
-        for step, m in enumerate(masks):
-            if m is not None:
-                g = attention_backward(dr, qr, *kv[step], o, lse, False, None, backend, mask=m)
-                dq += g[0]
+        for step, runs in enumerate(blocks):
+            for a, b, m in runs:
+                g = attention_backward(dr[:, a:b], qr[:, a:b], *kv[step], o[:, a:b], lse[:, :, a:b], False, None,
+                                       backend, mask=m)
+                dq[:, a:b] += g[0]
         return dq
 
     return fwd, fwd_bwd
-
-
-def _merger(q):
-    """The ring's merge: the one-launch Triton kernel on CUDA (as ``distlab.cp.ring``), else ``merge_attention``."""
-    def merge(out, lse, o, l):
-        if out is None:
-            return o.float().contiguous(), l.float().contiguous()
-        if q.is_cuda:
-            from distlab.kernels.lse_merge import lse_merge_
-
-            return lse_merge_(out, lse, o, l)
-        return merge_attention(out, lse, o, l)
-    return merge
 
 
 def one_call(q, k, v, dout, docs, backend):

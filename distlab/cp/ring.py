@@ -344,13 +344,13 @@ def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backe
     docs = Documents.from_args(total, cu_seqlens, causal, window)
     if docs.masked or layout == "balanced":
         backend = check_ring_inputs(q, k, v, ring.size, causal, layout, backend, masked=True)
-        from distlab.cp.ring_packed import PackedRingAttention, step_masks
+        from distlab.cp.ring_packed import PackedRingAttention, step_blocks
 
         positions = [shard_positions(total, ring.size, r, layout, docs.cu_seqlens) for r in range(ring.size)]
-        masks = step_masks(docs, positions, ring.rank, q.device)
+        blocks = step_blocks(docs, positions, ring.rank, q.device)
         check_same_everywhere(docs, group)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        out, lse = PackedRingAttention.apply(q, k, v, ring, masks, scale, backend)
+        out, lse = PackedRingAttention.apply(q, k, v, ring, blocks, scale, backend)
         return (out, lse) if return_lse else out
     backend = check_ring_inputs(q, k, v, ring.size, causal, layout, backend)
     steps_per_launch = check_steps_per_launch(steps_per_launch, backend, ring.size)

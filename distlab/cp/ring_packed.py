@@ -8,8 +8,11 @@ K/V travel from rank r to r+1 (W−1 exchanges forward), in the backward K/V aga
 accumulator that visits every rank and comes home (W exchanges) — with one difference: the block. At step
 i this rank's queries, at global positions ``pos[me]``, meet the keys of rank ``src = me − i``, at
 ``pos[src]``, through a ``KeyMask`` (``distlab.cp.documents``). A step whose block has no visible pair
-launches no kernel (its K/V still travel on: the next rank needs them); inside a block the kernel skips the
-rows and keys the mask removes, so the work follows the visible pairs, not T².
+launches no kernel (its K/V still travel on: the next rank needs them), and a step computes and merges only
+the runs of rows that see some of its keys (``step_blocks``): with documents most rows see nothing of most
+other ranks, and merging the whole float32 output at every step cost more than the kernels on the H200
+(docs/PERF.md). Inside a block the kernel skips the keys the mask removes, so the work follows the visible
+pairs, not T².
 
 Every layout works because nothing here assumes where a position lives: the masks are computed from the
 positions each layout assigns (``distlab.cp.layout.shard_positions``), the same on every rank.
@@ -19,22 +22,54 @@ from __future__ import annotations
 
 import torch
 
-from distlab.cp.merge import merge_attention
+from distlab.cp.merge import merge_into
 from distlab.profiling import phase
 from distlab.kernels.attention import attention_backward, attention_forward
+
+ROW_GAP = 256   # rows that see nothing between two runs, below which the runs are computed as one
+
+
+def row_runs(mask, gap: int = ROW_GAP) -> list[tuple[int, int]]:
+    """The runs [a, b) of query rows that see some key of ``mask`` (runs closer than ``gap`` joined)."""
+    k = mask.k_pos if mask.k_sorted else mask.k_pos.sort().values
+    seen = ((torch.searchsorted(k, mask.q_hi) - torch.searchsorted(k, mask.q_lo)) > 0).nonzero().squeeze(1).tolist()
+    runs = []
+    for r in seen:
+        if runs and r - runs[-1][1] < gap:
+            runs[-1][1] = r + 1
+        else:
+            runs.append([r, r + 1])
+    return [(a, b) for a, b in runs]
+
+
+def step_blocks(docs, positions, rank, device, gap: int = ROW_GAP):
+    """Per ring step of rank ``rank``: the ``(a, b, mask)`` blocks of rows a..b that see that step's keys
+    (an empty list: the step launches nothing)."""
+    world = len(positions)
+    steps = []
+    for step in range(world):
+        m = docs.mask(positions[rank], positions[(rank - step) % world])
+        steps.append([(a, b, m.rows(a, b).to(device)) for a, b in row_runs(m, gap)])
+    return steps
 
 
 def step_masks(docs, positions, rank, device):
     """The KeyMask of each ring step of rank ``rank`` (None where the block has no visible pair)."""
-    world = len(positions)
-    masks = []
-    for step in range(world):
-        m = docs.mask(positions[rank], positions[(rank - step) % world])
-        masks.append(m.to(device) if m.visible_pairs() else None)
-    return masks
+    return [m.to(device) if m.visible_pairs() else None
+            for m in (docs.mask(positions[rank], positions[(rank - s) % len(positions)]) for s in range(len(positions)))]
 
 
-def _forward(q, k, v, ring, masks, scale, backend):
+def merge_rows(out, lse, o, l, a, b):
+    """Merge a block of rows a..b into the float32 running (out, lse) in place (one Triton launch on CUDA)."""
+    if out.is_cuda and not out.shape[-1] & (out.shape[-1] - 1):
+        from distlab.kernels.lse_merge import lse_merge_
+
+        lse_merge_(out[:, a:b], lse[:, :, a:b], o, l)
+    else:
+        merge_into(out, lse, o, l, slice(a, b))
+
+
+def _forward(q, k, v, ring, blocks, scale, backend):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
@@ -42,18 +77,18 @@ def _forward(q, k, v, ring, masks, scale, backend):
     for step in range(ring.size):
         with phase("ring.exchange"):
             pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
-        if masks[step] is not None:
+        for a, b, mask in blocks[step]:
             with phase("ring.block"):
-                o, l = attention_forward(q, kv[0], kv[1], False, scale, backend, mask=masks[step])
+                o, l = attention_forward(q[:, a:b], kv[0], kv[1], False, scale, backend, mask=mask)
             with phase("ring.merge"):
-                out, lse = merge_attention(out, lse, o, l)
+                merge_rows(out, lse, o, l, a, b)
         if pending is not None:
             with phase("ring.wait"):
                 kv = tuple(pending.wait())
     return out.to(q.dtype), lse
 
 
-def _backward(dout, q, k, v, out, lse, ring, masks, scale, backend):
+def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv, dkv_pending = (k, v), None
@@ -61,12 +96,12 @@ def _backward(dout, q, k, v, out, lse, ring, masks, scale, backend):
         with phase("ring.exchange"):
             kv_pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
         part = None
-        if masks[step] is not None:
+        for a, b, mask in blocks[step]:
             with phase("ring.block_backward"):
-                dq_b, dk_b, dv_b = attention_backward(dout, q, kv[0], kv[1], out, lse, False, scale, backend,
-                                                      mask=masks[step])
-            dq += dq_b
-            part = (dk_b.to(acc), dv_b.to(acc))
+                dq_b, dk_b, dv_b = attention_backward(dout[:, a:b], q[:, a:b], kv[0], kv[1], out[:, a:b],
+                                                      lse[:, :, a:b], False, scale, backend, mask=mask)
+            dq[:, a:b] += dq_b
+            part = (dk_b.to(acc), dv_b.to(acc)) if part is None else (part[0].add_(dk_b), part[1].add_(dv_b))
         if step == 0:      # the accumulator of my own K/V starts here
             dkv = part if part is not None else tuple(torch.zeros(k.shape, dtype=acc, device=k.device)
                                                       for _ in range(2))
@@ -85,10 +120,10 @@ def _backward(dout, q, k, v, out, lse, ring, masks, scale, backend):
 
 class PackedRingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, masks, scale, backend):
-        out, lse = _forward(q, k, v, ring, masks, scale, backend)
+    def forward(ctx, q, k, v, ring, blocks, scale, backend):
+        out, lse = _forward(q, k, v, ring, blocks, scale, backend)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (ring, masks, scale, backend)
+        ctx.args = (ring, blocks, scale, backend)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
