@@ -151,12 +151,12 @@ def test_one_document_is_the_plain_causal_ring(pools, layout):
 
 def blocks_launched(layout, cu):
     """The ring steps whose block has a visible pair (the others launch nothing)."""
-    from distlab.cp.ring_packed import step_masks
+    from distlab.cp.ring_packed import step_blocks
 
     world, rank = comm.group_size(), comm.group_rank()
     docs = Documents.from_args(T, torch.tensor(cu), True, None)
     positions = [shard_positions(T, world, r, layout, docs.cu_seqlens) for r in range(world)]
-    return [m is not None for m in step_masks(docs, positions, rank, "cpu")]
+    return [bool(blocks) for blocks in step_blocks(docs, positions, rank, "cpu")]
 
 
 def test_a_ring_step_with_no_visible_pair_launches_nothing(pools):

@@ -53,12 +53,6 @@ def step_blocks(docs, positions, rank, device, gap: int = ROW_GAP):
     return steps
 
 
-def step_masks(docs, positions, rank, device):
-    """The KeyMask of each ring step of rank ``rank`` (None where the block has no visible pair)."""
-    return [m.to(device) if m.visible_pairs() else None
-            for m in (docs.mask(positions[rank], positions[(rank - s) % len(positions)]) for s in range(len(positions)))]
-
-
 def merge_rows(out, lse, o, l, a, b):
     """Merge a block of rows a..b into the float32 running (out, lse) in place (one Triton launch on CUDA)."""
     if out.is_cuda and not out.shape[-1] & (out.shape[-1] - 1):
