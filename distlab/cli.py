@@ -10,6 +10,10 @@ free port). The program's own arguments are handed to it untouched: stock torchr
 them too, so a study flag that is a prefix of a torchrun flag (``--max`` of ``--max-restarts``) fails there
 with "ambiguous option"; here it does not. It also sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1
 unless they are already set. Everything after the module or script is passed to it untouched.
+
+Failures: the module (or script) and ``--nproc`` are checked before any rank starts; when ranks fail, each
+distinct error (filed by ``distlab.bench.run_study`` in ``DISTLAB_ERROR_DIR``, or a signal) is printed once
+with the ranks that raised it, instead of torchrun's per-rank tracebacks, and the exit status is the study's.
 """
 
 from __future__ import annotations
@@ -109,7 +113,7 @@ def summarize_failures(failures: dict, error_dir: str) -> int:
     by a signal left nothing, and is named with the signal (SIGKILL is usually the kernel's OOM killer)."""
     errors: dict[str, list[int]] = {}
     codes: dict[int, int] = {}
-    for name in sorted(os.listdir(error_dir)):
+    for name in sorted(n for n in os.listdir(error_dir) if n.startswith("rank") and n.endswith(".json")):
         with open(os.path.join(error_dir, name)) as f:
             e = json.load(f)
         errors.setdefault(e["message"], []).append(e["rank"])
