@@ -132,7 +132,7 @@ def summarize_failures(failures: dict, error_dir: str) -> int:
             errors.setdefault(f"exited with status {failure.exitcode} (see its output above)", []).append(rank)
             codes[rank] = failure.exitcode
     if not errors and failures:
-        errors[f"stopped by SIGTERM (from outside: the launcher itself was asked to stop)"] = sorted(failures)
+        errors["stopped by SIGTERM (from outside: the launcher itself was asked to stop)"] = sorted(failures)
         codes = {rank: 143 for rank in failures}
     for message, ranks in errors.items():
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_span(ranks)}"
