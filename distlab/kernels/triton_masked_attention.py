@@ -37,6 +37,17 @@ def _tiles(device, d, kind="fwd"):
 
 
 @triton.jit
+def _key_tile(K, V, KPOS, base, cols, end, sks, dims, lo, hi):
+    """A tile of keys (rows ``cols`` below ``end``) of one kv head, and which of them each query row sees."""
+    in_k = cols < end
+    kpos = tl.load(KPOS + cols, mask=in_k, other=0)
+    k = tl.load(K + base + cols[:, None] * sks + dims[None, :], mask=in_k[:, None], other=0.0)
+    v = tl.load(V + base + cols[:, None] * sks + dims[None, :], mask=in_k[:, None], other=0.0)
+    seen = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] < hi[:, None]) & in_k[None, :]
+    return k, v, seen
+
+
+@triton.jit
 def _fwd(Q, K, V, O, LSE, LO, HI, KPOS, KB, KE, scale,
          sqb, sqs, sqh, skb, sks, skh, sob, sos, soh, seq_q, heads, groups,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
@@ -56,13 +67,8 @@ def _fwd(Q, K, V, O, LSE, LO, HI, KPOS, KB, KE, scale,
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     qk_scale = scale * 1.4426950408889634
     for start in range(kb, ke, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        in_k = cols < ke
-        kpos = tl.load(KPOS + cols, mask=in_k, other=0)
-        k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + dims[None, :], mask=in_k[:, None], other=0.0)
-        v = tl.load(V + b * skb + hk * skh + cols[:, None] * sks + dims[None, :], mask=in_k[:, None], other=0.0)
+        k, v, seen = _key_tile(K, V, KPOS, b * skb + hk * skh, start + tl.arange(0, BLOCK_N), ke, sks, dims, lo, hi)
         s = tl.dot(q, tl.trans(k)) * qk_scale
-        seen = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] < hi[:, None]) & in_k[None, :]
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -142,13 +148,8 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, KPOS, KB, KE, scale,
     dq = tl.zeros([BLOCK_M, D], tl.float32)
     qk_scale = scale * 1.4426950408889634
     for start in range(kb, ke, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        in_k = cols < ke
-        kpos = tl.load(KPOS + cols, mask=in_k, other=0)
-        k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + dims[None, :], mask=in_k[:, None], other=0.0)
-        v = tl.load(V + b * skb + hk * skh + cols[:, None] * sks + dims[None, :], mask=in_k[:, None], other=0.0)
+        k, v, seen = _key_tile(K, V, KPOS, b * skb + hk * skh, start + tl.arange(0, BLOCK_N), ke, sks, dims, lo, hi)
         s = tl.dot(q, tl.trans(k)) * qk_scale
-        seen = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] < hi[:, None]) & in_k[None, :]
         p = tl.where(seen, tl.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
