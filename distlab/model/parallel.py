@@ -129,7 +129,7 @@ class ParallelLlama(torch.nn.Module):
         local = vocab_parallel_cross_entropy(self(ids, docs, positions), targets, self.tp_group, reduction="sum")
         count = comm.all_reduce_raw((targets != -100).sum().to(torch.float64).reshape(1), self.replica_group)
         n = comm.group_size(self.replica_group)
-        return local * (n / count.clamp_min(1).item())
+        return local * n / count.clamp_min(1).to(local.dtype).squeeze(0)   # no host sync on the step's path
 
     @torch.no_grad()
     def full_tensors(self, get) -> dict:
