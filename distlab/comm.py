@@ -92,6 +92,89 @@ def group_rank(group=None) -> int:
 
 
 # --------------------------------------------------------------------------------------------------------
+# inputs that must agree on every rank
+# --------------------------------------------------------------------------------------------------------
+_DTYPE_CODES = {dt: i for i, dt in enumerate((torch.float64, torch.float32, torch.float16, torch.bfloat16,
+                                              torch.int64, torch.int32, torch.bool, torch.uint8,
+                                              torch.float8_e4m3fn, torch.float8_e5m2))}
+_AGREED: set = set()   # (group, what, values) already checked: a cache of facts, not parallel state
+_SIGNATURE_LEN = 64
+
+
+def tensor_signature(*tensors) -> tuple:
+    """(ndim, *shape, dtype code, device-is-meta) per tensor: what every rank must agree on before a collective."""
+    sig = []
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            sig += [t.dim(), *t.shape, _DTYPE_CODES.get(t.dtype, 99), int(t.device.type == "meta")]
+        else:
+            sig += [-1, 99, 0]
+    return tuple(sig)
+
+
+def describe_signature(sig) -> str:
+    """``tensor_signature`` read back: '(2, 16, 4, 8) float32, ...'."""
+    names = {i: str(dt).replace("torch.", "") for dt, i in _DTYPE_CODES.items()}
+    out, i = [], 0
+    while i < len(sig):
+        n = sig[i]
+        if n < 0:
+            out.append("not a tensor")
+            i += 3
+            continue
+        shape = tuple(sig[i + 1:i + 1 + n])
+        out.append(f"{shape} {names.get(sig[i + 1 + n], '?')}{' meta' if sig[i + 2 + n] else ''}")
+        i += n + 3
+    return ", ".join(out)
+
+
+def forget_agreed() -> None:
+    """Forget which inputs were checked (the next call of each shape checks again)."""
+    _AGREED.clear()
+
+
+def check_same_on_every_rank(what: str, values, group=None, describe=str) -> None:
+    """Raise the same ValueError on every rank of ``group`` unless every rank passed equal ``values`` (ints).
+
+    Call it before anything else that communicates: a rank that was given another sequence length (say)
+    would otherwise meet the others in a collective of another size, and gloo aborts that process while
+    NCCL hangs. One all-gather of 64 int64 per (group, what, values), not recorded by ``CommLog``; later
+    calls with values already checked cost a set lookup. So a rank whose shapes change while the others'
+    do not is caught only when its new shapes are new to it: checked at the first call of each shape.
+    ``describe(values)`` spells a rank's values in the error."""
+    n = group_size(group)
+    values = tuple(int(x) for x in values)
+    key = (group, what, values)
+    if n == 1 or key in _AGREED:
+        return
+    if len(values) >= _SIGNATURE_LEN:
+        raise ValueError(f"{what}: {len(values)} values to compare across ranks; at most {_SIGNATURE_LEN - 1}")
+    mine = torch.full((_SIGNATURE_LEN,), -(2**62), dtype=torch.int64)
+    mine[0] = len(values)
+    mine[1:1 + len(values)] = torch.tensor(values, dtype=torch.int64)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    every = torch.empty(n * _SIGNATURE_LEN, dtype=torch.int64, device=device)
+    _all_gather_dim0_untracked(every, mine.to(device), group)
+    rows = every.view(n, _SIGNATURE_LEN).cpu().tolist()
+    seen = [tuple(r[1:1 + r[0]]) if 0 <= r[0] < _SIGNATURE_LEN else None for r in rows]
+    if any(v != values for v in seen):
+        by_value: dict = {}
+        for rank, v in enumerate(seen):
+            by_value.setdefault(v, []).append(rank)
+        parts = [f"rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}: {describe(v)}" for v, r in by_value.items()]
+        raise ValueError(f"{what}: the ranks of the group were given different inputs ({'; '.join(parts)}); "
+                         "every rank must pass the same shapes and settings")
+    if len(_AGREED) > 4096:
+        _AGREED.clear()
+    _AGREED.add(key)
+
+
+def _all_gather_dim0_untracked(out, x, group) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, x, group=group)
+
+
+# --------------------------------------------------------------------------------------------------------
 # raw collectives along a tensor dim (torch 2.13 names with a fallback to the older ones)
 # --------------------------------------------------------------------------------------------------------
 def _all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:

@@ -6,8 +6,10 @@
 
 ``init_runtime()`` reads the launcher's environment, picks the device (``cuda:LOCAL_RANK`` when CUDA is
 present, else CPU) and the backend (nccl for CUDA, gloo for CPU), and starts the default process group
-with a timeout, so a rank that dies makes the others fail instead of hang. It returns a ``Runtime``; there
-is no global state beyond torch.distributed's own default group.
+with a timeout (``DISTLAB_TIMEOUT_S``, default 300 s; every mesh group gets it too), so a rank that dies
+or freezes makes the others fail instead of hang. Under a launcher, a rank also dies with the process
+that started it (``PR_SET_PDEATHSIG``): killing ``distlab run`` with SIGKILL leaves no orphaned workers.
+It returns a ``Runtime``; there is no global state beyond torch.distributed's own default group.
 
 ``ParallelDims`` validates parallel degrees against the world size before any communication and builds
 one named ``DeviceMesh``.
@@ -21,6 +23,7 @@ import os
 import random
 import socket
 import subprocess
+import sys
 
 import numpy as np
 import torch
@@ -87,16 +90,50 @@ def pick_device(local_rank: int, device: str | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def init_runtime(device: str | None = None, backend: str | None = None, timeout_s: float = 300.0,
+def collective_timeout_s() -> float:
+    """Seconds a collective may wait for the other ranks: ``DISTLAB_TIMEOUT_S``, else 300."""
+    value = os.environ.get("DISTLAB_TIMEOUT_S", "300")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"DISTLAB_TIMEOUT_S={value!r}: give a positive number of seconds")
+    return seconds
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent (the launcher's agent) dies, and exit now if it
+    already has. No-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:   # the parent died before the request took effect
+        os._exit(1)
+
+
+def init_runtime(device: str | None = None, backend: str | None = None, timeout_s: float | None = None,
                  seed: int | None = 0) -> Runtime:
     """Initialise torch.distributed (if not already) from the environment; return the Runtime.
 
     A single process without launcher variables gets a process group of size 1 on a free local port, so
-    the same code paths run everywhere. ``timeout_s`` bounds every collective of the default group.
+    the same code paths run everywhere. ``timeout_s`` bounds every collective of the default group
+    (default ``collective_timeout_s()``).
     """
     for key, value in GPU_SAFE_ENV.items():
         os.environ.setdefault(key, value)
+    timeout_s = timeout_s if timeout_s is not None else collective_timeout_s()
     launcher, rank, world, local_rank = launch_env()
+    if launcher != "single":
+        die_with_parent()
     dev = pick_device(local_rank, device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -190,9 +227,11 @@ class ParallelDims:
 
     MESH_GROUPS = AXES + ("cp", "dp_cp", "dp_cp_tp")
 
-    def build_mesh(self, device_type: str, timeout_s: float = 300.0):
-        """The named mesh. Every group in it gets ``timeout_s`` (``init_runtime``'s default): DeviceMesh's
-        subgroups would otherwise take gloo's 30-minute default, so a frozen rank hung training that long."""
+    def build_mesh(self, device_type: str, timeout_s: float | None = None):
+        """The named mesh. Every group in it gets ``timeout_s`` (default ``collective_timeout_s()``, as the
+        default group): DeviceMesh's subgroups would otherwise take gloo's 30-minute default, so a frozen rank
+        hung training that long."""
+        timeout_s = timeout_s if timeout_s is not None else collective_timeout_s()
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device_type, tuple(self.degrees().values()), mesh_dim_names=self.AXES)

@@ -1,4 +1,4 @@
-"""Training the mini Llama: AdamW, clipping, data-parallel gradients, DCP checkpoints that resume bit for bit.
+"""Training the mini Llama: AdamW, clipping, data-parallel gradients, checkpoints that resume bit for bit.
 
     python -m distlab.train --config tiny                                  # one process, loss falls in ~1 min
     distlab run --nproc 2 -m distlab.train --config tiny --checkpoint-dir ckpt --json losses.json
@@ -10,8 +10,8 @@ step's global batch (the batch is a pure function of the step, see ``distlab.mod
 gradients are averaged over the group in one flattened all-reduce before clipping and the AdamW step, so
 every rank keeps identical weights. The learning rate warms up linearly, then follows a cosine to 10%.
 
-Checkpoints (``distlab.model.checkpoint``, ``torch.distributed.checkpoint`` underneath) hold the weights
-and AdamW's moments in the one-device layout, and the step. Because batches and the schedule depend only
+Checkpoints (``distlab.model.checkpoint``: safetensors and a JSON manifest with checksums, written
+atomically) hold the weights and AdamW's moments in the one-device layout, and the step. Because batches and the schedule depend only
 on the step, a run resumed from step k gives exactly the losses of an uninterrupted run (tested bit for
 bit on CPU), and it may resume in another layout (TP 2 × CP 2 → DP 2, say).
 
@@ -118,7 +118,8 @@ def main(argv=None):
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=nonnegative_int, default=None,
                    help="override the config's checkpoint_every")
-    p.add_argument("--resume", default=None, help="a checkpoint folder (…/step_N)")
+    p.add_argument("--resume", default=None, help="a checkpoint folder (…/step_N), or 'latest': the newest complete "
+                   "one in --checkpoint-dir (none yet: start from step 0)")
     p.add_argument("--json", metavar="PATH", help="write the loss curve (rank 0)")
     p.add_argument("--device", default=None)
     p.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree (default: the config's layout, or 1)")
@@ -143,8 +144,15 @@ def main(argv=None):
         tcfg.checkpoint_every = a.checkpoint_every
     rt = init_runtime(device=a.device, seed=tcfg.seed)
     dims = layout_dims(rt.world_size, a.tp, a.ring, a.ulysses, tcfg.batch)   # ValueError on every rank
+    if a.resume == "latest":
+        if not a.checkpoint_dir:
+            raise ValueError("--resume latest looks in --checkpoint-dir: give one")
+        a.resume = checkpoint.latest(a.checkpoint_dir)
+        if rt.is_main:
+            print(f"--resume latest: {a.resume or f'no complete checkpoint in {a.checkpoint_dir} yet, starting at step 0'}",
+                  flush=True)
     if a.resume:
-        checkpoint.check_folder(a.resume, mcfg)   # before any collective: a wrong path is one line, not DCP's
+        checkpoint.check_folder(a.resume, mcfg)   # before any collective: wrong, damaged or another model's
     # every multi-rank run is a ParallelLlama (dp alone too): its loss is the global batch's mean over the
     # non-ignored targets, whatever share of them each rank holds
     mesh = dims.build_mesh(rt.device.type) if rt.world_size > 1 else None

@@ -38,11 +38,10 @@ def test_merge_accumulates_in_float32_from_half_precision():
     assert (m_out.double() - out).abs().max() < 2e-3
 
 
-@pytest.mark.parametrize("empty_lse", [float("-inf"), float("inf"), float("nan")])
-def test_block_with_empty_rows_neither_nans_nor_erases(empty_lse):
+def test_block_with_empty_rows_neither_nans_nor_erases():
     (_, _), a, b = halves()
     b_out, b_lse = b[0].clone(), b[1].clone()
-    b_lse[:, :, :4] = empty_lse          # rows 0..3 saw no key in block b ...
+    b_lse[:, :, :4] = float("-inf")      # rows 0..3 saw no key in block b ...
     b_out[:, :4] = float("nan")          # ... and the kernel left garbage in their output
     m_out, m_lse = merge_attention(*merge_attention(None, None, *a), b_out, b_lse)
     assert torch.isfinite(m_out).all() and torch.isfinite(m_lse).all()
@@ -51,6 +50,21 @@ def test_block_with_empty_rows_neither_nans_nor_erases(empty_lse):
     # the other rows are the proper two-block merge
     want_lse = torch.logaddexp(a[1][:, :, 4:], b[1][:, :, 4:])
     torch.testing.assert_close(m_lse[:, :, 4:], want_lse)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("side", ["running", "block"])
+def test_nan_or_inf_lse_from_the_inputs_makes_the_row_nan(bad, side):
+    """A NaN LSE (NaN in q or a visible key) or +inf (an infinite score) is not an empty row: the row must come
+    out NaN, as softmax gives it, never 0 or the other block's result."""
+    (_, _), a, b = halves()
+    a, b = [t.clone() for t in a], [t.clone() for t in b]
+    (a if side == "running" else b)[1][0, 1, 2] = bad
+    m_out, m_lse = merge_attention(*merge_attention(None, None, *a), *b)
+    assert torch.isnan(m_out[0, 2, 1]).all() and not torch.isfinite(m_lse[0, 1, 2])
+    rest = torch.ones_like(m_lse, dtype=torch.bool)
+    rest[0, 1, 2] = False
+    assert torch.isfinite(m_lse[rest]).all()
 
 
 def test_rows_that_see_no_key_anywhere_end_zero_with_neg_inf_lse():

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from distlab import comm
-from distlab.cp.documents import Documents, check_same_everywhere
+from distlab.cp.documents import Documents, check_call_everywhere
 from distlab.cp.layout import check_layout, shard_positions
 from distlab.kernels.attention import attention_backward, attention_forward, check_qkv, resolve_backend
 from distlab.profiling import phase
@@ -143,6 +143,7 @@ def allgather_attention(q, k, v, group=None, causal=False, layout="contiguous", 
     groups whose gathers overlap the previous group's compute (default: 2 when the kv heads split evenly, else
     1). ``cu_seqlens`` / ``window``: packed documents and a sliding window (``distlab.cp.documents``).
     """
+    check_call_everywhere("allgather_attention", group, q, k, v, causal, layout, cu_seqlens, window)
     world, rank = comm.group_size(group), comm.group_rank(group)
     check_layout(layout)
     check_qkv(q, k, v, causal=False)
@@ -163,7 +164,6 @@ def allgather_attention(q, k, v, group=None, causal=False, layout="contiguous", 
         order, keys = (sort.to(q.device), torch.argsort(sort).to(q.device)), keys[sort]
     mask = docs.mask(positions[rank], keys, q.device) if causal or docs.masked else None
     backend = resolve_backend(backend, q.device, q.dtype, masked=mask is not None)
-    check_same_everywhere(docs, group)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out, lse = _AllGatherAttention.apply(q, k, v, group, world, mask, scale, backend, chunks, order)
     return (out, lse) if return_lse else out

@@ -85,7 +85,8 @@ def cp_decode_attention(q, cache: KVCacheShard, softmax_scale=None, backend="aut
         return o.to(q.dtype)
     lses = comm.all_gather_raw(lse[None], group, 0)                  # (W, b, h, n)
     total = torch.logsumexp(lses, 0)
-    weight = torch.exp(lse - total).nan_to_num(0.0)                  # 0 for an empty shard
+    safe = torch.where(total == float("-inf"), 0.0, total)
+    weight = torch.where(lse == float("-inf"), 0.0, torch.exp(lse - safe))   # 0 for an empty shard; NaN shows
     part = o * weight.transpose(1, 2).unsqueeze(-1)
     return comm.all_reduce_raw(part, group).to(q.dtype)
 

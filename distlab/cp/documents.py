@@ -16,7 +16,8 @@ import dataclasses
 import math
 
 import torch
-import torch.distributed as dist
+
+from distlab import comm
 
 from distlab.kernels.masks import KeyMask, check_cu_seqlens, check_window, document_mask
 
@@ -54,26 +55,32 @@ class Documents:
         return (cu[1:] - cu[:-1]).tolist()
 
 
-def check_same_everywhere(docs: Documents, group=None) -> None:
-    """Raise the same ValueError on every rank when the ranks were given different ``cu_seqlens`` or windows.
+LAYOUTS = ("contiguous", "zigzag", "balanced")
 
-    One all-reduce of four int64 numbers (a digest and its negation, MAX): the only collective before the
-    method's own, so no rank can start exchanging K/V on a mask the others do not share."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    cu = docs.cu_seqlens if docs.cu_seqlens is not None else torch.tensor([-1])
-    weights = torch.arange(1, cu.numel() + 1, dtype=torch.int64)
-    digest = torch.tensor([int((cu * weights).sum()) % (2**61 - 1), cu.numel(),
-                           -1 if docs.window is None else docs.window, int(docs.causal)], dtype=torch.int64)
-    both = torch.cat([digest, -digest])
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    both = both.to(device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    high, low = both[:4].cpu(), -both[4:].cpu()
-    if not torch.equal(high, low):
-        raise ValueError("cu_seqlens, window or causal differ between the ranks of the group: every rank must "
-                         "pass the same global document boundaries and window")
+
+def check_call_everywhere(what: str, group, q, k, v, causal=False, layout="contiguous", cu_seqlens=None,
+                          window=None) -> None:
+    """The first thing a CP method does: raise the same ValueError on every rank of ``group`` unless every
+    rank was given q, k, v of one shape and dtype, and the same causal flag, layout, window and
+    ``cu_seqlens`` (``comm.check_same_on_every_rank``: one small all-gather the first time these inputs are
+    seen, none after). Everything a method checks afterwards is then the same question on every rank, so
+    its ValueError is raised everywhere or nowhere, before any exchange."""
+    try:
+        cu = torch.as_tensor(cu_seqlens).reshape(-1).to(torch.int64) if cu_seqlens is not None else torch.tensor([-1])
+        weights = torch.arange(1, cu.numel() + 1, dtype=torch.int64)
+        digest = (int((cu * weights).sum()) % (2**61 - 1), cu.numel())
+    except (TypeError, ValueError, RuntimeError):
+        digest = (-2, -2)
+    win = -1 if window is None else (int(window) if isinstance(window, int) else -2)
+    extra = (int(bool(causal)), LAYOUTS.index(layout) if layout in LAYOUTS else -1, win, *digest)
+
+    def describe(values):
+        c, lay, w, dig, n = values[-5:]
+        return (f"q, k, v {comm.describe_signature(values[:-5])}; causal={bool(c)}, "
+                f"layout={LAYOUTS[lay] if lay >= 0 else '?'}, window={None if w == -1 else w}, "
+                f"cu_seqlens {'none' if n == 1 and dig == (2**61 - 2) else f'of {n} entries, digest {dig}'}")
+
+    comm.check_same_on_every_rank(what, comm.tensor_signature(q, k, v) + extra, group, describe)
 
 
 # ----------------------------------------------------------------------------------------------- --docs

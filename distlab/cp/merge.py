@@ -7,10 +7,12 @@ Attention over keys split into blocks A and B is recovered from the block result
     lse = log(exp(lse_A) + exp(lse_B))
     out = exp(lse_A - lse) * out_A + exp(lse_B - lse) * out_B
 
-Everything is done in float32 (float64 stays float64). A row that saw no key in a block has a non-finite
-LSE there (``-inf`` by convention; some kernels report ``+inf`` or NaN); such a block contributes nothing,
-so it can neither turn the row into NaN nor erase what the other block found. A row that sees no key in
-any block ends with ``lse = -inf`` and ``out = 0``.
+Everything is done in float32 (float64 stays float64). A row that saw no key in a block has ``lse = -inf``
+there (every distlab kernel reports it so); such a block contributes nothing, so its garbage output can
+neither turn the row into NaN nor erase what the other block found. A row that sees no key in any block
+ends with ``lse = -inf`` and ``out = 0``. Anything else that is not finite is the inputs' doing and must
+reach the output as the one-device math gives it: a NaN LSE (a NaN in q, or in a visible key or value)
+makes the row NaN, a ``+inf`` LSE (an infinite score) makes it NaN too, as ``softmax`` does.
 
 Shapes follow the attention convention: ``out`` ``(batch, seq, heads, head_dim)``, ``lse``
 ``(batch, heads, seq)``.
@@ -25,11 +27,6 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def empty_rows_to_neg_inf(lse: torch.Tensor) -> torch.Tensor:
-    """Map every non-finite LSE (a row with no visible key) to -inf."""
-    return torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("-inf")))
-
-
 def merge_attention(out, lse, block_out, block_lse):
     """Merge ``(block_out, block_lse)`` into the running ``(out, lse)``; return the new pair.
 
@@ -38,14 +35,14 @@ def merge_attention(out, lse, block_out, block_lse):
     block, one scale and one fused multiply-add.
     """
     ct = _acc_dtype(block_out.dtype)
-    block_lse = empty_rows_to_neg_inf(block_lse.to(ct))
-    seen = torch.isfinite(block_lse).transpose(1, 2).unsqueeze(-1)
+    block_lse = block_lse.to(ct)
+    seen = (block_lse != float("-inf")).transpose(1, 2).unsqueeze(-1)   # NaN counts as seen: it must show
     block_out = torch.where(seen, block_out.to(ct), 0.0)       # an empty row's garbage must not leak in
     if out is None:
         return block_out, block_lse
-    lse = empty_rows_to_neg_inf(lse.to(ct))
-    new_lse = torch.logaddexp(lse, block_lse)                 # -inf only where both are -inf
-    safe = torch.where(torch.isfinite(new_lse), new_lse, 0.0)
+    lse = lse.to(ct)
+    new_lse = torch.logaddexp(lse, block_lse)                 # -inf only where both are -inf; NaN, +inf stay
+    safe = torch.where(new_lse == float("-inf"), 0.0, new_lse)   # +inf gives exp(inf - inf) = NaN: as softmax
     w_old = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)   # exp(-inf) = 0 for an empty side
     w_new = torch.exp(block_lse - safe).transpose(1, 2).unsqueeze(-1)
     return (out.to(ct) * w_old).addcmul_(block_out, w_new), new_lse

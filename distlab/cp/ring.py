@@ -39,7 +39,7 @@ import os
 import torch
 
 from distlab import comm
-from distlab.cp.documents import Documents, check_same_everywhere
+from distlab.cp.documents import Documents, check_call_everywhere
 from distlab.cp.layout import check_layout, shard_positions
 from distlab.cp.merge import merge_attention, merge_into
 from distlab.profiling import phase
@@ -339,6 +339,7 @@ def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backe
     ``cu_seqlens`` (global document boundaries, the same on every rank) and ``window`` (keys at most that
     many positions back; causal only): packed documents, see ``distlab.cp.documents``.
     """
+    check_call_everywhere("ring_attention", group, q, k, v, causal, layout, cu_seqlens, window)
     ring = comm.RingExchanger(group)
     total = q.shape[1] * ring.size
     docs = Documents.from_args(total, cu_seqlens, causal, window)
@@ -348,7 +349,6 @@ def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backe
 
         positions = [shard_positions(total, ring.size, r, layout, docs.cu_seqlens) for r in range(ring.size)]
         blocks = step_blocks(docs, positions, ring.rank, q.device)
-        check_same_everywhere(docs, group)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         out, lse = PackedRingAttention.apply(q, k, v, ring, blocks, scale, backend)
         return (out, lse) if return_lse else out

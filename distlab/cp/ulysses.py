@@ -26,7 +26,7 @@ import math
 import torch
 
 from distlab import comm
-from distlab.cp.documents import Documents, check_same_everywhere
+from distlab.cp.documents import Documents, check_call_everywhere
 from distlab.cp.layout import check_layout, shard_positions
 from distlab.kernels.attention import attention, check_qkv, resolve_backend
 from distlab.profiling import phase
@@ -75,6 +75,7 @@ def ulysses_attention(q, k, v, group=None, causal=False, backend="auto", softmax
     rank's ``(batch, seq/W, heads, head_dim)`` output shard. ``layout``: how the shards were cut
     (``distlab.cp.layout``); ``cu_seqlens`` / ``window``: packed documents (``distlab.cp.documents``).
     """
+    check_call_everywhere("ulysses_attention", group, q, k, v, causal, layout, cu_seqlens, window)
     world = comm.group_size(group)
     check_layout(layout)
     docs = Documents.from_args(q.shape[1] * world, cu_seqlens, causal, window)
@@ -86,7 +87,6 @@ def ulysses_attention(q, k, v, group=None, causal=False, backend="auto", softmax
         if bool((pos[1:] < pos[:-1]).any()):
             order = torch.argsort(pos).to(q.device)
         mask = docs.mask(torch.arange(docs.total), torch.arange(docs.total), q.device)
-        check_same_everywhere(docs, group)
     with phase("ulysses.all_to_all"):
         qh, kh, vh = to_head_shards(q, k, v, group)
     if order is not None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from distlab import comm
 from distlab.cp.layout import check_layout
 from distlab.cp.ring import ring_attention
-from distlab.cp.documents import Documents
+from distlab.cp.documents import Documents, check_call_everywhere
 from distlab.cp.ulysses import check_ulysses_inputs, to_head_shards, to_sequence_shards
 
 
@@ -32,6 +32,8 @@ def usp_attention(q, k, v, ulysses_group, ring_group, causal=False, layout="cont
     q: ``(batch, seq/(U·R), heads, head_dim)``; k, v: ``(batch, seq/(U·R), kv_heads, head_dim)``.
     ``cu_seqlens`` / ``window``: packed documents (``distlab.cp.documents``), handled by the ring axis.
     """
+    for name, group in (("usp_attention (ulysses group)", ulysses_group), ("usp_attention (ring group)", ring_group)):
+        check_call_everywhere(name, group, q, k, v, causal, layout, cu_seqlens, window)
     u = comm.group_size(ulysses_group)
     check_layout(layout)
     masked = cu_seqlens is not None or window is not None or layout == "balanced"

@@ -56,6 +56,10 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be floating point; got {t.dtype}")
+        if t.device.type == "meta":
+            raise ValueError(f"{name} is a meta tensor (a shape without data); attention needs real tensors")
+        if 0 in (t.shape[0], t.shape[2], t.shape[3]):
+            raise ValueError(f"{name} {tuple(t.shape)} is empty: batch, heads and head_dim must be >= 1")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -325,7 +329,7 @@ def _torch_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
             s = (qb @ kk[:, :, cols].transpose(-1, -2) * scale).masked_fill_(hidden, float("-inf"))
         else:
             s = _block_scores(qb, kk[:, :, :kend].transpose(-1, -2), scale, causal, start, stop, g)
-        p = s.sub_(torch.where(torch.isfinite(lb), lb, torch.full_like(lb, float("inf")))).exp_()
+        p = s.sub_(torch.where(lb == float("-inf"), float("inf"), lb)).exp_()   # no key: P = 0; NaN stays
         dv_b = p.transpose(-1, -2) @ dob
         ds = (dob @ vv[:, :, cols].transpose(-1, -2)).sub_(db).mul_(p).mul_(scale)
         dq[:, start:stop] = _ungrouped(ds @ kk[:, :, cols], n)

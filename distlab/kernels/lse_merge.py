@@ -4,7 +4,8 @@
 
 For backends that cannot accumulate (cuDNN, flash SDPA), a ring step's block result ``(o_b, lse_b)`` is
 merged into the float32 running ``(out, lse)`` in place — the same rule and the same care for rows with
-no visible key as ``distlab.cp.merge.merge_into`` (a non-finite block LSE contributes nothing), but one
+no visible key as ``distlab.cp.merge.merge_into`` (a ``-inf`` block LSE contributes nothing; NaN and
+``+inf`` make the row NaN, as the one-device math does), but one
 kernel instead of about ten elementwise launches. ``out``/``lse`` may be views of some rows of a larger
 buffer (a zigzag half block). One program per (batch, BLOCK rows, head), head_dim wide.
 """
@@ -27,21 +28,21 @@ def _merge_kernel(O, LSE, BO, BLSE, seq, heads, sob, sos, soh, slb, slh, sbb, sb
     in_rows = rows < seq
     lse = tl.load(LSE + b * slb + h * slh + rows, mask=in_rows, other=float("-inf"))
     blse = tl.load(BLSE + b * sblb + h * sblh + rows, mask=in_rows, other=float("-inf"))
-    lse = tl.where(lse == lse, lse, float("-inf"))                          # NaN -> -inf
-    lse = tl.where(lse == float("inf"), float("-inf"), lse)
-    blse = tl.where((blse == blse) & (blse != float("inf")), blse, float("-inf"))
+    bad = (lse != lse) | (blse != blse) | (lse == float("inf")) | (blse == float("inf"))   # the inputs' NaN/inf
     hi = tl.maximum(lse, blse)
     safe = tl.where(hi == float("-inf"), 0.0, hi)
     w_old = tl.exp(lse - safe)
     w_new = tl.exp(blse - safe)
     total = w_old + w_new
     new = tl.where(hi == float("-inf"), float("-inf"), safe + tl.log(total))
+    new = tl.where(bad, float("nan"), new)
     denom = tl.where(total > 0, total, 1.0)
     o_ptrs = O + b * sob + h * soh + rows[:, None] * sos + offs_d[None, :]
     o = tl.load(o_ptrs, mask=in_rows[:, None], other=0.0)
     bo = tl.load(BO + b * sbb + h * sbh + rows[:, None] * sbs + offs_d[None, :], mask=in_rows[:, None], other=0.0)
     bo = tl.where((w_new > 0)[:, None], bo.to(tl.float32), 0.0)
     out = (o * (w_old / denom)[:, None]) + bo * (w_new / denom)[:, None]
+    out = tl.where(bad[:, None], float("nan"), out)
     tl.store(o_ptrs, out, mask=in_rows[:, None])
     tl.store(LSE + b * slb + h * slh + rows, new, mask=in_rows)
 

@@ -46,8 +46,8 @@ def _delta_kernel(O, DO, LSE, DELTA, LSE2, seq, heads, sob, sos, soh, sdb, sds, 
     do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sds + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
     tl.store(DELTA + bh * seq + rows, tl.sum(o * do, 1), mask=rows < seq)
     lse = tl.load(LSE + b * slb + h * slh + rows, mask=rows < seq, other=0.0)
-    finite = (lse == lse) & (tl.abs(lse) != float("inf"))
-    tl.store(LSE2 + bh * seq + rows, tl.where(finite, lse * log2e, float("inf")), mask=rows < seq)
+    empty = lse == float("-inf")   # a row with no key: P = 0 (NaN and +inf stay, so the gradients show them)
+    tl.store(LSE2 + bh * seq + rows, tl.where(empty, float("inf"), lse * log2e), mask=rows < seq)
 
 
 @triton.jit

@@ -2,41 +2,62 @@
 
     distlab run --nproc 4 -m distlab.train --config tp2-cp2 --checkpoint-dir ckpt --stop-after 50
     distlab run --nproc 2 -m distlab.train --config tiny --resume ckpt/step_50          # now DP 2
+    distlab run --nproc 2 -m distlab.train --config tiny --checkpoint-dir ckpt --resume latest
 
-What is saved (with ``torch.distributed.checkpoint``) is the model's weights and AdamW's two moments,
-each gathered into the one-device ``Llama``'s names and shapes (``ParallelLlama.full_tensors``), plus the
-step. Every rank holds the same full tensors, so DCP writes each once. Loading builds the one-device
-model from the weights and shards it for the new layout with the same code that built the old one; the
-moments are sharded the same way by building two more one-device models that hold them "as weights".
-A resumed run in the same layout repeats the uninterrupted run bit for bit; in another layout it follows
-it to float32 summation order. The price is that each rank materialises the full state when saving and
-loading — right for a lab model, not for a 70B one (which would save DTensor shards instead).
+A checkpoint is a folder ``step_N`` holding three files:
 
-Each checkpoint folder also holds ``distlab.json``: the step and the model config it was saved with.
-Loading checks the folder first (it exists, it is one ``step_N`` checkpoint, its config equals the
-current one field by field) and refuses with one line that says what is wrong, before DCP reads anything.
+- ``model.safetensors``: the weights (and MoE router buffers) under the one-device ``Llama``'s names and
+  shapes (``ParallelLlama.full_tensors`` gathers them);
+- ``optimizer.safetensors``: AdamW's two moments, ``exp_avg.<name>`` and ``exp_avg_sq.<name>``, in the same
+  layout, and its step count (absent in a weights-only checkpoint, e.g. one converted from Hugging Face);
+- ``distlab.json``: the step, the model config, and each file's size and SHA-256.
+
+Loading builds the one-device model from the weights and shards it for the new layout with the same code
+that built the old one; the moments are sharded the same way by building two more one-device models that
+hold them "as weights". A resumed run in the same layout repeats the uninterrupted run bit for bit; in
+another layout it follows it to float32 summation order. Each rank materialises the full state when saving
+and loading: right for a lab model, not for a 70B one (which would save per-rank shards).
+
+What a checkpoint promises (tested by fault injection in ``tests/test_faults.py``):
+
+- **Atomic.** Rank 0 writes into a hidden ``.step_N.partial-<pid>`` folder beside the target and renames it
+  into place only once every file and the manifest are written and synced. A write killed at any point
+  leaves the previous checkpoints, and a previous ``step_N`` being rewritten, complete. ``--resume latest``
+  takes the newest folder whose manifest is complete and says which.
+- **Checked.** Loading verifies every file's size and SHA-256 against the manifest and the saved model
+  config against the current one, field by field, and refuses with one line before reading a tensor.
+- **Nothing executes.** Only JSON and safetensors are read (no pickle; the old ``torch.distributed.checkpoint``
+  format, whose ``.metadata`` is a pickle, is refused). A crafted folder can hold wrong numbers, with
+  checksums to match, but cannot run code: the checksums catch corruption, not malice.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import re
+import shutil
 
 import torch
 import torch.distributed as dist
 
+from distlab.model.config import ModelConfig
 from distlab.model.llama import Llama
 
 MANIFEST = "distlab.json"
+FORMAT = "distlab-checkpoint/2"
+MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.safetensors"
+STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def _dcp():
-    """``torch.distributed.checkpoint``, imported when a checkpoint is saved or loaded: importing it costs
-    1.4 s (DTensor, sympy) in every rank of every run, most of which never checkpoint."""
-    import torch.distributed.checkpoint as dcp
-
-    return dcp
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError as e:   # a core dependency: only a broken install gets here
+        raise ValueError("checkpoints need the safetensors package: pip install safetensors") from e
+    return safetensors.torch
 
 
 def _is_parallel(model) -> bool:
@@ -60,79 +81,202 @@ def _buffers(model) -> dict:
     return out
 
 
+def _sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _host(tensors: dict) -> dict:
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+
+
+def write_folder(path, step: int, cfg, model_tensors: dict, optimizer_tensors: dict | None = None) -> None:
+    """Write a checkpoint folder atomically (one process): files into a hidden partial folder, synced,
+    then renamed over ``path``. Also what ``distlab.model.convert`` writes."""
+    path = os.path.normpath(path)
+    parent, name = os.path.split(path)
+    parent = parent or "."
+    os.makedirs(parent, exist_ok=True)
+    partial = os.path.join(parent, f".{name}.partial-{os.getpid()}")
+    for stale in os.listdir(parent):   # what a killed writer left (ours included, from a reused pid)
+        if stale.startswith(f".{name}.partial-") or stale.startswith(f".{name}.replaced-"):
+            shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
+    os.makedirs(partial)
+    files = {MODEL_FILE: model_tensors}
+    if optimizer_tensors is not None:
+        files[OPTIMIZER_FILE] = optimizer_tensors
+    sums = {}
+    for file, tensors in files.items():
+        target = os.path.join(partial, file)
+        _safetensors().save_file(_host(tensors), target)
+        with open(target, "rb+") as f:
+            os.fsync(f.fileno())
+        sums[file] = {"bytes": os.path.getsize(target), "sha256": _sha256(target)}
+    manifest = {"format": FORMAT, "step": int(step), "model": dataclasses.asdict(cfg), "files": sums}
+    with open(os.path.join(partial, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(partial)
+    replaced = None
+    if os.path.exists(path):   # a rewrite of this step: the old folder stays whole until the new one is
+        replaced = os.path.join(parent, f".{name}.replaced-{os.getpid()}")
+        os.rename(path, replaced)
+    os.rename(partial, path)
+    _fsync_dir(parent)
+    if replaced:
+        shutil.rmtree(replaced, ignore_errors=True)
+
+
 def save(path, model, optimizer, step: int) -> None:
+    """Every rank calls it (the full tensors are gathered collectively); rank 0 writes."""
     def moment(key):
         return lambda p: optimizer.state[p][key] if key in optimizer.state.get(p, {}) else torch.zeros_like(p)
 
     adam_step = next((s["step"] for s in optimizer.state.values() if "step" in s), torch.tensor(0.0))
-    state = {"model": {**_full(model, lambda p: p.detach()), **_buffers(model)},
-             "exp_avg": _full(model, moment("exp_avg")), "exp_avg_sq": _full(model, moment("exp_avg_sq")),
-             "step": torch.tensor(step), "adam_step": adam_step.detach().clone().float()}
-    _dcp().save(state, checkpoint_id=path)
+    weights = {**_full(model, lambda p: p.detach()), **_buffers(model)}
+    moments = {**{f"exp_avg.{n}": t for n, t in _full(model, moment("exp_avg")).items()},
+               **{f"exp_avg_sq.{n}": t for n, t in _full(model, moment("exp_avg_sq")).items()},
+               "adam_step": adam_step.detach().float().reshape(1)}
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     if rank0:
-        with open(os.path.join(path, MANIFEST), "w") as f:
-            json.dump({"step": step, "model": dataclasses.asdict(model.cfg)}, f, indent=1)
+        write_folder(path, step, model.cfg, weights, moments)
         print(f"saved checkpoint {path} (step {step})", flush=True)
     if dist.is_initialized():
-        dist.barrier()   # the manifest is there before any rank goes on (or resumes from it)
+        dist.barrier()   # the folder is in place before any rank goes on (or resumes from it)
 
 
-def check_folder(path, cfg) -> int:
-    """Refuse a path that is not a checkpoint of this model, with what would be right; return its step."""
+def read_manifest(path) -> dict | None:
+    """The manifest of a complete checkpoint folder, or None when there is none that parses."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return None
+    return manifest
+
+
+def latest(directory) -> str | None:
+    """The newest complete ``step_N`` folder in ``directory`` (by N), or None."""
+    if not os.path.isdir(directory):
+        return None
+    steps = sorted(((int(m.group(1)), d) for d in os.listdir(directory) if (m := STEP_DIR.match(d))), reverse=True)
+    for _, d in steps:
+        if read_manifest(os.path.join(directory, d)) is not None:
+            return os.path.join(directory, d)
+    return None
+
+
+def check_folder(path, cfg, verify: bool = True) -> int:
+    """Refuse a path that is not a complete, intact checkpoint of this model, with what would be right;
+    return its step. ``verify``: also check every file's size and SHA-256."""
     if not os.path.exists(path):
         raise ValueError(f"no checkpoint at {path!r} (it does not exist)")
     if not os.path.isdir(path):
         raise ValueError(f"{path!r} is a file; a checkpoint is a folder such as ckpt/step_100")
-    if not os.path.exists(os.path.join(path, ".metadata")):
-        steps = sorted((d for d in os.listdir(path) if d.startswith("step_")), key=lambda d: int(d[5:] or 0)
-                       if d[5:].isdigit() else -1)
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.exists(manifest_path):
+        steps = sorted((d for d in os.listdir(path) if STEP_DIR.match(d)), key=lambda d: int(d[5:]))
         if steps:
             raise ValueError(f"{path!r} is a checkpoint directory, not a checkpoint: pass one of its step folders "
-                             f"({', '.join(steps)}), e.g. {os.path.join(path, steps[-1])}")
-        raise ValueError(f"{path!r} is not a checkpoint (no .metadata); a checkpoint is a step_N folder that "
+                             f"({', '.join(steps)}), e.g. {os.path.join(path, steps[-1])}, or --resume latest")
+        raise ValueError(f"{path!r} is not a checkpoint (no {MANIFEST}); a checkpoint is a step_N folder that "
                          "distlab.train --checkpoint-dir wrote")
-    manifest = os.path.join(path, MANIFEST)
-    if not os.path.exists(manifest):
-        raise ValueError(f"{path!r} has no {MANIFEST} (incomplete, or not written by distlab.train)")
-    with open(manifest) as f:
-        saved = json.load(f)
+    manifest = read_manifest(path)
+    if manifest is None:
+        if os.path.exists(os.path.join(path, ".metadata")):
+            raise ValueError(f"{path!r} was written by an older distlab (torch.distributed.checkpoint, whose "
+                             ".metadata is a pickle, which distlab no longer reads); save it again with this one")
+        raise ValueError(f"{path!r}: {MANIFEST} is damaged or not distlab's ({FORMAT})")
     now = dataclasses.asdict(cfg)
-    diff = [f"{k}: saved {saved['model'].get(k)!r}, now {now.get(k)!r}" for k in sorted(set(now) | set(saved["model"]))
-            if saved["model"].get(k) != now.get(k)]
+    saved = manifest.get("model", {})
+    diff = [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in sorted(set(now) | set(saved))
+            if saved.get(k, _DEFAULTS.get(k)) != now.get(k)]
     if diff:
         raise ValueError(f"checkpoint {path!r} holds another model than this config's ({'; '.join(diff)}); "
                          "use the config it was trained with")
-    return int(saved["step"])
+    files = manifest.get("files", {})
+    if MODEL_FILE not in files:
+        raise ValueError(f"{path!r}: the manifest lists no {MODEL_FILE}")
+    for file, meta in files.items():
+        target = os.path.join(path, file)
+        if not os.path.exists(target):
+            raise ValueError(f"{path!r}: {file} is missing")
+        size = os.path.getsize(target)
+        if size != meta.get("bytes"):
+            raise ValueError(f"{path!r}: {file} has {size} bytes, the manifest says {meta.get('bytes')} (truncated "
+                             "or replaced)")
+        if verify and _sha256(target) != meta.get("sha256"):
+            raise ValueError(f"{path!r}: {file} does not match its SHA-256 in {MANIFEST} (the file is corrupted)")
+    return int(manifest["step"])
+
+
+# a field added to ModelConfig after a checkpoint was saved reads as its default (the behaviour it had then)
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+
+
+def _read(path, file) -> dict:
+    try:
+        return _safetensors().load_file(os.path.join(path, file))
+    except Exception as e:   # safetensors raises its own error types for a malformed header
+        raise ValueError(f"{path!r}: {file} is not a readable safetensors file ({e})") from None
+
+
+def _check_names(path, file, got: dict, want: dict) -> None:
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or extra:
+        raise ValueError(f"{path!r}: {file} does not hold this model's tensors (missing {missing[:4]}, "
+                         f"unexpected {extra[:4]})")
+    bad = [f"{n} {tuple(got[n].shape)} != {tuple(t.shape)}" for n, t in want.items() if got[n].shape != t.shape]
+    if bad:
+        raise ValueError(f"{path!r}: {file} has tensors of other shapes ({'; '.join(bad[:4])})")
 
 
 def load_weights(path, cfg) -> Llama:
     """Only the weights (and router buffers) of a checkpoint, as the one-device ``Llama`` (for inference)."""
     check_folder(path, cfg)
     model = Llama(cfg)
-    state = {"model": dict(model.state_dict())}
-    _dcp().load(state, checkpoint_id=path)
-    model.load_state_dict(state["model"])
+    state = _read(path, MODEL_FILE)
+    _check_names(path, MODEL_FILE, state, model.state_dict())
+    model.load_state_dict(state)
     return model
 
 
 def load(path, cfg, build, make_optimizer):
-    """(model, optimizer, step): ``build(one_device_llama)`` returns the model in the wanted layout."""
-    check_folder(path, cfg)
-    template_model = Llama(cfg)
-    template = {"model": dict(template_model.state_dict()),
-                "exp_avg": {n: torch.zeros_like(p) for n, p in template_model.named_parameters()},
-                "exp_avg_sq": {n: torch.zeros_like(p) for n, p in template_model.named_parameters()},
-                "step": torch.tensor(0), "adam_step": torch.tensor(0.0)}
-    _dcp().load(template, checkpoint_id=path)
+    """(model, optimizer, step): ``build(one_device_llama)`` returns the model in the wanted layout. A
+    weights-only checkpoint starts AdamW afresh."""
+    step = check_folder(path, cfg)
+    template = Llama(cfg)
+    weights = _read(path, MODEL_FILE)
+    _check_names(path, MODEL_FILE, weights, template.state_dict())
     ref = Llama(cfg)
-    ref.load_state_dict(template["model"])
+    ref.load_state_dict(weights)
     model = build(ref)
     optimizer = make_optimizer(model)
+    if not os.path.exists(os.path.join(path, OPTIMIZER_FILE)):
+        return model, optimizer, step
+    moments = _read(path, OPTIMIZER_FILE)
+    names = dict(template.named_parameters())
+    want = {f"{key}.{n}": p for key in ("exp_avg", "exp_avg_sq") for n, p in names.items()}
+    want["adam_step"] = torch.zeros(1)
+    _check_names(path, OPTIMIZER_FILE, moments, want)
     for key in ("exp_avg", "exp_avg_sq"):
         holder = Llama(cfg)
-        holder.load_state_dict({**template["model"], **template[key]})
+        holder.load_state_dict({**weights, **{n: moments[f"{key}.{n}"] for n in names}})
         for p, q in zip(model.parameters(), build(holder).parameters()):
             optimizer.state[p][key] = q.detach().clone()
-            optimizer.state[p]["step"] = template["adam_step"].clone()
-    return model, optimizer, int(template["step"])
+            optimizer.state[p]["step"] = moments["adam_step"].reshape(()).clone()
+    return model, optimizer, step

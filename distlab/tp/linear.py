@@ -54,6 +54,27 @@ class _GatherLinear(torch.autograd.Function):
         return dx, dw, None
 
 
+def check_input(layer, x, features: int) -> None:
+    """Before a TP linear's first collective: the same input shape and dtype on every rank of its group (else
+    the same ValueError everywhere), then a real tensor with ``features`` input features in the weight's
+    dtype (any dtype under autocast)."""
+    comm.check_same_on_every_rank(type(layer).__name__, comm.tensor_signature(x), layer.group,
+                                  comm.describe_signature)
+    name = type(layer).__name__
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        raise ValueError(f"{name}: the input must be a tensor (..., {features}); got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.device.type == "meta":
+        raise ValueError(f"{name}: the input is a meta tensor (a shape without data)")
+    if x.shape[-1] != features:
+        raise ValueError(f"{name}: the input has {x.shape[-1]} features; this layer takes {features}")
+    if x.dtype != layer.weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise ValueError(f"{name}: the input is {x.dtype}, the weight {layer.weight.dtype} (cast one, or use autocast)")
+    if layer.sequence_parallel and x.dim() != 3:
+        raise ValueError(f"{name}: with sequence parallelism the input is (batch, seq shard, features); got "
+                         f"{tuple(x.shape)}")
+
+
 def _check_divides(name: str, size: int, tp: int) -> None:
     if size % tp:
         raise ValueError(f"{name} ({size}) is not divisible by the tensor-parallel size {tp}")
@@ -114,6 +135,7 @@ class ColumnParallelLinear(torch.nn.Module):
         return layer
 
     def forward(self, x):
+        check_input(self, x, self.in_features)
         if self.async_tp:
             y = all_gather_matmul(x, self.weight, self.group)
             return y + self.bias if self.bias is not None else y
@@ -162,6 +184,7 @@ class RowParallelLinear(torch.nn.Module):
         return layer
 
     def forward(self, x):
+        check_input(self, x, self.in_features // self.tp if self.input_is_parallel else self.in_features)
         if not self.input_is_parallel:
             x = comm.split_to_group(x, self.group, dim=-1)
         if self.async_tp:
