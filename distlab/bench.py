@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -120,11 +121,30 @@ def run_study(main, argv=None) -> None:
         sys.exit(0)
     except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
         _fail(str(e) if isinstance(e, ValueError) else f"{e.strerror or e}: {e.filename}", 2)
-    except Exception:   # a bug, not a mistake: keep the traceback (printed once by distlab run)
-        _fail(traceback.format_exc().rstrip(), 1)
+    except Exception as e:   # a bug, not a mistake: keep the traceback (printed once by distlab run)
+        stalled = collective_timeout(e)
+        _fail(stalled or traceback.format_exc().rstrip(), 1)
     from distlab.profiling import end_process
 
     end_process()
+
+
+def collective_timeout(error: BaseException) -> str | None:
+    """One line for a collective that timed out (a rank frozen, dead or far behind), naming the collective
+    and the distlab code that called it; None for any other error."""
+    text = str(error)
+    if not isinstance(error, RuntimeError) or not re.search(r"[Tt]imed out|[Tt]imeout|Watchdog caught", text):
+        return None
+    frames = traceback.extract_tb(error.__traceback__)
+    ops = [f.name for f in frames if f.filename.endswith(os.path.join("torch", "distributed", "distributed_c10d.py"))
+           and not f.name.startswith("_") and f.name != "wrapper"]
+    ours = [f for f in frames if f"{os.sep}distlab{os.sep}" in f.filename
+            and not f.filename.endswith(("bench.py", f"{os.sep}comm.py"))]
+    where = f" called from {os.path.relpath(ours[-1].filename)}:{ours[-1].lineno} ({ours[-1].name})" if ours else ""
+    limit = os.environ.get("DISTLAB_TIMEOUT_S", "300")
+    return (f"collective {ops[0] if ops else '(unknown)'}{where} timed out after {limit} s waiting "
+            f"for the other ranks of its group: one of them is frozen, dead or that much slower "
+            f"(DISTLAB_TIMEOUT_S sets the limit). {text.splitlines()[-1][:200]}")
 
 
 def _fail(message: str, code: int) -> None:

@@ -125,7 +125,10 @@ def summarize_failures(failures: dict, error_dir: str) -> int:
             sig = failure.signal_name()
             if sig == "SIGTERM":
                 continue   # stopped by the launcher once another rank failed: not a cause
-            hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if sig == "SIGKILL" else ""
+            hint = ""
+            if sig == "SIGKILL":
+                hint = (" (the launcher's last resort for a rank that did not stop on SIGTERM, i.e. frozen, or "
+                        "the kernel's OOM killer)" if codes else " (out of memory? the kernel's OOM killer sends SIGKILL)")
             errors.setdefault(f"killed by {sig}{hint}", []).append(rank)
             codes[rank] = 128 - failure.exitcode
         else:
@@ -166,6 +169,7 @@ def launch(argv: list[str]) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="distlab-errors-") as error_dir:
         os.environ["DISTLAB_ERROR_DIR"] = error_dir
+        os.environ["DISTLAB_LAUNCHER_PID"] = str(os.getpid())   # workers die with us (runtime.die_with_parent)
         try:
             run(args)
         except ChildFailedError as e:

@@ -141,12 +141,28 @@ def check_same_on_every_rank(what: str, values, group=None, describe=str) -> Non
     NCCL hangs. One all-gather of 64 int64 per (group, what, values), not recorded by ``CommLog``; later
     calls with values already checked cost a set lookup. So a rank whose shapes change while the others'
     do not is caught only when its new shapes are new to it: checked at the first call of each shape.
+    ``group`` may be a list of groups that together span the ranks (USP's Ulysses and ring groups): each
+    is checked in turn, carrying whether an earlier one disagreed, so every rank of the union raises.
     ``describe(values)`` spells a rank's values in the error."""
-    n = group_size(group)
+    groups = list(group) if isinstance(group, (list, tuple)) else [group]
     values = tuple(int(x) for x in values)
+    error, odd = None, -1
+    for g in groups:
+        carried = values + ((odd,) if len(groups) > 1 else ())
+        spell = describe if len(groups) == 1 else (
+            lambda v: describe(v[:-1]) + (f" (in its other group rank {v[-1]} differs)" if v[-1] >= 0 else ""))
+        found = _disagreement(what, carried, g, spell)
+        if found and error is None:
+            error, odd = found
+    if error:
+        raise ValueError(error)
+
+
+def _disagreement(what, values, group, describe) -> tuple[str, int] | None:
+    n = group_size(group)
     key = (group, what, values)
     if n == 1 or key in _AGREED:
-        return
+        return None
     if len(values) >= _SIGNATURE_LEN:
         raise ValueError(f"{what}: {len(values)} values to compare across ranks; at most {_SIGNATURE_LEN - 1}")
     mine = torch.full((_SIGNATURE_LEN,), -(2**62), dtype=torch.int64)
@@ -160,13 +176,16 @@ def check_same_on_every_rank(what: str, values, group=None, describe=str) -> Non
     if any(v != values for v in seen):
         by_value: dict = {}
         for rank, v in enumerate(seen):
-            by_value.setdefault(v, []).append(rank)
+            by_value.setdefault(v, []).append(dist.get_global_rank(group, rank) if group is not None else rank)
         parts = [f"rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}: {describe(v)}" for v, r in by_value.items()]
-        raise ValueError(f"{what}: the ranks of the group were given different inputs ({'; '.join(parts)}); "
-                         "every rank must pass the same shapes and settings")
+        usual = max(by_value, key=lambda v: (len(by_value[v]), v == seen[0]))   # the majority; a tie: rank 0's
+        odd = min(r for v, ranks in by_value.items() if v != usual for r in ranks)
+        return (f"{what}: the ranks of the group were given different inputs ({'; '.join(parts)}); every rank "
+                "must pass the same shapes and settings"), odd
     if len(_AGREED) > 4096:
         _AGREED.clear()
     _AGREED.add(key)
+    return None
 
 
 def _all_gather_dim0_untracked(out, x, group) -> None:

@@ -110,13 +110,14 @@ def die_with_parent() -> None:
     import ctypes
     import signal
 
-    parent = os.getppid()
+    launcher = os.environ.get("DISTLAB_LAUNCHER_PID")   # set by distlab run, our parent
+    parent = int(launcher) if launcher and launcher.isdigit() else os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)   # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent:   # the parent died before the request took effect
+    if os.getppid() != parent:   # the parent died before the request took effect (while we imported torch)
         os._exit(1)
 
 

@@ -6,3 +6,12 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
 status=0
+
+# pack_logs: everything in $out into $out/logs.tar.gz (the device tool returns at most 8 files); the archive
+# is built in a hidden folder inside $out, so two runs never share a path
+pack_logs() {
+  local pack="$out/.pack.$$"
+  mkdir -p "$pack" && tar czf "$pack/logs.tar.gz" --exclude="./.pack.$$" -C "$out" . &&
+    find "$out" -mindepth 1 -maxdepth 1 ! -name ".pack.$$" -exec rm -rf {} + && mv "$pack/logs.tar.gz" "$out/" &&
+    rmdir "$pack"
+}

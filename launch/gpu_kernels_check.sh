@@ -22,10 +22,8 @@
 # Every command's full output goes to OUTDIR/<name>.log (and JSON where the command writes one); all of it
 # is packed into OUTDIR/logs.tar.gz. TAIL=n shows n lines of each log; BUDGET=s skips commands after s seconds.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-out=${1:-${OUT:-out}}; part=${2:-all}; mkdir -p "$out"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-py=${PYTHON:-python3}; status=0
+source "$(dirname "$0")/gpu_env.sh"   # $out, $py, $status, the multicast variables, pack_logs
+part=${2:-all}
 run() { local name=$1; shift; echo "== $name: $*"; local t0=$SECONDS   # each command at most $LIMIT s
         if [ $SECONDS -gt "${BUDGET:-540}" ]; then echo "   skipped: past the call's ${BUDGET:-540} s"; status=1; return; fi
         timeout "${LIMIT:-240}" "$@" > "$out/$name.log" 2>&1 || { echo "   FAILED or timed out ($name)"; status=1; }
@@ -356,6 +354,5 @@ if [ "$part" = ring20 ]; then   # the forward kernel's refactor (one _fwd_all_ke
         --seq 8192 32768 --backend triton --iters 10 --json "$out/emulate_pdl$pdl.json"
   done
 fi
-# the device tool returns at most 8 files: pack everything into one (built outside $out, which it reads)
-tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"
+pack_logs
 exit $status

@@ -17,14 +17,10 @@
 # model: llama-block-8gpu (tp 2 · SP · ulysses 2 · ring 2) training with MFU on 8, MoE under TP × CP on
 #    4, and CP prefill + decode against the one-device greedy tokens.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"   # $out, $py, $status, the multicast variables, pack_logs
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
-out=${1:-${OUT:-out}}; mkdir -p "$out"
 n=${2:-$(nvidia-smi -L | wc -l)}
 part=${3:-all}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-py=${PYTHON:-python3}
-status=0
 # one torchrun job, at most $LIMIT s (default 240), skipped once the call has used $BUDGET s (default 540)
 run() { if [ $SECONDS -gt "${BUDGET:-540}" ]; then echo "skipped (past ${BUDGET:-540} s): $*"; return 1; fi
         timeout "${LIMIT:-240}" $py -m distlab run --nproc-per-node "$1" -m "${@:2}"; }
@@ -92,6 +88,5 @@ if [ "$n" -ge 4 ]; then
 fi
 run "$n" distlab.infer --config small --ring "$n" --steps 32 --check --json "$out/infer_ring$n.json" | tail -1 || status=1
 fi
-# the device tool returns at most 8 files: everything in one (built outside $out, which it reads)
-tar czf /tmp/logs.tar.gz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/logs.tar.gz "$out/"
+pack_logs
 exit $status

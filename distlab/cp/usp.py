@@ -32,8 +32,7 @@ def usp_attention(q, k, v, ulysses_group, ring_group, causal=False, layout="cont
     q: ``(batch, seq/(U·R), heads, head_dim)``; k, v: ``(batch, seq/(U·R), kv_heads, head_dim)``.
     ``cu_seqlens`` / ``window``: packed documents (``distlab.cp.documents``), handled by the ring axis.
     """
-    for name, group in (("usp_attention (ulysses group)", ulysses_group), ("usp_attention (ring group)", ring_group)):
-        check_call_everywhere(name, group, q, k, v, causal, layout, cu_seqlens, window)
+    check_call_everywhere("usp_attention", [ulysses_group, ring_group], q, k, v, causal, layout, cu_seqlens, window)
     u = comm.group_size(ulysses_group)
     check_layout(layout)
     masked = cu_seqlens is not None or window is not None or layout == "balanced"

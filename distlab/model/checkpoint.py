@@ -109,6 +109,7 @@ def write_folder(path, step: int, cfg, model_tensors: dict, optimizer_tensors: d
     parent = parent or "."
     os.makedirs(parent, exist_ok=True)
     partial = os.path.join(parent, f".{name}.partial-{os.getpid()}")
+    _restore_replaced(parent)
     for stale in os.listdir(parent):   # what a killed writer left (ours included, from a reused pid)
         if stale.startswith(f".{name}.partial-") or stale.startswith(f".{name}.replaced-"):
             shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
@@ -169,10 +170,24 @@ def read_manifest(path) -> dict | None:
     return manifest
 
 
+def _restore_replaced(directory) -> None:
+    """A writer killed between its two renames left ``step_N`` absent and the old one as
+    ``.step_N.replaced-<pid>``: put the old one back."""
+    for d in os.listdir(directory):
+        m = re.match(r"^\.(step_\d+)\.replaced-\d+$", d)
+        if m and not os.path.exists(os.path.join(directory, m.group(1))) \
+                and read_manifest(os.path.join(directory, d)) is not None:
+            try:   # every rank may try at once: the first wins
+                os.rename(os.path.join(directory, d), os.path.join(directory, m.group(1)))
+            except OSError:
+                pass
+
+
 def latest(directory) -> str | None:
     """The newest complete ``step_N`` folder in ``directory`` (by N), or None."""
     if not os.path.isdir(directory):
         return None
+    _restore_replaced(directory)
     steps = sorted(((int(m.group(1)), d) for d in os.listdir(directory) if (m := STEP_DIR.match(d))), reverse=True)
     for _, d in steps:
         if read_manifest(os.path.join(directory, d)) is not None:
