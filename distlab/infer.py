@@ -21,6 +21,7 @@ disables CP for decoding).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -120,7 +121,8 @@ def prompt_ids(text, length: int, batch: int, multiple: int):
 
 def main(argv=None):
     p = StudyParser(prog="python -m distlab.infer", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="tiny", help="a preset in configs/ or a JSON path (its model section)")
+    p.add_argument("--config", default=None, help="a preset in configs/, a JSON path (its model section) or a "
+                   "checkpoint folder; default: the --checkpoint's model, else tiny")
     p.add_argument("--checkpoint", default=None, help="a training checkpoint (…/step_N); default: the seeded init")
     p.add_argument("--prompt", default=None, help="prompt text (default: the first --prompt-len corpus bytes)")
     p.add_argument("--prompt-len", type=positive_int, default=64)
@@ -138,6 +140,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     rt = init_runtime(device=a.device)
     # bad input raises ValueError here, on every rank, before any collective
+    if a.config is None:
+        a.config = a.checkpoint if a.checkpoint and os.path.isfile(os.path.join(a.checkpoint, "distlab.json")) else "tiny"
     mcfg, tcfg = load_config(a.config)
     layout = {"tp": 1, "ring": 1, "ulysses": 1, "cp_layout": "zigzag", **load_layout(a.config)}
     for key in ("tp", "ring", "ulysses", "cp_layout"):   # flags override the preset; its sp is ignored

@@ -60,14 +60,14 @@ def average_gradients(params, group=None) -> None:
 
 def flops_per_token(cfg: ModelConfig, seq: int) -> float:
     """Training FLOPs per token, the PaLM / torchtitan convention: 6 × the weights a token multiplies
-    (embedding lookup excluded; a MoE token meets top-k experts and the router) + 12 × layers × hidden × seq
+    (embedding lookup excluded; a MoE token meets top-k experts and the router) + 12 × layers × heads·head_dim (= hidden unless head_dim is set) × seq
     for attention's two matmuls (fwd + bwd, causal half not subtracted, as torchtitan counts)."""
-    d = cfg.hidden // cfg.heads
-    attn = cfg.hidden * (cfg.heads + 2 * cfg.kv_heads) * d + cfg.hidden * cfg.hidden
+    d = cfg.dims_per_head
+    attn = cfg.hidden * (cfg.heads + 2 * cfg.kv_heads) * d + cfg.heads * d * cfg.hidden
     mlp = (cfg.moe_topk * 3 * cfg.hidden * cfg.ffn + cfg.hidden * cfg.moe_experts) if cfg.moe_experts \
         else 3 * cfg.hidden * cfg.ffn
     weights = cfg.layers * (attn + mlp) + cfg.hidden * cfg.vocab
-    return 6 * weights + 12 * cfg.layers * cfg.hidden * seq
+    return 6 * weights + 12 * cfg.layers * cfg.heads * d * seq
 
 
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "A100": 312.0, "B200": 2250.0}   # dense
@@ -90,7 +90,7 @@ def train_step(model, optimizer, ids, targets, step, cfg: TrainConfig, group=Non
         group_["lr"] = lr_at(step, cfg)
     optimizer.zero_grad(set_to_none=False)
     with torch.autocast(ids.device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
-        loss = model.loss(ids, targets, **(ctx or {}))
+        loss = model.loss(ids, targets, **(ctx or {}), label_smoothing=cfg.label_smoothing)
     loss.backward()
     if hasattr(model, "sync_gradients"):
         model.sync_gradients()
@@ -112,7 +112,8 @@ def progress(step, total, loss, tokens_per_s, width=24, mfu=None) -> str:
 
 def main(argv=None):
     p = StudyParser(prog="python -m distlab.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="tiny", help="a preset in configs/ or a JSON path")
+    p.add_argument("--config", default=None, help="a preset in configs/, a JSON path, or a checkpoint folder (its "
+                   "model); default: the --resume checkpoint's model, else tiny")
     p.add_argument("--steps", type=positive_int, default=None, help="override the config's steps")
     p.add_argument("--stop-after", type=positive_int, default=None, help="stop (and checkpoint) after this many steps")
     p.add_argument("--checkpoint-dir", default=None)
@@ -133,6 +134,8 @@ def main(argv=None):
     p.add_argument("--amp", choices=("bf16", "none"), default=None, help="autocast (default: bf16 on GPU, none on CPU)")
     p.add_argument("--peak-tflops", type=float, default=None, help="per-GPU peak for MFU (default: by GPU name)")
     a = p.parse_args(argv)
+    if a.config is None:
+        a.config = a.resume if a.resume and os.path.isfile(os.path.join(a.resume, "distlab.json")) else "tiny"
     mcfg, tcfg = load_config(a.config)
     layout = {"tp": 1, "sp": False, "ring": 1, "ulysses": 1, "cp_layout": "zigzag", **load_layout(a.config)}
     for key in layout:                      # command-line flags override the preset's layout

@@ -99,7 +99,7 @@ def test_sp_rmsnorm_weight_grad_is_all_reduced(pools, world):
 # ------------------------------------------------------------------------------------------------------
 # vocab-parallel embedding and cross-entropy
 # ------------------------------------------------------------------------------------------------------
-def vocab_parallel(sp):
+def vocab_parallel(sp, smoothing=0.0):
     torch.manual_seed(2)
     vocab, dim = 24, 8
     emb_ref, head_ref = torch.nn.Embedding(vocab, dim, dtype=torch.float64), torch.nn.Linear(dim, vocab, bias=False,
@@ -107,13 +107,14 @@ def vocab_parallel(sp):
     ids = torch.randint(0, vocab, (2, 12))
     target = torch.randint(0, vocab, (2, 12))
     target[0, :3] = -100                                        # ignored tokens
-    loss_ref = F.cross_entropy(head_ref(emb_ref(ids)).view(-1, vocab), target.view(-1), ignore_index=-100)
+    loss_ref = F.cross_entropy(head_ref(emb_ref(ids)).view(-1, vocab), target.view(-1), ignore_index=-100,
+                               label_smoothing=smoothing)
     loss_ref.backward()
     emb = VocabParallelEmbedding.from_embedding(emb_ref, None, sequence_parallel=sp)
     head = ColumnParallelLinear.from_linear(head_ref, None, sequence_parallel=sp)
     hidden = emb(ids)                                           # replicated, or this rank's sequence shard
     logits = head(hidden)                                       # (2, 12, vocab/tp): never gathered
-    loss = vocab_parallel_cross_entropy(logits, target, None, ignore_index=-100)
+    loss = vocab_parallel_cross_entropy(logits, target, None, ignore_index=-100, label_smoothing=smoothing)
     loss.backward()
     return {"loss": rel(loss.detach(), loss_ref.detach()),
             "emb": rel(comm.all_gather_raw(emb.weight.grad, None, 0), emb_ref.weight.grad),
@@ -122,11 +123,48 @@ def vocab_parallel(sp):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
-def test_vocab_parallel_embedding_and_cross_entropy(pools, world, sp):
-    for res in pools(world).run(vocab_parallel, sp):
+@pytest.mark.parametrize("sp,smoothing", [(False, 0.0), (True, 0.0), (False, 0.1)], ids=["tp", "sp", "tp-smoothing"])
+def test_vocab_parallel_embedding_and_cross_entropy(pools, world, sp, smoothing):
+    for res in pools(world).run(vocab_parallel, sp, smoothing):
         assert res["logits_width"] == 24 // world
         assert max(res["loss"], res["emb"], res["head"]) < 1e-12, res
+
+
+def bad_vocab_input(case):
+    """Uneven vocabulary slices, and ids / targets outside the vocabulary: refused on every rank."""
+    comm.forget_agreed()
+    world, rank = comm.group_size(), comm.group_rank()
+    target = torch.randint(0, 8 * world, (2, 5), generator=torch.Generator().manual_seed(0))
+    try:
+        if case == "uneven_slices":   # an unpadded vocabulary of 8·W - 1: the last rank holds one row fewer
+            vocab_parallel_cross_entropy(torch.randn(2, 5, 8 - (rank == world - 1)), target)
+        elif case == "target_out_of_range":
+            vocab_parallel_cross_entropy(torch.randn(2, 5, 8), target.index_fill(1, torch.tensor([2]), 8 * world))
+        elif case == "negative_target":
+            vocab_parallel_cross_entropy(torch.randn(2, 5, 8), target.index_fill(1, torch.tensor([2]), -3))
+        elif case == "ignored_targets_pass":
+            return str(vocab_parallel_cross_entropy(torch.randn(2, 5, 8), target.index_fill(1, torch.tensor([2]), -100)).item())
+        elif case == "id_out_of_range":
+            VocabParallelEmbedding(8 * world, 4)(torch.tensor([[0, 8 * world]]))
+        elif case == "negative_id":
+            VocabParallelEmbedding(8 * world, 4)(torch.tensor([[-1, 3]]))
+        return "no error"
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("case,message", [("uneven_slices", "different inputs"),
+                                          ("target_out_of_range", "outside the vocabulary"),
+                                          ("negative_target", "outside the vocabulary"),
+                                          ("id_out_of_range", "outside the vocabulary"),
+                                          ("negative_id", "outside the vocabulary")])
+def test_bad_vocabulary_inputs_are_refused_on_every_rank(pools, case, message):
+    for rank, text in enumerate(pools(3).run(bad_vocab_input, case, timeout_s=60)):
+        assert message in text, (rank, text)
+
+
+def test_ignore_index_stays_allowed(pools):
+    assert all(float(x) > 0 for x in pools(2).run(bad_vocab_input, "ignored_targets_pass"))
 
 
 def test_vocab_cross_entropy_is_stable_for_huge_logits():

@@ -116,7 +116,7 @@ def test_flops_per_token_counts_the_weights_a_token_meets(experts):
     cfg = ModelConfig(vocab=256, layers=3, hidden=64, heads=4, kv_heads=2, ffn=96, moe_experts=experts, moe_topk=2)
     model = Llama(cfg)
     weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("embed"))
-    if experts:   # the dense MLP of a MoE block is unused, and a token meets 2 of the 4 experts
-        weights -= sum(b.gate_up.weight.numel() + b.down.weight.numel() for b in model.blocks)
+    if experts:   # a token meets 2 of the 4 experts (a MoE block has no dense MLP)
+        assert all(b.gate_up is None for b in model.blocks)
         weights -= sum(p.numel() for b in model.blocks for p in (b.moe.w_gate, b.moe.w_up, b.moe.w_down)) // 2
     assert flops_per_token(cfg, seq=128) == 6 * weights + 12 * 3 * 64 * 128

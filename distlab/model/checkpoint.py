@@ -250,7 +250,21 @@ def _read(path, file) -> dict:
         raise ValueError(f"{path!r}: {file} is not a readable safetensors file ({e})") from None
 
 
-def _check_names(path, file, got: dict, want: dict) -> None:
+def saved_names(state: dict, cfg) -> dict:
+    """The tensors of a one-device state dict that a checkpoint stores: all but a tied LM head (it is the
+    embedding)."""
+    return {k: v for k, v in state.items() if not (cfg.tie_embeddings and k == "head.weight")}
+
+
+def saved_config(path) -> ModelConfig:
+    """The model config a checkpoint folder was saved with."""
+    manifest = read_manifest(path)
+    if manifest is None:
+        check_folder(path, ModelConfig())   # raises the right error for what the folder is
+    return ModelConfig(**manifest["model"])
+
+
+def check_tensor_names(path, file, got: dict, want: dict) -> None:
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     if missing or extra:
         raise ValueError(f"{path!r}: {file} does not hold this model's tensors (missing {missing[:4]}, "
@@ -265,8 +279,8 @@ def load_weights(path, cfg) -> Llama:
     check_folder(path, cfg)
     model = Llama(cfg)
     state = _read(path, MODEL_FILE)
-    _check_names(path, MODEL_FILE, state, model.state_dict())
-    model.load_state_dict(state)
+    check_tensor_names(path, MODEL_FILE, state, saved_names(model.state_dict(), cfg))
+    model.load_state_dict(state, strict=not cfg.tie_embeddings)
     return model
 
 
@@ -276,9 +290,9 @@ def load(path, cfg, build, make_optimizer):
     step = check_folder(path, cfg)
     template = Llama(cfg)
     weights = _read(path, MODEL_FILE)
-    _check_names(path, MODEL_FILE, weights, template.state_dict())
+    check_tensor_names(path, MODEL_FILE, weights, saved_names(template.state_dict(), cfg))
     ref = Llama(cfg)
-    ref.load_state_dict(weights)
+    ref.load_state_dict(weights, strict=not cfg.tie_embeddings)
     model = build(ref)
     optimizer = make_optimizer(model)
     if not os.path.exists(os.path.join(path, OPTIMIZER_FILE)):
@@ -287,10 +301,10 @@ def load(path, cfg, build, make_optimizer):
     names = dict(template.named_parameters())
     want = {f"{key}.{n}": p for key in ("exp_avg", "exp_avg_sq") for n, p in names.items()}
     want["adam_step"] = torch.zeros(1)
-    _check_names(path, OPTIMIZER_FILE, moments, want)
+    check_tensor_names(path, OPTIMIZER_FILE, moments, want)
     for key in ("exp_avg", "exp_avg_sq"):
         holder = Llama(cfg)
-        holder.load_state_dict({**weights, **{n: moments[f"{key}.{n}"] for n in names}})
+        holder.load_state_dict({**weights, **{n: moments[f"{key}.{n}"] for n in names}}, strict=not cfg.tie_embeddings)
         for p, q in zip(model.parameters(), build(holder).parameters()):
             optimizer.state[p][key] = q.detach().clone()
             optimizer.state[p]["step"] = moments["adam_step"].reshape(()).clone()

@@ -26,10 +26,15 @@ class Llama(torch.nn.Module):
         torch.nn.init.normal_(self.embed.weight, std=0.02)
         self.blocks = torch.nn.ModuleList()
         for _ in range(cfg.layers):
-            moe = MoEReference(cfg.hidden, cfg.ffn, cfg.moe_experts, cfg.moe_topk, **kw) if cfg.moe_experts else None
-            self.blocks.append(LlamaBlock(cfg.hidden, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.rope_base, moe=moe, **kw))
-        self.norm = RMSNorm(cfg.hidden, **kw)
+            moe = MoEReference(cfg.hidden, cfg.ffn, cfg.moe_experts, cfg.moe_topk, cfg.moe_score, **kw,
+                               renormalize=cfg.moe_renormalize, bias_rate=cfg.moe_bias_rate) if cfg.moe_experts else None
+            self.blocks.append(LlamaBlock(cfg.hidden, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.rope_base, cfg.rms_norm_eps,
+                                          moe=moe, head_dim=cfg.head_dim, rope_scaling=cfg.rope_scaling,
+                                          qk_norm=cfg.qk_norm, **kw))
+        self.norm = RMSNorm(cfg.hidden, cfg.rms_norm_eps, **kw)
         self.head = torch.nn.Linear(cfg.hidden, cfg.vocab, bias=False, **kw)
+        if cfg.tie_embeddings:   # one matrix: the embedding's rows are the LM head's
+            self.head.weight = self.embed.weight
 
     def forward(self, ids, docs=None):
         """``docs``: packed documents, one cu_seqlens per row of ``ids``: attention stays inside each
@@ -40,11 +45,12 @@ class Llama(torch.nn.Module):
             x = block(x, positions, docs)
         return self.head(self.norm(x))
 
-    def loss(self, ids, targets, docs=None):
+    def loss(self, ids, targets, docs=None, label_smoothing=0.0):
         """Mean cross-entropy over the targets that are not ``-100`` (ignored: a document's last token)."""
         logits = self(ids, docs)
         logits = logits if logits.dtype == torch.float64 else logits.float()   # the loss in at least fp32
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
+                               label_smoothing=label_smoothing)
 
 
 def document_positions(docs, seq: int, positions=None) -> torch.Tensor:

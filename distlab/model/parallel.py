@@ -63,6 +63,8 @@ class ParallelLlama(torch.nn.Module):
                                           for b in ref.blocks)
         self.norm = RMSNorm.from_norm(ref.norm, self.tp_group, sequence_parallel)
         self.head = ColumnParallelLinear.from_linear(ref.head, self.tp_group, sequence_parallel=sequence_parallel)
+        if ref.cfg.tie_embeddings:   # both hold vocabulary rows [r·V/tp, (r+1)·V/tp): one parameter, as on one device
+            self.head.weight = self.embed.weight
         if uly > 1 and (ref.cfg.heads // tp) % uly:
             raise ValueError(f"the Ulysses degree {uly} must divide the {ref.cfg.heads // tp} q heads per TP rank")
         if uly > 1 and ring == 1 and cp_layout == "zigzag":
@@ -121,12 +123,13 @@ class ParallelLlama(torch.nn.Module):
             x = block(x, positions.to(ids.device) if positions is not None else None, docs)
         return self.head(self.norm(x))
 
-    def loss(self, ids, targets, docs=None, positions=None):
+    def loss(self, ids, targets, docs=None, positions=None, label_smoothing=0.0):
         """This rank's share of the global batch's mean cross-entropy over non-ignored targets (-100):
         n · (its sum) / (the count over all n = dp x cp ranks that hold different tokens), so averaging the
         losses and gradients over those ranks (``sync_gradients``) gives exactly the one-device mean, however
         unevenly the ignored targets fall. Under TP every rank of a tp group holds the same tokens."""
-        local = vocab_parallel_cross_entropy(self(ids, docs, positions), targets, self.tp_group, reduction="sum")
+        local = vocab_parallel_cross_entropy(self(ids, docs, positions), targets, self.tp_group, reduction="sum",
+                                             label_smoothing=label_smoothing)
         count = comm.all_reduce_raw((targets != -100).sum().to(torch.float64).reshape(1), self.replica_group)
         n = comm.group_size(self.replica_group)
         return local * n / count.clamp_min(1).to(local.dtype).squeeze(0)   # no host sync on the step's path
@@ -136,8 +139,9 @@ class ParallelLlama(torch.nn.Module):
         """``get(param)`` for every parameter, gathered into the one-device ``Llama``'s state-dict names (plus
         the routers' buffers): what a consolidated checkpoint stores."""
         tp = self.tp_group
-        out = {"embed.weight": comm.all_gather_raw(get(self.embed.weight), tp, 0),
-               "norm.weight": get(self.norm.weight), "head.weight": comm.all_gather_raw(get(self.head.weight), tp, 0)}
+        out = {"embed.weight": comm.all_gather_raw(get(self.embed.weight), tp, 0), "norm.weight": get(self.norm.weight)}
+        if not self.cfg.tie_embeddings:   # tied: the embedding is the head (and named so on one device too)
+            out["head.weight"] = comm.all_gather_raw(get(self.head.weight), tp, 0)
         for i, block in enumerate(self.blocks):
             for name, t in block.full_tensors(get).items():
                 out[f"blocks.{i}.{name}.weight"] = t
@@ -156,7 +160,7 @@ class ParallelLlama(torch.nn.Module):
         experts = {id(p) for b in self.blocks if b.moe is not None for p in (b.moe.w_gate, b.moe.w_up, b.moe.w_down)}
         sharded = {id(self.embed.weight), id(self.head.weight)}
         for b in self.blocks:
-            sharded |= {id(b.qkv.weight), id(b.o.weight), id(b.gate_up.weight), id(b.down.weight)}
+            sharded |= {id(b.qkv.weight), id(b.o.weight)} | ({id(b.gate_up.weight), id(b.down.weight)} if b.moe is None else set())
         rep = torch.zeros((), dtype=torch.float64)
         tp = torch.zeros((), dtype=torch.float64)
         ep = torch.zeros((), dtype=torch.float64)

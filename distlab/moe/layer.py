@@ -28,10 +28,11 @@ from distlab.kernels.grouped_gemm import grouped_mm
 
 
 class MoEReference(torch.nn.Module):
-    def __init__(self, hidden, ffn, num_experts, topk, score="softmax", device=None, dtype=None):
+    def __init__(self, hidden, ffn, num_experts, topk, score="softmax", device=None, dtype=None, renormalize=True,
+                 bias_rate=0.0):
         super().__init__()
         self.hidden, self.ffn, self.num_experts, self.topk = hidden, ffn, num_experts, topk
-        self.router = Router(hidden, num_experts, topk, score, device=device, dtype=dtype)
+        self.router = Router(hidden, num_experts, topk, score, renormalize, bias_rate, device=device, dtype=dtype)
         kw = {"device": device, "dtype": dtype}
         self.w_gate = torch.nn.Parameter(torch.randn(num_experts, hidden, ffn, **kw) * hidden ** -0.5)
         self.w_up = torch.nn.Parameter(torch.randn(num_experts, hidden, ffn, **kw) * hidden ** -0.5)
@@ -63,7 +64,7 @@ class MoE(torch.nn.Module):
     """Expert-parallel MoE over ``group`` (EP size P must divide the number of experts)."""
 
     def __init__(self, hidden, ffn, num_experts, topk, group=None, score="softmax", backend="auto",
-                 capacity_factor=None, device=None, dtype=None):
+                 capacity_factor=None, device=None, dtype=None, renormalize=True, bias_rate=0.0):
         super().__init__()
         p = comm.group_size(group)
         if num_experts % p:
@@ -71,7 +72,7 @@ class MoE(torch.nn.Module):
         self.group, self.num_experts, self.topk, self.local = group, num_experts, topk, num_experts // p
         self.first = comm.group_rank(group) * self.local
         self.backend, self.capacity_factor = backend, capacity_factor
-        self.router = Router(hidden, num_experts, topk, score, device=device, dtype=dtype)
+        self.router = Router(hidden, num_experts, topk, score, renormalize, bias_rate, device=device, dtype=dtype)
         kw = {"device": device, "dtype": dtype}
         self.w_gate = torch.nn.Parameter(torch.empty(self.local, hidden, ffn, **kw))
         self.w_up = torch.nn.Parameter(torch.empty(self.local, hidden, ffn, **kw))
@@ -80,12 +81,16 @@ class MoE(torch.nn.Module):
 
     @classmethod
     def from_reference(cls, ref: MoEReference, group=None, backend="auto", capacity_factor=None):
-        layer = cls(ref.hidden, ref.ffn, ref.num_experts, ref.topk, group, ref.router.score, backend,
-                    capacity_factor, ref.w_gate.device, ref.w_gate.dtype)
+        """The EP layer holding ``ref``'s weights and every router setting (score, renormalisation, the
+        aux-loss-free bias and its rate, the logit offset)."""
+        router = ref.router
+        layer = cls(ref.hidden, ref.ffn, ref.num_experts, ref.topk, group, router.score, backend,
+                    capacity_factor, ref.w_gate.device, ref.w_gate.dtype, router.renormalize, router.bias_rate)
         mine = slice(layer.first, layer.first + layer.local)
         with torch.no_grad():
-            layer.router.weight.copy_(ref.router.weight)
-            layer.router.bias.copy_(ref.router.bias)
+            layer.router.weight.copy_(router.weight)
+            layer.router.bias.copy_(router.bias)
+            layer.router.logit_offset.copy_(router.logit_offset)
             for name in ("w_gate", "w_up", "w_down"):
                 getattr(layer, name).copy_(getattr(ref, name)[mine])
         return layer

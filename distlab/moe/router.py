@@ -9,6 +9,11 @@ renormalised to sum to 1 when ``renormalize`` (always for sigmoid). ``bias`` is 
 balancing term: it moves the choice but never the weights, and ``update_bias(counts)`` nudges it by
 ``bias_rate`` towards experts that got fewer tokens than average. The auxiliary loss is Switch/GShard's
 ``E · Σ_e f_e · P_e`` (f = fraction of assignments to e, P = mean score of e), 1 when perfectly balanced.
+
+Hugging Face's convention differs by a factor: transformers' ``load_balancing_loss_func`` (Mixtral, Qwen-MoE)
+takes f as the fraction of *tokens* choosing e per top-k slot, summed over the k slots, so it equals
+``top-k × aux_loss`` here (k when perfectly balanced; tested in ``tests/test_hf.py``). Scale the
+coefficient by 1/k to carry a ``router_aux_loss_coef`` over from a Hugging Face recipe.
 """
 
 from __future__ import annotations

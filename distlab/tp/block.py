@@ -20,24 +20,58 @@ before the optimizer, as it does for data-parallel gradients.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from distlab import comm
 from distlab.tp.linear import ColumnParallelLinear, RowParallelLinear, shard_rows
-from distlab.tp.norm import RMSNorm
+from distlab.tp.norm import RMSNorm, rms_norm
 from distlab.kernels.attention import attention
 from distlab.kernels.masks import document_mask
 
 
-def rope(x, base=10000.0, offset=0, positions=None):
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def check_rope_scaling(scaling) -> None:
+    """None, or Llama 3.1's ``{"rope_type": "llama3", factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings}``; anything else is a ValueError naming it."""
+    if scaling is None:
+        return
+    if not isinstance(scaling, dict) or scaling.get("rope_type") != "llama3":
+        raise ValueError(f"rope_scaling: distlab knows rope_type 'llama3' (Llama 3.1) only; got {scaling!r}")
+    missing = [k for k in ROPE_SCALING_KEYS if k not in scaling]
+    if missing or not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+        raise ValueError(f"rope_scaling llama3 needs {', '.join(ROPE_SCALING_KEYS)} with high_freq_factor > "
+                         f"low_freq_factor; got {scaling!r}")
+
+
+def rope_frequencies(d, base=10000.0, scaling=None, device=None, dtype=torch.float32):
+    """The d/2 inverse frequencies ``base^(-2i/d)``; with Llama 3.1 scaling, wavelengths longer than
+    ``original / low_freq_factor`` slowed by ``factor``, shorter than ``original / high_freq_factor`` kept,
+    and those between blended linearly in ``original / wavelength``."""
+    inv = base ** (-torch.arange(0, d, 2, device=device, dtype=dtype) / d)
+    if scaling is None:
+        return inv
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv
+    blend = (original / wavelength - low) / (high - low)           # 0 at the long end, 1 at the short end
+    slowed = torch.where(wavelength > original / low, inv / factor, inv)
+    between = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(between, (1 - blend) * inv / factor + blend * inv, slowed)
+
+
+def rope(x, base=10000.0, offset=0, positions=None, scaling=None):
     """Rotary position embedding (rotate-half form) on ``(batch, seq, heads, head_dim)``, computed in float32
     (float64 for float64 inputs). ``positions`` (seq,) gives each token's position (a CP shard's tokens are
     not 0..s-1), or (batch, seq) one per row (packed documents: positions restart in each document); by
-    default ``offset + arange(seq)``."""
+    default ``offset + arange(seq)``. ``scaling``: Llama 3.1's (``rope_frequencies``)."""
     b, s, h, d = x.shape
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-    inv = base ** (-torch.arange(0, d, 2, device=x.device, dtype=ct) / d)
+    inv = rope_frequencies(d, base, scaling, x.device, ct)
     pos = torch.arange(offset, offset + s, device=x.device) if positions is None else positions.to(x.device)
     ang = pos.to(ct)[..., None] * inv                                  # (s, d/2) or (b, s, d/2)
     ang = ang if ang.dim() == 3 else ang[None]
@@ -54,6 +88,14 @@ class _Residual:
             return self.moe(x)
         gate, up = self.gate_up(x).chunk(2, -1)
         return self.down(F.silu(gate) * up)
+
+    def positioned(self, q, k, positions, norm_weight=lambda n: n.weight):
+        """q, k (b, s, heads, d) after the per-head RMSNorm (``qk_norm``) and RoPE."""
+        if self.q_norm is not None:
+            q = rms_norm(q, norm_weight(self.q_norm), self.q_norm.eps)
+            k = rms_norm(k, norm_weight(self.k_norm), self.k_norm.eps)
+        return (rope(q, self.rope_base, positions=positions, scaling=self.rope_scaling),
+                rope(k, self.rope_base, positions=positions, scaling=self.rope_scaling))
 
     def forward(self, x, positions=None, docs=None):
         """``positions``: RoPE positions, (seq,) or (batch, seq); ``docs``: packed documents, one cu_seqlens
@@ -81,28 +123,32 @@ class LlamaBlock(_Residual, torch.nn.Module):
     """The one-device reference block (full weights, plain ``nn.Linear``)."""
 
     def __init__(self, hidden, ffn, heads, kv_heads, rope_base=10000.0, eps=1e-6, device=None, dtype=None,
-                 moe=None):
+                 moe=None, head_dim=None, rope_scaling=None, qk_norm=False):
         """``moe``: a module mapping (batch, seq, hidden) to the same shape (``distlab.moe.MoEReference`` or the
-        expert-parallel ``distlab.moe.MoE``) used in place of the SwiGLU MLP."""
+        expert-parallel ``distlab.moe.MoE``) used in place of the SwiGLU MLP. ``head_dim``: default hidden /
+        heads; ``rope_scaling``: Llama 3.1's (``rope_frequencies``); ``qk_norm``: RMSNorm of q and k per head
+        before RoPE (Qwen3)."""
         super().__init__()
-        if hidden % heads or heads % kv_heads:
+        if (head_dim is None and hidden % heads) or heads % kv_heads:
             raise ValueError(f"hidden {hidden} must split into {heads} heads, and heads into {kv_heads} kv heads")
+        check_rope_scaling(rope_scaling)
         self.hidden, self.ffn, self.heads, self.kv_heads = hidden, ffn, heads, kv_heads
-        self.head_dim, self.rope_base = hidden // heads, rope_base
+        self.head_dim, self.rope_base, self.rope_scaling = head_dim or hidden // heads, rope_base, rope_scaling
         kw = {"device": device, "dtype": dtype}
         self.norm1, self.norm2 = RMSNorm(hidden, eps, **kw), RMSNorm(hidden, eps, **kw)
+        self.q_norm = RMSNorm(self.head_dim, eps, **kw) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, **kw) if qk_norm else None
         self.qkv = torch.nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=False, **kw)
-        self.o = torch.nn.Linear(hidden, hidden, bias=False, **kw)
-        self.gate_up = torch.nn.Linear(hidden, 2 * ffn, bias=False, **kw)
-        self.down = torch.nn.Linear(ffn, hidden, bias=False, **kw)
-        self.moe = moe
+        self.o = torch.nn.Linear(heads * self.head_dim, hidden, bias=False, **kw)
+        self.moe = moe   # in place of the SwiGLU MLP, which is then not built
+        self.gate_up = torch.nn.Linear(hidden, 2 * ffn, bias=False, **kw) if moe is None else None
+        self.down = torch.nn.Linear(ffn, hidden, bias=False, **kw) if moe is None else None
 
     def attn(self, x, positions=None, docs=None):
         b, s, _ = x.shape
         d = self.head_dim
         q, k, v = self.qkv(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
-        q = rope(q.view(b, s, -1, d), self.rope_base, positions=positions)
-        k = rope(k.view(b, s, -1, d), self.rope_base, positions=positions)
+        q, k = self.positioned(q.view(b, s, -1, d), k.view(b, s, -1, d), positions)
         return self.o(packed_attention(local_attention, q, k, v.view(b, s, -1, d), docs).reshape(b, s, -1))
 
 
@@ -120,7 +166,7 @@ class TPLlamaBlock(_Residual, torch.nn.Module):
         heads, kv, d = ref.heads, ref.kv_heads, ref.head_dim
         if heads % tp:
             raise ValueError(f"q heads ({heads}) are not divisible by the tensor-parallel size {tp}")
-        if ref.ffn % tp:
+        if ref.moe is None and ref.ffn % tp:
             raise ValueError(f"ffn ({ref.ffn}) is not divisible by the tensor-parallel size {tp}")
         if kv % tp and tp % kv:
             raise ValueError(f"kv heads ({kv}) and the tensor-parallel size {tp}: one must divide the other")
@@ -128,9 +174,12 @@ class TPLlamaBlock(_Residual, torch.nn.Module):
         self.attention_fn = None   # context parallelism: fn(q, k, v, cu_seqlens) over the CP group (causal)
         self.positions = None      # this rank's tokens' global positions, for RoPE under CP
         self.local_heads, self.local_kv = heads // tp, max(1, kv // tp)
-        self.head_dim, self.rope_base = d, ref.rope_base
+        self.head_dim, self.rope_base, self.rope_scaling = d, ref.rope_base, ref.rope_scaling
         self.norm1 = RMSNorm.from_norm(ref.norm1, group, sequence_parallel)
         self.norm2 = RMSNorm.from_norm(ref.norm2, group, sequence_parallel)
+        # q/k norms: replicated, applied to this rank's heads: their gradients are summed over tp (copy_to_group)
+        self.q_norm = RMSNorm.from_norm(ref.q_norm) if ref.q_norm is not None else None
+        self.k_norm = RMSNorm.from_norm(ref.k_norm) if ref.k_norm is not None else None
         # fused QKV, kv heads replicated first when fewer than tp: segments q | k | v split per rank
         wq, wk, wv = ref.qkv.weight.split([heads * d, kv * d, kv * d], 0)
         if self.kv_copies > 1:
@@ -144,10 +193,11 @@ class TPLlamaBlock(_Residual, torch.nn.Module):
         self.qkv = ColumnParallelLinear.from_linear(full, group, sequence_parallel=sp, async_tp=at,
                                                     segments=[wq.shape[0], wk.shape[0], wv.shape[0]])
         self.o = RowParallelLinear.from_linear(ref.o, group, sequence_parallel=sp, async_tp=at)
-        self.gate_up = ColumnParallelLinear.from_linear(ref.gate_up, group, sequence_parallel=sp, async_tp=at,
-                                                        segments=[ref.ffn, ref.ffn])
-        self.down = RowParallelLinear.from_linear(ref.down, group, sequence_parallel=sp, async_tp=at)
-        self.moe = None
+        self.gate_up = self.down = self.moe = None
+        if ref.moe is None:
+            self.gate_up = ColumnParallelLinear.from_linear(ref.gate_up, group, sequence_parallel=sp, async_tp=at,
+                                                            segments=[ref.ffn, ref.ffn])
+            self.down = RowParallelLinear.from_linear(ref.down, group, sequence_parallel=sp, async_tp=at)
         if ref.moe is not None:
             from distlab.moe.layer import MoE
 
@@ -172,8 +222,8 @@ class TPLlamaBlock(_Residual, torch.nn.Module):
         d = self.head_dim
         positions = positions if positions is not None else self.positions
         q, k, v = y.split([self.local_heads * d, self.local_kv * d, self.local_kv * d], -1)
-        q = rope(q.view(b, s, -1, d), self.rope_base, positions=positions)
-        k = rope(k.view(b, s, -1, d), self.rope_base, positions=positions)
+        q, k = self.positioned(q.view(b, s, -1, d), k.view(b, s, -1, d), positions,
+                               lambda n: comm.copy_to_group(n.weight, self.group))
         attend = self.attention_fn or local_attention
         return self.o(packed_attention(attend, q, k, v.view(b, s, -1, d), docs).reshape(b, s, -1))
 
@@ -212,12 +262,15 @@ class TPLlamaBlock(_Residual, torch.nn.Module):
         if self.kv_copies > 1:  # the copies are equal (grads after sync_replicated_kv_grads): keep one per head
             gk, gv = (t.view(-1, self.kv_copies, self.head_dim, t.shape[-1])[:, 0].reshape(-1, t.shape[-1])
                       for t in (gk, gv))
-        gate, up = get(self.gate_up.weight).chunk(2, 0)
+        mlp = {}
+        if self.gate_up is not None:
+            gate, up = get(self.gate_up.weight).chunk(2, 0)
+            mlp = {"gate_up": torch.cat([comm.all_gather_raw(gate, self.group, 0), comm.all_gather_raw(up, self.group, 0)], 0),
+                   "down": comm.all_gather_raw(get(self.down.weight), self.group, 1)}
         return {"qkv": torch.cat([gq, gk, gv], 0),
-                "o": comm.all_gather_raw(get(self.o.weight), self.group, 1),
-                "gate_up": torch.cat([comm.all_gather_raw(gate, self.group, 0), comm.all_gather_raw(up, self.group, 0)], 0),
-                "down": comm.all_gather_raw(get(self.down.weight), self.group, 1),
-                "norm1": get(self.norm1.weight), "norm2": get(self.norm2.weight)}
+                "o": comm.all_gather_raw(get(self.o.weight), self.group, 1), **mlp,
+                "norm1": get(self.norm1.weight), "norm2": get(self.norm2.weight),
+                **({"q_norm": get(self.q_norm.weight), "k_norm": get(self.k_norm.weight)} if self.q_norm else {})}
 
 
 __all__ = ["LlamaBlock", "TPLlamaBlock", "rope", "shard_rows"]

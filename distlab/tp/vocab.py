@@ -47,6 +47,9 @@ class VocabParallelEmbedding(torch.nn.Module):
         return new
 
     def forward(self, ids):
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.per_rank * self.tp):
+            raise ValueError(f"token ids outside the vocabulary [0, {self.per_rank * self.tp}): min {int(ids.min())}, "
+                             f"max {int(ids.max())}")
         local = ids - self.start
         mine = (local >= 0) & (local < self.per_rank)
         out = F.embedding(local.clamp(0, self.per_rank - 1), self.weight) * mine.unsqueeze(-1)
@@ -57,7 +60,7 @@ class VocabParallelEmbedding(torch.nn.Module):
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, start, ignore_index, reduction):
+    def forward(ctx, logits, target, group, start, ignore_index, reduction, smoothing=0.0, vocab=None):
         logits_dtype = logits.dtype
         logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
         vmax = _all_reduce(logits.max(-1).values, group, dist.ReduceOp.MAX)
@@ -70,29 +73,48 @@ class _VocabParallelCE(torch.autograd.Function):
         sum_exp = _all_reduce(exp.sum(-1), group)
         keep = target != ignore_index
         count = keep.sum().clamp_min(1) if reduction == "mean" else 1
-        loss = ((sum_exp.log() - target_logit) * keep).sum() / count
+        per_token = sum_exp.log() - target_logit
+        if smoothing:   # (1 - e)·NLL + e·mean_j(-log p_j), with mean_j log p_j = mean_j shifted_j - log sum_exp
+            mean_shifted = _all_reduce(shifted.sum(-1), group) / vocab
+            per_token = (1 - smoothing) * per_token + smoothing * (sum_exp.log() - mean_shifted)
+        loss = (per_token * keep).sum() / count
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), idx, mine, keep)
-        ctx.count, ctx.dtype = count, logits_dtype
+        ctx.count, ctx.dtype, ctx.smoothing, ctx.vocab = count, logits_dtype, smoothing, vocab
         return loss
 
     @staticmethod
     def backward(ctx, grad):
         softmax, idx, mine, keep = ctx.saved_tensors
-        g = softmax
-        g.scatter_add_(-1, idx, -mine.unsqueeze(-1).to(g.dtype))
+        g = softmax                                         # softmax - (1 - e)·one_hot - e / V
+        g.scatter_add_(-1, idx, -(1 - ctx.smoothing) * mine.unsqueeze(-1).to(g.dtype))
+        if ctx.smoothing:
+            g.sub_(ctx.smoothing / ctx.vocab)
         g = g * (keep.unsqueeze(-1) * (grad / ctx.count))
-        return g.to(ctx.dtype), None, None, None, None, None
+        return g.to(ctx.dtype), None, None, None, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits_local, target, group=None, ignore_index=-100, reduction="mean"):
+def vocab_parallel_cross_entropy(logits_local, target, group=None, ignore_index=-100, reduction="mean",
+                                 label_smoothing=0.0):
     """Cross-entropy over non-ignored tokens from this rank's vocabulary slice of the logits: their mean, or
     with ``reduction="sum"`` their sum (to divide by a count taken over more ranks than this one).
+    ``label_smoothing`` as ``F.cross_entropy``'s (one more all-reduce of a token-sized tensor).
 
-    logits_local: ``(..., V/tp)`` for vocabulary rows ``[rank·V/tp, ...)``; target: ``(...)`` global ids.
+    logits_local: ``(..., V/tp)`` for vocabulary rows ``[rank·V/tp, ...)``, the same width on every rank (pad
+    the vocabulary to a multiple of tp: slices of different widths are refused); target: ``(...)`` global ids
+    in ``[0, V)`` or ``ignore_index``.
     """
+    comm.check_same_on_every_rank("vocab_parallel_cross_entropy", comm.tensor_signature(logits_local, target),
+                                  group, comm.describe_signature)
     if logits_local.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits_local.shape)} and target {tuple(target.shape)} disagree")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum'; got {reduction!r}")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1); got {label_smoothing}")
+    vocab = logits_local.shape[-1] * comm.group_size(group)
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    if bool(bad.any()):
+        raise ValueError(f"targets outside the vocabulary [0, {vocab}) (and not ignore_index {ignore_index}): "
+                         f"{target[bad][:4].tolist()}")
     start = comm.group_rank(group) * logits_local.shape[-1]
-    return _VocabParallelCE.apply(logits_local, target, group, start, ignore_index, reduction)
+    return _VocabParallelCE.apply(logits_local, target, group, start, ignore_index, reduction, label_smoothing, vocab)
