@@ -376,3 +376,32 @@ def test_a_killed_rank_ends_the_job_naming_it():
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0 and time.monotonic() - t0 < 15
     assert "rank 1" in err and "SIGKILL" in err, err
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_nan_and_inf_reach_the_outputs_of_every_gpu_backend(dtype):
+    """Each CUDA attention backend, and the merge of two key blocks, forward and backward: a NaN query row
+    and an infinite key give the NaN pattern of the math (the merges and the Triton backward used to turn a
+    NaN LSE into 'no key')."""
+    from distlab.cp.merge import merge_attention
+    from distlab.kernels.attention import attention_backward, attention_forward, available_backends
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(1, 256, 4, 64, device="cuda", dtype=dtype, generator=g) for _ in range(4))
+    k, v = k[:, :, :2].contiguous(), v[:, :, :2].contiguous()
+    q[0, 100, 1, 3] = float("nan")
+    k[0, 60, 0, 5] = float("inf")
+    want, _ = attention_forward(q.double().cpu(), k.double().cpu(), v.double().cpu(), True, None, "torch")
+    for backend in available_backends("cuda", dtype):
+        out, lse = attention_forward(q, k, v, True, None, backend)
+        assert torch.equal(out.isnan().cpu(), want.isnan()), backend
+        dq, dk, dv = attention_backward(do, q, k, v, out, lse, True, None, backend)
+        assert dq.isnan().any() and dk.isnan().any() and dv.isnan().any(), backend
+        # the same keys in two blocks, merged: the rows that see the inf key and the NaN row stay NaN
+        o1, l1 = attention_forward(q, k[:, :128], v[:, :128], False, None, backend)
+        o2, l2 = attention_forward(q, k[:, 128:], v[:, 128:], False, None, backend)
+        merged, _ = merge_attention(*merge_attention(None, None, o1, l1), o2, l2)
+        full, _ = attention_forward(q, k, v, False, None, backend)
+        assert torch.equal(merged.isnan(), full.isnan()), backend
