@@ -65,6 +65,33 @@ class CommLog:
         return {"calls": dict(self.calls), "bytes": dict(self.bytes), "total_bytes": self.total_bytes()}
 
 
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' busbw / algbw factor for ``op`` on ``n`` ranks: the share of the payload each rank sends
+    under the bandwidth-optimal ring algorithm. The one place distlab writes these formulas (``CommLog``'s
+    bytes, the playground's busbw, the trace analyser, the CP cost model)."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if op in ("broadcast", "sendrecv"):
+        return 1.0
+    raise ValueError(f"unknown op {op!r}; choose from {', '.join(COLLECTIVES)}")
+
+
+def sent_bytes(op: str, nbytes: int, n: int) -> int:
+    """Bytes one rank sends when ``op`` moves a payload of ``nbytes`` (the full tensor) among ``n`` ranks."""
+    if n == 1 and op not in ("broadcast", "sendrecv"):
+        return 0
+    numerator = {"all_reduce": 2 * (n - 1), "broadcast": n, "sendrecv": n}.get(op)
+    if numerator is None:
+        bus_factor(op, n)   # unknown op: its ValueError
+        numerator = n - 1
+    return numerator * int(nbytes) // n
+
+
 def record(op: str, nbytes: float) -> None:
     """Add one call of ``op`` sending ``nbytes`` from this rank to every active CommLog."""
     for log in _ACTIVE_LOGS:
@@ -217,7 +244,7 @@ def all_gather_raw(x: torch.Tensor, group=None, dim: int = 0) -> torch.Tensor:
     n = group_size(group)
     if n == 1:
         return x
-    record("all_gather", (n - 1) * _nbytes(x))
+    record("all_gather", sent_bytes("all_gather", n * _nbytes(x), n))
     return _all_gather_dim0(x.movedim(dim, 0), group).movedim(0, dim)
 
 
@@ -228,7 +255,7 @@ def reduce_scatter_raw(x: torch.Tensor, group=None, dim: int = 0) -> torch.Tenso
         return x
     if x.shape[dim] % n:
         raise ValueError(f"reduce_scatter: dim {dim} of size {x.shape[dim]} is not divisible by group size {n}")
-    record("reduce_scatter", (n - 1) * _nbytes(x) // n)
+    record("reduce_scatter", sent_bytes("reduce_scatter", _nbytes(x), n))
     return _reduce_scatter_dim0(x.movedim(dim, 0), group).movedim(0, dim)
 
 
@@ -237,7 +264,7 @@ def all_reduce_raw(x: torch.Tensor, group=None) -> torch.Tensor:
     n = group_size(group)
     if n == 1:
         return x
-    record("all_reduce", 2 * (n - 1) * _nbytes(x) // n)
+    record("all_reduce", sent_bytes("all_reduce", _nbytes(x), n))
     x = x.clone()
     dist.all_reduce(x, group=group)
     return x
@@ -251,7 +278,7 @@ def all_to_all_raw(x: torch.Tensor, group=None, scatter_dim: int = 0, gather_dim
     if x.shape[scatter_dim] % n:
         raise ValueError(f"all_to_all: dim {scatter_dim} of size {x.shape[scatter_dim]} is not divisible by "
                          f"group size {n}")
-    record("all_to_all", (n - 1) * _nbytes(x) // n)
+    record("all_to_all", sent_bytes("all_to_all", _nbytes(x), n))
     chunk_shape = list(x.shape)
     chunk_shape[scatter_dim] //= n
     first = x.movedim(scatter_dim, 0)                           # chunk j = rows [j*c, (j+1)*c) of dim 0

@@ -21,13 +21,14 @@ import dataclasses
 import datetime
 import os
 import random
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from distlab.ports import free_port
 
 GPU_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -44,12 +45,6 @@ class Runtime:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _slurm_head_node() -> str:
@@ -148,7 +143,7 @@ def init_runtime(device: str | None = None, backend: str | None = None, timeout_
         if dev.type == "cuda":
             kwargs["device_id"] = dev  # binds NCCL to this GPU (no guessing from the rank)
         if launcher == "single":
-            kwargs.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            kwargs.update(init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         else:
             kwargs.update(rank=rank, world_size=world)
         dist.init_process_group(backend, **kwargs)

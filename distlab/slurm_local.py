@@ -20,17 +20,13 @@ import subprocess
 import tempfile
 import time
 
+from distlab.ports import free_port
+
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "sinfo", "scontrol")
 
 
 def missing_binaries() -> list[str]:
     return [b for b in DAEMONS if shutil.which(b) is None and not os.path.exists(f"/usr/sbin/{b}")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _binary(name: str) -> str:
@@ -52,7 +48,7 @@ class LocalSlurm:
             os.makedirs(os.path.join(d, sub), exist_ok=True)
         lines = [
             "ClusterName=distlab", f"SlurmctldHost={self.host}(127.0.0.1)",
-            f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}", "SlurmUser=root",
+            f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}", "SlurmUser=root",
             "AuthType=auth/none", "CredType=cred/none",
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none", "JobCompType=jobcomp/none",

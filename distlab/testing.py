@@ -27,9 +27,10 @@ import gc
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
+
+from distlab.ports import free_port
 
 
 class RankErrors(RuntimeError):
@@ -38,12 +39,6 @@ class RankErrors(RuntimeError):
     def __init__(self, errors: dict[int, str]):
         self.errors = errors
         super().__init__("\n".join(f"[rank {r}] {e}" for r, e in sorted(errors.items())))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _groups() -> list:
@@ -97,7 +92,7 @@ class ProcessGroupPool:
         self.world_size = world_size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
-        port = _free_port()
+        port = free_port()
         self.procs = [ctx.Process(target=_worker, daemon=True,
                                   args=(r, world_size, port, group_timeout_s, self.tasks[r], self.results,
                                         dict(env or {})))

@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from distlab.collectives.playground import bandwidths, bus_factor, parse_size, sweep
+from distlab.collectives.playground import bandwidths, parse_size, sweep
+from distlab.comm import bus_factor
 
 
 @pytest.mark.parametrize("op,n,size,us,algbw,busbw", [

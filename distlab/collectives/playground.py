@@ -39,22 +39,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from distlab.comm import COLLECTIVES, bus_factor
 from distlab.bench import (StudyParser, check_memory, dtype_arg, fmt_bytes, nonnegative_int,
                            positive_int, pyplot, to_dtype, write_json)
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
+OPS = COLLECTIVES
 NCCL_TYPE_NAMES = {"float32": "float", "float16": "half", "bfloat16": "bfloat16", "float64": "double", "int32": "int32"}
-
-
-def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw / algbw factor for ``op`` on ``n`` ranks."""
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    if op in ("broadcast", "sendrecv"):
-        return 1.0
-    raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
 
 
 def bandwidths(op: str, size_bytes: int, seconds: float, n: int) -> tuple[float, float]:

@@ -22,15 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from distlab.comm import sent_bytes
 from distlab.cp.ulysses import kv_replication
 from distlab.bench import DTYPES, StudyParser, dtype_arg, positive_int, run_study, write_json
-
-ITEMSIZE = {torch.float64: 8, torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
-
-
-def _a2a(nbytes: int, n: int) -> int:
-    return (n - 1) * nbytes // n if n > 1 else 0
-
 
 def ring_bytes(batch, seq, heads, kv_heads, head_dim, itemsize, ring, acc_itemsize=4):
     """(forward, backward) bytes sent per rank by ring attention over ``ring`` ranks on seq ``seq``."""
@@ -47,7 +41,7 @@ def ulysses_bytes(batch, seq, heads, kv_heads, head_dim, itemsize, ulysses):
         return 0, 0
     kv = kv_heads * kv_replication(heads, kv_heads, ulysses)
     local = batch * (seq // ulysses) * head_dim * itemsize
-    one_way = 2 * _a2a(local * heads, ulysses) + 2 * _a2a(local * kv, ulysses)   # q and out; k and v
+    one_way = 2 * sent_bytes("all_to_all", local * heads, ulysses) + 2 * sent_bytes("all_to_all", local * kv, ulysses)   # q and out; k and v
     return one_way, one_way
 
 
@@ -60,7 +54,7 @@ def allgather_bytes(batch, seq, kv_heads, head_dim, itemsize, world):
 def cp_bytes(method, batch, seq, heads, kv_heads, head_dim, dtype, ulysses=1, ring=1):
     """{"fwd": bytes, "bwd": bytes, "fwd_bwd": bytes} each rank sends for ``method`` in {ring, ulysses, usp,
     allgather} (allgather: W = ``ring``)."""
-    e = ITEMSIZE[dtype]
+    e = dtype.itemsize
     acc = 8 if dtype == torch.float64 else 4
     if method == "ring":
         fwd, bwd = ring_bytes(batch, seq, heads, kv_heads, head_dim, e, ring, acc)

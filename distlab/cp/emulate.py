@@ -47,7 +47,7 @@ from distlab.cp.layout import check_divisible, chunks_per_rank, rank_chunks
 from distlab.cp.local_kernels import block_flops
 from distlab.cp.ring import _ring_backward, _ring_forward, check_steps_per_launch, launch_groups, ring_blocks
 from distlab.kernels.attention import attention_backward, attention_forward, resolve_backend
-from distlab.kernels.bench import timeit
+from distlab.bench import timeit
 from distlab.bench import DTYPES, StudyParser, dtype_arg, run_study
 
 

@@ -24,7 +24,7 @@ from distlab.cp.documents import Documents, describe, parse_docs
 from distlab.cp.layout import shard_positions
 from distlab.cp.ring_packed import merge_rows, step_blocks
 from distlab.kernels.attention import attention_backward, attention_forward, resolve_backend
-from distlab.kernels.bench import timeit
+from distlab.bench import timeit
 
 
 def rank_schedule(q, k, v, dout, docs, positions, rank, backend):

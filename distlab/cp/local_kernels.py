@@ -23,7 +23,7 @@ from distlab.cp.ulysses import kv_replication
 from distlab.bench import (DTYPES, StudyParser, dtype_arg, nonnegative_int, positive_int, require_gpu, resolve_device,
                            run_study)
 from distlab.kernels.attention import BACKENDS, attention_backward, attention_forward, resolve_backend
-from distlab.kernels.bench import timeit
+from distlab.bench import timeit
 
 
 def method_blocks(method, world, seq, heads, kv_heads, ulysses=1):

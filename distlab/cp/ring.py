@@ -359,8 +359,7 @@ def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backe
     return (out, lse) if return_lse else out
 
 
-if __name__ == "__main__":
-    from distlab.bench import run_study
-    from distlab.cp.study import main
+if __name__ == "__main__":   # the study is this method's command line; run, not imported (no cycle)
+    import runpy
 
-    run_study(lambda: main(algorithm="ring"))
+    runpy.run_module("distlab.cp.study", init_globals={"ALGORITHM": "ring"}, run_name="__main__")

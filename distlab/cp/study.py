@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
 import sys
-import time
 from typing import Callable
 
 import torch
@@ -45,7 +43,7 @@ from distlab.cp.layout import LAYOUTS, check_divisible, gather_sequence, shard_p
 from distlab.profiling import MODES, profile_steps
 from distlab.runtime import ParallelDims, init_runtime, shutdown
 from distlab.kernels.attention import BACKENDS, attention_backward, attention_forward, resolve_backend
-from distlab.bench import (DTYPES, StudyParser, check_memory, dtype_arg, nonnegative_int,
+from distlab.bench import (time_ranks, DTYPES, StudyParser, check_memory, dtype_arg, nonnegative_int,
                            positive_int, resolve_device, write_json)
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}
@@ -182,26 +180,6 @@ def build_method(algorithm, args, world, rank, device, backend, ulysses=1, ring=
     raise ValueError(f"unknown CP algorithm {algorithm!r}")
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time(fn, iters, warmup, device, barrier=True):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if barrier and dist.is_initialized():
-            dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def rel_error(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
@@ -257,8 +235,8 @@ def measure(method: CPMethod, full, args, device, reference=None) -> dict:
     def fwd_bwd():
         method.attn(qg, kg, vg).backward(dout)
 
-    t_fwd = _time(fwd, args.iters, args.warmup, device)
-    t_fb = _time(fwd_bwd, args.iters, args.warmup, device)
+    t_fwd = time_ranks(fwd, args.iters, args.warmup, device)
+    t_fb = time_ranks(fwd_bwd, args.iters, args.warmup, device)
     with comm.CommLog() as log_fwd:
         fwd()
     with comm.CommLog() as log_fb:
@@ -300,8 +278,8 @@ def one_device_timing(full, args, device, backend) -> dict:
         o, l = attention_forward(fq, fk, fv, causal, backend=backend, mask=mask)
         attention_backward(fd, fq, fk, fv, o, l, causal, backend=backend, mask=mask)
 
-    return {"fwd_s": _time(one_fwd, args.iters, args.warmup, device, barrier=False),
-            "fwd_bwd_s": _time(one_fb, args.iters, args.warmup, device, barrier=False)}
+    return {"fwd_s": time_ranks(one_fwd, args.iters, args.warmup, device, barrier=False),
+            "fwd_bwd_s": time_ranks(one_fb, args.iters, args.warmup, device, barrier=False)}
 
 
 def reference_on_rank0(full, args, rank):
@@ -433,3 +411,9 @@ def main(argv=None, algorithm="ring"):
     shutdown()
     if args.check and not result["check_passed"]:
         sys.exit(1)
+
+
+if __name__ == "__main__":   # python -m distlab.cp.ring (ulysses, usp, allgather) runs this with ALGORITHM set
+    from distlab.bench import run_study
+
+    run_study(lambda: main(algorithm=globals().get("ALGORITHM", "ring")))

@@ -99,8 +99,7 @@ def ulysses_attention(q, k, v, group=None, causal=False, backend="auto", softmax
         return to_sequence_shards(out, group)
 
 
-if __name__ == "__main__":
-    from distlab.bench import run_study
-    from distlab.cp.study import main
+if __name__ == "__main__":   # the study is this method's command line; run, not imported (no cycle)
+    import runpy
 
-    run_study(lambda: main(algorithm="ulysses"))
+    runpy.run_module("distlab.cp.study", init_globals={"ALGORITHM": "ulysses"}, run_name="__main__")

@@ -47,8 +47,7 @@ def usp_attention(q, k, v, ulysses_group, ring_group, causal=False, layout="cont
     return to_sequence_shards(out, ulysses_group)
 
 
-if __name__ == "__main__":
-    from distlab.bench import run_study
-    from distlab.cp.study import main
+if __name__ == "__main__":   # the study is this method's command line; run, not imported (no cycle)
+    import runpy
 
-    run_study(lambda: main(algorithm="usp"))
+    runpy.run_module("distlab.cp.study", init_globals={"ALGORITHM": "usp"}, run_name="__main__")

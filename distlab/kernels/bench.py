@@ -20,44 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 
 from distlab.kernels.attention import attention_backward, attention_forward, available_backends
-from distlab.bench import DTYPES, StudyParser, dtype_arg, run_study
+from distlab.bench import DTYPES, StudyParser, dtype_arg, run_study, timeit
 
-
-
-def timeit(fn, iters, warmup, device):
-    """Median seconds of ``fn()`` (CUDA events on GPU, perf_counter on CPU). On a GPU each timed call is
-    queued behind a spin kernel (``torch.cuda._sleep``) that outlasts its CPU-side launch work, so the
-    events time the GPU's work and not Python's launch latency (as under a CUDA graph or a busy stream);
-    without it a 0.1 ms kernel would be timed 10–30% slow."""
-    cpu = 0.0
-    for _ in range(warmup):
-        t0 = time.perf_counter()
-        fn()
-        cpu = time.perf_counter() - t0        # the last warm call's enqueue time (compiles are done by then)
-    times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        spin = int(min(2 * cpu + 50e-6, 0.02) * 2e9)   # cycles at ~2 GHz: twice the enqueue time, ≤ 20 ms
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(spin)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def flops(b, s, h, d, causal):

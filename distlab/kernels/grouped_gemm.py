@@ -386,7 +386,7 @@ def main(argv=None):
     import statistics
     import time
 
-    from distlab.kernels.bench import timeit
+    from distlab.bench import timeit
 
     p = StudyParser(prog="python -m distlab.kernels.grouped_gemm", description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", type=int, default=8)

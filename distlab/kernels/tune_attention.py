@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from distlab.kernels.bench import timeit
+from distlab.bench import timeit
 from distlab.kernels.triton_attention import flash_forward
 from distlab.kernels.triton_attention_backward import backward_rows, flash_backward
 from distlab.bench import StudyParser, run_study

@@ -31,7 +31,7 @@ import json
 import re
 import sys
 
-from distlab.collectives.playground import bus_factor
+from distlab.comm import bus_factor
 from distlab.bench import StudyParser, run_study
 
 COMM = re.compile(r"nccl|gloo|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|broadcast|send_?recv", re.I)

@@ -161,7 +161,7 @@ class TPLlamaBlock(_Residual, torch.nn.Module):
         Under TP the EP group must span the TP ranks too: each TP rank routes a distinct share of the tokens
         (its sequence shard under SP; else a 1/tp slice of the replicated tokens, gathered back after)."""
         super().__init__()
-        tp, rank = comm.group_size(group), comm.group_rank(group)
+        tp = comm.group_size(group)
         self.group, self.tp, self.sp = group, tp, sequence_parallel
         heads, kv, d = ref.heads, ref.kv_heads, ref.head_dim
         if heads % tp:
@@ -232,7 +232,7 @@ class TPLlamaBlock(_Residual, torch.nn.Module):
         """Sum the gradients of kv-head copies over the ranks sharing them (no-op when kv ≥ tp)."""
         if self.kv_copies == 1 or self.qkv.weight.grad is None:
             return
-        d, hq = self.head_dim, self.local_heads * self.head_dim
+        hq = self.local_heads * self.head_dim
         grad = self.qkv.weight.grad
         kv_rows = grad[hq:]                              # this rank's k and v rows (one kv head each)
         kv_heads = self.tp // self.kv_copies

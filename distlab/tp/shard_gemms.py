@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from distlab.kernels.bench import timeit
+from distlab.bench import timeit
 from distlab.bench import StudyParser, positive_int, require_gpu, resolve_device, run_study
 
 

@@ -18,9 +18,7 @@ SP the norms and the residual stream stay replicated, so the measured figure sit
 from __future__ import annotations
 
 import copy
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -29,7 +27,7 @@ from distlab import comm
 from distlab.profiling import MODES, profile_steps
 from distlab.runtime import init_runtime, shutdown
 from distlab.tp.block import LlamaBlock, TPLlamaBlock
-from distlab.bench import DTYPES, StudyParser, dtype_arg, nonnegative_int, positive_int, resolve_device, write_json
+from distlab.bench import time_ranks, DTYPES, StudyParser, dtype_arg, nonnegative_int, positive_int, resolve_device, write_json
 
 
 
@@ -83,22 +81,6 @@ def saved_activation_bytes(fn, params, device):
     return sum(seen.values()), out
 
 
-def timed(fn, iters, warmup, device):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def rel(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
@@ -129,8 +111,8 @@ def run(args):
     def fwd_bwd():
         (block(xl) * wl).sum().backward()
 
-    t_fwd = timed(fwd, args.iters, args.warmup, dev)
-    t_fb = timed(fwd_bwd, args.iters, args.warmup, dev)
+    t_fwd = time_ranks(fwd, args.iters, args.warmup, dev)
+    t_fb = time_ranks(fwd_bwd, args.iters, args.warmup, dev)
     block.zero_grad(set_to_none=True)
     xl.grad = None
     with comm.CommLog() as log_fwd:

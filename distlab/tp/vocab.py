@@ -23,7 +23,7 @@ from distlab import comm
 
 def _all_reduce(x, group, op=dist.ReduceOp.SUM):
     if comm.group_size(group) > 1:
-        comm.record("all_reduce", 2 * (comm.group_size(group) - 1) * x.numel() * x.element_size() // comm.group_size(group))
+        comm.record("all_reduce", comm.sent_bytes("all_reduce", x.numel() * x.element_size(), comm.group_size(group)))
         dist.all_reduce(x, op=op, group=group)
     return x
 
