@@ -356,7 +356,7 @@ def check_swiglu(device, dtype, big=False):
 
 
 def check_merge(device, dtype, big=False):
-    from distlab.cp.merge import merge_into
+    from distlab.kernels.lse_merge import merge_into
     from distlab.kernels.lse_merge import lse_merge_
 
     b, s, h, d = (2, 45, 3, 16) if not big else (1, 4096, 32, 128)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import distlab.kernels.attention as attn
-from distlab.cp.merge import merge_attention
+from distlab.kernels.lse_merge import merge_attention
 from distlab.kernels.attention import attention_backward, attention_forward, attention_reference
 
 

@@ -385,7 +385,7 @@ def test_nan_and_inf_reach_the_outputs_of_every_gpu_backend(dtype):
     """Each CUDA attention backend, and the merge of two key blocks, forward and backward: a NaN query row
     and an infinite key give the NaN pattern of the math (the merges and the Triton backward used to turn a
     NaN LSE into 'no key')."""
-    from distlab.cp.merge import merge_attention
+    from distlab.kernels.lse_merge import merge_attention
     from distlab.kernels.attention import attention_backward, attention_forward, available_backends
 
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from distlab.cp.merge import merge_attention, merge_into
+from distlab.kernels.lse_merge import merge_attention, merge_into
 from distlab.kernels.attention import attention_forward
 
 

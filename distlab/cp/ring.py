@@ -6,8 +6,8 @@
 
 Each of the W ranks holds a shard of q, k, v along the sequence. K/V blocks travel around the ring
 (rank r sends to r+1, receives from r−1); at step i rank r holds the K/V of rank (r−i) mod W and merges
-the block's (out, lse) into its running result through the log-sum-exp (``distlab.cp.merge``). The next
-K/V exchange is posted before the current block is computed, so it overlaps the compute. The forward
+the block's (out, lse) into its running result through the log-sum-exp
+(``distlab.kernels.lse_merge``). The next K/V exchange is posted before the current block is computed, so it overlaps the compute. The forward
 makes W−1 K/V exchanges. With ``steps_per_launch=n`` > 1 (4 is the ``triton`` default;
 ``DISTLAB_RING_STEPS_PER_LAUNCH`` sets it for every backend) step 0 runs alone (its K/V are local: the
 first hop travels behind it) and the later steps go in groups of n, the short one first (``launch_groups``):
@@ -41,7 +41,7 @@ import torch
 from distlab import comm
 from distlab.cp.documents import Documents, check_call_everywhere
 from distlab.cp.layout import check_layout, shard_positions
-from distlab.cp.merge import merge_attention, merge_into
+from distlab.kernels.lse_merge import lse_merge_, merge_attention, merge_into
 from distlab.profiling import phase
 from distlab.kernels.attention import attention_backward, attention_forward, check_qkv, resolve_backend, triton_runs_on
 
@@ -118,8 +118,6 @@ def _block_into(out, lse, q, k, v, rows, causal, scale, backend):
         d = q.shape[-1]
         if q.is_cuda and out.dtype == torch.float32 and o.stride(-1) == 1 and not d & (d - 1) \
                 and triton_runs_on(q.device):
-            from distlab.kernels.lse_merge import lse_merge_
-
             lse_merge_(out[:, rows], lse[:, :, rows], o, l)
         else:
             merge_into(out, lse, o, l, rows)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from distlab.cp.merge import merge_into
+from distlab.kernels.lse_merge import lse_merge_, merge_into
 from distlab.profiling import phase
 from distlab.kernels.attention import attention_backward, attention_forward
 
@@ -56,8 +56,6 @@ def step_blocks(docs, positions, rank, device, gap: int = ROW_GAP):
 def merge_rows(out, lse, o, l, a, b):
     """Merge a block of rows a..b into the float32 running (out, lse) in place (one Triton launch on CUDA)."""
     if out.is_cuda and not out.shape[-1] & (out.shape[-1] - 1):
-        from distlab.kernels.lse_merge import lse_merge_
-
         lse_merge_(out[:, a:b], lse[:, :, a:b], o, l)
     else:
         merge_into(out, lse, o, l, slice(a, b))

@@ -34,6 +34,8 @@ import os
 
 import torch
 
+from distlab.kernels.launch import triton_runs_on
+
 BACKENDS = ("auto", "torch", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "triton")
 MASK_BACKENDS = ("torch", "triton")   # backends that take a KeyMask (documents, windows); SDPA's ops cannot
 _SDPA_DTYPES = {
@@ -101,17 +103,6 @@ def _available(device: torch.device, dtype: torch.dtype, _interpret) -> tuple[st
                                    (dtype == torch.float32 and device.type != "cuda")):
         names.append("triton")
     return tuple(names + ["torch"])
-
-
-def triton_runs_on(device) -> bool:
-    """Triton is importable and the tensors are on CUDA (or on CPU with ``TRITON_INTERPRET=1``)."""
-    if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def resolve_backend(backend: str, device: torch.device | str, dtype: torch.dtype, masked: bool = False) -> str:

@@ -66,7 +66,7 @@ def memory_bound_cases(dev, dtype):
     from distlab.kernels.rmsnorm import rmsnorm_residual, rmsnorm_residual_reference
     from distlab.kernels.rope import rope_qk, rope_reference, rope_tables
     from distlab.kernels.swiglu import swiglu, swiglu_reference
-    from distlab.cp.merge import merge_into
+    from distlab.kernels.lse_merge import merge_into
 
     gpu = dev.type == "cuda"
     rows, hidden, ffn = (16384, 4096, 14336) if gpu else (256, 256, 512)

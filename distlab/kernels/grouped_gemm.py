@@ -26,7 +26,9 @@ from __future__ import annotations
 import os
 
 import torch
+
 from distlab.bench import StudyParser, require_gpu, run_study
+from distlab.kernels.launch import triton_runs_on
 
 BACKENDS = ("auto", "loop", "torch", "triton")
 
@@ -46,14 +48,6 @@ def grouped_mm_loop(x, w, counts):
     return out
 
 
-def _triton_available(device) -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def resolve(backend, x):
     if backend not in BACKENDS:
         raise ValueError(f"unknown grouped GEMM backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -61,7 +55,7 @@ def resolve(backend, x):
         if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
             return "torch"
         return "loop"
-    if backend == "triton" and not _triton_available(x.device):
+    if backend == "triton" and not triton_runs_on(x.device):
         raise ValueError("the triton backend needs triton and a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
     if backend == "torch" and not (x.is_cuda and hasattr(torch, "_grouped_mm")):
         raise ValueError("the torch backend (torch._grouped_mm) needs CUDA tensors")

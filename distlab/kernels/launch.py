@@ -1,4 +1,5 @@
-"""Launch knobs of the memory-bound Triton kernels (RMSNorm, RoPE, SwiGLU, LSE merge), for tuning sweeps.
+"""Whether Triton can run here, and the launch knobs of the memory-bound Triton kernels (RMSNorm, RoPE,
+SwiGLU, LSE merge), for tuning sweeps.
 
     DISTLAB_KERNEL_WARPS=8 python -m distlab.kernels.bench --only memory      # warps per program, every kernel
     DISTLAB_KERNEL_RMSNORM_ROWS=2 DISTLAB_KERNEL_ROPE_TOKENS=4 python -m distlab.kernels.bench --only memory
@@ -6,7 +7,28 @@
 
 from __future__ import annotations
 
+import functools
 import os
+
+
+def triton_runs_on(device) -> bool:
+    """Triton is importable and the tensors are on CUDA (or on CPU with ``TRITON_INTERPRET=1``). The one
+    guard of the triton import: modules whose kernels are Triton are imported only after it says yes (or
+    define their kernels lazily), so an install without the gpu extra never imports triton."""
+    import torch
+
+    if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    return _triton_importable()
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def num_warps(default: int) -> int:
