@@ -142,7 +142,7 @@ def collective_timeout(error: BaseException) -> str | None:
     ours = [f for f in frames if f"{os.sep}distlab{os.sep}" in f.filename
             and not f.filename.endswith(("bench.py", f"{os.sep}comm.py"))]
     where = f" called from {os.path.relpath(ours[-1].filename)}:{ours[-1].lineno} ({ours[-1].name})" if ours else ""
-    limit = os.environ.get("DISTLAB_TIMEOUT_S", "300")
+    limit = os.environ.get("DISTLAB_TIMEOUT_S", "300")   # not knobs.get: reporting must not fail again
     return (f"collective {ops[0] if ops else '(unknown)'}{where} timed out after {limit} s waiting "
             f"for the other ranks of its group: one of them is frozen, dead or that much slower "
             f"(DISTLAB_TIMEOUT_S sets the limit). {text.splitlines()[-1][:200]}")

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from distlab import knobs
 from distlab.ports import free_port
 
 GPU_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -86,8 +87,9 @@ def pick_device(local_rank: int, device: str | None = None) -> torch.device:
 
 
 def collective_timeout_s() -> float:
-    """Seconds a collective may wait for the other ranks: ``DISTLAB_TIMEOUT_S``, else 300."""
-    value = os.environ.get("DISTLAB_TIMEOUT_S", "300")
+    """Seconds a collective may wait for the other ranks: the knob ``DISTLAB_TIMEOUT_S`` (default 300). The
+    first knob a rank reads: an unknown ``DISTLAB_*`` variable fails here, before any collective."""
+    value = knobs.get("TIMEOUT_S")
     try:
         seconds = float(value)
     except ValueError:
@@ -105,7 +107,7 @@ def die_with_parent() -> None:
     import ctypes
     import signal
 
-    launcher = os.environ.get("DISTLAB_LAUNCHER_PID")   # set by distlab run, our parent
+    launcher = knobs.get("LAUNCHER_PID")   # set by distlab run, our parent
     parent = int(launcher) if launcher and launcher.isdigit() else os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -126,7 +128,8 @@ def init_runtime(device: str | None = None, backend: str | None = None, timeout_
     """
     for key, value in GPU_SAFE_ENV.items():
         os.environ.setdefault(key, value)
-    timeout_s = timeout_s if timeout_s is not None else collective_timeout_s()
+    default_timeout = collective_timeout_s()   # also checks the DISTLAB_* knobs, on every rank, first
+    timeout_s = timeout_s if timeout_s is not None else default_timeout
     launcher, rank, world, local_rank = launch_env()
     if launcher != "single":
         die_with_parent()

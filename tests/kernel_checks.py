@@ -12,11 +12,11 @@ so an element a kernel forgets to write fails the check. Prints ``OK <name>`` pe
 from __future__ import annotations
 
 import argparse
-import itertools
-import os
 import sys
 
 import torch
+
+from distlab import knobs
 
 _empty, _empty_like = torch.empty, torch.empty_like
 
@@ -74,7 +74,7 @@ def check_attention(device, dtype, big=False):
             paths = (("kernel", "fwd"),)
         modes = [(sp, m, t) for sp in ((False, True) if h > hk else (None,)) for m, t in paths]
         for split, dq_mode, tma in modes:
-            os.environ.update(DISTLAB_TRITON_ATTN_DQ_MODE=dq_mode, DISTLAB_TRITON_ATTN_TMA=tma)
+            knobs.set(TRITON_ATTN_DQ_MODE=dq_mode, TRITON_ATTN_TMA=tma)
             o, lse = flash_forward(q, k, v, causal)
             got = (o, lse, *flash_backward(dout, q, k, v, o, lse, causal, split_groups=split))
             for name, g_, w in zip(("out", "lse", "dq", "dk", "dv"), got, (ro, rl, *grads)):
@@ -85,8 +85,8 @@ def check_attention(device, dtype, big=False):
             want = [r.double() + g for r, g in zip(received, grads[1:])]
             # per kv head: one add; split: the partials summed by the dQ kernel's programs or their own launch
             for split, split_sum in ((False, "dq"), (True, "dq"), (True, "kernel")):
-                os.environ.update(DISTLAB_TRITON_ATTN_SPLIT_SUM=split_sum, DISTLAB_TRITON_ATTN_DQ_MODE="kernel",
-                                  DISTLAB_TRITON_ATTN_TMA="fwd")
+                knobs.set(TRITON_ATTN_SPLIT_SUM=split_sum, TRITON_ATTN_DQ_MODE="kernel",
+                                  TRITON_ATTN_TMA="fwd")
                 acc = [r.clone() for r in received]
                 dq_, dk_, dv_ = flash_backward(dout, q, k, v, o, lse, causal, split_groups=split,
                                                dkv_into=lambda: acc)
@@ -98,33 +98,33 @@ def check_attention(device, dtype, big=False):
             from distlab.kernels.triton_attention_backward import backward_rows
 
             for split, split_sum in ((False, "dq"), (True, "dq"), (True, "kernel")):
-                os.environ["DISTLAB_TRITON_ATTN_SPLIT_SUM"] = split_sum
+                knobs.set(TRITON_ATTN_SPLIT_SUM=split_sum)
                 dq_, dk_, dv_ = (torch.empty(t.shape, dtype=torch.float32, device=device) for t in (q, k, v))
                 flash_backward(dout, q, k, v, None, None, causal, split_groups=split, rows=backward_rows(dout, o, lse),
                                dq_acc=dq_, dk_out=dk_, dv_out=dv_, dq_add=False)
                 for name, g_, w in (("dq", dq_, grads[0]), ("dk", dk_, grads[1]), ("dv", dv_, grads[2])):
                     assert rel(g_, w) < tol(dtype) * 4, (i, split, split_sum, "first step", name, rel(g_, w))
-            os.environ.pop("DISTLAB_TRITON_ATTN_SPLIT_SUM")
-    os.environ.pop("DISTLAB_TRITON_ATTN_DQ_MODE")
-    os.environ.pop("DISTLAB_TRITON_ATTN_TMA")
+            knobs.unset("TRITON_ATTN_SPLIT_SUM")
+    knobs.unset("TRITON_ATTN_DQ_MODE")
+    knobs.unset("TRITON_ATTN_TMA")
     # through the backend registry, and strided inputs (a slice of a fused qkv)
     b, s, h, hk, d = 1, 24, 4, 2, 16 if not big else 128
     qkv = rand(b, s, (h + 2 * hk) * d, dtype=dtype, device=device).view(b, s, h + 2 * hk, d)
     q, k, v = qkv[:, :, :h], qkv[:, :, h:h + hk], qkv[:, :, h + hk:]
     ro, rl = attention_forward(q.double(), k.double(), v.double(), True, backend="torch")
     for tma in ("0", "1"):
-        os.environ["DISTLAB_TRITON_ATTN_TMA"] = tma
+        knobs.set(TRITON_ATTN_TMA=tma)
         o, lse = attention_forward(q, k, v, True, backend="triton")
         assert rel(o, ro) < tol(dtype) and rel(lse, rl) < tol(dtype), tma
-    os.environ.pop("DISTLAB_TRITON_ATTN_TMA")
+    knobs.unset("TRITON_ATTN_TMA")
     # the row max is taken before scaling (one FMA per score), so a negative scale must be handled too
     for fma in ("1", "0"):
-        os.environ["DISTLAB_TRITON_ATTN_FMA"] = fma
+        knobs.set(TRITON_ATTN_FMA=fma)
         for scale in (-0.3, 0.7):
             ro, rl = attention_forward(q.double(), k.double(), v.double(), True, scale, backend="torch")
             o, lse = flash_forward(q, k, v, True, scale)
             assert rel(o, ro) < tol(dtype) and rel(lse, rl) < tol(dtype), (fma, scale, rel(o, ro), rel(lse, rl))
-    os.environ.pop("DISTLAB_TRITON_ATTN_FMA")
+    knobs.unset("TRITON_ATTN_FMA")
     print("OK attention")
 
 
@@ -134,9 +134,9 @@ def check_attention_accumulate(device, dtype, big=False):
     sequence (batch stride ≠ seq · token stride), through pointers and through TMA descriptors."""
     # on CPU float16 (the dtype's rounding, not the indexing: float32 runs both) through the descriptors only
     for tma in ("0", "1") if device.type == "cuda" or dtype == torch.float32 else ("1",):
-        os.environ["DISTLAB_TRITON_ATTN_TMA"] = tma
+        knobs.set(TRITON_ATTN_TMA=tma)
         _accumulate_blocks(device, dtype, big)
-    os.environ.pop("DISTLAB_TRITON_ATTN_TMA")
+    knobs.unset("TRITON_ATTN_TMA")
     print("OK accumulate")
 
 
@@ -293,7 +293,7 @@ def check_rmsnorm(device, dtype, big=False):
 
     cases = ((7, 100, True, "1"), (5, 64, False, "2"), (3, 130, True, "4"), (4, 2, True, "1"), (7, 100, True, "4"))
     for rows, n, residual, per in cases:            # per: rows per forward program (a ragged last program)
-        os.environ["DISTLAB_KERNEL_RMSNORM_ROWS"] = per
+        knobs.set(KERNEL_RMSNORM_ROWS=per)
         shape = (2, rows, n) if not big else (4, 1024, 4096 + n)
         x = rand(*shape, dtype=dtype, device=device, seed=1).requires_grad_(True)
         r = rand(*shape, dtype=dtype, device=device, seed=2).requires_grad_(True) if residual else None
@@ -311,7 +311,7 @@ def check_rmsnorm(device, dtype, big=False):
         for name, a, b in zip(("y", "h", "dx", "dw", "dres"), *results):
             if b is not None:
                 assert rel(a, b) < tol(dtype) * 2, (name, rel(a, b))
-    os.environ.pop("DISTLAB_KERNEL_RMSNORM_ROWS")
+    knobs.unset("KERNEL_RMSNORM_ROWS")
     print("OK rmsnorm")
 
 
@@ -329,13 +329,13 @@ def check_rope(device, dtype, big=False):
     ((rq.float() * dq_.float()).sum() + (rk.float() * dk_.float()).sum()).backward()
     want = rq, rk, q.grad.clone(), k.grad.clone()
     for per in ("1", "4"):                          # tokens per program; 4 leaves a ragged last program
-        os.environ["DISTLAB_KERNEL_ROPE_TOKENS"] = per
+        knobs.set(KERNEL_ROPE_TOKENS=per)
         q.grad = k.grad = None
         qo, ko = rope_qk(q, k, cos, sin)
         ((qo.float() * dq_.float()).sum() + (ko.float() * dk_.float()).sum()).backward()
         for name, a, w in zip(("q", "k", "dq", "dk"), (qo, ko, q.grad, k.grad), want):
             assert rel(a, w) < tol(dtype), (per, name, rel(a, w))
-    os.environ.pop("DISTLAB_KERNEL_ROPE_TOKENS")
+    knobs.unset("KERNEL_ROPE_TOKENS")
     print("OK rope")
 
 
@@ -400,7 +400,7 @@ def check_emulate(device, dtype, big=False):
         cases = [("zigzag", 0, modes[0], (world,)), ("zigzag", world - 1, modes[0], 1),
                  ("contiguous", 0, modes[0], 2), ("contiguous", world - 1, modes[0], (world,))]
     for layout, rank, (graphs, pdl), n in cases:
-        os.environ["DISTLAB_TRITON_ATTN_PDL"] = pdl
+        knobs.set(TRITON_ATTN_PDL=pdl)
         res = emulate_rank(world, seq, h, hk, d, rank, layout, True, "triton", dtype, device,
                            keep_output=True, graphs=graphs, iters=1, warmup=int(big), steps_per_launch=n)
         q, k, v = (res[x].double() for x in "qkv")
@@ -412,7 +412,7 @@ def check_emulate(device, dtype, big=False):
         case = (layout, rank, graphs, pdl, n)
         assert rel(res["out"], full[:, rows]) < tol(dtype) * 2, (case, rel(res["out"], full[:, rows]))
         assert rel(res["dq"], dq[:, rows]) < tol(dtype) * 4, (case, rel(res["dq"], dq[:, rows]))
-    os.environ.pop("DISTLAB_TRITON_ATTN_PDL")
+    knobs.unset("TRITON_ATTN_PDL")
     print("OK emulate")
 
 

@@ -39,10 +39,10 @@ import argparse
 import itertools
 import json
 import math
-import os
 
 import torch
 
+from distlab import knobs
 from distlab.cp.layout import check_divisible, chunks_per_rank, rank_chunks
 from distlab.cp.local_kernels import block_flops
 from distlab.cp.ring import _ring_backward, _ring_forward, check_steps_per_launch, launch_groups, ring_blocks
@@ -204,15 +204,10 @@ def _print_timelines(r, own, seq, layout, a):
         print(format_timeline(own["timeline_bwd"], f"{name}: its backend's fused H/W call, backward"))
 
 
-def _set_knobs(variant):
-    """Put a ``--variant`` (``'K=V;K=V'``) in force; returns the environment to restore."""
-    saved = dict(os.environ)
-    for item in filter(None, variant.split(";")):
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise SystemExit(f"--variant {variant!r}: each setting is NAME=VALUE")
-        os.environ[name if name.startswith("DISTLAB_") else f"DISTLAB_TRITON_ATTN_{name}"] = value
-    return saved
+def variant_knobs(variant):
+    """The knobs of a ``--variant`` (``'K=V;K=V'``, names without ``TRITON_ATTN_`` allowed), for
+    ``knobs.override``."""
+    return knobs.parse_settings(variant, "TRITON_ATTN_")
 
 
 def main(argv=None):
@@ -250,8 +245,8 @@ def main(argv=None):
     print(f"one ring rank's schedule, no communication, {device} {a.dtype}: W={a.world}, heads {a.heads} "
           f"(kv {a.kv_heads}), head_dim {a.head_dim}, causal {a.causal}; eff = TFLOP/s against one call with H/W "
           f"heads (the same FLOPs); the line 'fused H' is one call with all H heads (the GPU's rate at this length)")
-    knobs = {k: v for k, v in sorted(os.environ.items()) if k.startswith("DISTLAB_")}
-    print("knobs: " + (" ".join(f"{k}={v}" for k, v in knobs.items()) or "none set (defaults)"))
+    set_now = knobs.in_force()
+    print("knobs: " + (" ".join(f"{k}={v}" for k, v in set_now.items()) or "none set (defaults)"))
     print(f"{'seq':>6} {'layout':>10} {'backend':>11} {'groups':>9} {'graph':>5} | {'fwd ms':>8} {'TFLOP/s':>8} {'eff':>6} | "
           f"{'f+b ms':>8} {'TFLOP/s':>8} {'eff':>6}")
     for seq in a.seq:
@@ -268,21 +263,18 @@ def main(argv=None):
         for layout in a.layout:
             rank = a.rank if a.rank is not None else (a.world - 1 if layout == "contiguous" else 0)
             for backend, n, variant in itertools.product(a.backend, a.steps_per_launch, a.variant):
-                n = check_steps_per_launch(n, backend, a.world)
-                saved = _set_knobs(variant)
+                n = check_steps_per_launch(n if n is not None else knobs.get("RING_STEPS_PER_LAUNCH"), backend, a.world)
                 try:
-                    r = emulate_rank(a.world, seq, a.heads, a.kv_heads, a.head_dim, rank, layout, a.causal, backend,
-                                     dtype, device, backward=not a.no_backward, graphs=a.graphs, iters=a.iters,
-                                     timeline=a.timeline, steps_per_launch=n)
-                    own = anchor if backend == anchor["backend"] and not a.timeline else fused_anchor(
-                        a.world, seq, a.heads, a.kv_heads, a.head_dim, a.causal, dtype, device, a.iters,
-                        backend=backend, timeline=a.timeline)
+                    with knobs.override(**variant_knobs(variant)):
+                        r = emulate_rank(a.world, seq, a.heads, a.kv_heads, a.head_dim, rank, layout, a.causal, backend,
+                                         dtype, device, backward=not a.no_backward, graphs=a.graphs, iters=a.iters,
+                                         timeline=a.timeline, steps_per_launch=n)
+                        own = anchor if backend == anchor["backend"] and not a.timeline else fused_anchor(
+                            a.world, seq, a.heads, a.kv_heads, a.head_dim, a.causal, dtype, device, a.iters,
+                            backend=backend, timeline=a.timeline)
                 except (RuntimeError, ValueError) as e:   # a backend that cannot run (or be captured) here
                     print(f"{seq:>6} {layout:>10} {backend:>11}: failed: {str(e).splitlines()[0][:100]}", flush=True)
                     continue
-                finally:
-                    os.environ.clear()
-                    os.environ.update(saved)
                 r["variant"] = variant
                 o_f = own["flops_fwd"] / own["fwd_s"]
                 o_fb = 3.5 * own["flops_fwd"] / (own["fwd_s"] + own["bwd_s"])

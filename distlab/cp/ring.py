@@ -8,8 +8,8 @@ Each of the W ranks holds a shard of q, k, v along the sequence. K/V blocks trav
 (rank r sends to r+1, receives from r−1); at step i rank r holds the K/V of rank (r−i) mod W and merges
 the block's (out, lse) into its running result through the log-sum-exp
 (``distlab.kernels.lse_merge``). The next K/V exchange is posted before the current block is computed, so it overlaps the compute. The forward
-makes W−1 K/V exchanges. With ``steps_per_launch=n`` > 1 (4 is the ``triton`` default;
-``DISTLAB_RING_STEPS_PER_LAUNCH`` sets it for every backend) step 0 runs alone (its K/V are local: the
+makes W−1 K/V exchanges. With ``steps_per_launch=n`` > 1 (4 is the ``triton`` default; the studies'
+knob ``DISTLAB_RING_STEPS_PER_LAUNCH`` sets it for every backend) step 0 runs alone (its K/V are local: the
 first hop travels behind it) and the later steps go in groups of n, the short one first (``launch_groups``):
 up to n K/V blocks beyond the current group are in flight, each forwarded as soon as it arrives
 (``comm.RingExchanger.exchange_after``), and the ``triton`` backend computes a group in one kernel launch
@@ -34,7 +34,6 @@ does the same work.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -298,11 +297,10 @@ def launch_groups(world: int, steps_per_launch=1) -> list[range]:
 
 
 def check_steps_per_launch(steps_per_launch=None, backend=None, world=None):
-    """n in 1..4 (an int), or group sizes adding up to ``world`` (a tuple): from the argument, else
-    ``DISTLAB_RING_STEPS_PER_LAUNCH`` (``2`` or ``1,1,2,4``), else ``STEPS_PER_LAUNCH[backend]`` (1 for
-    backends not listed)."""
-    value = steps_per_launch if steps_per_launch is not None else os.environ.get(
-        "DISTLAB_RING_STEPS_PER_LAUNCH", STEPS_PER_LAUNCH.get(backend, 1))
+    """n in 1..4 (an int), or group sizes adding up to ``world`` (a tuple, or a string such as ``1,1,2,4``):
+    from the argument, else ``STEPS_PER_LAUNCH[backend]`` (1 for backends not listed). The studies pass
+    the knob ``RING_STEPS_PER_LAUNCH`` (``distlab.knobs``) here; the library never reads it."""
+    value = steps_per_launch if steps_per_launch is not None else STEPS_PER_LAUNCH.get(backend, 1)
     sizes = str(value).split(",") if isinstance(value, (int, str)) else [str(x) for x in value]
     if not all(x.strip().isdigit() and 1 <= int(x) <= MAX_STEPS_PER_LAUNCH for x in sizes) \
             or len(sizes) > 1 and world is not None and sum(map(int, sizes)) != world:
@@ -333,7 +331,7 @@ def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backe
     rank's shard of the output (and, with ``return_lse``, its float32 ``(batch, heads, seq/W)`` LSE).
     ``steps_per_launch`` (1 to 4, or group sizes adding up to W): the forward's steps per group (``launch_groups``)
     — with ``triton`` one kernel launch each — and the K/V blocks in flight; default
-    ``DISTLAB_RING_STEPS_PER_LAUNCH``, else 4 for ``triton`` and 1 for the others.
+    4 for ``triton`` and 1 for the others.
     ``cu_seqlens`` (global document boundaries, the same on every rank) and ``window`` (keys at most that
     many positions back; causal only): packed documents, see ``distlab.cp.documents``.
     """

@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from distlab import comm
+from distlab import comm, knobs
 from distlab.cp.cost import cp_bytes
 from distlab.cp.documents import Documents, describe, parse_docs
 from distlab.cp.layout import LAYOUTS, check_divisible, gather_sequence, shard_positions, shard_sequence
@@ -148,7 +148,9 @@ def build_method(algorithm, args, world, rank, device, backend, ulysses=1, ring=
     if algorithm in ("ring", "allgather"):
         check_divisible(args.seq, world, layout)
         if algorithm == "ring":
-            attn = lambda q, k, v: ring_attention(q, k, v, g, args.causal, layout, backend, **kw)  # noqa: E731
+            steps = knobs.get("RING_STEPS_PER_LAUNCH")   # a launch knob of the study (distlab.knobs)
+            attn = lambda q, k, v: ring_attention(q, k, v, g, args.causal, layout, backend,  # noqa: E731
+                                                  steps_per_launch=steps, **kw)
         else:
             attn = lambda q, k, v: allgather_attention(q, k, v, g, args.causal, layout, backend, **kw)  # noqa: E731
         return CPMethod(f"{algorithm} ({layout})", attn,

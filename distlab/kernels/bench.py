@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 
+from distlab import knobs
 from distlab.kernels.attention import attention_backward, attention_forward, available_backends
 from distlab.bench import DTYPES, StudyParser, dtype_arg, run_study, timeit
 
@@ -195,8 +195,8 @@ def main(argv=None):
               f"{r.get('anchor') or '-':<22} {anchor_rate} {ratio} {comp}")
     if args.json:
         with open(args.json, "w") as fh:
-            knobs = {k: v for k, v in os.environ.items() if k.startswith(("DISTLAB_KERNEL", "DISTLAB_TRITON"))}
-            json.dump({"device": name, "torch": torch.__version__, "args": vars(args), "env": knobs, "results": table},
+            in_force = {k: v for k, v in knobs.in_force().items() if k.startswith(("DISTLAB_KERNEL", "DISTLAB_TRITON"))}
+            json.dump({"device": name, "torch": torch.__version__, "args": vars(args), "env": in_force, "results": table},
                       fh, indent=2)
         print(f"wrote {args.json}")
     return table

@@ -27,6 +27,7 @@ import os
 
 import torch
 
+from distlab import knobs
 from distlab.bench import StudyParser, require_gpu, run_study
 from distlab.kernels.launch import triton_runs_on
 
@@ -204,8 +205,8 @@ def _config(dtype, interpret):
     over 8 warps and 3 stages (147 KB of shared memory), a smaller one for fp32 (4-byte tiles)."""
     if interpret:
         return 32, 32, 32, 4, 1
-    if os.environ.get("DISTLAB_GROUPED_GEMM_CONFIG"):   # tuning knob: "BM,BN,BK,warps,stages" (or x-separated)
-        return tuple(int(v) for v in os.environ["DISTLAB_GROUPED_GEMM_CONFIG"].replace("x", ",").split(","))
+    if knobs.get("GROUPED_GEMM_CONFIG"):   # tuning knob: "BM,BN,BK,warps,stages" (or x-separated)
+        return tuple(int(v) for v in knobs.get("GROUPED_GEMM_CONFIG").replace("x", ",").split(","))
     if dtype == torch.float32:
         return 64, 64, 32, 4, 2
     return 128, 256, 64, 8, 3
@@ -214,7 +215,7 @@ def _config(dtype, interpret):
 def _tma_ok(interpret, *tensors):
     """TMA descriptors need 16-byte aligned bases and row strides, unit last stride, and sm_90+.
     ``DISTLAB_GROUPED_GEMM_TMA=0`` forces the pointer kernel (for comparisons)."""
-    if os.environ.get("DISTLAB_GROUPED_GEMM_TMA", "1") == "0":
+    if knobs.get("GROUPED_GEMM_TMA") == "0":
         return False
     if not interpret and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
         return False
@@ -236,7 +237,7 @@ def _offsets_and_m_tiles(counts, bm, device):
 def _num_programs(total, device, interpret):
     """Persistent grid: one program per SM (the 128x256 bf16 tile fills an SM's shared memory);
     ``DISTLAB_GROUPED_GEMM_PERSISTENT=0``: one program per tile."""
-    if os.environ.get("DISTLAB_GROUPED_GEMM_PERSISTENT", "1") == "0":
+    if knobs.get("GROUPED_GEMM_PERSISTENT") == "0":
         return total
     sms = 3 if interpret else torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(total, sms))
@@ -253,13 +254,13 @@ def _triton_segment_mm_tma(x, w, counts, transpose_w, y, cfg, interpret):
     total = num_m_tiles * tiles_n
     progs = _num_programs(total, x.device, interpret)
     w_block = [1, bn, bk] if transpose_w else [1, bk, bn]
-    split = os.environ.get("DISTLAB_GROUPED_GEMM_SPLIT_EPILOGUE", "0") == "1"
+    split = knobs.get("GROUPED_GEMM_SPLIT_EPILOGUE") == "1"
     ks["segment_mm_tma"][(progs,)](
         TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, w_block),
         TensorDescriptor.from_tensor(y, [bm, bn // 2 if split else bn]), y, tiles, offs,
         num_m_tiles, tiles_n, N, K, y.stride(0), y.stride(1), progs, BM=bm, BN=bn, BK=bk,
-        GROUP_M=max(1, int(os.environ.get("DISTLAB_GROUPED_GEMM_GROUP_M", "16"))), TRANS_W=transpose_w,
-        WARP_SPECIALIZE=os.environ.get("DISTLAB_GROUPED_GEMM_WS", "0") == "1", SPLIT_EPILOGUE=split,
+        GROUP_M=max(1, int(knobs.get("GROUPED_GEMM_GROUP_M") or 16)), TRANS_W=transpose_w,
+        WARP_SPECIALIZE=knobs.get("GROUPED_GEMM_WS") == "1", SPLIT_EPILOGUE=split,
         num_warps=warps, num_stages=stages)
     return y
 
@@ -283,7 +284,7 @@ def triton_segment_mm(x, w, counts, transpose_w=False):
         return _triton_segment_mm_tma(x, w, counts, transpose_w, y, cfg, interpret)
     offs = offsets(counts, x.device)
     tiles_m, tiles_n = max(1, -(-max(counts) // bm)), -(-N // bn)
-    group_m = int(os.environ.get("DISTLAB_GROUPED_GEMM_GROUP_M", "8"))
+    group_m = int(knobs.get("GROUPED_GEMM_GROUP_M") or 8)
     ks["segment_mm"][(e * tiles_m * tiles_n,)](
         x, w, y, offs, tiles_m, tiles_n, N, K, x.stride(0), x.stride(1), swe, swk, swn, y.stride(0), y.stride(1),
         BM=bm, BN=bn, BK=bk, GROUP_M=max(1, group_m), EVEN_K=K % bk == 0, EVEN_N=N % bn == 0,
@@ -301,7 +302,7 @@ def triton_segment_wgrad(x, dy, counts):
     dw = torch.empty(e, K, N, dtype=x.dtype, device=x.device)
     offs = offsets(counts, x.device)
     grid = (e, -(-K // bk), -(-N // bn))
-    if os.environ.get("DISTLAB_GROUPED_GEMM_WGRAD_TMA", "0") == "1" and x.shape[0] and _tma_ok(interpret, x, dy, dw):
+    if knobs.get("GROUPED_GEMM_WGRAD_TMA") == "1" and x.shape[0] and _tma_ok(interpret, x, dy, dw):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         ks["segment_wgrad_tma"][grid](TensorDescriptor.from_tensor(x, [bm, bk]),
@@ -365,15 +366,9 @@ def grouped_mm(x, w, counts, backend="auto"):
 
 
 def _with_env(settings, fn):
-    """Run ``fn`` with DISTLAB_GROUPED_GEMM_<KEY>=<value> set for each "KEY=value" in ``settings``."""
-    keys = {f"DISTLAB_GROUPED_GEMM_{kv.split('=')[0].upper()}": kv.split("=", 1)[1] for kv in settings if kv}
-    saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update(keys)
-    try:
+    """Run ``fn`` with knob GROUPED_GEMM_<KEY>=<value> in force for each "KEY=value" in ``settings``."""
+    with knobs.override(**knobs.parse_settings(";".join(settings), "GROUPED_GEMM_")):
         return fn()
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def main(argv=None):
@@ -446,7 +441,7 @@ def main(argv=None):
 
         with open(a.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "args": vars(a), "counts": counts,
-                       "env": {k: v for k, v in os.environ.items() if k.startswith("DISTLAB_GROUPED_GEMM")},
+                       "env": {k: v for k, v in knobs.in_force().items() if k.startswith("DISTLAB_GROUPED_GEMM")},
                        "config": _config(x.dtype, False), "results": rows}, f, indent=1)
 
 

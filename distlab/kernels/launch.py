@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import os
 
+from distlab import knobs
+
 
 def triton_runs_on(device) -> bool:
     """Triton is importable and the tensors are on CUDA (or on CPU with ``TRITON_INTERPRET=1``). The one
@@ -32,10 +34,12 @@ def _triton_importable() -> bool:
 
 
 def num_warps(default: int) -> int:
-    """``DISTLAB_KERNEL_WARPS`` when set (a tuning sweep), else the kernel's own default."""
-    return int(os.environ.get("DISTLAB_KERNEL_WARPS", default))
+    """Knob ``KERNEL_WARPS`` when set (a tuning sweep), else the kernel's own default."""
+    value = knobs.get("KERNEL_WARPS")
+    return int(value) if value is not None else default
 
 
 def knob(name: str, default: int) -> int:
-    """``DISTLAB_KERNEL_<name>`` when set, else ``default`` (e.g. rows or tokens per program)."""
-    return int(os.environ.get(f"DISTLAB_KERNEL_{name}", default))
+    """Knob ``KERNEL_<name>`` (``distlab.knobs``: e.g. rows or tokens per program), else ``default``."""
+    value = knobs.get(f"KERNEL_{name}")
+    return int(value) if value is not None else default

@@ -34,9 +34,10 @@ as programmatic dependent launches (``pdl_enabled``). ``DISTLAB_TRITON_ATTN_{FWD
 from __future__ import annotations
 
 import math
-import os
 
 import torch
+
+from distlab import knobs
 import triton
 import triton.language as tl
 
@@ -54,7 +55,7 @@ _CPU = {"FWD": (32, 16, 4, 1), "DKV": (16, 32, 4, 1), "DKV_RING": (16, 32, 4, 1)
 
 
 def tile_config(kind: str, device: torch.device, head_dim: int):
-    env = os.environ.get(f"DISTLAB_TRITON_ATTN_{kind}")
+    env = knobs.get(f"TRITON_ATTN_{kind}")
     if env:
         bm, bn, w, s = (int(x) for x in env.split(","))
     elif device.type != "cuda":
@@ -254,7 +255,7 @@ TMA_DEFAULT = "fwd"   # the H200 (``next`` call): forward +3% (MHA) / +7% (GQA);
 def tma_kernels() -> tuple[str, ...]:
     """The kernels whose tiles move through TMA descriptors: ``DISTLAB_TRITON_ATTN_TMA`` = ``0`` (none),
     ``1`` (all), or a comma list of fwd, dq, dkv (default ``fwd``)."""
-    env = os.environ.get("DISTLAB_TRITON_ATTN_TMA", TMA_DEFAULT)
+    env = knobs.get("TRITON_ATTN_TMA")
     kinds = {"0": (), "1": TMA_KERNELS}.get(env, tuple(x for x in env.split(",") if x))
     if any(k not in TMA_KERNELS for k in kinds):
         raise ValueError(f"DISTLAB_TRITON_ATTN_TMA={env!r}: use 0, 1 or a comma list of {', '.join(TMA_KERNELS)}")
@@ -291,7 +292,7 @@ def pdl_enabled(device) -> bool:
     """``DISTLAB_TRITON_ATTN_PDL=1`` on sm_90+: accumulating forwards launch as programmatic dependents —
     a ring step's kernel runs its key loop while the previous step's last wave finishes, and waits for it
     (``griddepcontrol.wait``) only before it reads and writes the running (out, lse)."""
-    return os.environ.get("DISTLAB_TRITON_ATTN_PDL", "0") == "1" and torch.cuda.get_device_capability(device)[0] >= 9
+    return knobs.get("TRITON_ATTN_PDL") == "1" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _last_contiguous(*ts):
@@ -392,6 +393,6 @@ def flash_forward_blocks(q, blocks, softmax_scale=None, out=None, lse=None, accu
                       v2.stride(0), v2.stride(1), v2.stride(2), out.stride(0), out.stride(1), out.stride(2),
                       lse.stride(0), lse.stride(1), fo.stride(0), fo.stride(1), fo.stride(2),
                       BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, ACCUMULATE=accumulate, PREC=_precision(q),
-                      TMA=tma, PDL=use_pdl, FMA=os.environ.get("DISTLAB_TRITON_ATTN_FMA", "1") == "1",
+                      TMA=tma, PDL=use_pdl, FMA=knobs.get("TRITON_ATTN_FMA") == "1",
                       FINAL=final_out is not None, BLOCKS=len(blocks), num_warps=warps, num_stages=stages, **pdl)
     return out, lse

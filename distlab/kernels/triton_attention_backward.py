@@ -20,12 +20,12 @@ after their dQ, no extra launch) or ``kernel`` (one launch of its own).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from distlab import knobs
 from distlab.kernels.triton_attention import (LOG2E, _descriptor, _kv_tile, _last_contiguous, _precision, _tile_descriptors,
                                       _tma_fits, _visible, check_triton_inputs, pdl_enabled, tile_config)
 
@@ -301,8 +301,7 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
         if t is not None and (t.shape != shape or t.dtype != torch.float32 or t.stride(-1) != 1):
             raise ValueError(f"{name} must be float32 {tuple(shape)} with a contiguous last dim; got "
                              f"{tuple(t.shape)} {t.dtype}")
-    mode, env, split_sum = (os.environ.get(f"DISTLAB_TRITON_ATTN_{n}", x) for n, x in (
-        ("DQ_MODE", "kernel"), ("SPLIT_GROUPS", "auto"), ("SPLIT_SUM", "dq")))
+    mode, env, split_sum = (knobs.get(f"TRITON_ATTN_{n}") for n in ("DQ_MODE", "SPLIT_GROUPS", "SPLIT_SUM"))
     if mode not in DQ_MODES or env not in ("auto", "0", "1") or split_sum not in ("dq", "kernel"):
         raise ValueError(f"DISTLAB_TRITON_ATTN_DQ_MODE={mode!r} (use one of {', '.join(DQ_MODES)}), "
                          f"DISTLAB_TRITON_ATTN_SPLIT_GROUPS={env!r} (use auto, 0 or 1), "

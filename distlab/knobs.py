@@ -1,0 +1,158 @@
+"""Every ``DISTLAB_*`` environment variable, declared once: its default and what it does.
+
+    python -m distlab.knobs                                     # the table, with what is set now
+    DISTLAB_TRITON_ATTN_PDL=1 python -m distlab.cp.emulate --seq 8192
+
+Two kinds. *Launch knobs* choose among equivalent implementations of a kernel (tiles, TMA, programmatic
+dependent launch, ...) for tuning sweeps; the code reads them here with ``get(name)`` (name without the
+``DISTLAB_`` prefix), never from ``os.environ``. *Launcher variables* carry state from a launcher to its
+ranks (``distlab run``, ``launch/*.sh``). The environment is read once, at the first ``get``; a
+``DISTLAB_*`` variable that is set but not declared here is an error then (a misspelt knob would otherwise
+be ignored in silence). ``override(NAME=value, ...)`` puts values in force for a block (sweeps), ``set`` /
+``unset`` until further notice (a check script's sweep).
+Library functions such as ``ring_attention`` take their choices as arguments; only studies and the
+kernels' launch configuration consult knobs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    default: str | None
+    doc: str
+    launcher: bool = False   # set by a launcher for its ranks, not by hand
+
+
+_TILES = "BLOCK_M,BLOCK_N,warps,stages of the Triton attention {} kernel (default: per device, see triton_attention)"
+KNOBS = {
+    # attention kernels (distlab.kernels.triton_attention, triton_attention_backward)
+    "TRITON_ATTN_FWD": Knob(None, _TILES.format("forward")),
+    "TRITON_ATTN_DKV": Knob(None, _TILES.format("dK/dV")),
+    "TRITON_ATTN_DKV_RING": Knob(None, _TILES.format("ring-step dK/dV")),
+    "TRITON_ATTN_DQ": Knob(None, _TILES.format("dQ")),
+    "TRITON_ATTN_DQ_RING": Knob(None, _TILES.format("ring-step dQ")),
+    "TRITON_ATTN_TMA": Knob("fwd", "kernels whose tiles move by TMA: 0, 1 (all) or a comma list of fwd, dq, dkv"),
+    "TRITON_ATTN_PDL": Knob("0", "1: accumulating forwards launched as programmatic dependents (sm90+)"),
+    "TRITON_ATTN_FMA": Knob("1", "1: the forward's rescale fused into one multiply-add"),
+    "TRITON_ATTN_DQ_MODE": Knob("kernel", "how a ring step's dQ reaches the float32 accumulator: kernel, atomic, tma-reduce"),
+    "TRITON_ATTN_SPLIT_GROUPS": Knob("auto", "GQA dK/dV split over q-head groups: auto, 0 or 1"),
+    "TRITON_ATTN_SPLIT_SUM": Knob("dq", "where split dK/dV partials are summed: dq (in the dQ kernel) or kernel"),
+    "RING_STEPS_PER_LAUNCH": Knob(None, "the ring studies' steps per launch (1..4, or group sizes such as 1,1,2,4)"),
+    # memory-bound kernels (distlab.kernels.launch)
+    "KERNEL_WARPS": Knob(None, "warps per program of every memory-bound kernel (default: each kernel's own)"),
+    "KERNEL_RMSNORM_ROWS": Knob("1", "rows per program of the fused RMSNorm (a power of two)"),
+    "KERNEL_ROPE_TOKENS": Knob("1", "tokens per program of the RoPE kernel"),
+    "KERNEL_SWIGLU_BLOCK": Knob("2048", "columns per program of the SwiGLU kernel"),
+    "KERNEL_MERGE_BLOCK": Knob("32", "rows per program of the LSE merge"),
+    # grouped GEMM (distlab.kernels.grouped_gemm)
+    "GROUPED_GEMM_CONFIG": Knob(None, "BM,BN,BK,warps,stages of the grouped GEMM (default: by shape)"),
+    "GROUPED_GEMM_TMA": Knob("1", "1: TMA descriptors for the grouped GEMM's operands (sm90+)"),
+    "GROUPED_GEMM_PERSISTENT": Knob("1", "1: one persistent program per SM walks the tiles"),
+    "GROUPED_GEMM_SPLIT_EPILOGUE": Knob("0", "1: the output tile stored in two halves"),
+    "GROUPED_GEMM_GROUP_M": Knob(None, "m-tiles per band in the tile order (default 16 persistent, 8 else)"),
+    "GROUPED_GEMM_WS": Knob("0", "1: warp specialisation in the persistent kernel"),
+    "GROUPED_GEMM_WGRAD_TMA": Knob("0", "1: TMA loads in the weight-gradient kernel"),
+    # collectives and runtime
+    "TIMEOUT_S": Knob("300", "seconds a collective waits for the other ranks before failing the job"),
+    # launcher variables
+    "ERROR_DIR": Knob(None, "where ranks file their errors for distlab run's summary", launcher=True),
+    "LAUNCHER_PID": Knob(None, "distlab run's pid: its ranks die with it", launcher=True),
+    "MODULE": Knob(None, "the study module of launch/run.sh (sbatch)", launcher=True),
+    "NPROC_PER_NODE": Knob(None, "processes per node of launch/run.sh", launcher=True),
+    "PYTHON": Knob(None, "the python of launch/run.sh", launcher=True),
+    "PORT": Knob(None, "the rendezvous port of launch/run.sh", launcher=True),
+    "RDZV_TIMEOUT": Knob(None, "the rendezvous timeout of launch/run.sh", launcher=True),
+    "LOG_DIR": Knob(None, "the log folder of the launch scripts", launcher=True),
+}
+
+_ENV: dict[str, str] | None = None     # what the environment held at the first read (never parallel state)
+_OVERRIDES: list[dict[str, str]] = []
+_SET: dict[str, str] = {}                # knobs.set(): until knobs.unset()
+
+
+def _environment() -> dict[str, str]:
+    global _ENV
+    if _ENV is None:
+        found = {k[len("DISTLAB_"):]: v for k, v in os.environ.items() if k.startswith("DISTLAB_")}
+        unknown = sorted(k for k in found if k not in KNOBS)
+        if unknown:
+            raise ValueError(f"unknown environment variable(s) {', '.join('DISTLAB_' + k for k in unknown)}: "
+                             "python -m distlab.knobs lists the known ones")
+        _ENV = found
+    return _ENV
+
+
+def get(name: str) -> str | None:
+    """The value in force of knob ``name`` (without ``DISTLAB_``): an override, else the environment as it
+    was at the first read, else the declared default."""
+    if name not in KNOBS:
+        raise KeyError(f"no knob DISTLAB_{name} is declared in distlab.knobs")
+    for layer in reversed(_OVERRIDES):
+        if name in layer:
+            return layer[name]
+    if name in _SET:
+        return _SET[name]
+    return _environment().get(name, KNOBS[name].default)
+
+
+@contextlib.contextmanager
+def override(**values):
+    """``with override(TRITON_ATTN_PDL="1"): ...``: the given knobs (None: the default) for the block."""
+    unknown = sorted(k for k in values if k not in KNOBS)
+    if unknown:
+        raise ValueError(f"unknown knob(s) {', '.join(unknown)}: python -m distlab.knobs lists them")
+    _OVERRIDES.append({k: (KNOBS[k].default if v is None else str(v)) for k, v in values.items()})
+    try:
+        yield
+    finally:
+        _OVERRIDES.pop()
+
+
+def set(**values) -> None:   # noqa: A001 (the knobs' own verb)
+    """Put knob values in force until ``unset`` (a script's sweep; blocks use ``override``)."""
+    unknown = sorted(k for k in values if k not in KNOBS)
+    if unknown:
+        raise ValueError(f"unknown knob(s) {', '.join(unknown)}: python -m distlab.knobs lists them")
+    _SET.update({k: str(v) for k, v in values.items()})
+
+
+def unset(*names) -> None:
+    for name in names:
+        _SET.pop(name, None)
+
+
+def parse_settings(text: str, prefix: str = "") -> dict[str, str]:
+    """``'PDL=1;FWD=64,64,4,3'`` (a study's ``--variant``) -> knob values, each name ``prefix`` + NAME unless
+    it is a full knob name already."""
+    out = {}
+    for item in filter(None, text.split(";")):
+        name, sep, value = item.partition("=")
+        name = name.strip().upper().removeprefix("DISTLAB_")
+        if not sep or not name:
+            raise ValueError(f"{text!r}: each setting is NAME=VALUE")
+        out[name if name in KNOBS else prefix + name] = value.strip()
+    return out
+
+
+def in_force() -> dict[str, str]:
+    """Every knob whose value differs from its default (for a benchmark's JSON)."""
+    return {f"DISTLAB_{k}": v for k in KNOBS if not KNOBS[k].launcher and (v := get(k)) != KNOBS[k].default}
+
+
+def main() -> None:
+    width = max(map(len, KNOBS)) + 8
+    for name, knob in KNOBS.items():
+        now = _environment().get(name)
+        shown = f"= {now}" if now is not None else f"[{knob.default if knob.default is not None else 'unset'}]"
+        print(f"DISTLAB_{name:<{width - 8}} {shown:<14} {'(launcher) ' if knob.launcher else ''}{knob.doc}")
+
+
+if __name__ == "__main__":
+    from distlab.bench import run_study
+
+    run_study(main)
