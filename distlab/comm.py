@@ -187,7 +187,7 @@ def check_same_on_every_rank(what: str, values, group=None, describe=str) -> Non
 
 def _disagreement(what, values, group, describe) -> tuple[str, int] | None:
     n = group_size(group)
-    key = (group, what, values)
+    key = (_group_key(group), what, values)
     if n == 1 or key in _AGREED:
         return None
     if len(values) >= _SIGNATURE_LEN:
@@ -213,6 +213,13 @@ def _disagreement(what, values, group, describe) -> tuple[str, int] | None:
         _AGREED.clear()
     _AGREED.add(key)
     return None
+
+
+def _group_key(group):
+    """A process group's name, not the object: holding the object past ``destroy_process_group`` kept its
+    gloo threads alive until interpreter exit, which then aborted ("terminate called without an active
+    exception")."""
+    return None if group is None else getattr(group, "group_name", None) or id(group)
 
 
 def _all_gather_dim0_untracked(out, x, group) -> None:

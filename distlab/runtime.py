@@ -156,6 +156,9 @@ def init_runtime(device: str | None = None, backend: str | None = None, timeout_
 
 
 def shutdown() -> None:
+    from distlab import comm
+
+    comm.forget_agreed()
     if dist.is_initialized():
         dist.destroy_process_group()
 
