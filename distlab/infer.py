@@ -21,6 +21,7 @@ disables CP for decoding).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -28,14 +29,13 @@ import time
 import torch
 
 from distlab import comm
-from distlab.cp.decode import KVCacheShard, cp_decode_attention
+from distlab.cp.decode import KVCacheShard
 from distlab.model import checkpoint
-from distlab.model.config import layout_dims, load_config, load_layout
+from distlab.model.config import load_config, load_layout
 from distlab.model.data import corpus, decode, encode
 from distlab.model.llama import Llama
 from distlab.model.parallel import ParallelLlama
-from distlab.runtime import init_runtime, shutdown
-from distlab.tp.block import local_attention
+from distlab.runtime import Layout, add_layout_args, init_runtime, shutdown
 from distlab.bench import StudyParser, dtype_arg, positive_int, run_study, write_json
 
 
@@ -48,6 +48,18 @@ def _last_logits(model: ParallelLlama, logits, positions, last: int):
     return comm.all_gather_raw(row, model.tp_group, -1)       # the vocabulary, gathered over tp
 
 
+class PrefillCache:
+    """A block's cache during prefill: attends as the block would (CP attention over the prompt) and keeps
+    this rank's K/V (after RoPE) as its shard of the cache (``shard``)."""
+
+    def __init__(self, group, length: int):
+        self.group, self.length, self.shard = group, length, None
+
+    def attend(self, q, k, v, attention):
+        self.shard = KVCacheShard(k.contiguous(), v.contiguous(), self.group, next_position=self.length)
+        return attention(q, k, v)
+
+
 @torch.no_grad()
 def generate(model: ParallelLlama, ids, steps: int, timings: dict | None = None):
     """Greedy decode: (new tokens (b, steps), their logits (b, steps, vocab)) for this dp rank's rows of
@@ -58,43 +70,22 @@ def generate(model: ParallelLlama, ids, steps: int, timings: dict | None = None)
     if model.sp:
         raise ValueError("inference runs TP without sequence parallelism (build the model with sp=False)")
     length = ids.shape[1]
-    piece, _ = model.shard_batch(ids, ids)
-    positions = model.blocks[0].positions
-    caches = [None] * len(model.blocks)
-    saved = [(b.attention_fn, b.positions) for b in model.blocks]
-
-    def keeping_cache(i, attend):
-        def fn(q, k, v, cu_seqlens=None):
-            caches[i] = KVCacheShard(k.contiguous(), v.contiguous(), model.cp_group, next_position=length)
-            return attend(q, k, v, cu_seqlens)
-        return fn
-
-    def decoding(cache):
-        def fn(q, k, v, cu_seqlens=None):
-            cache.append(k, v)
-            return cp_decode_attention(q, cache)
-        return fn
-
-    try:
-        for i, block in enumerate(model.blocks):
-            block.attention_fn = keeping_cache(i, block.attention_fn or local_attention)
+    piece, _, ctx = model.shard_batch(ids, ids)
+    prefill = [PrefillCache(model.cp_group, length) for _ in model.blocks]
+    t0 = time.perf_counter()
+    logits = [_last_logits(model, model(piece, positions=ctx["positions"], caches=prefill), ctx["positions"], length - 1)]
+    tokens = [logits[-1].argmax(-1)]
+    sync()
+    timings["prefill_s"], timings["decode_s"] = time.perf_counter() - t0, []
+    caches = [c.shard for c in prefill]          # KVCacheShard.attend: append the new K/V, attend every shard
+    for step in range(1, steps):
         t0 = time.perf_counter()
-        logits = [_last_logits(model, model(piece), positions, length - 1)]
-        tokens = [logits[-1].argmax(-1)]
+        pos = torch.tensor([length + step - 1])   # the position of the token being fed
+        logits.append(comm.all_gather_raw(model(tokens[-1][:, None], positions=pos, caches=caches)[:, 0],
+                                          model.tp_group, -1))
+        tokens.append(logits[-1].argmax(-1))
         sync()
-        timings["prefill_s"], timings["decode_s"] = time.perf_counter() - t0, []
-        for step in range(1, steps):
-            t0 = time.perf_counter()
-            pos = length + step - 1                      # the position of the token being fed
-            for block, cache in zip(model.blocks, caches):
-                block.attention_fn, block.positions = decoding(cache), torch.tensor([pos])
-            logits.append(comm.all_gather_raw(model(tokens[-1][:, None])[:, 0], model.tp_group, -1))
-            tokens.append(logits[-1].argmax(-1))
-            sync()
-            timings["decode_s"].append(time.perf_counter() - t0)
-    finally:
-        for block, (fn, pos) in zip(model.blocks, saved):
-            block.attention_fn, block.positions = fn, pos
+        timings["decode_s"].append(time.perf_counter() - t0)
     return torch.stack(tokens, 1), torch.stack(logits, 1)
 
 
@@ -128,11 +119,7 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=positive_int, default=64)
     p.add_argument("--batch", type=positive_int, default=1, help="prompt copies (split over the data-parallel ranks)")
     p.add_argument("--steps", type=positive_int, default=32, help="tokens to generate")
-    p.add_argument("--tp", type=positive_int, default=None)
-    p.add_argument("--ring", type=positive_int, default=None)
-    p.add_argument("--ulysses", type=positive_int, default=None)
-    p.add_argument("--layout", "--cp-layout", dest="cp_layout", choices=("zigzag", "contiguous"), default=None,
-                   help="sequence layout of the ring axis, as in the CP studies")
+    add_layout_args(p, sp=False)
     p.add_argument("--dtype", type=dtype_arg("float32", "float64", "bfloat16"), default="float32")
     p.add_argument("--check", action="store_true", help="compare with the one-device model's greedy decode")
     p.add_argument("--json", metavar="PATH", help="write tokens, timings and the check (rank 0)")
@@ -143,14 +130,14 @@ def main(argv=None):
     if a.config is None:
         a.config = a.checkpoint if a.checkpoint and os.path.isfile(os.path.join(a.checkpoint, "distlab.json")) else "tiny"
     mcfg, tcfg = load_config(a.config)
-    layout = {"tp": 1, "ring": 1, "ulysses": 1, "cp_layout": "zigzag", **load_layout(a.config)}
-    for key in ("tp", "ring", "ulysses", "cp_layout"):   # flags override the preset; its sp is ignored
-        if getattr(a, key) is None:
-            setattr(a, key, layout[key])
-    dims = layout_dims(rt.world_size, a.tp, a.ring, a.ulysses, a.batch)
-    layout_name = a.cp_layout if a.ring > 1 else "contiguous"
-    multiple = a.ring * a.ulysses * (2 if layout_name == "zigzag" else 1)
-    ids = prompt_ids(a.prompt, a.prompt_len, a.batch, multiple)
+    preset = {k: v for k, v in load_layout(a.config).items() if k != "sp"}   # SP is a training layout
+    layout = Layout.from_args(a, rt.world_size, preset, a.batch)
+    if layout.cp_layout == "balanced":
+        raise ValueError("infer prefills one prompt: use --layout zigzag or contiguous (balanced is for packs)")
+    if layout.ring == 1:
+        layout = dataclasses.replace(layout, cp_layout="contiguous")
+    layout_name = layout.cp_layout
+    ids = prompt_ids(a.prompt, a.prompt_len, a.batch, layout.seq_len_divisor)
     dtype = getattr(torch, a.dtype)
     torch.manual_seed(tcfg.seed)
     if a.checkpoint:
@@ -160,14 +147,14 @@ def main(argv=None):
               "(train one with python -m distlab.train --config tiny --checkpoint-dir ckpt)", flush=True)
     ref = checkpoint.load_weights(a.checkpoint, mcfg) if a.checkpoint else Llama(mcfg)
     ref = ref.to(rt.device, dtype)
-    model = ParallelLlama(ref, dims.build_mesh(rt.device.type), False, layout_name)
+    model = ParallelLlama(ref, layout, layout.build_mesh(rt.device.type))
     generate(model, ids.to(rt.device), 2)                      # warm-up (allocator, kernels, groups)
     timings = {}
     tokens, logits = generate(model, ids.to(rt.device), a.steps, timings)
     decode_ms = sorted(timings["decode_s"])[len(timings["decode_s"]) // 2] * 1e3 if timings["decode_s"] else 0.0
     tokens = comm.all_gather_raw(tokens, model.dp_group, 0).cpu()
     logits = comm.all_gather_raw(logits, model.dp_group, 0).float().cpu()
-    result = {"world_size": rt.world_size, "layout": dims.degrees(), "cp_layout": layout_name, "dtype": a.dtype,
+    result = {"world_size": rt.world_size, "layout": layout.degrees(), "cp_layout": layout_name, "dtype": a.dtype,
               "prompt_tokens": ids.shape[1], "steps": a.steps, "tokens": tokens.tolist(),
               "prefill_s": timings["prefill_s"], "decode_ms_per_token_median": decode_ms}
     if a.check:
@@ -177,7 +164,7 @@ def main(argv=None):
         err = ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
         result.update(same_tokens=same, logits_max_rel_err=err)
     if rt.is_main:
-        shown = " x ".join(f"{k} {v}" for k, v in dims.degrees().items())
+        shown = " x ".join(f"{k} {v}" for k, v in layout.degrees().items())
         print(f"greedy decode on {rt.world_size} rank(s) ({shown}, {layout_name}), {rt.device}, {a.dtype}: "
               f"prompt {ids.shape[1]} tokens, {a.steps} new")
         print(f"prefill {timings['prefill_s'] * 1e3:.1f} ms ({ids.numel() / timings['prefill_s']:,.0f} tok/s), "

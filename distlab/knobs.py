@@ -45,10 +45,12 @@ KNOBS = {
     "RING_STEPS_PER_LAUNCH": Knob(None, "the ring studies' steps per launch (1..4, or group sizes such as 1,1,2,4)"),
     # memory-bound kernels (distlab.kernels.launch)
     "KERNEL_WARPS": Knob(None, "warps per program of every memory-bound kernel (default: each kernel's own)"),
-    "KERNEL_RMSNORM_ROWS": Knob("1", "rows per program of the fused RMSNorm (a power of two)"),
-    "KERNEL_ROPE_TOKENS": Knob("1", "tokens per program of the RoPE kernel"),
-    "KERNEL_SWIGLU_BLOCK": Knob("2048", "columns per program of the SwiGLU kernel"),
-    "KERNEL_MERGE_BLOCK": Knob("32", "rows per program of the LSE merge"),
+    "KERNEL_RMSNORM_ROWS": Knob(None, "rows per program of the fused RMSNorm (a power of two; default 1)"),
+    "KERNEL_RMSNORM_BWD_ROWS": Knob(None, "rows per program of the RMSNorm backward (default: by width)"),
+    "KERNEL_ROPE_TOKENS": Knob(None, "tokens per program of the RoPE kernel (default 1)"),
+    "KERNEL_SWIGLU_EVICT": Knob(None, "1: SwiGLU loads marked evict-first (default: the kernel's own)"),
+    "KERNEL_SWIGLU_BLOCK": Knob(None, "columns per program of the SwiGLU kernel (default 2048)"),
+    "KERNEL_MERGE_BLOCK": Knob(None, "rows per program of the LSE merge (default 32)"),
     # grouped GEMM (distlab.kernels.grouped_gemm)
     "GROUPED_GEMM_CONFIG": Knob(None, "BM,BN,BK,warps,stages of the grouped GEMM (default: by shape)"),
     "GROUPED_GEMM_TMA": Knob("1", "1: TMA descriptors for the grouped GEMM's operands (sm90+)"),

@@ -1,4 +1,4 @@
-"""Start-up: process group from torchrun / SLURM / a single process, device, seeds, and ParallelDims.
+"""Start-up: process group from torchrun / SLURM / a single process, device, seeds, and Layout.
 
     distlab run --nproc 4 -m distlab.cp.ring --seq 8192     # torchrun environment
     srun python -m distlab.cp.ring --seq 8192               # SLURM environment (one task per GPU)
@@ -11,7 +11,7 @@ or freezes makes the others fail instead of hang. Under a launcher, a rank also 
 that started it (``PR_SET_PDEATHSIG``): killing ``distlab run`` with SIGKILL leaves no orphaned workers.
 It returns a ``Runtime``; there is no global state beyond torch.distributed's own default group.
 
-``ParallelDims`` validates parallel degrees against the world size before any communication and builds
+``Layout`` validates parallel degrees against the world size before any communication and builds
 one named ``DeviceMesh``.
 """
 
@@ -171,16 +171,18 @@ def seed_everything(seed: int) -> None:
 
 
 @dataclasses.dataclass
-class ParallelDims:
-    """Parallel degrees of one job; their product must equal the world size.
+class Layout:
+    """How one job is sharded: ``dp`` × context parallelism (``ulysses`` × ``ring`` = ``cp``) × ``tp``, with
+    ``sp`` (sequence parallelism inside TP) and ``cp_layout`` (how the CP axes cut the sequence: zigzag,
+    contiguous or balanced, ``distlab.cp.layout``). The product of the degrees must equal the world size.
 
-    ``dp`` data parallel, ``cp`` context parallel, ``tp`` tensor parallel. Context parallelism has two
-    axes, ``ulysses`` × ``ring`` = ``cp`` (USP); give ``cp`` alone for pure ring, or the two axes (``cp``
-    then follows). ``validate()`` raises a ValueError naming the bad degree (call it on every rank before
-    any collective). ``build_mesh()`` returns one ``DeviceMesh`` with axes ``dp``, ``ring``, ``ulysses``,
-    ``tp`` (outer to inner: tp, then ulysses neighbours are adjacent ranks, which on a node share the
-    fastest links) and the flattened axes ``cp`` = ring × ulysses, ``dp_cp`` (the ranks holding the same
-    dense weights) and ``dp_cp_tp`` (every rank: MoE experts spread over it under TP).
+    Give ``cp`` alone for pure ring, or the two axes (``cp`` then follows). ``validate()`` raises a ValueError
+    naming the bad degree (call it on every rank before any collective). ``build_mesh()`` returns one
+    ``DeviceMesh`` with axes ``dp``, ``ring``, ``ulysses``, ``tp`` (outer to inner: tp, then ulysses
+    neighbours are adjacent ranks, which on a node share the fastest links) and the flattened axes ``cp`` =
+    ring × ulysses, ``dp_cp`` (the ranks holding the same dense weights) and ``dp_cp_tp`` (every rank: MoE
+    experts spread over it under TP). ``for_model`` gives data parallelism what the model axes leave;
+    ``add_layout_args`` / ``from_args`` are the flags train and infer share.
     """
 
     world_size: int
@@ -189,6 +191,8 @@ class ParallelDims:
     tp: int = 1
     ulysses: int | None = None
     ring: int | None = None
+    sp: bool = False
+    cp_layout: str = "zigzag"
 
     AXES = ("dp", "ring", "ulysses", "tp")
 
@@ -214,10 +218,47 @@ class ParallelDims:
                                  f"but cp={self.cp}")
         self.validate()
 
+    @classmethod
+    def for_model(cls, world_size: int, tp=1, ring=1, ulysses=1, sp=False, cp_layout="zigzag", batch=None) -> "Layout":
+        """Data parallelism takes what ``tp`` × ``ring`` × ``ulysses`` leave of the world; ValueError (on every
+        rank, before any collective) when the degrees or the global ``batch`` do not divide."""
+        model_parallel = tp * ring * ulysses
+        if world_size % model_parallel:
+            raise ValueError(f"tp {tp} x ring {ring} x ulysses {ulysses} does not divide the world size {world_size}")
+        layout = cls(world_size, dp=world_size // model_parallel, tp=tp, ring=ring, ulysses=ulysses, sp=bool(sp),
+                     cp_layout=cp_layout)
+        if batch is not None and batch % layout.dp:
+            raise ValueError(f"batch {batch} is not divisible by the {layout.dp} data-parallel ranks")
+        return layout
+
+    @classmethod
+    def from_args(cls, args, world_size: int, preset: dict | None = None, batch=None) -> "Layout":
+        """The layout of ``add_layout_args``' flags; a flag left out takes the preset's value (a config's
+        "layout" section), else the default."""
+        preset = {"tp": 1, "sp": False, "ring": 1, "ulysses": 1, "cp_layout": "zigzag", **(preset or {})}
+        values = {k: getattr(args, k, None) if getattr(args, k, None) is not None else v for k, v in preset.items()}
+        return cls.for_model(world_size, batch=batch, **values)
+
+    @property
+    def seq_len_divisor(self) -> int:
+        """What the global sequence length must be a multiple of: every CP rank holds whole chunks of the
+        layout (two per rank for zigzag), and under SP each piece splits again over tp."""
+        from distlab.cp.layout import chunks_per_rank
+
+        chunks = chunks_per_rank(self.cp_layout) if self.ring > 1 else 1
+        return self.ring * chunks * self.ulysses * (self.tp if self.sp else 1)
+
+    def describe(self) -> str:
+        return (f"dp {self.dp} x tp {self.tp}{' (SP)' if self.sp else ''} x ring {self.ring} x ulysses "
+                f"{self.ulysses}{f' ({self.cp_layout})' if self.cp > 1 else ''}")
+
     def degrees(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.AXES}
 
     def validate(self) -> None:
+        from distlab.cp.layout import check_layout
+
+        check_layout(self.cp_layout)
         for name, degree in self.degrees().items():
             if not isinstance(degree, int) or degree < 1:
                 raise ValueError(f"parallel degree {name}={degree!r} must be a positive integer")
@@ -245,3 +286,16 @@ class ParallelDims:
         for name in self.MESH_GROUPS:
             _set_pg_timeout(datetime.timedelta(seconds=timeout_s), mesh.get_group(name))
         return mesh
+
+
+def add_layout_args(parser, sp: bool = True) -> None:
+    """The layout flags of train and infer (left out: the config's "layout" section, else 1 / zigzag)."""
+    from distlab.bench import positive_int
+
+    parser.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree")
+    if sp:
+        parser.add_argument("--sp", action="store_true", default=None, help="sequence parallelism inside TP")
+    parser.add_argument("--ring", type=positive_int, default=None, help="context parallelism: ring degree")
+    parser.add_argument("--ulysses", type=positive_int, default=None, help="context parallelism: Ulysses degree")
+    parser.add_argument("--layout", "--cp-layout", dest="cp_layout", choices=("zigzag", "contiguous", "balanced"),
+                        default=None, help="sequence layout of the CP axes, as in the CP studies")

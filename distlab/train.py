@@ -34,11 +34,11 @@ import torch.distributed as dist
 
 from distlab import comm
 from distlab.model import checkpoint
-from distlab.model.config import ModelConfig, TrainConfig, layout_dims, load_config, load_layout
+from distlab.model.config import ModelConfig, TrainConfig, load_config, load_layout
 from distlab.model.data import batch, corpus_documents, packed_batch
 from distlab.model.llama import Llama
 from distlab.model.parallel import ParallelLlama
-from distlab.runtime import init_runtime, shutdown
+from distlab.runtime import Layout, add_layout_args, init_runtime, shutdown
 from distlab.bench import StudyParser, nonnegative_int, positive_int, run_study, write_json
 
 
@@ -123,12 +123,7 @@ def main(argv=None):
                    "one in --checkpoint-dir (none yet: start from step 0)")
     p.add_argument("--json", metavar="PATH", help="write the loss curve (rank 0)")
     p.add_argument("--device", default=None)
-    p.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree (default: the config's layout, or 1)")
-    p.add_argument("--sp", action="store_true", default=None, help="sequence parallelism inside TP")
-    p.add_argument("--ring", type=positive_int, default=None, help="context parallelism: ring degree")
-    p.add_argument("--ulysses", type=positive_int, default=None, help="context parallelism: Ulysses degree")
-    p.add_argument("--layout", "--cp-layout", dest="cp_layout", choices=("zigzag", "contiguous", "balanced"),
-                   default=None, help="sequence layout of the CP axes, as in the CP studies")
+    add_layout_args(p)
     p.add_argument("--pack", action="store_true", help="packed documents: each corpus file a document, no "
                    "attention across documents, RoPE restarting in each, the loss over non-ignored targets")
     p.add_argument("--amp", choices=("bf16", "none"), default=None, help="autocast (default: bf16 on GPU, none on CPU)")
@@ -137,16 +132,12 @@ def main(argv=None):
     if a.config is None:
         a.config = a.resume if a.resume and os.path.isfile(os.path.join(a.resume, "distlab.json")) else "tiny"
     mcfg, tcfg = load_config(a.config)
-    layout = {"tp": 1, "sp": False, "ring": 1, "ulysses": 1, "cp_layout": "zigzag", **load_layout(a.config)}
-    for key in layout:                      # command-line flags override the preset's layout
-        if getattr(a, key) is None:
-            setattr(a, key, layout[key])
     if a.steps:
         tcfg.steps = a.steps
     if a.checkpoint_every is not None:
         tcfg.checkpoint_every = a.checkpoint_every
     rt = init_runtime(device=a.device, seed=tcfg.seed)
-    dims = layout_dims(rt.world_size, a.tp, a.ring, a.ulysses, tcfg.batch)   # ValueError on every rank
+    layout = Layout.from_args(a, rt.world_size, load_layout(a.config), tcfg.batch)   # ValueError on every rank
     if a.resume == "latest":
         if not a.checkpoint_dir:
             raise ValueError("--resume latest looks in --checkpoint-dir: give one")
@@ -158,8 +149,8 @@ def main(argv=None):
         checkpoint.check_folder(a.resume, mcfg)   # before any collective: wrong, damaged or another model's
     # every multi-rank run is a ParallelLlama (dp alone too): its loss is the global batch's mean over the
     # non-ignored targets, whatever share of them each rank holds
-    mesh = dims.build_mesh(rt.device.type) if rt.world_size > 1 else None
-    build = (lambda ref: ParallelLlama(ref.to(rt.device), mesh, a.sp, a.cp_layout)) if mesh else (lambda ref: ref.to(rt.device))
+    mesh = layout.build_mesh(rt.device.type) if rt.world_size > 1 else None
+    build = (lambda ref: ParallelLlama(ref.to(rt.device), layout, mesh)) if mesh else (lambda ref: ref.to(rt.device))
     if a.resume:   # consolidated checkpoint: any layout can resume any other's
         model, optimizer, start = checkpoint.load(a.resume, mcfg, build, lambda m: make_optimizer(m, tcfg))
         if rt.is_main:
@@ -183,7 +174,7 @@ def main(argv=None):
         else:
             ids, targets = batch(data, step, tcfg.batch, tcfg.seq, tcfg.seed)
             if mesh:
-                ids, targets = model.shard_batch(ids, targets)
+                ids, targets, ctx = model.shard_batch(ids, targets)
         losses[step] = train_step(model, optimizer, ids.to(rt.device), targets.to(rt.device), step, tcfg,
                                   amp_dtype=amp, ctx=ctx)   # .item() of the loss: the step has finished here
         tokens += tcfg.batch * tcfg.seq
@@ -201,8 +192,7 @@ def main(argv=None):
         checkpoint.save(os.path.join(a.checkpoint_dir, f"step_{end}"), model, optimizer, end)
     if rt.is_main:
         if losses:
-            layout = f"dp {dims.dp} x tp {a.tp}{' (SP)' if a.sp else ''} x ring {a.ring} x ulysses {a.ulysses}"
-            print(f"trained steps {start}..{end - 1} on {rt.world_size} rank(s), {layout}: loss "
+            print(f"trained steps {start}..{end - 1} on {rt.world_size} rank(s), {layout.describe()}: loss "
                   f"{losses[start]:.4f} -> {losses[end - 1]:.4f}")
         if rates:
             rate, mfu = rates[-1]

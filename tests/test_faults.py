@@ -70,7 +70,7 @@ def test_nan_and_inf_in_the_inputs_reach_every_method_and_layout(pools, world, c
 def different_inputs_on_one_rank(method):
     """Runs on every rank: the last rank gets another sequence length (or feature count); returns the error
     each rank raised and the collectives it logged."""
-    from distlab.runtime import ParallelDims
+    from distlab.runtime import Layout
     from distlab.tp.linear import ColumnParallelLinear, RowParallelLinear
 
     comm.forget_agreed()   # what an earlier task checked must not let one rank skip the check
@@ -89,7 +89,7 @@ def different_inputs_on_one_rank(method):
             elif method == "allgather":
                 allgather_attention(q, k, v, None, causal=True)
             elif method == "usp":
-                mesh = ParallelDims(world, cp=world, ulysses=2, ring=world // 2).build_mesh("cpu")
+                mesh = Layout(world, cp=world, ulysses=2, ring=world // 2).build_mesh("cpu")
                 usp_attention(q, k, v, mesh.get_group("ulysses"), mesh.get_group("ring"), causal=True)
             elif method == "ring_docs":   # one rank's documents differ
                 cu = torch.tensor([0, 7, 10 * world] if odd else [0, 9, 10 * world])
@@ -119,7 +119,7 @@ def test_a_rank_given_other_shapes_fails_everywhere_with_one_clear_error(pools, 
 
 
 def bad_input(what):
-    from distlab.runtime import ParallelDims
+    from distlab.runtime import Layout
     from distlab.tp.linear import ColumnParallelLinear, RowParallelLinear
 
     world = comm.group_size()
@@ -129,7 +129,7 @@ def bad_input(what):
                 q, k = torch.randn(1, 8, 4, 0), torch.randn(1, 8, 2, 0)
                 ulysses_attention(q, k, k, None, causal=True)
             elif what == "head_dim_0_usp":
-                mesh = ParallelDims(world, cp=world, ulysses=2, ring=world // 2).build_mesh("cpu")
+                mesh = Layout(world, cp=world, ulysses=2, ring=world // 2).build_mesh("cpu")
                 q, k = torch.randn(1, 8, 4, 0), torch.randn(1, 8, 2, 0)
                 usp_attention(q, k, k, mesh.get_group("ulysses"), mesh.get_group("ring"), causal=True)
             elif what == "meta_ring":

@@ -129,17 +129,17 @@ def test_one_device_model_matches_transformers(name):
 
 def parallel_vs_transformers(name, dp, tp, sp, ring, ulysses, layout):
     """Runs on every rank: ParallelLlama from the converted HF weights vs HF's loss and every gradient."""
-    from distlab.runtime import ParallelDims
+    from distlab.runtime import Layout
     from distlab.model.parallel import ParallelLlama
 
     hf = hf_model(name)
     cfg, ref = converted(hf)
     ids, targets = hf_batch(batch=2 * dp)
     _, want_loss, want_grads = hf_reference(hf, ids, targets)
-    mesh = ParallelDims(comm.group_size(), dp=dp, tp=tp, ring=ring, ulysses=ulysses).build_mesh("cpu")
-    model = ParallelLlama(ref, mesh, sp, layout)
-    my_ids, my_targets = model.shard_batch(ids, targets)
-    loss = model.loss(my_ids, my_targets)
+    plan = Layout(comm.group_size(), dp=dp, tp=tp, ring=ring, ulysses=ulysses, sp=sp, cp_layout=layout)
+    model = ParallelLlama(ref, plan, plan.build_mesh("cpu"))
+    my_ids, my_targets, ctx = model.shard_batch(ids, targets)
+    loss = model.loss(my_ids, my_targets, **ctx)
     loss.backward()
     model.sync_gradients()
     n = comm.group_size(model.replica_group)
@@ -234,12 +234,12 @@ def cp_greedy_decode(path, steps):
     from distlab.infer import generate
     from distlab.model import checkpoint
     from distlab.model.parallel import ParallelLlama
-    from distlab.runtime import ParallelDims
+    from distlab.runtime import Layout
 
     cfg = checkpoint.saved_config(path)
     ref = checkpoint.load_weights(path, cfg)
-    mesh = ParallelDims(comm.group_size(), ring=comm.group_size()).build_mesh("cpu")
-    tokens, _ = generate(ParallelLlama(ref, mesh, False, "zigzag"), hf_batch(seq=16)[0], steps)
+    layout = Layout(comm.group_size(), ring=comm.group_size())
+    tokens, _ = generate(ParallelLlama(ref, layout, layout.build_mesh("cpu")), hf_batch(seq=16)[0], steps)
     return tokens
 
 

@@ -11,13 +11,14 @@ from distlab import comm
 from distlab.infer import generate, greedy_reference, prompt_ids
 from distlab.model import Llama, ModelConfig
 from distlab.model.parallel import ParallelLlama
-from distlab.runtime import ParallelDims
+from distlab.runtime import Layout
 
 
-def mesh_for(dp, tp, ring, ulysses):
-    """A new mesh on every call: the pool destroys the groups a task creates when it returns
-    (``distlab.testing``), so a mesh cannot outlive its test."""
-    return ParallelDims(comm.group_size(), dp=dp, tp=tp, ring=ring, ulysses=ulysses).build_mesh("cpu")
+def parallel(ref, dp, tp, ring, ulysses, cp_layout="zigzag", sp=False):
+    """The ParallelLlama of this layout on a new mesh: the pool destroys the groups a task creates when it
+    returns (``distlab.testing``), so a mesh cannot outlive its test."""
+    layout = Layout(comm.group_size(), dp=dp, tp=tp, ring=ring, ulysses=ulysses, sp=sp, cp_layout=cp_layout)
+    return ParallelLlama(ref, layout, layout.build_mesh("cpu"))
 
 
 def decode_vs_one_device(dp, tp, ring, ulysses, layout, experts, steps=32, batch=2):
@@ -28,7 +29,7 @@ def decode_vs_one_device(dp, tp, ring, ulysses, layout, experts, steps=32, batch
         ref.embed.weight.normal_(0, 1)
     ids = prompt_ids(None, 48, batch, 16)
     ref_tokens, ref_logits = greedy_reference(ref, ids, steps)
-    model = ParallelLlama(ref, mesh_for(dp, tp, ring, ulysses), False, layout)
+    model = parallel(ref, dp, tp, ring, ulysses, layout)
     with comm.CommLog() as log:
         tokens, logits = generate(model, ids, steps)
     rows = slice(comm.group_rank(model.dp_group) * batch // dp, (comm.group_rank(model.dp_group) + 1) * batch // dp)
@@ -55,7 +56,7 @@ def test_cp_decode_gives_the_one_device_greedy_tokens(pools, world, dp, tp, ring
 
 
 def sp_model_refused():
-    model = ParallelLlama(Llama(ModelConfig()), mesh_for(1, 2, 1, 1), sequence_parallel=True)
+    model = parallel(Llama(ModelConfig()), 1, 2, 1, 1, sp=True)
     generate(model, prompt_ids(None, 16, 1, 2), 2)
 
 

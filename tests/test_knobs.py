@@ -41,6 +41,16 @@ def test_every_distlab_variable_the_code_names_is_declared():
     assert not undeclared, undeclared
 
 
+def test_every_kernel_knob_read_is_declared():
+    """``kernels.launch.knob(NAME, ...)`` reads KERNEL_NAME: each such name must be declared."""
+    read = set()
+    for folder, _, files in os.walk(os.path.join(ROOT, "distlab")):
+        for name in files:
+            if name.endswith(".py"):
+                read |= set(re.findall(r"\bknob\(\"([A-Z_]+)\"", open(os.path.join(folder, name)).read()))
+    assert read and not sorted(f"KERNEL_{n}" for n in read if f"KERNEL_{n}" not in knobs.KNOBS)
+
+
 def test_an_unknown_variable_fails_loudly_in_one_line():
     proc = subprocess.run([sys.executable, "-m", "distlab.cp.ring", "--seq", "16", "--heads", "2", "--kv-heads", "1"],
                           capture_output=True, text=True, timeout=120, env={**ENV, "DISTLAB_TRITON_ATN_PDL": "1"})
@@ -58,7 +68,7 @@ def test_override_and_set_put_values_in_force_and_back():
     knobs.set(KERNEL_ROPE_TOKENS=4)
     assert knobs.get("KERNEL_ROPE_TOKENS") == "4"
     knobs.unset("KERNEL_ROPE_TOKENS")
-    assert knobs.get("KERNEL_ROPE_TOKENS") == "1"
+    assert knobs.get("KERNEL_ROPE_TOKENS") is None
     assert knobs.parse_settings("PDL=1;DISTLAB_TRITON_ATTN_TMA=0", "TRITON_ATTN_") == {"TRITON_ATTN_PDL": "1",
                                                                                         "TRITON_ATTN_TMA": "0"}
     with pytest.raises(ValueError, match="unknown knob"):

@@ -8,13 +8,14 @@ from distlab import comm
 from distlab.model import Llama, ModelConfig
 from distlab.model.data import batch, corpus, packed_batch
 from distlab.model.parallel import ParallelLlama
-from distlab.runtime import ParallelDims
+from distlab.runtime import Layout
 
 
-def mesh_for(dp, tp, ring=1, ulysses=1):
-    """A new mesh on every call: the pool destroys the groups a task creates when it returns
-    (``distlab.testing``), so a mesh cannot outlive its test."""
-    return ParallelDims(comm.group_size(), dp=dp, tp=tp, ring=ring, ulysses=ulysses).build_mesh("cpu")
+def parallel(ref, dp, tp, ring=1, ulysses=1, sp=False, cp_layout="zigzag"):
+    """The ParallelLlama of this layout on a new mesh: the pool destroys the groups a task creates when it
+    returns (``distlab.testing``), so a mesh cannot outlive its test."""
+    layout = Layout(comm.group_size(), dp=dp, tp=tp, ring=ring, ulysses=ulysses, sp=sp, cp_layout=cp_layout)
+    return ParallelLlama(ref, layout, layout.build_mesh("cpu"))
 
 
 def rel(a, b):
@@ -37,13 +38,12 @@ def parallel_vs_one_device(dp, tp, sp, ring=1, ulysses=1, layout="zigzag", exper
         (ids, targets), docs = batch(corpus(), 3, 4, 16), None
     loss_ref = ref.loss(ids, targets, docs)
     loss_ref.backward()
-    mesh = mesh_for(dp, tp, ring, ulysses)
-    model = ParallelLlama(ref, mesh, sequence_parallel=sp, cp_layout=layout)
+    model = parallel(ref, dp, tp, ring, ulysses, sp, layout)
     tpg = model.tp_group
     if packed:
         my_ids, my_targets, ctx = model.shard_batch(ids, targets, docs)
     else:
-        (my_ids, my_targets), ctx = model.shard_batch(ids, targets), {}
+        my_ids, my_targets, ctx = model.shard_batch(ids, targets)
     with comm.CommLog() as log:
         loss = model.loss(my_ids, my_targets, **ctx)
     loss.backward()
@@ -113,21 +113,21 @@ def one_clipped_step_vs_one_device(dp, tp, sp, ring, ulysses, experts):
     cfg = ModelConfig(vocab=256, layers=2, hidden=64, heads=4, kv_heads=2, ffn=96, moe_experts=experts)
     torch.manual_seed(1)
     ref = Llama(cfg, dtype=torch.float64)
-    model = ParallelLlama(ref, mesh_for(dp, tp, ring, ulysses), sequence_parallel=sp)
+    model = parallel(ref, dp, tp, ring, ulysses, sp)
     ids, targets = batch(corpus(), 7, 4, 16)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref.loss(ids, targets).backward()
     norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item()
     opt_ref.step()
-    my_ids, my_targets = model.shard_batch(ids, targets)
-    model.loss(my_ids, my_targets).backward()
+    my_ids, my_targets, ctx = model.shard_batch(ids, targets)
+    model.loss(my_ids, my_targets, **ctx).backward()
     model.sync_gradients()
     norm = model.clip_grad_norm(0.5)
     opt.step()
     with torch.no_grad():
         after_ref = ref.loss(ids, targets).item()
-        after = comm.all_reduce_raw(model.loss(my_ids, my_targets).reshape(1), model.replica_group).item()
+        after = comm.all_reduce_raw(model.loss(my_ids, my_targets, **ctx).reshape(1), model.replica_group).item()
         after /= comm.group_size(model.replica_group)
     return abs(norm - norm_ref) / norm_ref, abs(after - after_ref) / after_ref, norm_ref
 
@@ -146,7 +146,7 @@ def test_one_clipped_optimizer_step_equals_one_device(pools, dp, tp, sp, ring, u
 
 
 def bad_layout():
-    return ParallelLlama(Llama(ModelConfig(vocab=250)), mesh_for(1, 4))
+    return parallel(Llama(ModelConfig(vocab=250)), 1, 4)
 
 
 def test_indivisible_vocab_refused_on_every_rank(pools):

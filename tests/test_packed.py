@@ -73,7 +73,7 @@ def rel_err(a, b):
 
 def methods(world, heads):
     """(name, attention fn(q, k, v, **docs), shard, gather) for every method and layout at this world size."""
-    from distlab.runtime import ParallelDims
+    from distlab.runtime import Layout
 
     out = []
     for layout in ("contiguous", "zigzag", "balanced"):
@@ -89,7 +89,7 @@ def methods(world, heads):
             out.append((f"ulysses-{layout}", lambda q, k, v, layout=layout, **kw: ulysses_attention(q, k, v, None, layout=layout, **kw), sh, ga))
     splits = {4: [(2, 2)], 8: [(2, 4), (4, 2)]}.get(world, [])
     for u, r in splits:
-        mesh = ParallelDims(world, cp=world, ulysses=u, ring=r).build_mesh("cpu")
+        mesh = Layout(world, cp=world, ulysses=u, ring=r).build_mesh("cpu")
         ug, rg = mesh.get_group("ulysses"), mesh.get_group("ring")
         for layout in ("zigzag", "balanced"):
             def sh(x, cu, layout=layout, ug=ug, rg=rg):

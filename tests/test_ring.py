@@ -91,14 +91,11 @@ def test_ring_with_several_blocks_in_flight_matches_one_device(pools, world, lay
 def test_ring_steps_per_launch_is_checked(monkeypatch):
     from distlab.cp.ring import check_steps_per_launch, launch_groups
 
-    monkeypatch.delenv("DISTLAB_RING_STEPS_PER_LAUNCH", raising=False)
     assert check_steps_per_launch(2) == 2 and check_steps_per_launch(1, "triton") == 1
     assert check_steps_per_launch(None, "triton") == 4 and check_steps_per_launch(None, "torch") == 1
     assert check_steps_per_launch("1,1,2,4", None, 8) == (1, 1, 2, 4) and check_steps_per_launch((3,), None, 3) == (3,)
-    monkeypatch.setenv("DISTLAB_RING_STEPS_PER_LAUNCH", "4")
-    assert check_steps_per_launch() == 4 and check_steps_per_launch(None, "torch") == 4
-    monkeypatch.setenv("DISTLAB_RING_STEPS_PER_LAUNCH", "1")
-    assert check_steps_per_launch(None, "triton") == 1
+    monkeypatch.setenv("DISTLAB_RING_STEPS_PER_LAUNCH", "1")   # the library never reads the knob: the studies do
+    assert check_steps_per_launch(None, "triton") == 4
     for bad, world in ((5, None), (0, None), ("two", None), ((2, 2), 3), ((5, 3), 8)):
         with pytest.raises(ValueError, match="an integer from 1 to 4, or group sizes"):
             check_steps_per_launch(bad, None, world)

@@ -1,9 +1,9 @@
-"""Start-up: launcher environments, ParallelDims validation and mesh, the `distlab run` argument rewrite."""
+"""Start-up: launcher environments, Layout validation and mesh, the `distlab run` argument rewrite."""
 
 import pytest
 
 from distlab.cli import torchrun_args
-from distlab.runtime import ParallelDims, launch_env
+from distlab.runtime import Layout, launch_env
 
 
 def test_launch_env_reads_torchrun_then_slurm_then_single(monkeypatch):
@@ -38,13 +38,13 @@ def test_launch_env_reads_torchrun_then_slurm_then_single(monkeypatch):
 ])
 def test_parallel_dims_refuses_bad_degrees(dims, message):
     with pytest.raises(ValueError, match=message):
-        ParallelDims(**dims)
+        Layout(**dims)
 
 
 def mesh_groups(**degrees):
     import torch.distributed as dist
 
-    mesh = ParallelDims(dist.get_world_size(), **degrees).build_mesh("cpu")
+    mesh = Layout(dist.get_world_size(), **degrees).build_mesh("cpu")
     return {axis: dist.get_process_group_ranks(mesh.get_group(axis)) for axis in ("dp", "cp", "ring", "ulysses", "tp")}
 
 
@@ -60,9 +60,9 @@ def test_parallel_dims_cp_axes(pools):
     # ulysses is inside ring; cp is their flattening
     assert groups[0] == {"dp": [0], "cp": [0, 2, 4, 6], "ring": [0, 4], "ulysses": [0, 2], "tp": [0, 1]}
     assert groups[5] == {"dp": [5], "cp": [1, 3, 5, 7], "ring": [1, 5], "ulysses": [5, 7], "tp": [4, 5]}
-    dims = ParallelDims(8, cp=4, ring=2, tp=2)
+    dims = Layout(8, cp=4, ring=2, tp=2)
     assert (dims.ulysses, dims.ring, dims.cp) == (2, 2, 4)
-    assert ParallelDims(4, cp=4).ring == 4
+    assert Layout(4, cp=4).ring == 4
 
 
 @pytest.mark.parametrize("argv,want", [
@@ -98,9 +98,9 @@ def stalled_mesh_collective(timeout_s):
     import torch.distributed as dist
 
     from distlab import comm
-    from distlab.runtime import ParallelDims
+    from distlab.runtime import Layout
 
-    mesh = ParallelDims(comm.group_size(), dp=2).build_mesh("cpu", timeout_s=timeout_s)
+    mesh = Layout(comm.group_size(), dp=2).build_mesh("cpu", timeout_s=timeout_s)
     group = mesh.get_group("dp")
     if comm.group_rank() == 1:
         _time.sleep(timeout_s + 6)

@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from distlab import knobs
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAMES = ["attention", "accumulate", "rmsnorm", "rope", "swiglu", "merge", "masked", "emulate"]
 
@@ -67,12 +69,9 @@ def test_triton_backend_refuses_what_it_cannot_run():
         check_triton_inputs(q, q, q, False)
     with pytest.raises(ValueError, match="causal attention needs seq_q == seq_k"):
         check_triton_inputs(torch.zeros(1, 4, 2, 32), torch.zeros(1, 5, 2, 32), torch.zeros(1, 5, 2, 32), True)
-    os.environ["DISTLAB_TRITON_ATTN_FWD"] = "64,128,4,2"
-    try:
+    with knobs.override(TRITON_ATTN_FWD="64,128,4,2"):
         with pytest.raises(ValueError, match="must be a multiple"):
             tile_config("FWD", torch.device("cpu"), 64)
-    finally:
-        del os.environ["DISTLAB_TRITON_ATTN_FWD"]
     # knobs and ring buffers are checked before any kernel launches (these tensors are on the CPU, no interpreter)
     from distlab.kernels.triton_attention import tma_kernels
     from distlab.kernels.triton_attention_backward import flash_backward
@@ -81,12 +80,9 @@ def test_triton_backend_refuses_what_it_cannot_run():
     for env, value, match in (("TMA", "fwd,dk", "DISTLAB_TRITON_ATTN_TMA='fwd,dk'"),
                               ("DQ_MODE", "atomics", "DQ_MODE='atomics'"),
                               ("SPLIT_GROUPS", "yes", "SPLIT_GROUPS='yes'")):
-        os.environ[f"DISTLAB_TRITON_ATTN_{env}"] = value
-        try:
+        with knobs.override(**{f"TRITON_ATTN_{env}": value}):
             with pytest.raises(ValueError, match=match):
                 tma_kernels() if env == "TMA" else flash_backward(q, q, k, k, q, torch.zeros(1, 4, 8), True)
-        finally:
-            del os.environ[f"DISTLAB_TRITON_ATTN_{env}"]
     with pytest.raises(ValueError, match="dq_acc must be float32"):
         flash_backward(q, q, k, k, q, torch.zeros(1, 4, 8), True, dq_acc=torch.zeros(q.shape, dtype=torch.float16))
 

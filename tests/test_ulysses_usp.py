@@ -14,7 +14,7 @@ from distlab.cp.layout import gather_sequence, shard_sequence
 from distlab.cp.ring import ring_attention
 from distlab.cp.ulysses import kv_replication, ulysses_attention
 from distlab.cp.usp import usp_attention
-from distlab.runtime import ParallelDims
+from distlab.runtime import Layout
 from distlab.kernels.attention import attention_reference
 
 SEQ = 48
@@ -23,7 +23,7 @@ SEQ = 48
 def usp_groups(ulysses, ring):
     """The (ulysses, ring) groups of a new mesh; the pool destroys them when the task returns
     (``distlab.testing``)."""
-    mesh = ParallelDims(comm.group_size(), cp=comm.group_size(), ulysses=ulysses, ring=ring).build_mesh("cpu")
+    mesh = Layout(comm.group_size(), cp=comm.group_size(), ulysses=ulysses, ring=ring).build_mesh("cpu")
     return mesh.get_group("ulysses"), mesh.get_group("ring")
 
 
@@ -168,7 +168,7 @@ def bad_call(case):
     if case == "ulysses_heads":
         return ulysses_attention(q[:, :8, :4], k[:, :8], v[:, :8])             # 4 q heads, W=3
     if case == "axes_product":
-        return ParallelDims(comm.group_size(), cp=comm.group_size(), ulysses=2, ring=2)
+        return Layout(comm.group_size(), cp=comm.group_size(), ulysses=2, ring=2)
     if case == "usp_seq":
         ug, rg = usp_groups(1, 3)
         return shard_sequence(q[:, :20], rg, "zigzag", ulysses_group=ug)

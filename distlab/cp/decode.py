@@ -65,6 +65,13 @@ class KVCacheShard:
             self.length += 1
         self.position += 1
 
+    def attend(self, q, k, v, attention=None):
+        """A decode step's attention through the cache (a block's ``cache``): append the new token's K/V
+        (to the rank that owns its position) and attend q to every shard. ``attention`` is unused: decode
+        attends the cache, not the CP method."""
+        self.append(k, v)
+        return cp_decode_attention(q, self)
+
 
 def cp_decode_attention(q, cache: KVCacheShard, softmax_scale=None, backend="auto"):
     """Attention of new queries q (batch, n, heads, head_dim) over the whole sharded cache; full output

@@ -298,7 +298,7 @@ def main(argv=None):
                 rows.append(r)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if gpu else "cpu", "args": vars(a), "knobs": knobs,
+            json.dump({"device": torch.cuda.get_device_name() if gpu else "cpu", "args": vars(a), "knobs": set_now,
                        "results": rows}, f,
                       indent=1)
 

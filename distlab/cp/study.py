@@ -41,7 +41,7 @@ from distlab.cp.cost import cp_bytes
 from distlab.cp.documents import Documents, describe, parse_docs
 from distlab.cp.layout import LAYOUTS, check_divisible, gather_sequence, shard_positions, shard_sequence
 from distlab.profiling import MODES, profile_steps
-from distlab.runtime import ParallelDims, init_runtime, shutdown
+from distlab.runtime import Layout, init_runtime, shutdown
 from distlab.kernels.attention import BACKENDS, attention_backward, attention_forward, resolve_backend
 from distlab.bench import (time_ranks, DTYPES, StudyParser, check_memory, dtype_arg, nonnegative_int,
                            positive_int, resolve_device, write_json)
@@ -167,7 +167,7 @@ def build_method(algorithm, args, world, rank, device, backend, ulysses=1, ring=
                         1.0 / world, cp_bytes("ulysses", *shape, ulysses=world))
     if algorithm == "usp":
         ring = ring if ring is not None else world // ulysses
-        dims = ParallelDims(world, cp=world, ulysses=ulysses, ring=ring)
+        dims = Layout(world, cp=world, ulysses=ulysses, ring=ring)
         check_divisible(args.seq, ring, layout, ulysses)
         kv_replication(args.heads, args.kv_heads, ulysses)
         mesh = dims.build_mesh(device.type)

@@ -99,17 +99,3 @@ def load_config(name_or_path: str) -> tuple[ModelConfig, TrainConfig]:
     """A preset name (``configs/NAME.json``) or a JSON path with "model" and "train" sections."""
     raw = _read(name_or_path)
     return ModelConfig(**raw.get("model", {})), TrainConfig(**raw.get("train", {}))
-
-
-def layout_dims(world_size: int, tp: int, ring: int, ulysses: int, batch: int):
-    """``ParallelDims`` of a model layout, data parallelism taking the rest of the world; raises ValueError
-    (call it on every rank before any collective) when the degrees or the batch do not divide."""
-    from distlab.runtime import ParallelDims
-
-    model_parallel = tp * ring * ulysses
-    if world_size % model_parallel:
-        raise ValueError(f"tp {tp} x ring {ring} x ulysses {ulysses} does not divide the world size {world_size}")
-    dims = ParallelDims(world_size, dp=world_size // model_parallel, tp=tp, ring=ring, ulysses=ulysses)
-    if batch % dims.dp:
-        raise ValueError(f"batch {batch} is not divisible by the {dims.dp} data-parallel ranks")
-    return dims

@@ -2,7 +2,8 @@
 
     python -m pytest tests/test_model_parallel.py
 
-``ParallelLlama(ref, mesh, sequence_parallel)`` builds, from the one-device ``Llama``'s weights:
+``ParallelLlama(ref, layout, mesh)`` builds, from the one-device ``Llama``'s weights, the model sharded as
+the ``distlab.runtime.Layout`` says over the mesh it built:
 
 - the embedding as ``VocabParallelEmbedding`` over ``tp`` (reduce-scatter along the sequence under SP);
 - every block as ``TPLlamaBlock`` over ``tp`` (fused QKV / gate-up column-parallel, O / down row-parallel,
@@ -22,8 +23,11 @@
   own share of the tokens — its SP shard, or a 1/tp slice of the replicated tokens — so the router's
   gradient is summed over tp).
 
-``shard_batch`` gives a rank its batch rows (dp) and its sequence piece (cp); under SP the embedding then
-splits that piece over tp.
+``shard_batch`` gives a rank its batch rows (dp) and its sequence piece (cp), and the keyword arguments of
+``forward`` / ``loss`` for them (RoPE positions, documents); under SP the embedding then splits that piece
+over tp. Attention is each block's child module, chosen here (``ContextAttention`` under CP); positions
+and a decode's KV caches are forward arguments. Parameters carry a tag where they are built
+(``param.distlab_sharding``: "tp", "ep" or "replicated"), which the gradient sync and the norm read.
 """
 
 from __future__ import annotations
@@ -36,16 +40,36 @@ from distlab.cp.ring import ring_attention
 from distlab.cp.ulysses import ulysses_attention
 from distlab.cp.usp import usp_attention
 from distlab.model.llama import Llama, document_positions
+from distlab.runtime import Layout
 from distlab.tp.block import TPLlamaBlock
 from distlab.tp.linear import ColumnParallelLinear
 from distlab.tp.norm import RMSNorm
 from distlab.tp.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
-class ParallelLlama(torch.nn.Module):
-    def __init__(self, ref: Llama, mesh, sequence_parallel=False, cp_layout="zigzag"):
+class ContextAttention(torch.nn.Module):
+    """Causal attention over the context-parallel group, the method the layout names: ring attention
+    (ulysses 1), Ulysses (ring 1) or USP; ``forward(q, k, v, cu_seqlens)`` as every block's attention child."""
+
+    def __init__(self, ring_group, ulysses_group, cp_layout):
         super().__init__()
-        self.cfg, self.sp, self.cp_layout = ref.cfg, sequence_parallel, cp_layout
+        self.ring_group, self.ulysses_group, self.cp_layout = ring_group, ulysses_group, cp_layout
+        self.ring, self.ulysses = comm.group_size(ring_group), comm.group_size(ulysses_group)
+
+    def forward(self, q, k, v, cu_seqlens=None):
+        if self.ring > 1 and self.ulysses > 1:
+            return usp_attention(q, k, v, self.ulysses_group, self.ring_group, True, self.cp_layout, cu_seqlens=cu_seqlens)
+        if self.ulysses > 1:
+            return ulysses_attention(q, k, v, self.ulysses_group, True, layout=self.cp_layout, cu_seqlens=cu_seqlens)
+        return ring_attention(q, k, v, self.ring_group, True, self.cp_layout, cu_seqlens=cu_seqlens)
+
+
+class ParallelLlama(torch.nn.Module):
+    def __init__(self, ref: Llama, layout: Layout, mesh):
+        super().__init__()
+        layout.validate()
+        sequence_parallel, cp_layout = layout.sp, layout.cp_layout
+        self.cfg, self.layout, self.sp, self.cp_layout = ref.cfg, layout, sequence_parallel, cp_layout
         self.tp_group, self.dp_group = mesh.get_group("tp"), mesh.get_group("dp")
         self.ring_group, self.ulysses_group = mesh.get_group("ring"), mesh.get_group("ulysses")
         self.replica_group, self.cp_group = mesh.get_group("dp_cp"), mesh.get_group("cp")
@@ -57,35 +81,45 @@ class ParallelLlama(torch.nn.Module):
                              f"{comm.group_size(self.ep_group)} expert-parallel (dp x cp x tp) ranks")
         if ref.cfg.vocab % tp:
             raise ValueError(f"vocabulary size ({ref.cfg.vocab}) is not divisible by the tensor-parallel size {tp}")
-        self.embed = VocabParallelEmbedding.from_embedding(ref.embed, self.tp_group, sequence_parallel)
-        # MoE layers: experts sharded over all ranks (EP = dp x cp x tp)
-        self.blocks = torch.nn.ModuleList(TPLlamaBlock(b, self.tp_group, sequence_parallel, ep_group=self.ep_group)
-                                          for b in ref.blocks)
-        self.norm = RMSNorm.from_norm(ref.norm, self.tp_group, sequence_parallel)
-        self.head = ColumnParallelLinear.from_linear(ref.head, self.tp_group, sequence_parallel=sequence_parallel)
-        if ref.cfg.tie_embeddings:   # both hold vocabulary rows [r·V/tp, (r+1)·V/tp): one parameter, as on one device
-            self.head.weight = self.embed.weight
         if uly > 1 and (ref.cfg.heads // tp) % uly:
             raise ValueError(f"the Ulysses degree {uly} must divide the {ref.cfg.heads // tp} q heads per TP rank")
         if uly > 1 and ring == 1 and cp_layout == "zigzag":
             self.cp_layout = cp_layout = "contiguous"   # Ulysses alone gathers the sequence in order
-        ug, rg = self.ulysses_group, self.ring_group
-        if ring > 1 and uly > 1:
-            attend = lambda q, k, v, cu=None: usp_attention(q, k, v, ug, rg, True, cp_layout, cu_seqlens=cu)  # noqa: E731
-        elif uly > 1:
-            attend = lambda q, k, v, cu=None: ulysses_attention(q, k, v, ug, True, layout=cp_layout, cu_seqlens=cu)  # noqa: E731
-        elif ring > 1:
-            attend = lambda q, k, v, cu=None: ring_attention(q, k, v, rg, True, cp_layout, cu_seqlens=cu)  # noqa: E731
-        else:
-            attend = None
-        for block in self.blocks:
-            block.attention_fn = attend
+        self.embed = VocabParallelEmbedding.from_embedding(ref.embed, self.tp_group, sequence_parallel)
+        # MoE layers: experts sharded over all ranks (EP = dp x cp x tp)
+        self.blocks = torch.nn.ModuleList(
+            TPLlamaBlock(b, self.tp_group, sequence_parallel, ep_group=self.ep_group,
+                         attention=ContextAttention(self.ring_group, self.ulysses_group, cp_layout) if ring * uly > 1
+                         else None) for b in ref.blocks)
+        self.norm = RMSNorm.from_norm(ref.norm, self.tp_group, sequence_parallel)
+        self.head = ColumnParallelLinear.from_linear(ref.head, self.tp_group, sequence_parallel=sequence_parallel)
+        if ref.cfg.tie_embeddings:   # both hold vocabulary rows [r·V/tp, (r+1)·V/tp): one parameter, as on one device
+            self.head.weight = self.embed.weight
+        self._tag_parameters()
+
+    def _tag_parameters(self) -> None:
+        """``param.distlab_sharding``: "tp" (a slice over the tp group), "ep" (an expert, on one rank of the ep
+        group) or "replicated" (the same on every rank of the replica group)."""
+        for p in self.parameters():
+            p.distlab_sharding = "replicated"
+        for p in (self.embed.weight, self.head.weight):
+            p.distlab_sharding = "tp"
+        for b in self.blocks:
+            for layer in (b.qkv, b.o, b.gate_up, b.down):
+                if layer is not None:
+                    layer.weight.distlab_sharding = "tp"
+            if b.moe is not None:
+                for p in (b.moe.w_gate, b.moe.w_up, b.moe.w_down):
+                    p.distlab_sharding = "ep"
+
+    def parameters_tagged(self, tag: str):
+        return [p for p in self.parameters() if p.distlab_sharding == tag]
 
     def shard_batch(self, ids, targets, docs=None):
-        """This rank's rows (dp) and sequence piece (cp) of a global batch. Without ``docs`` it sets the
-        blocks' RoPE positions (the pieces' global positions) and returns (ids, targets); with ``docs`` (one
-        cu_seqlens per row of the global batch) it returns (ids, targets, ctx), ``ctx`` the keyword
-        arguments of ``loss`` / ``forward`` for this rank: its rows' documents and in-document positions."""
+        """(ids, targets, ctx): this rank's rows (dp) and sequence piece (cp) of a global batch, and ``ctx``
+        the keyword arguments of ``loss`` / ``forward`` for them: the pieces' RoPE positions (global
+        positions; with ``docs``, one cu_seqlens per row of the global batch, the in-document positions)
+        and the rows' documents."""
         dp, r = comm.group_size(self.dp_group), comm.group_rank(self.dp_group)
         if ids.shape[0] % dp:
             raise ValueError(f"batch {ids.shape[0]} is not divisible by the data-parallel size {dp}")
@@ -105,22 +139,22 @@ class ParallelLlama(torch.nn.Module):
             ids, targets = torch.stack([x[0] for x in rows]), torch.stack([x[1] for x in rows])
             positions = torch.stack([document_positions([cu], seq, x[2])[0] for x, cu in zip(rows, docs)])
             return ids, targets, {"docs": docs, "positions": positions}
-        positions = piece(torch.arange(seq)[None])[0]
-        for block in self.blocks:
-            block.positions = positions if ring * uly > 1 else None
+        positions = piece(torch.arange(seq)[None])[0] if ring * uly > 1 else None
         ids, targets = piece(ids), piece(targets)
         if self.sp:   # the embedding splits the piece over tp; the LM head gathers it back for the loss
             tp = comm.group_size(self.tp_group)
             if ids.shape[1] % tp:
                 raise ValueError(f"sequence piece {ids.shape[1]} is not divisible by the tensor-parallel size {tp}")
-        return ids, targets
+        return ids, targets, {"positions": positions}
 
-    def forward(self, ids, docs=None, positions=None):
+    def forward(self, ids, docs=None, positions=None, caches=None):
         """This rank's logits (b, s, vocab/tp) for its ids (its piece of the sequence; the column layer
-        gathers the sequence back under SP). ``docs``/``positions``: from ``shard_batch(..., docs)``."""
+        gathers the sequence back under SP). ``docs``/``positions``: from ``shard_batch``; ``caches``: one KV
+        cache per block (``distlab.infer``)."""
         x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x, positions.to(ids.device) if positions is not None else None, docs)
+        positions = positions.to(ids.device) if positions is not None else None
+        for i, block in enumerate(self.blocks):
+            x = block(x, positions, docs, caches[i] if caches is not None else None)
         return self.head(self.norm(x))
 
     def loss(self, ids, targets, docs=None, positions=None, label_smoothing=0.0):
@@ -157,23 +191,11 @@ class ParallelLlama(torch.nn.Module):
         """The 2-norm of the whole model's gradient (as one device would compute it), after ``sync_gradients``:
         tp-sharded weights summed over tp (a kv head copied on c ranks counted 1/c each), experts over ep,
         replicated parameters once."""
-        experts = {id(p) for b in self.blocks if b.moe is not None for p in (b.moe.w_gate, b.moe.w_up, b.moe.w_down)}
-        sharded = {id(self.embed.weight), id(self.head.weight)}
-        for b in self.blocks:
-            sharded |= {id(b.qkv.weight), id(b.o.weight)} | ({id(b.gate_up.weight), id(b.down.weight)} if b.moe is None else set())
-        rep = torch.zeros((), dtype=torch.float64)
-        tp = torch.zeros((), dtype=torch.float64)
-        ep = torch.zeros((), dtype=torch.float64)
+        sums = {tag: torch.zeros((), dtype=torch.float64) for tag in ("replicated", "tp", "ep")}
         for p in self.parameters():
-            if p.grad is None:
-                continue
-            sq = p.grad.double().square().sum()
-            if id(p) in experts:
-                ep += sq
-            elif id(p) in sharded:
-                tp += sq
-            else:
-                rep += sq
+            if p.grad is not None:
+                sums[p.distlab_sharding] += p.grad.double().square().sum()
+        rep, tp, ep = sums["replicated"], sums["tp"], sums["ep"]
         for b in self.blocks:                              # kv-head copies: count each head once
             if b.kv_copies > 1 and b.qkv.weight.grad is not None:
                 kv_rows = b.qkv.weight.grad[b.local_heads * b.head_dim:].double().square().sum()
@@ -197,9 +219,8 @@ class ParallelLlama(torch.nn.Module):
             block.sync_router_grads()
         n = comm.group_size(self.replica_group)
         if n > 1:
-            experts = {id(p) for b in self.blocks if b.moe is not None for p in (b.moe.w_gate, b.moe.w_up, b.moe.w_down)}
-            for p in self.parameters():     # an expert lives on one rank and already holds every token's part
-                if id(p) in experts and p.grad is not None:
+            for p in self.parameters_tagged("ep"):   # an expert lives on one rank and holds every token's part
+                if p.grad is not None:
                     p.grad /= n
-            comm.all_reduce_mean_([p.grad for p in self.parameters() if p.grad is not None and id(p) not in experts],
-                                  self.replica_group)
+            comm.all_reduce_mean_([p.grad for p in self.parameters() if p.grad is not None and
+                                   p.distlab_sharding != "ep"], self.replica_group)

@@ -97,10 +97,17 @@ class _Residual:
         return (rope(q, self.rope_base, positions=positions, scaling=self.rope_scaling),
                 rope(k, self.rope_base, positions=positions, scaling=self.rope_scaling))
 
-    def forward(self, x, positions=None, docs=None):
+    def attend(self, q, k, v, docs=None, cache=None):
+        """The attention child module on (q, k, v) after RoPE: row by row for packed ``docs``; through
+        ``cache.attend(q, k, v, attention)`` when a KV cache takes part (``distlab.infer``)."""
+        if cache is not None:
+            return cache.attend(q, k, v, self.attention)
+        return packed_attention(self.attention, q, k, v, docs)
+
+    def forward(self, x, positions=None, docs=None, cache=None):
         """``positions``: RoPE positions, (seq,) or (batch, seq); ``docs``: packed documents, one cu_seqlens
-        per batch row (attention stays inside each document)."""
-        h = x + self.attn(self.norm1(x), positions, docs)
+        per batch row (attention stays inside each document); ``cache``: this block's KV cache (decode)."""
+        h = x + self.attn(self.norm1(x), positions, docs, cache)
         return h + self.mlp(self.norm2(h))
 
 
@@ -117,6 +124,14 @@ def local_attention(q, k, v, cu_seqlens=None):
         return attention(q, k, v, causal=True)
     pos = torch.arange(q.shape[1])
     return attention(q, k, v, mask=document_mask(pos, pos, cu_seqlens, True, None, q.shape[1]).to(q.device))
+
+
+class LocalAttention(torch.nn.Module):
+    """``local_attention`` as a block's attention child (no parameters): the one-device and TP-only case;
+    context parallelism puts ``distlab.model.parallel.ContextAttention`` in its place at construction."""
+
+    def forward(self, q, k, v, cu_seqlens=None):
+        return local_attention(q, k, v, cu_seqlens)
 
 
 class LlamaBlock(_Residual, torch.nn.Module):
@@ -140,26 +155,30 @@ class LlamaBlock(_Residual, torch.nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps, **kw) if qk_norm else None
         self.qkv = torch.nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=False, **kw)
         self.o = torch.nn.Linear(heads * self.head_dim, hidden, bias=False, **kw)
+        self.attention = LocalAttention()
         self.moe = moe   # in place of the SwiGLU MLP, which is then not built
         self.gate_up = torch.nn.Linear(hidden, 2 * ffn, bias=False, **kw) if moe is None else None
         self.down = torch.nn.Linear(ffn, hidden, bias=False, **kw) if moe is None else None
 
-    def attn(self, x, positions=None, docs=None):
+    def attn(self, x, positions=None, docs=None, cache=None):
         b, s, _ = x.shape
         d = self.head_dim
         q, k, v = self.qkv(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
         q, k = self.positioned(q.view(b, s, -1, d), k.view(b, s, -1, d), positions)
-        return self.o(packed_attention(local_attention, q, k, v.view(b, s, -1, d), docs).reshape(b, s, -1))
+        return self.o(self.attend(q, k, v.view(b, s, -1, d), docs, cache).reshape(b, s, -1))
 
 
 
 class TPLlamaBlock(_Residual, torch.nn.Module):
     """The block sharded over ``group`` (built from a ``LlamaBlock`` so both hold the same numbers)."""
 
-    def __init__(self, ref: LlamaBlock, group=None, sequence_parallel=False, async_tp=False, ep_group=None):
+    def __init__(self, ref: LlamaBlock, group=None, sequence_parallel=False, async_tp=False, ep_group=None,
+                 attention=None):
         """``ep_group``: with a MoE reference block, its experts are sharded over this expert-parallel group.
         Under TP the EP group must span the TP ranks too: each TP rank routes a distinct share of the tokens
-        (its sequence shard under SP; else a 1/tp slice of the replicated tokens, gathered back after)."""
+        (its sequence shard under SP; else a 1/tp slice of the replicated tokens, gathered back after).
+        ``attention``: the attention child, ``fn(q, k, v, cu_seqlens)`` as a module (default ``LocalAttention``;
+        context parallelism gives ``ContextAttention``)."""
         super().__init__()
         tp = comm.group_size(group)
         self.group, self.tp, self.sp = group, tp, sequence_parallel
@@ -171,8 +190,7 @@ class TPLlamaBlock(_Residual, torch.nn.Module):
         if kv % tp and tp % kv:
             raise ValueError(f"kv heads ({kv}) and the tensor-parallel size {tp}: one must divide the other")
         self.kv_copies = max(1, tp // kv)                 # ranks sharing one kv head
-        self.attention_fn = None   # context parallelism: fn(q, k, v, cu_seqlens) over the CP group (causal)
-        self.positions = None      # this rank's tokens' global positions, for RoPE under CP
+        self.attention = attention if attention is not None else LocalAttention()
         self.local_heads, self.local_kv = heads // tp, max(1, kv // tp)
         self.head_dim, self.rope_base, self.rope_scaling = d, ref.rope_base, ref.rope_scaling
         self.norm1 = RMSNorm.from_norm(ref.norm1, group, sequence_parallel)
@@ -216,16 +234,14 @@ class TPLlamaBlock(_Residual, torch.nn.Module):
         mine = comm.split_to_group(rows, self.group, 0)
         return comm.gather_from_group(super().mlp(mine), self.group, 0)[:b * s].view(b, s, h)
 
-    def attn(self, x, positions=None, docs=None):
+    def attn(self, x, positions=None, docs=None, cache=None):
         y = self.qkv(x)                                   # (b, s, local q + 2 local kv heads)·d, full sequence
         b, s, _ = y.shape
         d = self.head_dim
-        positions = positions if positions is not None else self.positions
         q, k, v = y.split([self.local_heads * d, self.local_kv * d, self.local_kv * d], -1)
         q, k = self.positioned(q.view(b, s, -1, d), k.view(b, s, -1, d), positions,
                                lambda n: comm.copy_to_group(n.weight, self.group))
-        attend = self.attention_fn or local_attention
-        return self.o(packed_attention(attend, q, k, v.view(b, s, -1, d), docs).reshape(b, s, -1))
+        return self.o(self.attend(q, k, v.view(b, s, -1, d), docs, cache).reshape(b, s, -1))
 
 
     def sync_replicated_kv_grads(self):
@@ -273,4 +289,4 @@ class TPLlamaBlock(_Residual, torch.nn.Module):
                 **({"q_norm": get(self.q_norm.weight), "k_norm": get(self.k_norm.weight)} if self.q_norm else {})}
 
 
-__all__ = ["LlamaBlock", "TPLlamaBlock", "rope", "shard_rows"]
+__all__ = ["LlamaBlock", "LocalAttention", "TPLlamaBlock", "rope", "shard_rows"]
