@@ -28,13 +28,12 @@ def test_no_module_reads_a_distlab_variable_from_the_environment_directly():
 
 
 def test_every_distlab_variable_the_code_names_is_declared():
-    """(launch/gpu_kernels_check.sh is the archive of past passes; its retired knobs fail loudly if run)"""
     names = set()
     for folder, _, files in os.walk(ROOT):
         if ".git" in folder:
             continue
         for name in files:
-            if name.endswith((".py", ".sh")) and not name.startswith("test_knobs") and name != "gpu_kernels_check.sh":
+            if name.endswith((".py", ".sh")) and not name.startswith("test_knobs"):
                 names |= set(re.findall(r"DISTLAB_([A-Z0-9_]*[A-Z0-9])\b", open(os.path.join(folder, name)).read()))
     prefixes = {"TRITON_ATTN", "KERNEL", "GROUPED_GEMM", "TRITON"}   # names built as PREFIX_<knob>
     undeclared = sorted(n for n in names if n not in knobs.KNOBS and n not in prefixes)

@@ -38,11 +38,11 @@ def test_multigpu_check_commands_parse(tmp_path, gpus):
     assert ("distlab.train" in parsed) == (gpus == "8"), parsed      # the 8-GPU and 4-GPU training runs
 
 
-@pytest.mark.parametrize("part", ["all", "tune", "final", "gg", "sweep", "final2", "swiglu", "emulate", "next", "ring2", "ring3", "ring4", "ring5", "ring6", "ring7", "ring9", "ring10", "ring11", "ring12", "ring13", "ring14"])
+@pytest.mark.parametrize("part", ["all", "check", "attention", "ring", "memory", "gemm", "model"])
 def test_gpu_kernels_check_commands_parse(tmp_path, part):
     parsed, skipped, errors = dry_run(tmp_path, "launch/gpu_kernels_check.sh", part)
     assert not errors, errors
-    assert parsed, (part, skipped)
+    assert parsed or (part == "check" and any("kernel_checks.py" in c for c in skipped)), (part, skipped)
 
 
 @pytest.mark.parametrize("script", ["launch/gpu_check.sh", "launch/gpu_overlap_check.sh", "launch/gpu_moe_check.sh",

@@ -273,7 +273,7 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
-# Steps per launch where it was measured to pay (docs/PERF.md, ring16: the triton forward of one W8 rank,
+# Steps per launch where it was measured to pay (docs/PERF-archive.md, ring16: the triton forward of one W8 rank,
 # 0 | 1 | 2 ... 7 one step a launch against 0 | 1 2 3 | 4 5 6 7: 116.0% -> 127.4% of the fused H/W call at
 # S8192, 89.1% -> 91.5% at S32768); it keeps up to 2n - 1 K/V blocks (W=8: every block) where the classic
 # ring keeps two. One block in flight for the other backends, which launch per block anyway.

@@ -24,7 +24,7 @@ out_b·e^(lse_b−lse')`` (a row whose running LSE is −inf takes the block's r
 
 Backward: ``distlab/kernels/triton_attention_backward.py`` (``flash_backward``).
 
-Knobs, measured on the H200 (docs/PERF.md): ``DISTLAB_TRITON_ATTN_TMA`` — which kernels move their
+Knobs, measured on the H200 (docs/PERF-archive.md): ``DISTLAB_TRITON_ATTN_TMA`` — which kernels move their
 streamed tiles (K/V of the forward and dQ kernels, Q/dO of the dK/dV kernel) through TMA descriptors over
 (batch, seq, heads·D): default ``fwd`` (+3–7% forward), ``1`` all, ``0`` none (dK/dV through TMA was 25%
 slower). ``DISTLAB_TRITON_ATTN_PDL=1``: a ring's accumulating forwards (and its backward's kernels) launch
