@@ -203,6 +203,36 @@ def require_gpu(study: str, cpu_hint: str = "--device cpu runs a CPU-sized check
         raise ValueError(f"{study} times GPU kernels and needs a CUDA device; this machine has none ({cpu_hint})")
 
 
+def add_common_args(p, iters=None, warmup=None, dtype=None, gpu_tool=False, plot=False, profile=False) -> None:
+    """The flags every study and benchmark shares, spelled once: ``--device`` (a ``gpu_tool`` runs on CPU
+    only when asked: ``device_of``), ``--iters`` / ``--warmup`` (None: the study's GPU/CPU default),
+    ``--dtype``, ``--json``, and ``--plot`` / ``--profile`` where the study makes them."""
+    help_device = ("cuda (default); cpu only when asked for: a CPU-sized code-path check" if gpu_tool
+                   else "default: cuda when present, else cpu")
+    p.add_argument("--device", default=None, help=help_device)
+    p.add_argument("--iters", type=positive_int, default=iters)
+    p.add_argument("--warmup", type=nonnegative_int, default=warmup)
+    if dtype is not False:
+        p.add_argument("--dtype", type=dtype_arg(), default=dtype, help="default: bf16 (GPU), fp32 (CPU)"
+                       if dtype is None else None)
+    p.add_argument("--json", metavar="PATH", help="write the results")
+    if plot:
+        p.add_argument("--plot", metavar="PNG", help="plot the results (the plot extra)")
+    if profile:
+        from distlab.profiling import MODES
+
+        p.add_argument("--profile", choices=MODES, default="none")
+        p.add_argument("--profile-dir", default="traces")
+
+
+def device_of(args, study: str, gpu_tool: bool = False) -> torch.device:
+    """The study's device from ``--device``; a ``gpu_tool`` (kernel timings) refuses a machine without CUDA
+    unless ``--device cpu`` was given."""
+    if gpu_tool and args.device is None:
+        require_gpu(study)
+    return resolve_device(args.device)
+
+
 def available_bytes(device: torch.device) -> int:
     """Memory free for new allocations: the GPU's free memory, or the machine's MemAvailable."""
     if device.type == "cuda":

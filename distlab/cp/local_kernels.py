@@ -20,10 +20,8 @@ import torch
 
 from distlab.cp.ring import ring_blocks
 from distlab.cp.ulysses import kv_replication
-from distlab.bench import (DTYPES, StudyParser, dtype_arg, nonnegative_int, positive_int, require_gpu, resolve_device,
-                           run_study)
+from distlab.bench import DTYPES, StudyParser, add_common_args, device_of, positive_int, run_study, timeit
 from distlab.kernels.attention import BACKENDS, attention_backward, attention_forward, resolve_backend
-from distlab.bench import timeit
 
 
 def method_blocks(method, world, seq, heads, kv_heads, ulysses=1):
@@ -78,16 +76,10 @@ def main(argv=None):
     p.add_argument("--heads", type=positive_int, default=None, help="default: 32 (GPU), 8 (CPU)")
     p.add_argument("--kv-heads", type=positive_int, default=None, help="default: 8 (GPU), 2 (CPU)")
     p.add_argument("--head-dim", type=positive_int, default=None, help="default: 128 (GPU), 32 (CPU)")
-    p.add_argument("--dtype", type=dtype_arg(), default=None, help="default: bf16 (GPU), fp32 (CPU)")
     p.add_argument("--backend", choices=BACKENDS, default="auto")
-    p.add_argument("--iters", type=positive_int, default=None)
-    p.add_argument("--warmup", type=nonnegative_int, default=None)
-    p.add_argument("--device", default=None, help="cuda (default); cpu only when asked for: CPU-sized code-path check")
-    p.add_argument("--json", metavar="PATH")
+    add_common_args(p, gpu_tool=True)
     a = p.parse_args(argv)
-    if a.device is None:
-        require_gpu("distlab.cp.local_kernels")   # a GPU timing tool: on CPU only with an explicit --device cpu
-    device = resolve_device(a.device)
+    device = device_of(a, "distlab.cp.local_kernels", gpu_tool=True)
     gpu = device.type == "cuda"
     for name, on_gpu, on_cpu in (("seq", [8192, 32768], [1024]), ("heads", 32, 8), ("kv_heads", 8, 2),
                                  ("head_dim", 128, 32), ("dtype", "bfloat16", "float32"), ("iters", 10, 2),

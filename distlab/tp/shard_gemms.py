@@ -15,8 +15,7 @@ import json
 
 import torch
 
-from distlab.bench import timeit
-from distlab.bench import StudyParser, positive_int, require_gpu, resolve_device, run_study
+from distlab.bench import StudyParser, add_common_args, device_of, positive_int, run_study, timeit
 
 
 def layer_shapes(hidden, ffn, heads, kv_heads, tp):
@@ -36,20 +35,16 @@ def main(argv=None):
     p.add_argument("--tokens", type=positive_int, default=8192, help="batch × sequence")
     p.add_argument("--tp", type=positive_int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--anchor", type=positive_int, default=8192)
-    p.add_argument("--iters", type=positive_int, default=20)
-    p.add_argument("--device", default=None, help="cuda (default); cpu only when asked for: CPU-sized code-path check")
-    p.add_argument("--json", metavar="PATH")
+    add_common_args(p, iters=20, warmup=3, dtype=False, gpu_tool=True)
     a = p.parse_args(argv)
-    if a.device is None:
-        require_gpu("distlab.tp.shard_gemms")   # a GPU timing tool: on CPU only with an explicit --device cpu
-    dev = resolve_device(a.device)
+    dev = device_of(a, "distlab.tp.shard_gemms", gpu_tool=True)
     gpu = dev.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
     if not gpu:
         a.tokens, a.hidden, a.ffn, a.anchor, a.iters = min(a.tokens, 256), min(a.hidden, 256), min(a.ffn, 512), 256, 2
     n = a.anchor
     A, B = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
-    anchor = 2 * n**3 / timeit(lambda: A @ B, a.iters, 3, dev) / 1e12
+    anchor = 2 * n**3 / timeit(lambda: A @ B, a.iters, a.warmup, dev) / 1e12
     print(f"one TP rank's GEMMs, {a.tokens} tokens, hidden {a.hidden}, ffn {a.ffn}, heads {a.heads} (kv {a.kv_heads}), "
           f"{str(dtype)[6:]}, {torch.cuda.get_device_name() if gpu else 'cpu'}; anchor {n}^3 GEMM: {anchor:.1f} TFLOP/s")
     print(f"{'tp':>3} {'layer':<8} {'in':>6} {'out':>6} {'fwd TF/s':>9} {'dgrad TF/s':>11} {'wgrad TF/s':>11}")
@@ -61,7 +56,7 @@ def main(argv=None):
             w = torch.randn(fout, fin, device=dev, dtype=dtype)
             dy = torch.randn(a.tokens, fout, device=dev, dtype=dtype)
             f = 2 * a.tokens * fin * fout
-            times = [timeit(fn, a.iters, 3, dev) for fn in (lambda: x @ w.t(), lambda: dy @ w, lambda: dy.t() @ x)]
+            times = [timeit(fn, a.iters, a.warmup, dev) for fn in (lambda: x @ w.t(), lambda: dy @ w, lambda: dy.t() @ x)]
             total_flops += 3 * f
             total_time += sum(times)
             print(f"{tp:>3} {name:<8} {fin:>6} {fout:>6} " + " ".join(f"{f / t / 1e12:>{wd}.1f}" for t, wd in zip(times, (9, 11, 11))))
