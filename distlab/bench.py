@@ -225,11 +225,11 @@ def add_common_args(p, iters=None, warmup=None, dtype=None, gpu_tool=False, plot
         p.add_argument("--profile-dir", default="traces")
 
 
-def device_of(args, study: str, gpu_tool: bool = False) -> torch.device:
+def device_of(args, study: str, gpu_tool: bool = False, cpu_hint: str | None = None) -> torch.device:
     """The study's device from ``--device``; a ``gpu_tool`` (kernel timings) refuses a machine without CUDA
     unless ``--device cpu`` was given."""
     if gpu_tool and args.device is None:
-        require_gpu(study)
+        require_gpu(study, *([cpu_hint] if cpu_hint else []))
     return resolve_device(args.device)
 
 

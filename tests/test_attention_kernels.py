@@ -149,3 +149,66 @@ def test_gpu_backend_blockwise_with_global_lse(backend, dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
         assert rel(g, w) < tol, f"{backend} {name}: {rel(g, w):.2e}"
+
+
+# ------------------------------------------------------------------------------------------- FlashAttention-4
+def test_fa4_without_its_package_or_a_gpu_is_a_clear_error():
+    from distlab.kernels.attention import resolve_backend
+
+    q = torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="FlashAttention-4.*(CUDA GPUs|flash-attn-4)"):
+        attention_forward(q, q, q, True, backend="fa4")
+    with pytest.raises(ValueError, match="fa4"):
+        resolve_backend("fa4", "cpu", torch.float32)
+    assert resolve_backend("auto", "cpu", torch.bfloat16) == "torch"   # auto never picks what cannot run
+
+
+def _fa4_or_skip():
+    from distlab.kernels import fa4
+
+    if not fa4.runs_on("cuda", torch.bfloat16):
+        pytest.skip(f"fa4 cannot run here: {fa4.why_not('cuda', torch.bfloat16)}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_heads,causal", [(8, True), (2, True), (8, False)])
+def test_fa4_matches_the_float32_reference(kv_heads, causal):
+    """Forward (out, LSE) and backward of FA4 against whole-matrix float32 attention: GQA, causal and not."""
+    _fa4_or_skip()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 1024, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, 1024, kv_heads, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    dout = torch.randn_like(q)
+    full = [t.float().requires_grad_(True) for t in (q, k, v)]
+    want = attention_reference(*full, causal=causal)
+    want.backward(dout.float())
+    _, want_lse = attention_forward(*(t.detach() for t in full), causal, backend="torch")
+    out, lse = attention_forward(q, k, v, causal, backend="fa4")
+    grads = attention_backward(dout, q, k, v, out, lse, causal, backend="fa4")
+    rel = lambda a, b: ((a.float() - b).abs().max() / b.abs().max()).item()  # noqa: E731
+    assert rel(out, want.detach()) < 2e-2 and (lse - want_lse).abs().max() < 2e-2
+    for got, ref in zip(grads, (t.grad for t in full)):
+        assert got.shape == ref.shape and rel(got, ref) < 3e-2
+
+
+@pytest.mark.gpu
+def test_fa4_block_with_the_global_lse_as_a_ring_step():
+    """Two key blocks merged through the LSE equal one call; each block's backward with the *global* out and
+    LSE sums to the whole gradient, as a ring step uses the backend."""
+    from distlab.kernels.lse_merge import merge_attention
+
+    _fa4_or_skip()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(1, 512, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(1, 1024, 2, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    dout = torch.randn_like(q)
+    parts = [attention_forward(q, k[:, a:a + 512], v[:, a:a + 512], False, backend="fa4") for a in (0, 512)]
+    out, lse = merge_attention(*merge_attention(None, None, *parts[0]), *parts[1])
+    whole, whole_lse = attention_forward(q, k, v, False, backend="fa4")
+    assert (out - whole.float()).abs().max() < 2e-2 and (lse - whole_lse).abs().max() < 1e-2
+    out = out.to(q.dtype)
+    blocks = [attention_backward(dout, q, k[:, a:a + 512], v[:, a:a + 512], out, lse, False, backend="fa4")
+              for a in (0, 512)]
+    dq, dk, dv = attention_backward(dout, q, k, v, whole, whole_lse, False, backend="fa4")
+    assert ((blocks[0][0].float() + blocks[1][0].float()) - dq.float()).abs().max() < 5e-2
+    assert (torch.cat([blocks[0][1], blocks[1][1]], 1).float() - dk.float()).abs().max() < 5e-2

@@ -90,7 +90,7 @@ def schedule_flops(world, rank, seq, heads, head_dim, causal, layout, batch=1):
 
 
 def emulate_rank(world, seq, heads, kv_heads, head_dim, rank, layout, causal, backend, dtype, device,
-                 backward=True, keep_output=False, graphs=False, iters=10, warmup=3, batch=1, timeline=False,
+                 backward=True, keep_output=False, graphs=False, iters=10, warmup=3, batch=1, timeline=False, mode="gpu",
                  steps_per_launch=None):
     """Time rank ``rank``'s forward (and backward) schedule; returns a dict of seconds and FLOPs (and,
     with ``keep_output``, the full q/k/v, the rank's rows and its output, for checks; with ``timeline``,
@@ -126,9 +126,9 @@ def emulate_rank(world, seq, heads, kv_heads, head_dim, rank, layout, causal, ba
               "steps_per_launch": steps_per_launch,
               "graphs": bool(graphs and device.type == "cuda"),
               "flops_fwd": schedule_flops(world, rank, seq, heads, head_dim, causal, layout, batch)}
-    result["fwd_s"] = timeit(run_f, iters, warmup, device)
+    result["fwd_s"] = timeit(run_f, iters, warmup, device, mode)
     if backward:
-        result["bwd_s"] = timeit(run_b, iters, warmup, device)
+        result["bwd_s"] = timeit(run_b, iters, warmup, device, mode)
     if timeline and device.type == "cuda":
         from distlab.profiling.timeline import kernel_timeline
 
@@ -162,7 +162,7 @@ def _graphed(fn):
 
 
 def fused_anchor(world, seq, heads, kv_heads, head_dim, causal, dtype, device, iters=10, warmup=3, batch=1,
-                 backend="auto", timeline=False):
+                 backend="auto", timeline=False, mode="gpu"):
     """One attention call over the whole sequence with H/W heads (one rank's FLOPs), by default with the
     fastest backend. ``world=1``: all H heads — the whole problem in one call, the GPU's attention rate at
     this length. ``backend``: the schedule's own backend, to separate schedule overhead from kernel speed."""
@@ -178,8 +178,8 @@ def fused_anchor(world, seq, heads, kv_heads, head_dim, causal, dtype, device, i
     flops = 4 * batch * seq * seq * h * head_dim * (0.5 if causal else 1.0)
     fwd = lambda: attention_forward(q, k, v, causal, backend=backend)   # noqa: E731
     bwd = lambda: attention_backward(dout, q, k, v, out, lse, causal, backend=backend)   # noqa: E731
-    result = {"backend": backend, "flops_fwd": flops, "fwd_s": timeit(fwd, iters, warmup, device),
-              "bwd_s": timeit(bwd, iters, warmup, device)}
+    result = {"backend": backend, "flops_fwd": flops, "fwd_s": timeit(fwd, iters, warmup, device, mode),
+              "bwd_s": timeit(bwd, iters, warmup, device, mode)}
     if timeline and device.type == "cuda":
         from distlab.profiling.timeline import kernel_timeline
 
@@ -222,6 +222,8 @@ def main(argv=None):
     p.add_argument("--layout", nargs="+", default=["zigzag"], choices=("zigzag", "contiguous"))
     p.add_argument("--backend", nargs="+", default=["triton", "sdpa-cudnn"] if gpu else ["torch"])
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=gpu, help="replay as a CUDA graph")
+    p.add_argument("--wall", action="store_true", help="wall clock: back-to-back calls from Python, launch latency "
+                   "included, no spin kernel and no graph (what a real ring over NCCL pays), rank and anchors alike")
     p.add_argument("--rank", type=int, default=None, help="default: the busiest rank (W-1 contiguous, 0 zigzag)")
     p.add_argument("--dtype", type=dtype_arg("bfloat16", "float16", "float32"), default="bfloat16" if gpu else "float32",
                    help="bf16, fp16 or fp32")
@@ -241,8 +243,11 @@ def main(argv=None):
     a = p.parse_args(argv)
     device = torch.device("cuda" if gpu else "cpu")
     dtype = DTYPES[a.dtype]
+    mode = "wall" if a.wall else "gpu"
+    if a.wall:
+        a.graphs = False   # a graph replay hides the launches that the wall clock is there to count
     rows = []
-    print(f"one ring rank's schedule, no communication, {device} {a.dtype}: W={a.world}, heads {a.heads} "
+    print(f"one ring rank's schedule, no communication, {device} {a.dtype}, {mode} timing: W={a.world}, heads {a.heads} "
           f"(kv {a.kv_heads}), head_dim {a.head_dim}, causal {a.causal}; eff = TFLOP/s against one call with H/W "
           f"heads (the same FLOPs); the line 'fused H' is one call with all H heads (the GPU's rate at this length)")
     set_now = knobs.in_force()
@@ -250,8 +255,8 @@ def main(argv=None):
     print(f"{'seq':>6} {'layout':>10} {'backend':>11} {'groups':>9} {'graph':>5} | {'fwd ms':>8} {'TFLOP/s':>8} {'eff':>6} | "
           f"{'f+b ms':>8} {'TFLOP/s':>8} {'eff':>6}")
     for seq in a.seq:
-        anchor = fused_anchor(a.world, seq, a.heads, a.kv_heads, a.head_dim, a.causal, dtype, device, a.iters)
-        whole = fused_anchor(1, seq, a.heads, a.kv_heads, a.head_dim, a.causal, dtype, device, a.iters)
+        anchor = fused_anchor(a.world, seq, a.heads, a.kv_heads, a.head_dim, a.causal, dtype, device, a.iters, mode=mode)
+        whole = fused_anchor(1, seq, a.heads, a.kv_heads, a.head_dim, a.causal, dtype, device, a.iters, mode=mode)
         a_f = anchor["flops_fwd"] / anchor["fwd_s"]
         a_fb = 3.5 * anchor["flops_fwd"] / (anchor["fwd_s"] + anchor["bwd_s"])
         w_f = whole["flops_fwd"] / whole["fwd_s"]
@@ -268,10 +273,10 @@ def main(argv=None):
                     with knobs.override(**variant_knobs(variant)):
                         r = emulate_rank(a.world, seq, a.heads, a.kv_heads, a.head_dim, rank, layout, a.causal, backend,
                                          dtype, device, backward=not a.no_backward, graphs=a.graphs, iters=a.iters,
-                                         timeline=a.timeline, steps_per_launch=n)
+                                         timeline=a.timeline, steps_per_launch=n, mode=mode)
                         own = anchor if backend == anchor["backend"] and not a.timeline else fused_anchor(
                             a.world, seq, a.heads, a.kv_heads, a.head_dim, a.causal, dtype, device, a.iters,
-                            backend=backend, timeline=a.timeline)
+                            backend=backend, timeline=a.timeline, mode=mode)
                 except (RuntimeError, ValueError) as e:   # a backend that cannot run (or be captured) here
                     print(f"{seq:>6} {layout:>10} {backend:>11}: failed: {str(e).splitlines()[0][:100]}", flush=True)
                     continue

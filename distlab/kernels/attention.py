@@ -21,9 +21,11 @@ Backends (``backend=``):
   ops (CUDA only; cuDNN and flash take fp16/bf16, efficient fp32 — see ``_SDPA_DTYPES``).
 - ``triton``: distlab's own FA2-style kernel (``distlab.kernels.triton_attention``): fp16/bf16 on CUDA (fp32/fp16 on
   CPU under ``TRITON_INTERPRET=1``, the tests' path), head_dim a power of two; it can also accumulate into a running
-  (out, LSE), which the ring uses to skip its merge launches. Never picked by ``auto``.
-- ``auto``: the fastest present for the tensors given: cuDNN for fp16/bf16 on CUDA, then flash; efficient
-  for fp32 on CUDA; ``torch`` on CPU and for float64.
+  (out, LSE), which the ring uses to skip its merge launches. Never picked by ``auto`` for dense attention.
+- ``fa4``: FlashAttention-4 (``distlab.kernels.fa4``, the ``fa4`` extra): fp16/bf16 on sm90+ GPUs.
+- ``auto``: the fastest present for the tensors given: FA4 when importable on sm90+, else cuDNN for
+  fp16/bf16 on CUDA, then flash; efficient for fp32 on CUDA; ``torch`` on CPU and for float64; the masked
+  Triton kernel for packed documents and windows on CUDA.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 
 from distlab.kernels.launch import triton_runs_on
 
-BACKENDS = ("auto", "torch", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "triton")
+BACKENDS = ("auto", "torch", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "triton", "fa4")
 MASK_BACKENDS = ("torch", "triton")   # backends that take a KeyMask (documents, windows); SDPA's ops cannot
 _SDPA_DTYPES = {
     "sdpa-cudnn": (torch.float16, torch.bfloat16),
@@ -94,7 +96,9 @@ def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[s
 
 @functools.lru_cache(maxsize=64)
 def _available(device: torch.device, dtype: torch.dtype, _interpret) -> tuple[str, ...]:
-    names = []
+    from distlab.kernels import fa4
+
+    names = ["fa4"] if fa4.runs_on(device, dtype) else []   # FlashAttention-4: the fastest on sm90+
     if device.type == "cuda":
         for name in ("sdpa-cudnn", "sdpa-flash", "sdpa-efficient"):
             if dtype in _SDPA_DTYPES[name] and _sdpa_op_present(name):
@@ -121,6 +125,11 @@ def resolve_backend(backend: str, device: torch.device | str, dtype: torch.dtype
             return "triton"   # the masked Triton kernel skips what the mask removes; torch's loop is a reference
         return next(n for n in present if n != "triton")
     if backend not in present:
+        if backend == "fa4":
+            from distlab.kernels import fa4
+
+            raise ValueError(f"attention backend 'fa4' (FlashAttention-4) cannot run here: "
+                             f"{fa4.why_not(device, dtype)}; present here: {', '.join(present)}")
         raise ValueError(f"attention backend {backend!r} cannot run {dtype} on {torch.device(device).type}; "
                          f"present here: {', '.join(present)}")
     return backend
@@ -160,6 +169,10 @@ def attention_forward(q, k, v, causal=False, softmax_scale=None, backend="auto",
         from distlab.kernels.triton_attention import flash_forward
 
         return flash_forward(q, k, v, causal, scale)
+    if backend == "fa4":
+        from distlab.kernels.fa4 import fa4_forward
+
+        return fa4_forward(q, k, v, causal, scale)
     return _sdpa_forward(backend, q, k, v, causal, scale)
 
 
@@ -184,6 +197,10 @@ def attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None
         from distlab.kernels.triton_attention_backward import flash_backward
 
         return flash_backward(dout, q, k, v, out, lse, causal, scale)
+    if backend == "fa4":
+        from distlab.kernels.fa4 import fa4_backward
+
+        return fa4_backward(dout, q, k, v, out, lse, causal, scale)
     return _sdpa_backward(backend, dout, q, k, v, out, lse, causal, scale)
 
 

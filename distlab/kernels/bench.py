@@ -33,10 +33,11 @@ def flops(b, s, h, d, causal):
 
 
 def bench_backend(name, q, k, v, dout, causal, iters, warmup):
+    """(fwd, bwd) seconds of the backend's call in the two modes: GPU (queued) then wall (back to back)."""
     out, lse = attention_forward(q, k, v, causal, backend=name)
-    t_f = timeit(lambda: attention_forward(q, k, v, causal, backend=name), iters, warmup, q.device)
-    t_b = timeit(lambda: attention_backward(dout, q, k, v, out, lse, causal, backend=name), iters, warmup, q.device)
-    return t_f, t_b
+    fwd = lambda: attention_forward(q, k, v, causal, backend=name)  # noqa: E731
+    bwd = lambda: attention_backward(dout, q, k, v, out, lse, causal, backend=name)  # noqa: E731
+    return tuple(timeit(fn, iters, warmup, q.device, mode) for mode in ("gpu", "wall") for fn in (fwd, bwd))
 
 
 def bench_sdpa_anchor(kernel, q, k, v, dout, causal, iters, warmup):
@@ -46,11 +47,11 @@ def bench_sdpa_anchor(kernel, q, k, v, dout, causal, iters, warmup):
     qh, kh, vh = (t.transpose(1, 2).detach().requires_grad_(True) for t in (q, k, v))
     gqa = qh.shape[1] != kh.shape[1]
     with sdpa_kernel(getattr(SDPBackend, kernel)):
-        t_f = timeit(lambda: sdpa(qh, kh, vh, is_causal=causal, enable_gqa=gqa), iters, warmup, q.device)
         out = sdpa(qh, kh, vh, is_causal=causal, enable_gqa=gqa)
         g = dout.transpose(1, 2)
-        t_b = timeit(lambda: torch.autograd.grad(out, (qh, kh, vh), g, retain_graph=True), iters, warmup, q.device)
-    return t_f, t_b
+        fwd = lambda: sdpa(qh, kh, vh, is_causal=causal, enable_gqa=gqa)  # noqa: E731
+        bwd = lambda: torch.autograd.grad(out, (qh, kh, vh), g, retain_graph=True)  # noqa: E731
+        return tuple(timeit(fn, iters, warmup, q.device, mode) for mode in ("gpu", "wall") for fn in (fwd, bwd))
 
 
 def copy_bandwidth(device, iters, warmup, nbytes=2**30):
@@ -209,8 +210,8 @@ def _interpreting():
 
 
 def bench_attention(args, dev, dtype, kvh):
-    """Rows: every attention backend present (fwd, bwd TFLOP/s) against F.sdpa pinned to cuDNN (the
-    anchor of the ratio column) and to flash."""
+    """Rows: every attention backend present (FA4 first when importable; fwd, bwd TFLOP/s, GPU and wall)
+    against F.sdpa pinned to cuDNN (the anchor of the ratio column, timed the same way) and to flash."""
     gpu = dev.type == "cuda"
     g = torch.Generator(device="cpu").manual_seed(0)
     q = torch.randn(args.batch, args.seq, args.heads, args.head_dim, generator=g).to(dev, dtype)
@@ -234,12 +235,15 @@ def bench_attention(args, dev, dtype, kvh):
                 timed.append((f"anchor: {label}", *anchors[label]))
             except RuntimeError as e:  # kernel not available for this shape/GPU
                 print(f"(anchor {kernel} skipped: {str(e).splitlines()[0]})")
-    ref = anchors.get("F.sdpa cudnn")
+    # the anchor of the ratio column: the fastest single-device call present, FA4 when importable, else cuDNN
+    fa4 = next((t[1:] for t in timed if t[0] == "fa4"), None)
+    ref, ref_name = (fa4, "fa4") if fa4 else (anchors.get("F.sdpa cudnn"), "F.sdpa cudnn")
     rows = []
-    for label, t_f, t_b in timed:
-        for pass_, t, fl, t_ref in (("fwd", t_f, f, ref and ref[0]), ("bwd", t_b, 2.5 * f, ref and ref[1])):
+    for label, t_f, t_b, w_f, w_b in timed:   # "wall" rows: back-to-back calls, launch latency included
+        for pass_, t, fl, t_ref in (("fwd", t_f, f, ref and ref[0]), ("bwd", t_b, 2.5 * f, ref and ref[1]),
+                                    ("fwd wall", w_f, f, ref and ref[2]), ("bwd wall", w_b, 2.5 * f, ref and ref[3])):
             rows.append({"kernel": f"attention {label}", "pass": pass_, "ms": t * 1e3, "rate": fl / t / 1e12,
-                         "unit": "TFLOP/s", "anchor": "F.sdpa cudnn" if t_ref else None,
+                         "unit": "TFLOP/s", "anchor": ref_name if t_ref else None,
                          "anchor_rate": fl / t_ref / 1e12 if t_ref else None, "ratio": t_ref / t if t_ref else None,
                          "compile_ms": None})
     return rows
