@@ -203,26 +203,34 @@ def require_gpu(study: str, cpu_hint: str = "--device cpu runs a CPU-sized check
         raise ValueError(f"{study} times GPU kernels and needs a CUDA device; this machine has none ({cpu_hint})")
 
 
-def add_common_args(p, iters=None, warmup=None, dtype=None, gpu_tool=False, plot=False, profile=False) -> None:
+def add_common_args(p, iters=None, warmup=None, dtype=None, dtypes=None, gpu_tool=False, plot=False, profile=False,
+                    profile_dir="traces", device=True) -> None:
     """The flags every study and benchmark shares, spelled once: ``--device`` (a ``gpu_tool`` runs on CPU
     only when asked: ``device_of``), ``--iters`` / ``--warmup`` (None: the study's GPU/CPU default),
-    ``--dtype``, ``--json``, and ``--plot`` / ``--profile`` where the study makes them."""
-    help_device = ("cuda (default); cpu only when asked for: a CPU-sized code-path check" if gpu_tool
-                   else "default: cuda when present, else cpu")
-    p.add_argument("--device", default=None, help=help_device)
-    p.add_argument("--iters", type=positive_int, default=iters)
-    p.add_argument("--warmup", type=nonnegative_int, default=warmup)
+    ``--dtype`` (``dtypes``: the spellings it takes), ``--json``, and
+    ``--plot`` / ``--profile`` / ``--profile-dir`` where the study makes them. ``False`` for ``iters``,
+    ``warmup`` or ``dtype``: the study has no such flag."""
+    if device:
+        p.add_argument("--device", default=None, help="cuda (default); cpu only when asked for: a CPU-sized "
+                       "code-path check" if gpu_tool else "default: cuda when present, else cpu")
+    if iters is not False:
+        p.add_argument("--iters", type=positive_int, default=iters, help="timed runs" + ("" if iters else
+                       " (default: the study's, per device)"))
+    if warmup is not False:
+        p.add_argument("--warmup", type=nonnegative_int, default=warmup, help="untimed runs first" + (
+                       "" if warmup is not None else " (default: the study's, per device)"))
     if dtype is not False:
-        p.add_argument("--dtype", type=dtype_arg(), default=dtype, help="default: bf16 (GPU), fp32 (CPU)"
-                       if dtype is None else None)
-    p.add_argument("--json", metavar="PATH", help="write the results")
+        p.add_argument("--dtype", type=dtype_arg(*(dtypes or ())), default=dtype,
+                       help="default: bf16 on GPU, fp32 on CPU" if dtype is None else None)
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON (rank 0)")
     if plot:
-        p.add_argument("--plot", metavar="PNG", help="plot the results (the plot extra)")
+        p.add_argument("--plot", metavar="PNG", default=None, help="plot the results (needs matplotlib)")
     if profile:
         from distlab.profiling import MODES
 
-        p.add_argument("--profile", choices=MODES, default="none")
-        p.add_argument("--profile-dir", default="traces")
+        p.add_argument("--profile", choices=MODES, default="none", help="trace a few steps (torch: one "
+                       "Chrome trace per rank; nsys: a cudaProfilerStart/Stop window)")
+        p.add_argument("--profile-dir", default=profile_dir, help="where --profile torch writes its traces")
 
 
 def device_of(args, study: str, gpu_tool: bool = False, cpu_hint: str | None = None) -> torch.device:

@@ -44,4 +44,5 @@ def test_emulate_and_bench_commands_write_their_json(tmp_path):
                           "--only", "attention", "--json", str(be)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(be.read_text())["results"]
-    assert {(r["kernel"], r["pass"]) for r in rows} == {("attention torch", "fwd"), ("attention torch", "bwd")}
+    assert {(r["kernel"], r["pass"]) for r in rows} == {("attention torch", p) for p in ("fwd", "bwd", "fwd wall",
+                                                                                         "bwd wall")}

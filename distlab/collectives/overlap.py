@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 
 from distlab.collectives.playground import bandwidths, parse_size
-from distlab.profiling import MODES, phase, profile_steps
+from distlab.profiling import phase, profile_steps
 from distlab.runtime import init_runtime, shutdown
-from distlab.bench import (DTYPES, StudyParser, check_memory, dtype_arg, fmt_bytes, positive_int,
+from distlab.bench import (DTYPES, StudyParser, add_common_args, check_memory, fmt_bytes, positive_int,
                            run_study)
 
 CPU_MAX_GEMM = 2048   # a 2048^3 GEMM is about a second on a 2-core CPU; larger ones are GPU work
@@ -103,15 +103,10 @@ def main(argv=None):
     p.add_argument("--size", type=parse_size, default=None, help="collective bytes (default 256M on GPU, 8M on CPU)")
     p.add_argument("--gemm", type=positive_int, default=None, help="GEMM size N (default 8192 on GPU, 384 on CPU)")
     p.add_argument("--gemms", type=positive_int, default=None, help="GEMMs per step (default 4 on GPU, 2 on CPU)")
-    p.add_argument("--dtype", type=dtype_arg("bfloat16", "float32"), default=None,
-                   help="bf16 or fp32 (default bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--iters", type=positive_int, default=5)
     p.add_argument("--order", choices=("gemm-first", "comm-first"), default="gemm-first",
                    help="GPU launch order in the overlapped run (see above)")
-    p.add_argument("--profile", choices=MODES, default="none")
-    p.add_argument("--profile-dir", default="traces/overlap")
-    p.add_argument("--device", default=None)
-    p.add_argument("--json", metavar="PATH")
+    add_common_args(p, iters=5, warmup=False, dtypes=("bfloat16", "float32"), profile=True,
+                    profile_dir="traces/overlap")
     args = p.parse_args(argv)
     rt = init_runtime(device=args.device)
     gpu = rt.device.type == "cuda"

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from distlab import comm
 from distlab.kernels.attention import attention_forward, check_qkv
-from distlab.bench import DTYPES, StudyParser, dtype_arg, positive_int, run_study, write_json
+from distlab.bench import DTYPES, StudyParser, add_common_args, positive_int, run_study, write_json
 
 
 class KVCacheShard:
@@ -108,10 +108,8 @@ def main(argv=None):
     p.add_argument("--heads", type=positive_int, default=None)
     p.add_argument("--kv-heads", type=positive_int, default=None)
     p.add_argument("--head-dim", type=positive_int, default=None)
-    p.add_argument("--dtype", type=dtype_arg(), default=None, help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--check", action="store_true", help="compare every step with one-device attention")
-    p.add_argument("--device", default=None)
-    p.add_argument("--json", metavar="PATH", help="write the result as JSON (rank 0)")
+    add_common_args(p, iters=False, warmup=False)
     a = p.parse_args(argv)
     rt = init_runtime(device=a.device)
     gpu = rt.device.type == "cuda"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from distlab.bench import (DTYPES, StudyParser, dtype_arg, nonnegative_int, positive_int, resolve_device, run_study,
+from distlab.bench import (DTYPES, StudyParser, add_common_args, positive_int, resolve_device, run_study,
                            time_wall, write_json)
 from distlab.cp.documents import Documents, describe, parse_docs
 from distlab.cp.layout import shard_positions
@@ -88,14 +88,10 @@ def main(argv=None):
     p.add_argument("--heads", type=positive_int, default=32)
     p.add_argument("--kv-heads", type=positive_int, default=8)
     p.add_argument("--head-dim", type=positive_int, default=128)
-    p.add_argument("--dtype", type=dtype_arg("bfloat16", "float16", "float32"), default=None)
     p.add_argument("--backend", default="auto")
-    p.add_argument("--iters", type=positive_int, default=10)
-    p.add_argument("--warmup", type=nonnegative_int, default=3)
     p.add_argument("--rate-means", type=positive_int, nargs="*", default=None,
                    help="mean document lengths for the kernel-rate table (default 32768 8192 2048 512)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--json", metavar="PATH")
+    add_common_args(p, iters=10, warmup=3, dtypes=("bfloat16", "float16", "float32"))
     a = p.parse_args(argv)
     device = resolve_device(a.device)
     gpu = device.type == "cuda"

@@ -40,11 +40,11 @@ from distlab import comm, knobs
 from distlab.cp.cost import cp_bytes
 from distlab.cp.documents import Documents, describe, parse_docs
 from distlab.cp.layout import LAYOUTS, check_divisible, gather_sequence, shard_positions, shard_sequence
-from distlab.profiling import MODES, profile_steps
+from distlab.profiling import profile_steps
 from distlab.runtime import Layout, init_runtime, shutdown
 from distlab.kernels.attention import BACKENDS, attention_backward, attention_forward, resolve_backend
-from distlab.bench import (time_ranks, DTYPES, StudyParser, check_memory, dtype_arg, nonnegative_int,
-                           positive_int, resolve_device, write_json)
+from distlab.bench import (DTYPES, StudyParser, add_common_args, check_memory, nonnegative_int, positive_int,
+                           resolve_device, time_ranks, write_json)
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
@@ -65,21 +65,12 @@ def parse_args(argv=None, algorithm="ring"):
     if algorithm in ("usp", "compare"):
         p.add_argument("--ulysses", type=positive_int, default=None, help="Ulysses degree (default: 2, or 1 if W is odd)")
         p.add_argument("--ring", type=positive_int, default=None, help="ring degree (default: W / ulysses)")
-    p.add_argument("--dtype", type=dtype_arg(), default=None,
-                   help="float32|bfloat16|float16|float64 (or fp32, bf16, ...); default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--backend", choices=BACKENDS, default="auto")
-    p.add_argument("--iters", type=positive_int, default=None, help="timed runs (default: 5 on GPU, 2 on CPU)")
-    p.add_argument("--warmup", type=nonnegative_int, default=None, help="untimed runs first (default: 2 on GPU, 1 on CPU)")
     p.add_argument("--check", action="store_true", help="compare output and grads with one device")
     p.add_argument("--no-baseline", action="store_true", help="skip the one-device timing")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON (rank 0)")
-    p.add_argument("--device", default=None, help="force a device (cpu, cuda); default: cuda if present")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profile", choices=MODES, default="none", help="trace a few fwd+bwd steps (torch: one "
-                   "Chrome trace per rank; nsys: cudaProfilerStart/Stop window)")
-    p.add_argument("--profile-dir", default="traces", help="where --profile torch writes trace_rank{R}.json")
+    add_common_args(p, plot=algorithm == "compare", profile=True)   # iters/warmup/dtype: per device below
     if algorithm == "compare":
-        p.add_argument("--plot", metavar="PNG", default=None, help="bar chart of the table (needs matplotlib)")
         p.add_argument("--deepspeed", action="store_true", help="add DeepSpeed's DistributedAttention (Ulysses)")
     args = p.parse_args(argv)
     # defaults follow the device the study will run on (a forced --device cpu on a GPU box gets CPU sizes)

@@ -24,8 +24,8 @@ import torch
 from distlab import comm
 from distlab.moe.dispatch import combine, dispatch
 from distlab.moe.layer import MoE, MoEReference
-from distlab.profiling import MODES, profile_steps
-from distlab.bench import (DTYPES, StudyParser, dtype_arg, nonnegative_int, positive_float, positive_int, progress,
+from distlab.profiling import profile_steps
+from distlab.bench import (DTYPES, StudyParser, add_common_args, nonnegative_int, positive_float, positive_int, progress,
                            pyplot, resolve_device, write_json)
 from distlab.runtime import init_runtime, shutdown
 from distlab.kernels.grouped_gemm import BACKENDS, resolve as resolve_grouped_backend
@@ -42,14 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--sweep", default=None, help="comma-separated skews")
     p.add_argument("--capacity-factor", type=positive_float, default=None)
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="grouped GEMM backend")
-    p.add_argument("--dtype", type=dtype_arg("float32", "bfloat16"), default=None, help="fp32 or bf16")
-    p.add_argument("--iters", type=positive_int, default=3)
     p.add_argument("--check", action="store_true")
-    p.add_argument("--device", default=None)
-    p.add_argument("--json", metavar="PATH")
-    p.add_argument("--plot", metavar="PNG")
-    p.add_argument("--profile", choices=MODES, default="none", help="trace a few forward+backward steps")
-    p.add_argument("--profile-dir", default="traces/moe")
+    add_common_args(p, iters=3, warmup=False, dtypes=("float32", "bfloat16"), plot=True, profile=True,
+                    profile_dir="traces/moe")
     a = p.parse_args(argv)
     gpu = resolve_device(a.device).type == "cuda"
     for name, g, c in (("hidden", 4096, 256), ("ffn", 14336, 512), ("tokens", 4096, 2048),

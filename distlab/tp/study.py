@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from distlab import comm
-from distlab.profiling import MODES, profile_steps
+from distlab.profiling import profile_steps
 from distlab.runtime import init_runtime, shutdown
 from distlab.tp.block import LlamaBlock, TPLlamaBlock
-from distlab.bench import time_ranks, DTYPES, StudyParser, dtype_arg, nonnegative_int, positive_int, resolve_device, write_json
+from distlab.bench import DTYPES, StudyParser, add_common_args, positive_int, resolve_device, time_ranks, write_json
 
 
 
@@ -41,15 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=positive_int, default=1)
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
     p.add_argument("--async-tp", action="store_true", help="ring-step AG/RS overlapped with GEMMs (needs --sp)")
-    p.add_argument("--dtype", type=dtype_arg("float32", "bfloat16", "float64"), default=None,
-                   help="fp32, bf16 or fp64 (default bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--iters", type=positive_int, default=None)
-    p.add_argument("--warmup", type=nonnegative_int, default=1)
     p.add_argument("--check", action="store_true")
-    p.add_argument("--device", default=None)
-    p.add_argument("--profile", choices=MODES, default="none")
-    p.add_argument("--profile-dir", default="traces/tp")
-    p.add_argument("--json", metavar="PATH")
+    add_common_args(p, warmup=1, dtypes=("float32", "bfloat16", "float64"), profile=True, profile_dir="traces/tp")
     args = p.parse_args(argv)
     gpu = resolve_device(args.device).type == "cuda"
     for name, g, c in (("hidden", 4096, 256), ("ffn", 14336, 768), ("heads", 32, 8), ("kv_heads", 8, 2),
