@@ -29,7 +29,7 @@ import torch
 
 from distlab import knobs
 from distlab.bench import StudyParser, require_gpu, run_study
-from distlab.kernels.launch import triton_runs_on
+from distlab.kernels.launch import sm_major, triton_runs_on
 
 BACKENDS = ("auto", "loop", "torch", "triton")
 
@@ -217,7 +217,7 @@ def _tma_ok(interpret, *tensors):
     ``DISTLAB_GROUPED_GEMM_TMA=0`` forces the pointer kernel (for comparisons)."""
     if knobs.get("GROUPED_GEMM_TMA") == "0":
         return False
-    if not interpret and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+    if not interpret and sm_major(tensors[0].device) < 9:
         return False
     return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
                and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)

@@ -64,6 +64,18 @@ def main(argv=None):
             gpu = timeit(fn, a.iters, a.warmup, device)
             rows.append({"backend": backend, "pass": pass_, "host_s": host, "wall_s": wall, "gpu_s": gpu})
             print(f"{backend:<16} {pass_:<5} {host * 1e6:>9.1f} {wall * 1e6:>9.1f} {gpu * 1e6:>9.1f}", flush=True)
+    from distlab.kernels import fa4
+
+    if fa4.runs_on(device, dtype):   # the same FA4 calls without distlab's wrapper (#24: within 10 µs of it)
+        fi = fa4._interface()
+        scale = a.head_dim ** -0.5
+        out, lse = fa4.fa4_forward(q, k, v, True, scale)
+        for pass_, fn in (("fwd", lambda: fi._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)),
+                          ("bwd", lambda: fi._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=True))):
+            host, wall = host_seconds(fn, a.calls, device)
+            gpu = timeit(fn, a.iters, a.warmup, device)
+            rows.append({"backend": "fa4 bare", "pass": pass_, "host_s": host, "wall_s": wall, "gpu_s": gpu})
+            print(f"{'fa4 bare':<16} {pass_:<5} {host * 1e6:>9.1f} {wall * 1e6:>9.1f} {gpu * 1e6:>9.1f}", flush=True)
     if a.json:
         write_json(a.json, {"args": vars(a), "device": torch.cuda.get_device_name(device), "rows": rows})
 

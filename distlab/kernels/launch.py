@@ -13,6 +13,22 @@ import os
 from distlab import knobs
 
 
+def sm_major(device) -> int:
+    """The CUDA device's compute-capability major (9 on Hopper), cached per device: the query costs host
+    time on every kernel launch that asks (TMA, PDL)."""
+    import torch
+
+    device = torch.device(device)
+    return _sm_major(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_major(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_capability(index)[0]
+
+
 def triton_runs_on(device) -> bool:
     """Triton is importable and the tensors are on CUDA (or on CPU with ``TRITON_INTERPRET=1``). The one
     guard of the triton import: modules whose kernels are Triton are imported only after it says yes (or

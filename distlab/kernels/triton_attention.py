@@ -38,6 +38,7 @@ import math
 import torch
 
 from distlab import knobs
+from distlab.kernels.launch import sm_major
 import triton
 import triton.language as tl
 
@@ -265,7 +266,7 @@ def tma_kernels() -> tuple[str, ...]:
 def _tma_fits(*ts) -> bool:
     """TMA can address these (batch, seq, heads, D) tensors as (batch, seq, heads·D): heads packed in a
     token, 16-byte aligned base and strides, on sm_90+ (or in the interpreter)."""
-    if ts[0].is_cuda and torch.cuda.get_device_capability(ts[0].device)[0] < 9:
+    if ts[0].is_cuda and sm_major(ts[0].device) < 9:
         return False
     d, e = ts[0].shape[-1], ts[0].element_size()
     return not any(t.stride(2) != d or t.data_ptr() % 16 or (t.stride(0) * e) % 16 or (t.stride(1) * e) % 16
@@ -292,7 +293,7 @@ def pdl_enabled(device) -> bool:
     """``DISTLAB_TRITON_ATTN_PDL=1`` on sm_90+: accumulating forwards launch as programmatic dependents —
     a ring step's kernel runs its key loop while the previous step's last wave finishes, and waits for it
     (``griddepcontrol.wait``) only before it reads and writes the running (out, lse)."""
-    return knobs.get("TRITON_ATTN_PDL") == "1" and torch.cuda.get_device_capability(device)[0] >= 9
+    return knobs.get("TRITON_ATTN_PDL") == "1" and sm_major(device) >= 9
 
 
 def _last_contiguous(*ts):
