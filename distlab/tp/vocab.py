@@ -47,9 +47,9 @@ class VocabParallelEmbedding(torch.nn.Module):
         return new
 
     def forward(self, ids):
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.per_rank * self.tp):
-            raise ValueError(f"token ids outside the vocabulary [0, {self.per_rank * self.tp}): min {int(ids.min())}, "
-                             f"max {int(ids.max())}")
+        vocab = self.per_rank * self.tp
+        if bool(((ids < 0) | (ids >= vocab)).any()):   # one reduction, one host sync per forward
+            raise ValueError(f"token ids outside the vocabulary [0, {vocab}): min {int(ids.min())}, max {int(ids.max())}")
         local = ids - self.start
         mine = (local >= 0) & (local < self.per_rank)
         out = F.embedding(local.clamp(0, self.per_rank - 1), self.weight) * mine.unsqueeze(-1)
