@@ -178,10 +178,12 @@ class Layout:
 
     Give ``cp`` alone for pure ring, or the two axes (``cp`` then follows). ``validate()`` raises a ValueError
     naming the bad degree (call it on every rank before any collective). ``build_mesh()`` returns one
-    ``DeviceMesh`` with axes ``dp``, ``ring``, ``ulysses``, ``tp`` (outer to inner: tp, then ulysses
-    neighbours are adjacent ranks, which on a node share the fastest links) and the flattened axes ``cp`` =
-    ring × ulysses, ``dp_cp`` (the ranks holding the same dense weights) and ``dp_cp_tp`` (every rank: MoE
-    experts spread over it under TP). ``for_model`` gives data parallelism what the model axes leave;
+    ``DeviceMesh`` with axes ``dp_replicate``, ``dp_shard``, ``ring``, ``ulysses``, ``tp`` (outer to inner: tp,
+    then ulysses neighbours are adjacent ranks, which on a node share the fastest links) and the flattened
+    axes ``dp`` = dp_replicate × dp_shard, ``cp`` = ring × ulysses, ``shard`` = dp_shard × cp (what ZeRO shards
+    over), ``dp_cp`` (the ranks holding the same dense weights) and ``dp_cp_tp`` (every rank: MoE experts
+    spread over it under TP). ``dp_shard`` / ``dp_replicate`` / ``zero``: sharded data parallelism
+    (``distlab.zero``); without them dp is all replicate. ``for_model`` gives data parallelism what the model axes leave;
     ``add_layout_args`` / ``from_args`` are the flags train and infer share.
     """
 
@@ -193,8 +195,12 @@ class Layout:
     ring: int | None = None
     sp: bool = False
     cp_layout: str = "zigzag"
+    dp_shard: int | None = None
+    dp_replicate: int | None = None
+    zero: int | None = None
 
     AXES = ("dp", "ring", "ulysses", "tp")
+    MESH_AXES = ("dp_replicate", "dp_shard", "ring", "ulysses", "tp")
 
     def __post_init__(self):
         for name in ("cp", "ulysses", "ring"):
@@ -216,17 +222,58 @@ class Layout:
             if self.ulysses * self.ring != self.cp:
                 raise ValueError(f"ulysses={self.ulysses} x ring={self.ring} = {self.ulysses * self.ring}, "
                                  f"but cp={self.cp}")
+        self._split_data_parallel()
         self.validate()
 
+    def _split_data_parallel(self) -> None:
+        """``dp`` = ``dp_replicate`` x ``dp_shard`` (HSDP). Sharded data parallelism (ZeRO, ``distlab.zero``) is on
+        when either is given; it shards over dp_shard x cp (the CP ranks hold the same weights, as in
+        torchtitan), and ``zero`` (1, 2 or 3, default 3) says what it shards."""
+        for name in ("dp_shard", "dp_replicate"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"--{name.replace('_', '-')} {value!r} must be a positive integer")
+        if self.dp_shard is None and self.dp_replicate is None:
+            if self.zero is not None:
+                raise ValueError(f"--zero {self.zero} shards the data-parallel ranks: give --dp-shard N too")
+            return
+        given = self.dp_shard if self.dp_replicate is None else self.dp_replicate
+        if self.dp_shard is not None and self.dp_replicate is not None:
+            if self.dp_shard * self.dp_replicate != self.dp:
+                raise ValueError(f"--dp-replicate {self.dp_replicate} x --dp-shard {self.dp_shard} = "
+                                 f"{self.dp_replicate * self.dp_shard}, but the other degrees leave {self.dp} "
+                                 "data-parallel ranks")
+        elif self.dp % given:
+            which = "--dp-shard" if self.dp_replicate is None else "--dp-replicate"
+            raise ValueError(f"{which} {given} does not divide the {self.dp} data-parallel ranks the other degrees "
+                             f"leave (world {self.world_size} / tp {self.tp} / cp {self.cp})")
+        elif self.dp_replicate is None:
+            self.dp_replicate = self.dp // self.dp_shard
+        else:
+            self.dp_shard = self.dp // self.dp_replicate
+        self.zero = 3 if self.zero is None else self.zero
+        if self.zero not in (1, 2, 3):
+            raise ValueError(f"--zero {self.zero!r}: 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters)")
+
+    @property
+    def sharded(self) -> bool:
+        """Sharded data parallelism (ZeRO) over ``shard_degree`` = dp_shard x cp ranks."""
+        return self.dp_shard is not None
+
+    @property
+    def shard_degree(self) -> int:
+        return (self.dp_shard or 1) * self.cp if self.sharded else 1
+
     @classmethod
-    def for_model(cls, world_size: int, tp=1, ring=1, ulysses=1, sp=False, cp_layout="zigzag", batch=None) -> "Layout":
+    def for_model(cls, world_size: int, tp=1, ring=1, ulysses=1, sp=False, cp_layout="zigzag", batch=None,
+                  dp_shard=None, dp_replicate=None, zero=None) -> "Layout":
         """Data parallelism takes what ``tp`` × ``ring`` × ``ulysses`` leave of the world; ValueError (on every
         rank, before any collective) when the degrees or the global ``batch`` do not divide."""
         model_parallel = tp * ring * ulysses
         if world_size % model_parallel:
             raise ValueError(f"tp {tp} x ring {ring} x ulysses {ulysses} does not divide the world size {world_size}")
         layout = cls(world_size, dp=world_size // model_parallel, tp=tp, ring=ring, ulysses=ulysses, sp=bool(sp),
-                     cp_layout=cp_layout)
+                     cp_layout=cp_layout, dp_shard=dp_shard, dp_replicate=dp_replicate, zero=zero)
         if batch is not None and batch % layout.dp:
             raise ValueError(f"batch {batch} is not divisible by the {layout.dp} data-parallel ranks")
         return layout
@@ -235,7 +282,8 @@ class Layout:
     def from_args(cls, args, world_size: int, preset: dict | None = None, batch=None) -> "Layout":
         """The layout of ``add_layout_args``' flags; a flag left out takes the preset's value (a config's
         "layout" section), else the default."""
-        preset = {"tp": 1, "sp": False, "ring": 1, "ulysses": 1, "cp_layout": "zigzag", **(preset or {})}
+        preset = {"tp": 1, "sp": False, "ring": 1, "ulysses": 1, "cp_layout": "zigzag", "dp_shard": None,
+                  "dp_replicate": None, "zero": None, **(preset or {})}
         values = {k: getattr(args, k, None) if getattr(args, k, None) is not None else v for k, v in preset.items()}
         return cls.for_model(world_size, batch=batch, **values)
 
@@ -249,7 +297,9 @@ class Layout:
         return self.ring * chunks * self.ulysses * (self.tp if self.sp else 1)
 
     def describe(self) -> str:
-        return (f"dp {self.dp} x tp {self.tp}{' (SP)' if self.sp else ''} x ring {self.ring} x ulysses "
+        dp = (f"dp {self.dp} (replicate {self.dp_replicate} x shard {self.dp_shard}, ZeRO-{self.zero} over "
+              f"{self.shard_degree})" if self.sharded else f"dp {self.dp}")
+        return (f"{dp} x tp {self.tp}{' (SP)' if self.sp else ''} x ring {self.ring} x ulysses "
                 f"{self.ulysses}{f' ({self.cp_layout})' if self.cp > 1 else ''}")
 
     def degrees(self) -> dict[str, int]:
@@ -268,7 +318,13 @@ class Layout:
             raise ValueError(f"parallel degrees {shown} multiply to {product}, but the world size is "
                              f"{self.world_size}")
 
-    MESH_GROUPS = AXES + ("cp", "dp_cp", "dp_cp_tp")
+    MESH_GROUPS = MESH_AXES + ("dp", "cp", "dp_cp", "dp_cp_tp", "shard")
+
+    def mesh_degrees(self) -> dict[str, int]:
+        """The mesh's five axes: dp splits into dp_replicate (outer) x dp_shard."""
+        replicate = self.dp_replicate if self.sharded else self.dp
+        return {"dp_replicate": replicate, "dp_shard": self.dp_shard or 1, "ring": self.ring,
+                "ulysses": self.ulysses, "tp": self.tp}
 
     def build_mesh(self, device_type: str, timeout_s: float | None = None):
         """The named mesh. Every group in it gets ``timeout_s`` (default ``collective_timeout_s()``, as the
@@ -277,10 +333,12 @@ class Layout:
         timeout_s = timeout_s if timeout_s is not None else collective_timeout_s()
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, tuple(self.degrees().values()), mesh_dim_names=self.AXES)
+        mesh = init_device_mesh(device_type, tuple(self.mesh_degrees().values()), mesh_dim_names=self.MESH_AXES)
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
         mesh["ring", "ulysses"]._flatten("cp")
-        mesh["dp", "ring", "ulysses"]._flatten("dp_cp")   # ranks that hold the same weights outside TP/EP
-        mesh["dp", "ring", "ulysses", "tp"]._flatten("dp_cp_tp")   # all ranks: the expert-parallel group under TP
+        mesh["dp_shard", "ring", "ulysses"]._flatten("shard")   # ZeRO shards over these (same weights, same tp)
+        mesh["dp_replicate", "dp_shard", "ring", "ulysses"]._flatten("dp_cp")   # ranks that hold the same weights outside TP/EP
+        mesh["dp_replicate", "dp_shard", "ring", "ulysses", "tp"]._flatten("dp_cp_tp")   # all ranks: EP under TP
         from torch.distributed.distributed_c10d import _set_pg_timeout   # no public setter exists
 
         for name in self.MESH_GROUPS:
@@ -288,8 +346,9 @@ class Layout:
         return mesh
 
 
-def add_layout_args(parser, sp: bool = True) -> None:
-    """The layout flags of train and infer (left out: the config's "layout" section, else 1 / zigzag)."""
+def add_layout_args(parser, sp: bool = True, data_parallel: bool = False) -> None:
+    """The layout flags of train and infer (left out: the config's "layout" section, else 1 / zigzag);
+    ``data_parallel``: also the sharded data-parallel flags (training)."""
     from distlab.bench import positive_int
 
     parser.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel degree")
@@ -299,3 +358,10 @@ def add_layout_args(parser, sp: bool = True) -> None:
     parser.add_argument("--ulysses", type=positive_int, default=None, help="context parallelism: Ulysses degree")
     parser.add_argument("--layout", "--cp-layout", dest="cp_layout", choices=("zigzag", "contiguous", "balanced"),
                         default=None, help="sequence layout of the CP axes, as in the CP studies")
+    if data_parallel:
+        parser.add_argument("--dp-shard", type=positive_int, default=None, help="shard weights, gradients and AdamW "
+                            "state over this many data-parallel ranks (x the CP ranks): ZeRO, distlab.zero")
+        parser.add_argument("--dp-replicate", type=positive_int, default=None, help="HSDP: replicas of the sharded "
+                            "group (default: what --dp-shard leaves of dp)")
+        parser.add_argument("--zero", type=int, choices=(1, 2, 3), default=None, help="what is sharded: 1 optimizer "
+                            "state, 2 + gradients, 3 + parameters (default 3 with --dp-shard)")

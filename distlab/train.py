@@ -50,7 +50,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def make_optimizer(model, cfg: TrainConfig):
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    params = model.optimizer_parameters() if hasattr(model, "optimizer_parameters") else model.parameters()
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
 
 
 def average_gradients(params, group=None) -> None:
@@ -101,6 +102,8 @@ def train_step(model, optimizer, ids, targets, step, cfg: TrainConfig, group=Non
         average_gradients(params, group)
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
     optimizer.step()
+    if hasattr(model, "after_step"):
+        model.after_step()
     return (comm.all_reduce_raw(loss.detach().reshape(1), group) / comm.group_size(group)).item()
 
 

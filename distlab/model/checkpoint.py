@@ -64,7 +64,15 @@ def _is_parallel(model) -> bool:
     return hasattr(model, "full_tensors")
 
 
+def _trained(model) -> list:
+    """The tensors the optimizer steps: the parameters, or ZeRO's pieces (``distlab.zero``)."""
+    return model.optimizer_parameters() if hasattr(model, "optimizer_parameters") else list(model.parameters())
+
+
 def _full(model, get) -> dict:
+    """``get(t)`` of every trained tensor ``t``, in the one-device names (ZeRO's pieces gathered)."""
+    if getattr(model, "zero", None) is not None:
+        return model.zero.full_tensors(get)
     if _is_parallel(model):
         return model.full_tensors(get)
     return {name: get(p) for name, p in model.named_parameters()}
@@ -305,7 +313,7 @@ def load(path, cfg, build, make_optimizer):
     for key in ("exp_avg", "exp_avg_sq"):
         holder = Llama(cfg)
         holder.load_state_dict({**weights, **{n: moments[f"{key}.{n}"] for n in names}}, strict=not cfg.tie_embeddings)
-        for p, q in zip(model.parameters(), build(holder).parameters()):
+        for p, q in zip(_trained(model), _trained(build(holder))):
             optimizer.state[p][key] = q.detach().clone()
             optimizer.state[p]["step"] = moments["adam_step"].reshape(()).clone()
     return model, optimizer, step

@@ -14,7 +14,8 @@ the ``distlab.runtime.Layout`` says over the mesh it built:
   (``cp_layout`` contiguous or zigzag, the USP piece order of ``distlab.cp.layout``); attention runs as
   ring attention (ulysses = 1), Ulysses (ring = 1) or USP on the tp-local heads, and RoPE uses the
   pieces' global positions; the loss is each rank's mean over its tokens;
-- ``dp`` replicates all of it; ``sync_gradients()`` averages every gradient over ``dp`` × ``cp`` (the
+- ``dp`` replicates all of it, or with ``layout.dp_shard`` shards it (ZeRO-1/2/3, ``distlab.zero``: the
+  optimizer then steps ``optimizer_parameters()``, and ``after_step()`` follows it); ``sync_gradients()`` averages every gradient over ``dp`` × ``cp`` (the
   ranks holding the same weights) and sums the copies of replicated kv heads over ``tp`` — call it after
   ``backward()``, before the optimizer.
 
@@ -96,6 +97,11 @@ class ParallelLlama(torch.nn.Module):
         if ref.cfg.tie_embeddings:   # both hold vocabulary rows [r·V/tp, (r+1)·V/tp): one parameter, as on one device
             self.head.weight = self.embed.weight
         self._tag_parameters()
+        self.zero = None
+        if layout.sharded:   # ZeRO over dp_shard x cp: the pieces are what the optimizer steps
+            from distlab.zero.sharded import ZeroEngine
+
+            self.zero = ZeroEngine(self, layout, mesh)
 
     def _tag_parameters(self) -> None:
         """``param.distlab_sharding``: "tp" (a slice over the tp group), "ep" (an expert, on one rank of the ep
@@ -111,6 +117,17 @@ class ParallelLlama(torch.nn.Module):
             if b.moe is not None:
                 for p in (b.moe.w_gate, b.moe.w_up, b.moe.w_down):
                     p.distlab_sharding = "ep"
+            if b.kv_copies > 1:   # (first element of the kv rows, copies): the gradient norm counts them once
+                b.qkv.weight.distlab_kv_copies = (b.local_heads * b.head_dim * b.qkv.weight.shape[1], b.kv_copies)
+
+    def optimizer_parameters(self) -> list:
+        """What the optimizer steps: the parameters, or under ZeRO the pieces this rank owns (and the experts)."""
+        return self.zero.optimizer_parameters() if self.zero else list(self.parameters())
+
+    def after_step(self) -> None:
+        """After the optimizer step (ZeRO-1/2 gather the updated pieces back into the parameters)."""
+        if self.zero:
+            self.zero.after_step()
 
     def parameters_tagged(self, tag: str):
         return [p for p in self.parameters() if p.distlab_sharding == tag]
@@ -205,6 +222,8 @@ class ParallelLlama(torch.nn.Module):
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> float:
+        if self.zero:
+            return self.zero.clip_grad_norm(max_norm)
         norm = self.grad_norm()
         scale = min(1.0, max_norm / (norm.item() + 1e-6))
         for p in self.parameters():
@@ -214,6 +233,8 @@ class ParallelLlama(torch.nn.Module):
 
     @torch.no_grad()
     def sync_gradients(self):
+        if self.zero:
+            return self.zero.finish_gradients()
         for block in self.blocks:
             block.sync_replicated_kv_grads()
             block.sync_router_grads()

@@ -97,6 +97,15 @@ class _Residual:
         return (rope(q, self.rope_base, positions=positions, scaling=self.rope_scaling),
                 rope(k, self.rope_base, positions=positions, scaling=self.rope_scaling))
 
+    def attn(self, x, positions=None, docs=None, cache=None):
+        """The attention branch on the normed ``x``: projections, RoPE, the attention child, the output
+        projection (split so activation checkpointing can leave the attention core out of a recompute)."""
+        q, k, v = self.project_qkv(x, positions)
+        return self.project_out(self.attend(q, k, v, docs, cache))
+
+    def project_out(self, a):
+        return self.o(a.reshape(*a.shape[:2], -1))
+
     def attend(self, q, k, v, docs=None, cache=None):
         """The attention child module on (q, k, v) after RoPE: row by row for packed ``docs``; through
         ``cache.attend(q, k, v, attention)`` when a KV cache takes part (``distlab.infer``)."""
@@ -160,12 +169,13 @@ class LlamaBlock(_Residual, torch.nn.Module):
         self.gate_up = torch.nn.Linear(hidden, 2 * ffn, bias=False, **kw) if moe is None else None
         self.down = torch.nn.Linear(ffn, hidden, bias=False, **kw) if moe is None else None
 
-    def attn(self, x, positions=None, docs=None, cache=None):
+    def project_qkv(self, x, positions=None):
+        """(q, k, v) as (b, s, heads, d), q and k after RoPE."""
         b, s, _ = x.shape
         d = self.head_dim
         q, k, v = self.qkv(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
         q, k = self.positioned(q.view(b, s, -1, d), k.view(b, s, -1, d), positions)
-        return self.o(self.attend(q, k, v.view(b, s, -1, d), docs, cache).reshape(b, s, -1))
+        return q, k, v.view(b, s, -1, d)
 
 
 
@@ -234,14 +244,15 @@ class TPLlamaBlock(_Residual, torch.nn.Module):
         mine = comm.split_to_group(rows, self.group, 0)
         return comm.gather_from_group(super().mlp(mine), self.group, 0)[:b * s].view(b, s, h)
 
-    def attn(self, x, positions=None, docs=None, cache=None):
+    def project_qkv(self, x, positions=None):
+        """This rank's (q, k, v) heads as (b, s, heads, d) over the full sequence, q and k after RoPE."""
         y = self.qkv(x)                                   # (b, s, local q + 2 local kv heads)·d, full sequence
         b, s, _ = y.shape
         d = self.head_dim
         q, k, v = y.split([self.local_heads * d, self.local_kv * d, self.local_kv * d], -1)
         q, k = self.positioned(q.view(b, s, -1, d), k.view(b, s, -1, d), positions,
                                lambda n: comm.copy_to_group(n.weight, self.group))
-        return self.o(self.attend(q, k, v.view(b, s, -1, d), docs, cache).reshape(b, s, -1))
+        return q, k, v.view(b, s, -1, d)
 
 
     def sync_replicated_kv_grads(self):
