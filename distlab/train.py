@@ -25,6 +25,7 @@ the one-device norm.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -40,6 +41,10 @@ from distlab.model.llama import Llama
 from distlab.model.parallel import ParallelLlama
 from distlab.runtime import Layout, add_layout_args, init_runtime, shutdown
 from distlab.bench import StudyParser, nonnegative_int, positive_int, run_study, write_json
+from distlab.zero import checkpoint_blocks
+from distlab.zero import memory as memory_model
+from distlab.zero.memory import saved_activations
+from distlab.zero.torch_fsdp import check_supported
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -82,17 +87,30 @@ def peak_tflops(device) -> float | None:
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
-def train_step(model, optimizer, ids, targets, step, cfg: TrainConfig, group=None, amp_dtype=None, ctx=None) -> float:
+def train_step(model, optimizer, ids, targets, step, cfg: TrainConfig, group=None, amp_dtype=None, ctx=None,
+               memory: dict | None = None) -> float:
     """One optimizer step on this rank's share of the batch; returns the loss averaged over the ranks that
     hold different data. A sharded model (``ParallelLlama``) synchronises and clips its own gradients.
     ``amp_dtype`` (bf16 on GPU): autocast the forward, weights and optimizer stay float32. ``ctx``: the
-    packed documents' keyword arguments of ``model.loss`` (``docs``, and ``positions`` for a sharded model)."""
+    packed documents' keyword arguments of ``model.loss`` (``docs``, and ``positions`` for a sharded model).
+    ``memory``: a dict to fill with the bytes autograd saved (``activations``) and, on CUDA, the peak
+    allocated over the forward and backward above what was allocated before (``cuda_peak``)."""
     for group_ in optimizer.param_groups:
         group_["lr"] = lr_at(step, cfg)
     optimizer.zero_grad(set_to_none=False)
-    with torch.autocast(ids.device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
+    cuda = memory is not None and ids.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    with torch.autocast(ids.device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None), \
+            (saved_activations() if memory is not None else contextlib.nullcontext()) as saved:
         loss = model.loss(ids, targets, **(ctx or {}), label_smoothing=cfg.label_smoothing)
     loss.backward()
+    if memory is not None:
+        memory["activations"] = saved.bytes
+        if cuda:
+            memory["cuda_peak"] = torch.cuda.max_memory_allocated() - before
     if hasattr(model, "sync_gradients"):
         model.sync_gradients()
         model.clip_grad_norm(cfg.grad_clip)
@@ -105,6 +123,19 @@ def train_step(model, optimizer, ids, targets, step, cfg: TrainConfig, group=Non
     if hasattr(model, "after_step"):
         model.after_step()
     return (comm.all_reduce_raw(loss.detach().reshape(1), group) / comm.group_size(group)).item()
+
+
+def report_memory(model, optimizer, measured, mcfg, layout, tcfg, ac, amp, rt) -> None:
+    """Every rank's held bytes next to ``distlab.zero.memory.predict``; rank 0 prints the table."""
+    row = {"rank": rt.rank, "held": {**memory_model.held(model, optimizer), "activations": measured["activations"]},
+           "predicted": memory_model.predict(mcfg, layout, tcfg.batch, tcfg.seq, 4, ac, 2 if amp else 4)}
+    if "cuda_peak" in measured:
+        row["cuda"] = {"activations": measured["cuda_peak"]}
+    rows = [None] * rt.world_size
+    dist.all_gather_object(rows, row)
+    if rt.is_main:
+        print(f"memory per rank after step 1 ({layout.describe()}, --ac {ac}; held = counted tensors, CUDA = peak "
+              "allocated over forward+backward above the step's start):\n" + memory_model.table(rows), flush=True)
 
 
 def progress(step, total, loss, tokens_per_s, width=24, mfu=None) -> str:
@@ -126,7 +157,14 @@ def main(argv=None):
                    "one in --checkpoint-dir (none yet: start from step 0)")
     p.add_argument("--json", metavar="PATH", help="write the loss curve (rank 0)")
     p.add_argument("--device", default=None)
-    add_layout_args(p)
+    add_layout_args(p, data_parallel=True)
+    p.add_argument("--fsdp-impl", choices=("hand", "torch"), default="hand", help="with --dp-shard: distlab.zero's "
+                   "hand-written ZeRO, or PyTorch's FSDP2 (the anchor)")
+    p.add_argument("--ac", choices=("none", "full", "selective"), default="none", help="activation checkpointing "
+                   "of each block (selective: the attention core and matmul outputs kept, the rest recomputed)")
+    p.add_argument("--memory", action="store_true", help="print each rank's bytes of parameters, gradients, AdamW "
+                   "state and activations after the first step, next to the model's prediction (and ZeRO's "
+                   "collectives per step)")
     p.add_argument("--pack", action="store_true", help="packed documents: each corpus file a document, no "
                    "attention across documents, RoPE restarting in each, the loss over non-ignored targets")
     p.add_argument("--amp", choices=("bf16", "none"), default=None, help="autocast (default: bf16 on GPU, none on CPU)")
@@ -141,6 +179,10 @@ def main(argv=None):
         tcfg.checkpoint_every = a.checkpoint_every
     rt = init_runtime(device=a.device, seed=tcfg.seed)
     layout = Layout.from_args(a, rt.world_size, load_layout(a.config), tcfg.batch)   # ValueError on every rank
+    if a.fsdp_impl == "torch":
+        if not layout.sharded:
+            raise ValueError("--fsdp-impl torch is the FSDP2 anchor of sharded data parallelism: give --dp-shard N")
+        check_supported(layout, mcfg)
     if a.resume == "latest":
         if not a.checkpoint_dir:
             raise ValueError("--resume latest looks in --checkpoint-dir: give one")
@@ -152,8 +194,11 @@ def main(argv=None):
         checkpoint.check_folder(a.resume, mcfg)   # before any collective: wrong, damaged or another model's
     # every multi-rank run is a ParallelLlama (dp alone too): its loss is the global batch's mean over the
     # non-ignored targets, whatever share of them each rank holds
-    mesh = layout.build_mesh(rt.device.type) if rt.world_size > 1 else None
-    build = (lambda ref: ParallelLlama(ref.to(rt.device), layout, mesh)) if mesh else (lambda ref: ref.to(rt.device))
+    mesh = layout.build_mesh(rt.device.type) if rt.world_size > 1 or layout.sharded else None
+    def build(ref):
+        model = ParallelLlama(ref.to(rt.device), layout, mesh, a.fsdp_impl) if mesh else ref.to(rt.device)
+        return checkpoint_blocks(model, a.ac)
+
     if a.resume:   # consolidated checkpoint: any layout can resume any other's
         model, optimizer, start = checkpoint.load(a.resume, mcfg, build, lambda m: make_optimizer(m, tcfg))
         if rt.is_main:
@@ -168,7 +213,8 @@ def main(argv=None):
     amp = {"bf16": torch.bfloat16, "none": None}[a.amp or ("bf16" if rt.device.type == "cuda" else "none")]
     peak = a.peak_tflops or peak_tflops(rt.device)
     flops = flops_per_token(mcfg, tcfg.seq)
-    losses, t0, tokens, rates = {}, time.perf_counter(), 0, []
+    losses, t0, tokens, rates, counts = {}, time.perf_counter(), 0, [], {}
+    measured = {} if a.memory else None
     for step in range(start, end):
         ctx = None
         if a.pack:
@@ -179,7 +225,11 @@ def main(argv=None):
             if mesh:
                 ids, targets, ctx = model.shard_batch(ids, targets)
         losses[step] = train_step(model, optimizer, ids.to(rt.device), targets.to(rt.device), step, tcfg,
-                                  amp_dtype=amp, ctx=ctx)   # .item() of the loss: the step has finished here
+                                  amp_dtype=amp, ctx=ctx, memory=measured if step == start else None)
+        if getattr(model, "zero", None) is not None:   # .item() of the loss above: the step has finished here
+            counts = model.zero.step_counts()
+        if a.memory and step == start:
+            report_memory(model, optimizer, measured, mcfg, layout, tcfg, a.ac, amp, rt)
         tokens += tcfg.batch * tcfg.seq
         if step % tcfg.log_every == 0 or step == end - 1:   # rate over the steps since the last line
             rate = tokens / (time.perf_counter() - t0)
@@ -201,8 +251,11 @@ def main(argv=None):
             rate, mfu = rates[-1]
             print(f"throughput (last window): {rate:,.0f} tok/s" + (f", MFU {100 * mfu:.1f}% of {peak:g} TFLOP/s "
                   f"x {rt.world_size} ({flops / 1e9:.2f} GFLOP/token)" if mfu else ""))
+        if counts:
+            print(f"ZeRO-{layout.zero} per step (the last): " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
         if a.json:
             write_json(a.json, {"losses": {str(k): v for k, v in losses.items()}, "world_size": rt.world_size,
+                                "layout": layout.describe(), "ac": a.ac, "zero_counts": counts,
                                 "tokens_per_s": [r for r, _ in rates], "mfu": [m for _, m in rates],
                                 "flops_per_token": flops, "peak_tflops": peak, "device": str(rt.device)})
     dist.barrier()

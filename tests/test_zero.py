@@ -93,43 +93,44 @@ def test_sharded_matches_one_device(pools, case):
             assert counts["all_gather"] >= 2 * (2 * 2 + 1) - 1, counts
 
 
-def sharded_vs_replicated(dtype, steps=2, ac="none", **layout):
-    """ZeRO against replicated DP in the same layout otherwise, on the same batches: each step's loss, the
-    first step's gradients (after clipping) and the weights after the AdamW steps, as relative errors."""
+def train_steps(dtype, steps=2, ac="none", fsdp_impl="hand", **layout):
+    """(each step's loss, the first step's gradients after clipping, the weights after the AdamW steps)."""
     from distlab.train import make_optimizer, train_step
 
     cfg = TrainConfig(lr=1e-2, warmup=1, steps=10, grad_clip=1.0)
-    out = {}
-    replicated = {k: v for k, v in layout.items() if k not in ("dp_shard", "dp_replicate", "zero")}
-    for name, kw, mode in (("replicated", replicated, "none"), ("sharded", layout, ac)):
-        model = build(reference(dtype), mode, **kw)
-        optimizer = make_optimizer(model, cfg)
-        step_grads = lambda: grads_of(model)   # noqa: E731
-        losses, grads = [], None
-        for step in range(steps):
-            ids, targets, ctx = model.shard_batch(*batch(corpus(), step, 4, 16))
-            if step == 0:   # the gradients the first AdamW step sees
-                original = optimizer.step
-                optimizer.step = lambda: (grads_seen.append(step_grads()), original())[1]   # noqa: E731
-                grads_seen = []
-            losses.append(train_step(model, optimizer, ids, targets, step, cfg, ctx=ctx))
-            if step == 0:
-                optimizer.step, grads = original, grads_seen[0]
-        weights = model.zero.full_tensors(lambda p: p.detach()) if model.zero else \
-            model.full_tensors(lambda p: p.detach())
-        out[name] = (losses, grads, weights)
-    (la, ga, wa), (lb, gb, wb) = out["replicated"], out["sharded"]
+    layout = Layout.for_model(comm.group_size(), **layout)
+    model = checkpoint_blocks(ParallelLlama(reference(dtype), layout, layout.build_mesh("cpu"), fsdp_impl), ac)
+    optimizer = make_optimizer(model, cfg)
+    original, seen, losses = optimizer.step, [], []
+    optimizer.step = lambda: (seen.append(grads_of(model)), original())[1]   # noqa: E731
+    for step in range(steps):
+        ids, targets, ctx = model.shard_batch(*batch(corpus(), step, 4, 16))
+        losses.append(train_step(model, optimizer, ids, targets, step, cfg, ctx=ctx))
+    weights = model.zero.full_tensors(lambda p: p.detach()) if model.zero else model.full_tensors(lambda p: p.detach())
+    return losses, seen[0], weights
+
+
+def sharded_vs_replicated(dtype, ac="none", fsdp_impl="hand", **layout):
+    """ZeRO against replicated DP in the same layout otherwise (or, ``fsdp_impl="torch"``, FSDP2 against the
+    hand-written ZeRO), on the same batches: relative errors of the losses, the gradients, the weights."""
+    if fsdp_impl == "torch":
+        la, ga, wa = train_steps(dtype, ac=ac, **layout)
+    else:
+        la, ga, wa = train_steps(dtype, **{k: v for k, v in layout.items() if k not in ("dp_shard", "dp_replicate", "zero")})
+    lb, gb, wb = train_steps(dtype, ac=ac, fsdp_impl=fsdp_impl, **layout)
     return (max(abs(a - b) / abs(a) for a, b in zip(la, lb)), max(rel(gb[k], ga[k]) for k in ga),
             max(rel(wb[k], wa[k]) for k in wa))
 
 
 REPLICATED = [dict(dp_shard=4, zero=1), dict(dp_shard=4, zero=2), dict(dp_shard=4), dict(dp_shard=2, tp=2),
-              dict(dp_shard=2, dp_replicate=2, ac="selective"), dict(dp_shard=2, ring=2, ac="full")]
+              dict(dp_shard=2, dp_replicate=2, ac="selective"), dict(dp_shard=2, ring=2, ac="full"),
+              dict(dp_shard=4, fsdp_impl="torch"), dict(dp_shard=2, ring=2, fsdp_impl="torch", zero=2),
+              dict(dp_shard=2, dp_replicate=2, fsdp_impl="torch")]
 
 
 @pytest.mark.parametrize("case", REPLICATED, ids=[_name(c) for c in REPLICATED])
 def test_adamw_steps_match_replicated(pools, case):
-    """float32: losses and gradients within 1e-6 (bit-equal when every sum has two terms, as the shard and
+    """ZeRO against replicated DP, and FSDP2 against the hand-written ZeRO. float32: losses and gradients within 1e-6 (bit-equal when every sum has two terms, as the shard and
     replica groups of 2 give); the weights after AdamW in float64 within 1e-10. (In float32 AdamW's first
     update lr·g/(|g|+eps) turns an ulp of a near-zero gradient, summed in another order over 4 ranks, into
     ~1e-5 of a weight: the optimizer's conditioning, not the sharding.)"""
@@ -156,3 +157,51 @@ def bad_layout(**layout):
 def test_bad_sharding_refused_on_every_rank(pools, layout, message):
     for ok, text in pools(4).run_all(bad_layout, **layout):
         assert not ok and message in text, text
+
+
+def test_train_checkpoints_reshard_across_zero_layouts(tmp_path):
+    """distlab.train --dp-shard 4 saves consolidated checkpoints: resumed in the same layout it repeats the
+    run bit for bit; resumed at --dp-shard 2 --tp 2 (hand) or under FSDP2 it follows it; --memory prints
+    the table and the collectives of a step."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def run(*flags):
+        out = tmp_path / f"run{len(list(tmp_path.glob('*.json')))}.json"
+        cmd = [sys.executable, "-m", "distlab", "run", "--nproc", "4", "-m", "distlab.train", "--config", "tiny",
+               "--steps", "6", "--device", "cpu", "--json", str(out), *flags]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(out.read_text()), proc.stdout
+
+    straight, text = run("--dp-shard", "4", "--ac", "selective", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                         "--checkpoint-every", "3", "--memory")
+    assert "parameters" in text and "ZeRO-3 per step (the last): all_gather 5, hooks" in text, text
+    assert straight["zero_counts"]["reduce_scatter"] == 3                 # 2 blocks + the root
+    step3 = str(tmp_path / "ckpt" / "step_3")
+    same, _ = run("--dp-shard", "4", "--ac", "selective", "--resume", step3)
+    assert same["losses"] == {s: straight["losses"][s] for s in same["losses"]}   # bit for bit
+    for flags in (("--dp-shard", "2", "--tp", "2"), ("--dp-shard", "2", "--dp-replicate", "2", "--fsdp-impl", "torch")):
+        other, _ = run(*flags, "--resume", step3)
+        assert sorted(other["losses"], key=int) == ["3", "4", "5"]
+        assert all(abs(other["losses"][s] - straight["losses"][s]) < 1e-4 for s in other["losses"]), (flags, other)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (("--dp-shard", "3"), "--dp-shard 3 does not divide the 2 data-parallel ranks"),
+    (("--dp-shard", "1", "--tp", "2", "--fsdp-impl", "torch"), "--fsdp-impl torch runs with --tp 1"),
+    (("--fsdp-impl", "torch",), "give --dp-shard N"),
+    (("--zero", "2",), "give --dp-shard N too"),
+])
+def test_train_refuses_bad_sharding_on_every_rank(flags, message):
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "distlab", "run", "--nproc", "2", "-m", "distlab.train", "--config", "tiny",
+           "--steps", "1", "--device", "cpu", *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2 and "error (ranks 0, 1)" in proc.stderr and message in proc.stderr, proc.stderr[-2000:]

@@ -66,7 +66,9 @@ class ContextAttention(torch.nn.Module):
 
 
 class ParallelLlama(torch.nn.Module):
-    def __init__(self, ref: Llama, layout: Layout, mesh):
+    def __init__(self, ref: Llama, layout: Layout, mesh, fsdp_impl: str = "hand"):
+        """``fsdp_impl``: with a sharded layout, the hand-written ZeRO (``distlab.zero.sharded``) or PyTorch's
+        FSDP2 (``distlab.zero.torch_fsdp``, the anchor)."""
         super().__init__()
         layout.validate()
         sequence_parallel, cp_layout = layout.sp, layout.cp_layout
@@ -99,9 +101,12 @@ class ParallelLlama(torch.nn.Module):
         self._tag_parameters()
         self.zero = None
         if layout.sharded:   # ZeRO over dp_shard x cp: the pieces are what the optimizer steps
+            if fsdp_impl not in ("hand", "torch"):
+                raise ValueError(f"--fsdp-impl {fsdp_impl!r}: hand (distlab.zero) or torch (FSDP2)")
             from distlab.zero.sharded import ZeroEngine
+            from distlab.zero.torch_fsdp import TorchFSDP
 
-            self.zero = ZeroEngine(self, layout, mesh)
+            self.zero = (ZeroEngine if fsdp_impl == "hand" else TorchFSDP)(self, layout, mesh)
 
     def _tag_parameters(self) -> None:
         """``param.distlab_sharding``: "tp" (a slice over the tp group), "ep" (an expert, on one rank of the ep
