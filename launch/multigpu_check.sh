@@ -5,7 +5,7 @@
 # is split into parts, one call each, every command under its own time limit:
 #
 #   bash launch/multigpu_check.sh OUTDIR [N] [PART]   # N: the GPUs nvidia-smi sees; PART: all (default),
-#                                                     # parity, collectives, cp, tp, moe, model
+#                                                     # parity, collectives, cp, tp, moe, model, zero
 #
 # parity: every CP method, TP/SP/async TP and EP with --check (each study exits 1 above its tolerance),
 #    fp32 and bf16; the bf16 error at W=N is printed next to W=1's for the same problem;
@@ -15,7 +15,10 @@
 # tp: the TP/SP block at TP 2/4/8 (where N allows), with and without async TP;
 # moe: the MoE layer at EP N on the Mixtral proxy;
 # model: llama-block-8gpu (tp 2 · SP · ulysses 2 · ring 2) training with MFU on 8, MoE under TP × CP on
-#    4, and CP prefill + decode against the one-device greedy tokens.
+#    4, and CP prefill + decode against the one-device greedy tokens;
+# zero: the small preset at --dp-shard N, ZeRO 1/2/3 (hand) and FSDP2 (the anchor), HSDP, --ac full:
+#    tokens/s and MFU against replicated DP (what the prefetched all-gathers and async reduce-scatters
+#    failed to hide), --memory per rank (held vs predicted, CUDA peak), ZeRO's collectives per step.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"   # $out, $py, $status, the multicast variables, pack_logs
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
@@ -87,6 +90,18 @@ if [ "$n" -ge 4 ]; then
   run 4 distlab.infer --config small --ring 2 --tp 2 --steps 32 --check --json "$out/infer_tp2_ring2.json" | tail -1 || status=1
 fi
 run "$n" distlab.infer --config small --ring "$n" --steps 32 --check --json "$out/infer_ring$n.json" | tail -1 || status=1
+fi
+if want zero; then
+echo "== 7. sharded data parallelism at dp-shard $n (small preset) =="
+run "$n" distlab.train --config small --steps 20 --json "$out/zero_replicated.json" | tail -1 || status=1
+for z in 1 2 3; do
+  run "$n" distlab.train --config small --steps 20 --dp-shard "$n" --zero $z --memory --json "$out/zero$z.json" \
+    | grep -vE "^\[" || status=1
+done
+run "$n" distlab.train --config small --steps 20 --dp-shard "$n" --fsdp-impl torch --json "$out/zero3_fsdp2.json" | tail -1 || status=1
+run "$n" distlab.train --config small --steps 20 --dp-shard "$n" --ac full --memory --json "$out/zero3_ac.json" | tail -2 || status=1
+[ "$n" -ge 4 ] && { run "$n" distlab.train --config small --steps 20 --dp-shard 2 --dp-replicate $((n / 2)) \
+  --json "$out/hsdp.json" | tail -1 || status=1; }
 fi
 pack_logs
 exit $status

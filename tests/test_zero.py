@@ -1,6 +1,8 @@
 """Sharded data parallelism (ZeRO-1/2/3, HSDP) and activation checkpointing against one device and against
 replicated DP, on real gloo process groups."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -10,7 +12,23 @@ from distlab.model.config import TrainConfig
 from distlab.model.data import batch, corpus
 from distlab.model.parallel import ParallelLlama
 from distlab.runtime import Layout
+from distlab.testing import ProcessGroupPool
 from distlab.zero import checkpoint_blocks
+
+
+@contextlib.contextmanager
+def fresh_pool(pools, world, fsdp2):
+    """The shared pool, or for a task that runs FSDP2 a pool of its own: DTensor caches what it derives from a
+    mesh by the mesh's value (shape, ranks, names), so a later task's equal mesh got a cached mesh whose
+    groups the shared pool had destroyed after the earlier task ("Could not resolve the process group")."""
+    if not fsdp2:
+        yield pools(world)
+        return
+    pool = ProcessGroupPool(world)
+    try:
+        yield pool
+    finally:
+        pool.close()
 
 
 def rel(a, b):
@@ -136,12 +154,14 @@ def test_adamw_steps_match_replicated(pools, case):
     ~1e-5 of a weight: the optimizer's conditioning, not the sharding.)"""
     two_term = case.get("dp_shard", 1) * case.get("ring", 1) <= 2 and case.get("dp_replicate", 1) <= 2 and \
         case.get("dp_shard", 1) * case.get("dp_replicate", 1) * case.get("ring", 1) <= 2
-    for loss_err, grad_err, weight_err in pools(4).run(sharded_vs_replicated, torch.float32, **case):
-        assert loss_err <= 1e-6 and grad_err <= 1e-6, (loss_err, grad_err)
-        if two_term:
-            assert loss_err == grad_err == weight_err == 0.0, (loss_err, grad_err, weight_err)
-    for loss_err, grad_err, weight_err in pools(4).run(sharded_vs_replicated, torch.float64, **case):
-        assert max(loss_err, grad_err, weight_err) <= 1e-10, (loss_err, grad_err, weight_err)
+    with fresh_pool(pools, 4, case.get("fsdp_impl") == "torch") as pool:
+        for loss_err, grad_err, weight_err in pool.run(sharded_vs_replicated, torch.float32, **case):
+            assert loss_err <= 1e-6 and grad_err <= 1e-6, (loss_err, grad_err)
+            if two_term:
+                assert loss_err == grad_err == weight_err == 0.0, (loss_err, grad_err, weight_err)
+    with fresh_pool(pools, 4, case.get("fsdp_impl") == "torch") as pool:
+        for loss_err, grad_err, weight_err in pool.run(sharded_vs_replicated, torch.float64, **case):
+            assert max(loss_err, grad_err, weight_err) <= 1e-10, (loss_err, grad_err, weight_err)
 
 
 def bad_layout(**layout):
@@ -227,7 +247,9 @@ def save_then_load(path, dtype=torch.float32):   # checkpoints load into a float
 
 
 def test_checkpoints_reshard_across_zero_layouts(pools, tmp_path):
-    for errors in pools(4).run(save_then_load, str(tmp_path / "step_1")):
+    with fresh_pool(pools, 4, True) as pool:
+        results = pool.run(save_then_load, str(tmp_path / "step_1"))
+    for errors in results:
         for name, (state_err, loss_err, step) in errors.items():
             assert step == 1 and state_err == 0.0 and loss_err < 1e-6, (name, errors)
 

@@ -71,7 +71,9 @@ class FlatUnit:
         self.chunk = -(-self.numel // self.n)
         self.padded = self.chunk * self.n
         full = self.flatten([p.detach() for p in params])
-        self.shard = torch.nn.Parameter(full[self.rank * self.chunk:(self.rank + 1) * self.chunk].clone())
+        mine = full[self.rank * self.chunk:(self.rank + 1) * self.chunk]
+        # ZeRO-1/2: the piece is a view of the resident full buffer (AdamW updates it in place); ZeRO-3: its own
+        self.shard = torch.nn.Parameter(mine if keep_full else mine.clone())
         self.shard.distlab_sharding = "zero"
         self.full = full if keep_full else None
         self.gathered = keep_full
@@ -100,8 +102,11 @@ class FlatUnit:
         self.gathered = False
 
     def gather(self, piece: torch.Tensor | None = None, async_op: bool = False, out=None) -> Pending:
-        """All-gather ``piece`` (default: the shard) from every rank into ``out`` (default: a new buffer)."""
+        """All-gather ``piece`` (default: the shard) from every rank into ``out`` (default: a new buffer; the
+        piece is copied first when it is a view of ``out``)."""
         piece = self.shard.detach() if piece is None else piece
+        if out is not None and piece.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+            piece = piece.clone()
         out = piece.new_empty(self.padded) if out is None else out
         if self.n == 1:
             out.copy_(piece)

@@ -37,11 +37,28 @@ class TorchFSDP:
 
         check_supported(layout, model.cfg)
         self.model = model
-        shard_mesh = mesh["shard"] if layout.dp_replicate == 1 else mesh["dp_replicate", "shard"]
+        shard_mesh = self._fsdp_mesh(mesh, layout.dp_replicate)
         reshard = layout.zero == 3
         for block in model.blocks:
             fully_shard(block, mesh=shard_mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=shard_mesh, reshard_after_forward=reshard)
+
+    @staticmethod
+    def _fsdp_mesh(mesh, replicas):
+        """The 1-D shard mesh, or HSDP's 2-D (dp_replicate, shard) one, built from the mesh's existing groups:
+        slicing two flattened dims out of the root mesh left a group behind that a later mesh (a test's next
+        task, after the first's groups were destroyed) tried to reuse."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+
+        shard = mesh.get_group("shard")
+        if replicas == 1:
+            return DeviceMesh.from_group(shard, mesh.device_type, mesh_dim_names=("shard",))
+        replicate = mesh.get_group("dp_replicate")
+        rows = [None] * replicas
+        dist.all_gather_object(rows, dist.get_process_group_ranks(shard), group=replicate)
+        return DeviceMesh.from_group([replicate, shard], mesh.device_type, mesh=torch.tensor(rows),
+                                     mesh_dim_names=("dp_replicate", "shard"))
 
     def optimizer_parameters(self) -> list:
         return list(self.model.parameters())
