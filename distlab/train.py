@@ -125,10 +125,10 @@ def train_step(model, optimizer, ids, targets, step, cfg: TrainConfig, group=Non
     return (comm.all_reduce_raw(loss.detach().reshape(1), group) / comm.group_size(group)).item()
 
 
-def report_memory(model, optimizer, measured, mcfg, layout, tcfg, ac, amp, rt) -> None:
+def report_memory(model, optimizer, measured, mcfg, layout, tcfg, ac, rt) -> None:
     """Every rank's held bytes next to ``distlab.zero.memory.predict``; rank 0 prints the table."""
     row = {"rank": rt.rank, "held": {**memory_model.held(model, optimizer), "activations": measured["activations"]},
-           "predicted": memory_model.predict(mcfg, layout, tcfg.batch, tcfg.seq, 4, ac, 2 if amp else 4)}
+           "predicted": memory_model.predict(mcfg, layout, tcfg.batch, tcfg.seq, 4, ac)}
     if "cuda_peak" in measured:
         row["cuda"] = {"activations": measured["cuda_peak"]}
     rows = [None] * rt.world_size
@@ -229,7 +229,7 @@ def main(argv=None):
         if getattr(model, "zero", None) is not None:   # .item() of the loss above: the step has finished here
             counts = model.zero.step_counts()
         if a.memory and step == start:
-            report_memory(model, optimizer, measured, mcfg, layout, tcfg, a.ac, amp, rt)
+            report_memory(model, optimizer, measured, mcfg, layout, tcfg, a.ac, rt)
         tokens += tcfg.batch * tcfg.seq
         if step % tcfg.log_every == 0 or step == end - 1:   # rate over the steps since the last line
             rate = tokens / (time.perf_counter() - t0)

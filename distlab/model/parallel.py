@@ -213,7 +213,8 @@ class ParallelLlama(torch.nn.Module):
         """The 2-norm of the whole model's gradient (as one device would compute it), after ``sync_gradients``:
         tp-sharded weights summed over tp (a kv head copied on c ranks counted 1/c each), experts over ep,
         replicated parameters once."""
-        sums = {tag: torch.zeros((), dtype=torch.float64) for tag in ("replicated", "tp", "ep")}
+        device = self.norm.weight.device
+        sums = {tag: torch.zeros((), dtype=torch.float64, device=device) for tag in ("replicated", "tp", "ep")}
         for p in self.parameters():
             if p.grad is not None:
                 sums[p.distlab_sharding] += p.grad.double().square().sum()

@@ -94,10 +94,10 @@ def parameter_counts(cfg: ModelConfig, tp: int = 1, ep: int = 1) -> dict:
     return {"sharded": cfg.layers * (attention + norms + mlp) + embed + cfg.hidden, "experts": cfg.layers * experts}
 
 
-def predict(cfg: ModelConfig, layout, batch: int, seq: int, bytes_per_value: int = 4, ac: str = "none",
-            activation_bytes: int | None = None) -> dict:
+def predict(cfg: ModelConfig, layout, batch: int, seq: int, bytes_per_value: int = 4, ac: str = "none") -> dict:
     """The model's bytes per rank for this layout (see the module docstring); activations only for
-    ``ac="full"`` (None otherwise: measured or counted, not modelled)."""
+    ``ac="full"`` (None otherwise: measured or counted, not modelled). ``bytes_per_value``: the weights'
+    dtype, which is also the residual stream's under autocast (only the matmuls run in bf16)."""
     counts = parameter_counts(cfg, layout.tp, layout.world_size)   # experts spread over every rank
     shards = layout.shard_degree if layout.sharded else 1
     zero = layout.zero if layout.sharded else 0
@@ -109,8 +109,7 @@ def predict(cfg: ModelConfig, layout, batch: int, seq: int, bytes_per_value: int
     out = {"parameters": (cut(3) + experts) * bytes_per_value, "gradients": (cut(2) + experts) * bytes_per_value,
            "optimizer": 2 * (cut(1) + experts) * bytes_per_value}
     t = batch // layout.dp * seq // layout.cp
-    act = activation_bytes or bytes_per_value
-    out["activations"] = ((cfg.layers + 3) * t * cfg.hidden * act + t * cfg.vocab // layout.tp * 4
+    out["activations"] = ((cfg.layers + 3) * t * cfg.hidden * bytes_per_value + t * cfg.vocab // layout.tp * 4
                           if ac == "full" else None)
     return out
 

@@ -195,8 +195,9 @@ class ZeroEngine:
     def grad_norm(self) -> torch.Tensor:
         """The one-device 2-norm from the pieces: replicated weights once, tp slices summed over tp (a kv head
         copied on c tp ranks counted 1/c), experts over ep."""
-        rep = torch.zeros((), dtype=torch.float64)
-        tp = torch.zeros((), dtype=torch.float64)
+        device = self.root.shard.device
+        rep = torch.zeros((), dtype=torch.float64, device=device)
+        tp = torch.zeros((), dtype=torch.float64, device=device)
         for u in self.units + [self.root]:
             g = u.shard.grad
             for p, start, stop, lo, hi in u.owned_pieces():
@@ -210,7 +211,7 @@ class ZeroEngine:
                     tp -= sq[max(kv_from - start, 0):].sum() * (1 - 1 / copies)
         both = comm.all_reduce_raw(torch.stack([rep, tp]), self.shard_group)
         ep = sum((p.grad.double().square().sum() for p in self.experts if p.grad is not None),
-                 torch.zeros((), dtype=torch.float64))
+                 torch.zeros((), dtype=torch.float64, device=device))
         total = both[0] + comm.all_reduce_raw(both[1], self.tp_group) + comm.all_reduce_raw(ep, self.ep_group)
         return total.sqrt()
 
