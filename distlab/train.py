@@ -162,6 +162,9 @@ def main(argv=None):
                    "hand-written ZeRO, or PyTorch's FSDP2 (the anchor)")
     p.add_argument("--ac", choices=("none", "full", "selective"), default="none", help="activation checkpointing "
                    "of each block (selective: the attention core and matmul outputs kept, the rest recomputed)")
+    p.add_argument("--fused-ce", nargs="?", type=positive_int, const=0, default=None, metavar="CHUNK",
+                   help="the LM head and the loss fused and chunked (distlab.kernels.fused_linear_ce): the logits "
+                   "are never held; CHUNK rows at a time (default: a chunk's logits no bigger than the hidden states)")
     p.add_argument("--memory", action="store_true", help="print each rank's bytes of parameters, gradients, AdamW "
                    "state and activations after the first step, next to the model's prediction (and ZeRO's "
                    "collectives per step)")
@@ -197,6 +200,8 @@ def main(argv=None):
     mesh = layout.build_mesh(rt.device.type) if rt.world_size > 1 or layout.sharded else None
     def build(ref):
         model = ParallelLlama(ref.to(rt.device), layout, mesh, a.fsdp_impl) if mesh else ref.to(rt.device)
+        if a.fused_ce is not None:
+            model.fused_ce = a.fused_ce or True
         return checkpoint_blocks(model, a.ac)
 
     if a.resume:   # consolidated checkpoint: any layout can resume any other's

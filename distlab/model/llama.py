@@ -36,17 +36,28 @@ class Llama(torch.nn.Module):
         if cfg.tie_embeddings:   # one matrix: the embedding's rows are the LM head's
             self.head.weight = self.embed.weight
 
-    def forward(self, ids, docs=None):
+    fused_ce = False   # True or a chunk of rows: the loss through distlab.kernels.fused_linear_ce
+
+    def forward(self, ids, docs=None, hidden_only=False):
         """``docs``: packed documents, one cu_seqlens per row of ``ids``: attention stays inside each
-        document and RoPE positions restart at every document start (as Llama 3 packs)."""
+        document and RoPE positions restart at every document start (as Llama 3 packs). ``hidden_only``: the
+        final norm's output, before the LM head."""
         positions = document_positions(docs, ids.shape[1]).to(ids.device) if docs is not None else None
         x = self.embed(ids)
         for block in self.blocks:
             x = block(x, positions, docs)
-        return self.head(self.norm(x))
+        h = self.norm(x)
+        return h if hidden_only else self.head(h)
 
     def loss(self, ids, targets, docs=None, label_smoothing=0.0):
-        """Mean cross-entropy over the targets that are not ``-100`` (ignored: a document's last token)."""
+        """Mean cross-entropy over the targets that are not ``-100`` (ignored: a document's last token);
+        with ``fused_ce`` the LM head and the loss in chunks, never holding the logits."""
+        if self.fused_ce:
+            from distlab.kernels.fused_linear_ce import fused_linear_cross_entropy
+
+            return fused_linear_cross_entropy(self(ids, docs, hidden_only=True), self.head.weight, targets,
+                                              chunk=None if self.fused_ce is True else self.fused_ce,
+                                              label_smoothing=label_smoothing)
         logits = self(ids, docs)
         logits = logits if logits.dtype == torch.float64 else logits.float()   # the loss in at least fp32
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,

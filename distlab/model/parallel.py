@@ -169,23 +169,35 @@ class ParallelLlama(torch.nn.Module):
                 raise ValueError(f"sequence piece {ids.shape[1]} is not divisible by the tensor-parallel size {tp}")
         return ids, targets, {"positions": positions}
 
-    def forward(self, ids, docs=None, positions=None, caches=None):
+    fused_ce = False   # True or a chunk of rows: the loss through distlab.kernels.fused_linear_ce
+
+    def forward(self, ids, docs=None, positions=None, caches=None, hidden_only=False):
         """This rank's logits (b, s, vocab/tp) for its ids (its piece of the sequence; the column layer
         gathers the sequence back under SP). ``docs``/``positions``: from ``shard_batch``; ``caches``: one KV
-        cache per block (``distlab.infer``)."""
+        cache per block (``distlab.infer``); ``hidden_only``: the final norm's output (this rank's SP shard)."""
         x = self.embed(ids)
         positions = positions.to(ids.device) if positions is not None else None
         for i, block in enumerate(self.blocks):
             x = block(x, positions, docs, caches[i] if caches is not None else None)
-        return self.head(self.norm(x))
+        h = self.norm(x)
+        return h if hidden_only else self.head(h)
 
     def loss(self, ids, targets, docs=None, positions=None, label_smoothing=0.0):
         """This rank's share of the global batch's mean cross-entropy over non-ignored targets (-100):
         n · (its sum) / (the count over all n = dp x cp ranks that hold different tokens), so averaging the
         losses and gradients over those ranks (``sync_gradients``) gives exactly the one-device mean, however
         unevenly the ignored targets fall. Under TP every rank of a tp group holds the same tokens."""
-        local = vocab_parallel_cross_entropy(self(ids, docs, positions), targets, self.tp_group, reduction="sum",
-                                             label_smoothing=label_smoothing)
+        if self.fused_ce:   # the column-parallel head's input, then its rows and the loss chunk by chunk
+            from distlab.kernels.fused_linear_ce import fused_linear_cross_entropy
+
+            h = self(ids, docs, positions, hidden_only=True)
+            h = comm.all_gather(h, self.tp_group, 1) if self.sp else comm.copy_to_group(h, self.tp_group)
+            local = fused_linear_cross_entropy(h, self.head.weight, targets, self.tp_group, reduction="sum",
+                                               chunk=None if self.fused_ce is True else self.fused_ce,
+                                               label_smoothing=label_smoothing)
+        else:
+            local = vocab_parallel_cross_entropy(self(ids, docs, positions), targets, self.tp_group,
+                                                 reduction="sum", label_smoothing=label_smoothing)
         count = comm.all_reduce_raw((targets != -100).sum().to(torch.float64).reshape(1), self.replica_group)
         n = comm.group_size(self.replica_group)
         return local * n / count.clamp_min(1).to(local.dtype).squeeze(0)   # no host sync on the step's path

@@ -1,0 +1,201 @@
+"""Fused linear + cross-entropy, chunked: the loss of ``x @ Wᵀ`` without ever holding ``[tokens, vocab]``.
+
+    python -m pytest tests/test_fused_ce.py
+    python -m distlab.kernels.fused_linear_ce --tokens 8192 --hidden 4096 --vocab 128256   # peak memory vs chunk
+
+``fused_linear_cross_entropy(x, weight, target, group=None, chunk=None, ...)`` is the mean (or sum)
+cross-entropy of the logits ``x @ weightᵀ`` over non-ignored targets, with ``weight`` this rank's rows of a
+vocabulary split over ``group`` (tensor parallelism: rows ``[r·V/tp, (r+1)·V/tp)``, as the column-parallel
+LM head holds them; ``group=None``: the whole vocabulary). It walks the tokens ``chunk`` rows at a time:
+
+1. logits of the chunk (``chunk × V/tp``, float32), their local log-sum-exp, the target's logit where this
+   rank holds it and (label smoothing) the logits' sum;
+2. under TP one all-gather of those three per-token numbers, from which every rank has the global
+   log-sum-exp: ``lse = logsumexp_r(lse_r)``;
+3. the gradient of the chunk's logits, ``softmax − (1−ε)·onehot − ε/V`` (× 1/count), straight away: its
+   product with ``weight`` is the chunk's ``dx`` (this rank's vocabulary's share; the caller's
+   ``copy_to_group`` sums it over tp) and with the chunk's ``x`` it adds to ``dweight`` (float32).
+
+So the forward does the backward's work too (as Liger's kernel does): the backward only scales the two
+saved gradients by the incoming one. Peak memory beyond the inputs: ``dx`` and ``dweight`` (the size of
+``x`` and ``weight``) plus two ``chunk × V/tp`` float32 buffers. **Chunk arithmetic**: the default makes a
+chunk's logits no bigger than ``x`` itself, ``chunk = N·H / (V/tp)`` rows (rounded down to a power of two,
+at least 1), so the extra peak is ~``2·|x|`` in float32 whatever the vocabulary: 8192 tokens × 4096 ×
+128256 vocab gives 256-row chunks, 2 × 125 MiB of logits, against 4 GiB for the full logits in float32
+(and 4 more for their gradient). Matmuls run in the autocast dtype when autocast is on (bf16 on a GPU),
+else in the inputs' dtype; the softmax and every accumulation in float32 (float64 for float64 inputs).
+
+The reference it is tested against is ``F.cross_entropy(x @ weightᵀ)`` (one device) and
+``vocab_parallel_cross_entropy`` (TP), forward and both gradients.
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from distlab import comm
+
+
+def default_chunk(tokens: int, hidden: int, local_vocab: int) -> int:
+    """The largest power of two ≤ tokens·hidden / local_vocab (≥ 1): a chunk's logits ≤ the hidden states."""
+    rows = max(1, tokens * hidden // max(1, local_vocab))
+    return 1 << (min(rows, tokens).bit_length() - 1)
+
+
+class _FusedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, target, group, chunk, ignore_index, reduction, smoothing, mm_dtype):
+        n, local_vocab = x.shape[0], weight.shape[0]
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        tp, start = comm.group_size(group), comm.group_rank(group) * local_vocab
+        vocab = local_vocab * tp
+        keep = target != ignore_index
+        count = keep.sum().clamp_min(1).to(acc) if reduction == "mean" else torch.ones((), dtype=acc, device=x.device)
+        w_mm = weight.to(mm_dtype)
+        dx = torch.empty(x.shape, dtype=acc, device=x.device)
+        dweight = torch.zeros(weight.shape, dtype=acc, device=x.device)
+        total = torch.zeros((), dtype=acc, device=x.device)
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            xc, tc, kc = x[lo:hi], target[lo:hi], keep[lo:hi]
+            logits = (xc.to(mm_dtype) @ w_mm.t()).to(acc)                      # (c, V/tp)
+            local = tc - start
+            mine = (local >= 0) & (local < local_vocab) & kc
+            idx = local.clamp(0, local_vocab - 1).unsqueeze(-1)
+            stats = torch.stack([torch.logsumexp(logits, -1), logits.gather(-1, idx).squeeze(-1) * mine,
+                                 logits.sum(-1)])                              # (3, c)
+            if tp > 1:
+                every = comm.all_gather_raw(stats[None], group, 0)             # (tp, 3, c)
+                lse, target_logit, logit_sum = (torch.logsumexp(every[:, 0], 0), every[:, 1].sum(0),
+                                                every[:, 2].sum(0))
+            else:
+                lse, target_logit, logit_sum = stats
+            per_token = lse - target_logit
+            if smoothing:
+                per_token = (1 - smoothing) * per_token + smoothing * (lse - logit_sum / vocab)
+            total += (per_token * kc).sum()
+            grad = logits.sub_(lse[:, None]).exp_()                            # softmax, in place of the logits
+            grad.scatter_add_(-1, idx, -(1 - smoothing) * mine[:, None].to(acc))
+            if smoothing:
+                grad.sub_(smoothing / vocab)
+            grad.mul_((kc.to(acc) / count)[:, None])
+            dx[lo:hi] = grad.to(mm_dtype) @ w_mm
+            dweight.addmm_(grad.t(), xc.to(acc))
+        ctx.save_for_backward(dx, dweight)
+        ctx.dtypes = (x.dtype, weight.dtype)
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        dx, dweight = ctx.saved_tensors
+        return (dx.mul(grad).to(ctx.dtypes[0]), dweight.mul(grad).to(ctx.dtypes[1]),
+                None, None, None, None, None, None, None)
+
+
+def fused_linear_cross_entropy(x, weight, target, group=None, chunk: int | None = None, ignore_index: int = -100,
+                               reduction: str = "mean", label_smoothing: float = 0.0):
+    """Cross-entropy of ``x @ weightᵀ`` (x: ``(..., H)``, weight: this rank's ``(V/tp, H)`` rows, target:
+    ``(...)`` global ids or ``ignore_index``) without materialising the logits; see the module docstring.
+    Under TP pass ``x`` already made ready for the column layer (``comm.copy_to_group``, or gathered along the
+    sequence under SP), so its gradient is summed over the group."""
+    if x.shape[:-1] != target.shape or x.shape[-1] != weight.shape[-1] or weight.dim() != 2:
+        raise ValueError(f"fused_linear_cross_entropy: x {tuple(x.shape)}, weight {tuple(weight.shape)} and target "
+                         f"{tuple(target.shape)} do not fit (x (..., H), weight (V/tp, H), target x's leading dims)")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum'; got {reduction!r}")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1); got {label_smoothing}")
+    if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be a positive number of rows; got {chunk!r}")
+    comm.check_same_on_every_rank("fused_linear_cross_entropy", comm.tensor_signature(x, weight, target), group,
+                                  comm.describe_signature)
+    vocab = weight.shape[0] * comm.group_size(group)
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    if bool(bad.any()):
+        raise ValueError(f"targets outside the vocabulary [0, {vocab}) (and not ignore_index {ignore_index}): "
+                         f"{target[bad][:4].tolist()}")
+    x2, t2 = x.reshape(-1, x.shape[-1]), target.reshape(-1)
+    chunk = chunk or default_chunk(x2.shape[0], x2.shape[1], weight.shape[0])
+    mm_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    with torch.autocast(x.device.type, enabled=False):
+        return _FusedLinearCE.apply(x2, weight, t2, group, chunk, ignore_index, reduction, label_smoothing, mm_dtype)
+
+
+def peak_memory_table(tokens: int, hidden: int, vocab: int, chunks: list[int], device) -> list[dict]:
+    """Peak CUDA bytes of forward + backward: the plain ``F.cross_entropy(x @ Wᵀ)`` and the fused one per
+    chunk size (bf16 inputs, as a training step under autocast holds them)."""
+    import torch.nn.functional as F
+
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(vocab, hidden, device=device, dtype=torch.bfloat16, requires_grad=True) / hidden ** 0.5
+    w = w.detach().requires_grad_()
+    t = torch.randint(0, vocab, (tokens,), device=device)
+    rows = []
+    for chunk in [None] + chunks:
+        x.grad = w.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        if chunk is None:
+            loss = F.cross_entropy((x @ w.t()).float(), t)
+        else:
+            loss = fused_linear_cross_entropy(x, w, t, chunk=chunk)
+        loss.backward()
+        torch.cuda.synchronize()
+        rows.append({"chunk": chunk or "plain", "peak_MiB": (torch.cuda.max_memory_allocated() - base) / 2**20,
+                     "loss": loss.item()})
+    return rows
+
+
+def main(argv=None):
+    from distlab.bench import StudyParser, positive_int, run_study, write_json   # noqa: F401
+
+    p = StudyParser(prog="python -m distlab.kernels.fused_linear_ce", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=positive_int, default=8192)
+    p.add_argument("--hidden", type=positive_int, default=4096)
+    p.add_argument("--vocab", type=positive_int, nargs="+", default=[128256])
+    p.add_argument("--chunks", type=positive_int, nargs="+", default=[64, 256, 1024, 4096])
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PNG", help="peak MiB against chunk rows, one line per vocabulary, the plain "
+                   "loss dashed (needs matplotlib)")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise ValueError("the peak-memory table reads CUDA's allocator: run it on a GPU")
+    out = []
+    for vocab in a.vocab:
+        default = default_chunk(a.tokens, a.hidden, vocab)
+        for row in peak_memory_table(a.tokens, a.hidden, vocab, sorted(set(a.chunks + [default])), "cuda"):
+            row.update(vocab=vocab, default=row["chunk"] == default)
+            out.append(row)
+            print(f"vocab {vocab:>7}  chunk {str(row['chunk']):>6}{' (default)' if row['default'] else '':<10} "
+                  f"peak {row['peak_MiB']:>9.1f} MiB  loss {row['loss']:.5f}", flush=True)
+    if a.json:
+        write_json(a.json, {"tokens": a.tokens, "hidden": a.hidden, "rows": out})
+    if a.plot:
+        plot(out, a.plot, a.tokens, a.hidden)
+
+
+def plot(rows, path, tokens, hidden) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, vocab in enumerate(sorted({r["vocab"] for r in rows})):
+        mine = [r for r in rows if r["vocab"] == vocab]
+        fused = sorted((r["chunk"], r["peak_MiB"]) for r in mine if r["chunk"] != "plain")
+        line, = ax.plot(*zip(*fused), marker="o", label=f"fused, vocab {vocab}")
+        ax.axhline(next(r["peak_MiB"] for r in mine if r["chunk"] == "plain"), ls="--", color=line.get_color(),
+                   label=f"F.cross_entropy(x @ Wᵀ), vocab {vocab}")
+    ax.set(xscale="log", yscale="log", xlabel="chunk (rows)", ylabel="peak MiB (forward + backward)",
+           title=f"fused linear + CE, {tokens} tokens x {hidden} hidden, bf16")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    run_study(main)
