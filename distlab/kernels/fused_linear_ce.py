@@ -1,7 +1,8 @@
 """Fused linear + cross-entropy, chunked: the loss of ``x @ Wᵀ`` without ever holding ``[tokens, vocab]``.
 
     python -m pytest tests/test_fused_ce.py
-    python -m distlab.kernels.fused_linear_ce --tokens 8192 --hidden 4096 --vocab 128256   # peak memory vs chunk
+    python -m distlab.kernels.fused_linear_ce --tokens 8192 --hidden 4096 --vocab 32000 128256 --plot ce.png
+    # GPU: peak memory and time per chunk size, against the plain loss and Liger's (when installed)
 
 ``fused_linear_cross_entropy(x, weight, target, group=None, chunk=None, ...)`` is the mean (or sum)
 cross-entropy of the logits ``x @ weightᵀ`` over non-ignored targets, with ``weight`` this rank's rows of a
@@ -122,29 +123,50 @@ def fused_linear_cross_entropy(x, weight, target, group=None, chunk: int | None 
         return _FusedLinearCE.apply(x2, weight, t2, group, chunk, ignore_index, reduction, label_smoothing, mm_dtype)
 
 
-def peak_memory_table(tokens: int, hidden: int, vocab: int, chunks: list[int], device) -> list[dict]:
-    """Peak CUDA bytes of forward + backward: the plain ``F.cross_entropy(x @ Wᵀ)`` and the fused one per
-    chunk size (bf16 inputs, as a training step under autocast holds them)."""
+def liger_loss():
+    """Liger-Kernel's fused linear cross-entropy (the anchor), or None when it is not installed."""
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    loss = LigerFusedLinearCrossEntropyLoss()
+    return lambda x, w, t: loss(w, x, t)
+
+
+def measure(tokens: int, hidden: int, vocab: int, chunks: list[int], device, iters: int = 5) -> list[dict]:
+    """Per way of computing the loss (plain ``F.cross_entropy((x @ Wᵀ).float())``, fused at each chunk size,
+    Liger's when importable): CUDA's peak over forward + backward above the inputs, and the median time of
+    forward + backward, GPU and wall (bf16 inputs, as a training step under autocast holds them)."""
     import torch.nn.functional as F
 
-    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(vocab, hidden, device=device, dtype=torch.bfloat16, requires_grad=True) / hidden ** 0.5
-    w = w.detach().requires_grad_()
-    t = torch.randint(0, vocab, (tokens,), device=device)
+    from distlab.bench import timeit
+
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+    w = (torch.randn(vocab, hidden, device=device, dtype=torch.bfloat16, generator=g) / hidden ** 0.5).requires_grad_()
+    t = torch.randint(0, vocab, (tokens,), device=device, generator=g)
+    ways = [("plain", None, lambda: F.cross_entropy((x @ w.t()).float(), t))]
+    ways += [("distlab", c, lambda c=c: fused_linear_cross_entropy(x, w, t, chunk=c)) for c in chunks]
+    liger = liger_loss()
+    if liger is not None:
+        ways.append(("liger", None, lambda: liger(x, w, t)))
     rows = []
-    for chunk in [None] + chunks:
-        x.grad = w.grad = None
+    for name, chunk, loss_fn in ways:
+        def step():
+            x.grad = w.grad = None
+            loss = loss_fn()
+            loss.backward()
+            return loss
+
+        loss = step()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        if chunk is None:
-            loss = F.cross_entropy((x @ w.t()).float(), t)
-        else:
-            loss = fused_linear_cross_entropy(x, w, t, chunk=chunk)
-        loss.backward()
+        step()
         torch.cuda.synchronize()
-        rows.append({"chunk": chunk or "plain", "peak_MiB": (torch.cuda.max_memory_allocated() - base) / 2**20,
-                     "loss": loss.item()})
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        rows.append({"way": name, "chunk": chunk, "peak_MiB": peak, "loss": loss.item(),
+                     "gpu_ms": 1e3 * timeit(step, iters, 2, x.device), "wall_ms": 1e3 * timeit(step, iters, 2, x.device, "wall")})
     return rows
 
 
@@ -163,13 +185,14 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise ValueError("the peak-memory table reads CUDA's allocator: run it on a GPU")
     out = []
+    print(f"{'vocab':>7} {'way':<8} {'chunk':>6} {'':<9} {'peak MiB':>9} {'GPU ms':>8} {'wall ms':>8}  loss")
     for vocab in a.vocab:
         default = default_chunk(a.tokens, a.hidden, vocab)
-        for row in peak_memory_table(a.tokens, a.hidden, vocab, sorted(set(a.chunks + [default])), "cuda"):
+        for row in measure(a.tokens, a.hidden, vocab, sorted(set(a.chunks + [default])), "cuda"):
             row.update(vocab=vocab, default=row["chunk"] == default)
             out.append(row)
-            print(f"vocab {vocab:>7}  chunk {str(row['chunk']):>6}{' (default)' if row['default'] else '':<10} "
-                  f"peak {row['peak_MiB']:>9.1f} MiB  loss {row['loss']:.5f}", flush=True)
+            print(f"{vocab:>7} {row['way']:<8} {str(row['chunk'] or '-'):>6} {'(default)' if row['default'] else '':<9} "
+                  f"{row['peak_MiB']:>9.1f} {row['gpu_ms']:>8.2f} {row['wall_ms']:>8.2f}  {row['loss']:.5f}", flush=True)
     if a.json:
         write_json(a.json, {"tokens": a.tokens, "hidden": a.hidden, "rows": out})
     if a.plot:
@@ -185,10 +208,13 @@ def plot(rows, path, tokens, hidden) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, vocab in enumerate(sorted({r["vocab"] for r in rows})):
         mine = [r for r in rows if r["vocab"] == vocab]
-        fused = sorted((r["chunk"], r["peak_MiB"]) for r in mine if r["chunk"] != "plain")
+        fused = sorted((r["chunk"], r["peak_MiB"]) for r in mine if r["way"] == "distlab")
         line, = ax.plot(*zip(*fused), marker="o", label=f"fused, vocab {vocab}")
-        ax.axhline(next(r["peak_MiB"] for r in mine if r["chunk"] == "plain"), ls="--", color=line.get_color(),
+        ax.axhline(next(r["peak_MiB"] for r in mine if r["way"] == "plain"), ls="--", color=line.get_color(),
                    label=f"F.cross_entropy(x @ Wᵀ), vocab {vocab}")
+        for r in mine:
+            if r["way"] == "liger":
+                ax.axhline(r["peak_MiB"], ls=":", color=line.get_color(), label=f"Liger, vocab {vocab}")
     ax.set(xscale="log", yscale="log", xlabel="chunk (rows)", ylabel="peak MiB (forward + backward)",
            title=f"fused linear + CE, {tokens} tokens x {hidden} hidden, bf16")
     ax.legend(fontsize=7)
