@@ -1,11 +1,13 @@
 """Every kernel of ``kernels/`` against its anchor on the same GPU, in one run and one table.
 
     python -m distlab.kernels.bench --seq 8192 --heads 32 --head-dim 128 --causal --json bench.json
-    python -m distlab.kernels.bench --only memory          # RMSNorm+residual, RoPE, SwiGLU, LSE merge only
+    python -m distlab.kernels.bench --only memory          # RMSNorm+residual, RoPE, SwiGLU, softmax, LSE merge
 
-Memory-bound kernels (Triton: RMSNorm with the residual add, RoPE on q and k, SwiGLU, the LSE merge) are
-reported in GB/s of the bytes they must move, as a percentage of a device-to-device copy measured in
-the same run, next to ``torch.compile`` of their PyTorch reference (fwd, and fwd+bwd through autograd).
+Memory-bound kernels (Triton: RMSNorm with the residual add, RoPE on q and k, SwiGLU, the online softmax,
+the LSE merge) are reported in GB/s of the bytes they must move, as a percentage of a device-to-device copy
+measured in the same run, next to ``torch.compile`` of their PyTorch reference (fwd, and fwd+bwd through
+autograd) and, when ``liger_kernel`` is importable, Liger-Kernel's own kernel on the same problem (its
+layout: RoPE in (b, h, s, d)), timed in the same process.
 
 For each backend of ``distlab.kernels.attention`` present for the dtype: forward (``attention_forward``) and
 backward (``attention_backward``, given the forward's out and lse) times, and TFLOP/s as FlashAttention
@@ -68,6 +70,7 @@ def memory_bound_cases(dev, dtype):
     from distlab.kernels.rope import rope_qk, rope_reference, rope_tables
     from distlab.kernels.swiglu import swiglu, swiglu_reference
     from distlab.kernels.lse_merge import merge_into
+    from distlab.kernels.softmax import softmax_triton
 
     gpu = dev.type == "cuda"
     rows, hidden, ffn = (16384, 4096, 14336) if gpu else (256, 256, 512)
@@ -103,9 +106,49 @@ def memory_bound_cases(dev, dtype):
          4 * n_norm * e, 4 * n_norm * e + 4 * n_norm * e),        # fwd: x, r -> y, h; bwd: dy, dh, h -> dx
         ("rope q+k", rope_inputs, rope_qk, rope_ref, 2 * (n_q + n_k) * e, 4 * (n_q + n_k) * e),
         ("swiglu", swiglu_inputs, swiglu, swiglu_reference, 3 * n_sw * e, 3 * n_sw * e + 5 * n_sw * e),
+        ("softmax", lambda: ((rnd(rows, hidden, grad=False),), None), softmax_triton,
+         lambda x: torch.softmax(x.float(), -1).to(x.dtype), 2 * n_norm * e, None),
         ("lse merge", merge_inputs, lambda o, l, bo, bl: lse_merge_(o, l, bo, bl),
          lambda o, l, bo, bl: merge_into(o, l, bo, bl), n_m * d * (8 + e) + 3 * n_m * 4, None),
     ]
+
+
+def liger_cases(dev, dtype):
+    """Liger-Kernel's versions of the memory-bound kernels (the curriculum's anchor), by case name: (make
+    inputs in Liger's layout, fn), at the sizes of ``memory_bound_cases``; {} when liger_kernel is not
+    installed. Its RoPE takes (batch, heads, seq, d) and a (seq, d) cos/sin: given so, no transposes timed."""
+    try:
+        from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+        from liger_kernel.ops.rope import LigerRopeFunction
+        from liger_kernel.ops.softmax import LigerSoftmaxFunction
+        from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
+    except ImportError:
+        return {}
+    rows, hidden, ffn = 16384, 4096, 14336
+    b, s, hq, hk, d = 4, 4096, 32, 8, 128
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape, dt=dtype, grad=True):
+        return torch.randn(*shape, generator=g).to(dev, dt).requires_grad_(grad)
+
+    def norm():
+        return (rnd(rows, hidden), rnd(rows, hidden), rnd(hidden, dt=torch.float32)), \
+            (rnd(rows, hidden, grad=False), rnd(rows, hidden, grad=False))
+
+    def rope():
+        ang = torch.arange(s, device=dev)[:, None] * 10000.0 ** (-torch.arange(0, d, 2, device=dev) / d)
+        ang = torch.cat([ang, ang], -1)
+        return (rnd(b, hq, s, d), rnd(b, hk, s, d), ang.cos().to(dtype), ang.sin().to(dtype)), \
+            (rnd(b, hq, s, d, grad=False), rnd(b, hk, s, d, grad=False))
+
+    def swiglu():
+        return (rnd(rows // 2, 2 * ffn),), (rnd(rows // 2, ffn, grad=False),)
+
+    return {"rmsnorm+residual": (norm, lambda x, r, w: LigerFusedAddRMSNormFunction.apply(x, r, w, 1e-6)),
+            "rope q+k": (rope, lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos, sin)),
+            "swiglu": (swiglu, lambda y: LigerFusedGateUpSiLUMulFunction.apply(y)),
+            "softmax": (lambda: ((rnd(rows, hidden),), (rnd(rows, hidden, grad=False),)),
+                        lambda x: LigerSoftmaxFunction.apply(x))}
 
 
 def _maybe(timed):
@@ -133,24 +176,33 @@ def bench_memory_bound(dev, dtype, iters, warmup, compile_ref=True, only=None):
     """Rows for the table: each kernel's GB/s fwd and fwd+bwd, % of copy bandwidth, vs torch.compile."""
     bw = copy_bandwidth(dev, iters, warmup) if dev.type == "cuda" else None
     rows = []
+    liger = liger_cases(dev, dtype) if dev.type == "cuda" else {}
     for name, make, fn, ref, bytes_f, bytes_fb in memory_bound_cases(dev, dtype):
         if only and only not in name:
             continue
         inputs, grads = make()
         compiled = torch.compile(ref) if compile_ref and dev.type == "cuda" else None
+        l_make, l_fn = liger.get(name, (None, None))
+        l_inputs, l_grads = l_make() if l_make else (None, None)
         for pass_, nbytes in (("fwd", bytes_f), ("fwd+bwd", bytes_fb)):
             if nbytes is None:
                 continue
+            t_l = None
             if pass_ == "fwd":
                 with torch.no_grad():
                     t = timeit(lambda: fn(*inputs), iters, warmup, dev)
                     t_c = _maybe(lambda: timeit(lambda: compiled(*inputs), iters, warmup, dev)) if compiled else None
+                    if l_fn:
+                        t_l = timeit(lambda: l_fn(*l_inputs), iters, warmup, dev)
             else:
                 t = timeit(_fwd_bwd(fn, inputs, grads), iters, warmup, dev)
                 t_c = _maybe(lambda: timeit(_fwd_bwd(compiled, inputs, grads), iters, warmup, dev)) if compiled else None
+                if l_fn:
+                    t_l = timeit(_fwd_bwd(l_fn, l_inputs, l_grads), iters, warmup, dev)
             rows.append({"kernel": name, "pass": pass_, "ms": t * 1e3, "rate": nbytes / t / 1e9, "unit": "GB/s",
                          "anchor": "device copy", "anchor_rate": bw / 1e9 if bw else None,
-                         "ratio": nbytes / t / bw if bw else None, "compile_ms": t_c * 1e3 if t_c else None})
+                         "ratio": nbytes / t / bw if bw else None, "compile_ms": t_c * 1e3 if t_c else None,
+                         "liger_ms": t_l * 1e3 if t_l else None})
     return rows
 
 
@@ -187,13 +239,14 @@ def main(argv=None):
           f"{args.seq} · heads {args.heads} (kv {kvh}) · head_dim {args.head_dim} · "
           f"{'causal' if args.causal else 'full'}")
     print(f"{'kernel':<30} {'pass':<8} {'ms':>8} {'rate':>9} {'unit':<8} {'anchor':<22} {'anchor rate':>11} "
-          f"{'ratio':>6} {'compile ms':>10}")
+          f"{'ratio':>6} {'compile ms':>10} {'Liger ms':>9}")
     for r in table:
         anchor_rate = f"{r['anchor_rate']:>11.1f}" if r.get("anchor_rate") else f"{'-':>11}"
         ratio = f"{100 * r['ratio']:>5.0f}%" if r.get("ratio") else f"{'-':>6}"
         comp = f"{r['compile_ms']:>10.3f}" if r.get("compile_ms") else f"{'-':>10}"
+        liger = f"{r['liger_ms']:>9.3f}" if r.get("liger_ms") else f"{'-':>9}"
         print(f"{r['kernel']:<30} {r['pass']:<8} {r['ms']:>8.3f} {r['rate']:>9.1f} {r['unit']:<8} "
-              f"{r.get('anchor') or '-':<22} {anchor_rate} {ratio} {comp}")
+              f"{r.get('anchor') or '-':<22} {anchor_rate} {ratio} {comp} {liger}")
     if args.json:
         with open(args.json, "w") as fh:
             in_force = {k: v for k, v in knobs.in_force().items() if k.startswith(("DISTLAB_KERNEL", "DISTLAB_TRITON"))}
