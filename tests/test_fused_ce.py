@@ -135,7 +135,7 @@ def test_at_real_size_on_the_gpu():
     from distlab.kernels.fused_linear_ce import measure
 
     x, w, t = problem(4096, 2048, 32000, dtype=torch.float32)
-    x, w, t = x.cuda().bfloat16(), (w * 2048 ** 0.5 / 2048 ** 0.5).cuda().bfloat16(), t.cuda()
+    x, w, t = x.cuda().bfloat16(), w.cuda().bfloat16(), t.cuda()
     xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
     want = F.cross_entropy((xa @ wa.t()).float(), t)
     want.backward()
