@@ -171,7 +171,7 @@ def measure(tokens: int, hidden: int, vocab: int, chunks: list[int], device, ite
 
 
 def main(argv=None):
-    from distlab.bench import StudyParser, positive_int, run_study, write_json   # noqa: F401
+    from distlab.bench import StudyParser, positive_int, write_json
 
     p = StudyParser(prog="python -m distlab.kernels.fused_linear_ce", description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=positive_int, default=8192)
@@ -224,4 +224,6 @@ def plot(rows, path, tokens, hidden) -> None:
 
 
 if __name__ == "__main__":
+    from distlab.bench import run_study
+
     run_study(main)
