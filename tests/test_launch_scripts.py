@@ -35,7 +35,8 @@ def test_multigpu_check_commands_parse(tmp_path, gpus):
     for module in ("distlab.cp.ring", "distlab.cp.ulysses", "distlab.cp.usp", "distlab.tp", "distlab.moe",
                    "distlab.collectives", "distlab.cp.compare", "distlab.infer"):
         assert module in parsed, (module, parsed)
-    assert ("distlab.train" in parsed) == (gpus == "8"), parsed      # the 8-GPU and 4-GPU training runs
+    trains = [c for c in parsed if c == "distlab.train"]
+    assert len(trains) == (2 + 7 if gpus == "8" else 6), parsed   # model part at 8 and 4 GPUs; zero part (HSDP at 4+)
 
 
 @pytest.mark.parametrize("part", ["all", "check", "attention", "ring", "memory", "gemm", "model"])
@@ -46,7 +47,7 @@ def test_gpu_kernels_check_commands_parse(tmp_path, part):
 
 
 @pytest.mark.parametrize("script", ["launch/gpu_check.sh", "launch/gpu_overlap_check.sh", "launch/gpu_moe_check.sh",
-                                    "launch/gpu_packed_check.sh", "launch/gpu_fa4_check.sh"])
+                                    "launch/gpu_packed_check.sh", "launch/gpu_fa4_check.sh", "launch/gpu_zero_check.sh"])
 def test_one_gpu_check_commands_parse(tmp_path, script):
     parsed, skipped, errors = dry_run(tmp_path, script, packed=False)
     assert not errors, errors

@@ -18,8 +18,10 @@ LM head holds them; ``group=None``: the whole vocabulary). It walks the tokens `
    ``copy_to_group`` sums it over tp) and with the chunk's ``x`` it adds to ``dweight`` (float32).
 
 So the forward does the backward's work too (as Liger's kernel does): the backward only scales the two
-saved gradients by the incoming one. Peak memory beyond the inputs: ``dx`` and ``dweight`` (the size of
-``x`` and ``weight``) plus two ``chunk × V/tp`` float32 buffers. **Chunk arithmetic**: the default makes a
+saved gradients by the incoming one. Peak memory beyond the inputs: ``dx`` and ``dweight`` in float32 (the
+sizes of ``x`` and ``weight``; ``dweight`` is accumulated over the chunks in float32, by bf16 GEMMs with a
+float32 output on CUDA), the gradients handed back in the inputs' dtype, and two ``chunk × V/tp`` float32
+buffers. **Chunk arithmetic**: the default makes a
 chunk's logits no bigger than ``x`` itself, ``chunk = N·H / (V/tp)`` rows (rounded down to a power of two,
 at least 1), so the extra peak is ~``2·|x|`` in float32 whatever the vocabulary: 8192 tokens × 4096 ×
 128256 vocab gives 256-row chunks, 2 × 125 MiB of logits, against 4 GiB for the full logits in float32
@@ -54,6 +56,7 @@ class _FusedLinearCE(torch.autograd.Function):
         keep = target != ignore_index
         count = keep.sum().clamp_min(1).to(acc) if reduction == "mean" else torch.ones((), dtype=acc, device=x.device)
         w_mm = weight.to(mm_dtype)
+        fp32_out_gemm = x.device.type == "cuda"
         dx = torch.empty(x.shape, dtype=acc, device=x.device)
         dweight = torch.zeros(weight.shape, dtype=acc, device=x.device)
         total = torch.zeros((), dtype=acc, device=x.device)
@@ -81,16 +84,20 @@ class _FusedLinearCE(torch.autograd.Function):
             if smoothing:
                 grad.sub_(smoothing / vocab)
             grad.mul_((kc.to(acc) / count)[:, None])
-            dx[lo:hi] = grad.to(mm_dtype) @ w_mm
-            dweight.addmm_(grad.t(), xc.to(acc))
+            g_mm = grad.to(mm_dtype)
+            dx[lo:hi] = g_mm @ w_mm
+            if fp32_out_gemm and mm_dtype != acc:   # bf16 GEMM into the float32 sum (an fp32 GEMM is ~10x slower)
+                torch.addmm(dweight, g_mm.t(), xc.to(mm_dtype), out_dtype=acc, out=dweight)
+            else:
+                dweight.addmm_(grad.t(), xc.to(acc))
         ctx.save_for_backward(dx, dweight)
         ctx.dtypes = (x.dtype, weight.dtype)
         return total / count
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):   # scaled in place (no second float32 copy of dweight): one backward per forward
         dx, dweight = ctx.saved_tensors
-        return (dx.mul(grad).to(ctx.dtypes[0]), dweight.mul(grad).to(ctx.dtypes[1]),
+        return (dx.mul_(grad).to(ctx.dtypes[0]), dweight.mul_(grad).to(ctx.dtypes[1]),
                 None, None, None, None, None, None, None)
 
 
@@ -159,6 +166,7 @@ def measure(tokens: int, hidden: int, vocab: int, chunks: list[int], device, ite
             return loss
 
         loss = step()
+        x.grad = w.grad = None   # the peak then includes the gradients each way allocates
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
