@@ -146,4 +146,4 @@ def test_at_real_size_on_the_gpu():
     assert rel(xb.grad.float(), xa.grad.float()) < 2e-2 and rel(wb.grad.float(), wa.grad.float()) < 2e-2
     rows = {r["way"]: r for r in measure(4096, 2048, 32000, [], "cuda", iters=2) if r["way"] != "distlab"}
     fused = measure(4096, 2048, 32000, [default_chunk(4096, 2048, 32000)], "cuda", iters=2)[1]
-    assert fused["peak_MiB"] * 4 <= rows["plain"]["peak_MiB"], (fused, rows)
+    assert fused["peak_MiB"] * 2 <= rows["plain"]["peak_MiB"], (fused, rows)
