@@ -124,31 +124,23 @@ def liger_cases(dev, dtype):
         from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
     except ImportError:
         return {}
-    rows, hidden, ffn = 16384, 4096, 14336
+    same = {name: make for name, make, *_ in memory_bound_cases(dev, dtype)}   # the same inputs where layouts agree
     b, s, hq, hk, d = 4, 4096, 32, 8, 128
     g = torch.Generator().manual_seed(0)
 
-    def rnd(*shape, dt=dtype, grad=True):
-        return torch.randn(*shape, generator=g).to(dev, dt).requires_grad_(grad)
-
-    def norm():
-        return (rnd(rows, hidden), rnd(rows, hidden), rnd(hidden, dt=torch.float32)), \
-            (rnd(rows, hidden, grad=False), rnd(rows, hidden, grad=False))
-
     def rope():
+        def rnd(*shape, grad=True):
+            return torch.randn(*shape, generator=g).to(dev, dtype).requires_grad_(grad)
+
         ang = torch.arange(s, device=dev)[:, None] * 10000.0 ** (-torch.arange(0, d, 2, device=dev) / d)
         ang = torch.cat([ang, ang], -1)
         return (rnd(b, hq, s, d), rnd(b, hk, s, d), ang.cos().to(dtype), ang.sin().to(dtype)), \
             (rnd(b, hq, s, d, grad=False), rnd(b, hk, s, d, grad=False))
 
-    def swiglu():
-        return (rnd(rows // 2, 2 * ffn),), (rnd(rows // 2, ffn, grad=False),)
-
-    return {"rmsnorm+residual": (norm, lambda x, r, w: LigerFusedAddRMSNormFunction.apply(x, r, w, 1e-6)),
+    return {"rmsnorm+residual": (same["rmsnorm+residual"], lambda x, r, w: LigerFusedAddRMSNormFunction.apply(x, r, w, 1e-6)),
             "rope q+k": (rope, lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos, sin)),
-            "swiglu": (swiglu, lambda y: LigerFusedGateUpSiLUMulFunction.apply(y)),
-            "softmax": (lambda: ((rnd(rows, hidden),), (rnd(rows, hidden, grad=False),)),
-                        lambda x: LigerSoftmaxFunction.apply(x))}
+            "swiglu": (same["swiglu"], lambda y: LigerFusedGateUpSiLUMulFunction.apply(y)),
+            "softmax": (same["softmax"], lambda x: LigerSoftmaxFunction.apply(x))}
 
 
 def _maybe(timed):
