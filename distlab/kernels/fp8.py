@@ -138,8 +138,8 @@ def fp8_matmul(a, b, granularity: str, quantized=None, out_dtype=torch.bfloat16)
     scaled_mm = getattr(F, "scaled_mm", None)
     if scaled_mm is not None:
         kind = F.ScalingType
-        if granularity == "block":   # cuBLAS wants the scales K-group major
-            return scaled_mm(qa, qb.t(), sa.t().contiguous().t(), kind.BlockWise1x128, sb.t().contiguous(),
+        if granularity == "block":   # cuBLAS wants the scales K-group major: (M, K/128) and (K/128, N/128) column-major
+            return scaled_mm(qa, qb.t(), sa.t().contiguous().t(), kind.BlockWise1x128, sb.t(),
                              kind.BlockWise128x128, output_dtype=out_dtype)
         recipe = kind.TensorWise if granularity == "tensor" else kind.RowWise
         return scaled_mm(qa, qb.t(), sa, recipe, sb if granularity == "tensor" else sb.t().contiguous(), recipe,
