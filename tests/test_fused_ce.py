@@ -42,6 +42,18 @@ def test_matches_the_plain_loss_on_one_device(chunk, smoothing, reduction):
     assert rel(xb.grad, 3 * xa.grad) < 1e-12 and rel(wb.grad, 3 * wa.grad) < 1e-12
 
 
+def test_sums_in_the_input_dtype():
+    """bf16 inputs, dx and dW summed in bf16 (one rounding per chunk) against float32 sums."""
+    x, w, t = problem(64, 32, 96, dtype=torch.float32)
+    x, w = x.bfloat16(), w.bfloat16()
+    grads = []
+    for in_dtype in (False, True):
+        xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+        fused_linear_cross_entropy(xa, wa, t, chunk=8, grads_in_input_dtype=in_dtype).backward()
+        grads.append((xa.grad.float(), wa.grad.float()))
+    assert rel(grads[1][0], grads[0][0]) < 1e-2 and rel(grads[1][1], grads[0][1]) < 2e-2
+
+
 def test_default_chunk_keeps_a_chunks_logits_under_the_hidden_states():
     assert default_chunk(8192, 4096, 128256) == 256            # the module docstring's example
     assert default_chunk(8192, 4096, 128256 // 8) == 2048      # TP 8: eight times the rows

@@ -48,7 +48,7 @@ def default_chunk(tokens: int, hidden: int, local_vocab: int) -> int:
 
 class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, target, group, chunk, ignore_index, reduction, smoothing, mm_dtype):
+    def forward(ctx, x, weight, target, group, chunk, ignore_index, reduction, smoothing, mm_dtype, grads_in_input_dtype):
         n, local_vocab = x.shape[0], weight.shape[0]
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         tp, start = comm.group_size(group), comm.group_rank(group) * local_vocab
@@ -57,8 +57,8 @@ class _FusedLinearCE(torch.autograd.Function):
         count = keep.sum().clamp_min(1).to(acc) if reduction == "mean" else torch.ones((), dtype=acc, device=x.device)
         w_mm = weight.to(mm_dtype)
         fp32_out_gemm = x.device.type == "cuda"
-        dx = torch.empty(x.shape, dtype=acc, device=x.device)
-        dweight = torch.zeros(weight.shape, dtype=acc, device=x.device)
+        dx = torch.empty(x.shape, dtype=x.dtype if grads_in_input_dtype else acc, device=x.device)
+        dweight = torch.zeros(weight.shape, dtype=weight.dtype if grads_in_input_dtype else acc, device=x.device)
         total = torch.zeros((), dtype=acc, device=x.device)
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
@@ -86,7 +86,9 @@ class _FusedLinearCE(torch.autograd.Function):
             grad.mul_((kc.to(acc) / count)[:, None])
             g_mm = grad.to(mm_dtype)
             dx[lo:hi] = g_mm @ w_mm
-            if fp32_out_gemm and mm_dtype != acc:   # bf16 GEMM into the float32 sum (an fp32 GEMM is ~10x slower)
+            if dweight.dtype == mm_dtype:            # the sum in the weight's dtype (Liger's default)
+                dweight.addmm_(g_mm.t(), xc.to(mm_dtype))
+            elif fp32_out_gemm and mm_dtype != acc:   # bf16 GEMM into the float32 sum (an fp32 GEMM is ~10x slower)
                 torch.addmm(dweight, g_mm.t(), xc.to(mm_dtype), out_dtype=acc, out=dweight)
             else:
                 dweight.addmm_(grad.t(), xc.to(acc))
@@ -98,15 +100,17 @@ class _FusedLinearCE(torch.autograd.Function):
     def backward(ctx, grad):   # scaled in place (no second float32 copy of dweight): one backward per forward
         dx, dweight = ctx.saved_tensors
         return (dx.mul_(grad).to(ctx.dtypes[0]), dweight.mul_(grad).to(ctx.dtypes[1]),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def fused_linear_cross_entropy(x, weight, target, group=None, chunk: int | None = None, ignore_index: int = -100,
-                               reduction: str = "mean", label_smoothing: float = 0.0):
+                               reduction: str = "mean", label_smoothing: float = 0.0, grads_in_input_dtype: bool = False):
     """Cross-entropy of ``x @ weightᵀ`` (x: ``(..., H)``, weight: this rank's ``(V/tp, H)`` rows, target:
     ``(...)`` global ids or ``ignore_index``) without materialising the logits; see the module docstring.
     Under TP pass ``x`` already made ready for the column layer (``comm.copy_to_group``, or gathered along the
-    sequence under SP), so its gradient is summed over the group."""
+    sequence under SP), so its gradient is summed over the group. ``grads_in_input_dtype``: sum dx and dW
+    over the chunks in the inputs' dtypes (bf16: half the memory and traffic of float32 sums, one rounding
+    per chunk; Liger's default) instead of float32."""
     if x.shape[:-1] != target.shape or x.shape[-1] != weight.shape[-1] or weight.dim() != 2:
         raise ValueError(f"fused_linear_cross_entropy: x {tuple(x.shape)}, weight {tuple(weight.shape)} and target "
                          f"{tuple(target.shape)} do not fit (x (..., H), weight (V/tp, H), target x's leading dims)")
@@ -127,7 +131,8 @@ def fused_linear_cross_entropy(x, weight, target, group=None, chunk: int | None 
     chunk = chunk or default_chunk(x2.shape[0], x2.shape[1], weight.shape[0])
     mm_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     with torch.autocast(x.device.type, enabled=False):
-        return _FusedLinearCE.apply(x2, weight, t2, group, chunk, ignore_index, reduction, label_smoothing, mm_dtype)
+        return _FusedLinearCE.apply(x2, weight, t2, group, chunk, ignore_index, reduction, label_smoothing, mm_dtype,
+                                    grads_in_input_dtype)
 
 
 def liger_loss():
@@ -154,6 +159,8 @@ def measure(tokens: int, hidden: int, vocab: int, chunks: list[int], device, ite
     t = torch.randint(0, vocab, (tokens,), device=device, generator=g)
     ways = [("plain", None, lambda: F.cross_entropy((x @ w.t()).float(), t))]
     ways += [("distlab", c, lambda c=c: fused_linear_cross_entropy(x, w, t, chunk=c)) for c in chunks]
+    ways += [("distlab bf16 sums", c, lambda c=c: fused_linear_cross_entropy(x, w, t, chunk=c, grads_in_input_dtype=True))
+             for c in chunks]
     liger = liger_loss()
     if liger is not None:
         ways.append(("liger", None, lambda: liger(x, w, t)))
@@ -193,13 +200,13 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise ValueError("the peak-memory table reads CUDA's allocator: run it on a GPU")
     out = []
-    print(f"{'vocab':>7} {'way':<8} {'chunk':>6} {'':<9} {'peak MiB':>9} {'GPU ms':>8} {'wall ms':>8}  loss")
+    print(f"{'vocab':>7} {'way':<17} {'chunk':>6} {'':<9} {'peak MiB':>9} {'GPU ms':>8} {'wall ms':>8}  loss")
     for vocab in a.vocab:
         default = default_chunk(a.tokens, a.hidden, vocab)
         for row in measure(a.tokens, a.hidden, vocab, sorted(set(a.chunks + [default])), "cuda"):
             row.update(vocab=vocab, default=row["chunk"] == default)
             out.append(row)
-            print(f"{vocab:>7} {row['way']:<8} {str(row['chunk'] or '-'):>6} {'(default)' if row['default'] else '':<9} "
+            print(f"{vocab:>7} {row['way']:<17} {str(row['chunk'] or '-'):>6} {'(default)' if row['default'] else '':<9} "
                   f"{row['peak_MiB']:>9.1f} {row['gpu_ms']:>8.2f} {row['wall_ms']:>8.2f}  {row['loss']:.5f}", flush=True)
     if a.json:
         write_json(a.json, {"tokens": a.tokens, "hidden": a.hidden, "rows": out})
