@@ -1,0 +1,215 @@
+"""Paged decode attention: a KV cache in fixed-size blocks, a block table per sequence, a decode kernel.
+
+    python -m pytest tests/test_paged_attention.py
+    distlab run --nproc 2 -m distlab.infer --config tiny --ring 2 --kv-cache paged --check   # CP decode, paged
+
+**The cache.** ``BlockAllocator(num_blocks)`` hands out block ids (``allocate``, ``free``, reference counts
+for ``fork``). ``PagedKVCache`` holds ``k_cache`` / ``v_cache`` of shape ``(num_blocks, block_size,
+kv_heads, head_dim)`` and one block table per sequence; ``append(seq, k, v)`` writes a token into its
+sequence's last block (a new block when it is full; a copy first when that block is shared after a
+``fork``, copy-on-write), ``fork(seq)`` starts a beam that shares every block. **Layout choice**: vLLM's
+documented ``k_cache [num_blocks, num_kv_heads, head_size/x, block_size, x]`` (x = 16 bytes of elements)
+splits head_dim so its hand-written CUDA kernel loads 16-byte vectors of x consecutive dims of one token
+while the threads of a warp walk the block's tokens. distlab keeps ``(block_size, kv_heads, head_dim)``
+rows: a token's K/V for every kv head is one contiguous write at append (the cache is also where the CP
+prefill copies its shard), and the Triton kernel loads a ``(block_size, head_dim)`` tile of one kv head
+with row stride ``kv_heads·head_dim``: each row a contiguous 256-byte run (bf16, d 128), which Triton
+vectorises itself, so the x-split buys nothing here.
+
+**The kernel.** ``paged_decode(q, cache_k, cache_v, block_tables, lengths)`` for one new token per sequence
+(``q`` (batch, 1, heads, head_dim)), GQA: one program per (sequence, kv head) walks the sequence's blocks
+through its table, scores the head's group of q heads against each ``(block_size, head_dim)`` tile and keeps
+an online softmax (running max, sum, output) in float32; it returns ``(out, lse)`` so CP decode can merge
+the ranks' partial results. ``paged_decode_reference`` gathers the blocks and calls the attention
+reference. Tables that point outside the cache, lengths past a table, shapes that disagree: ValueError.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from distlab.kernels.attention import attention_forward
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be positive; got {num_blocks}")
+        self.free_ids = list(range(num_blocks - 1, -1, -1))
+        self.refs = [0] * num_blocks
+
+    def allocate(self) -> int:
+        if not self.free_ids:
+            raise ValueError(f"the KV cache is full ({len(self.refs)} blocks): give more blocks")
+        block = self.free_ids.pop()
+        self.refs[block] = 1
+        return block
+
+    def share(self, block: int) -> None:
+        self.refs[block] += 1
+
+    def free(self, block: int) -> None:
+        if self.refs[block] <= 0:
+            raise ValueError(f"block {block} is not allocated")
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            self.free_ids.append(block)
+
+
+class PagedKVCache:
+    def __init__(self, num_blocks, block_size, kv_heads, head_dim, dtype=torch.float32, device="cpu"):
+        self.block_size = block_size
+        self.k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self.allocator = BlockAllocator(num_blocks)
+        self.tables: list[list[int]] = []
+        self.lengths: list[int] = []
+
+    def new_sequence(self) -> int:
+        self.tables.append([])
+        self.lengths.append(0)
+        return len(self.tables) - 1
+
+    def fork(self, seq: int) -> int:
+        """A new sequence sharing every block of ``seq`` (a beam); the shared last block is copied on write."""
+        for block in self.tables[seq]:
+            self.allocator.share(block)
+        self.tables.append(list(self.tables[seq]))
+        self.lengths.append(self.lengths[seq])
+        return len(self.tables) - 1
+
+    def release(self, seq: int) -> None:
+        for block in self.tables[seq]:
+            self.allocator.free(block)
+        self.tables[seq], self.lengths[seq] = [], 0
+
+    def append(self, seq: int, k, v) -> None:
+        """Write tokens (n, kv_heads, head_dim) at the end of sequence ``seq``."""
+        for i in range(k.shape[0]):
+            table, pos = self.tables[seq], self.lengths[seq]
+            slot = pos % self.block_size
+            if slot == 0:
+                table.append(self.allocator.allocate())
+            elif self.allocator.refs[table[-1]] > 1:      # shared with a fork: copy on write
+                old, new = table[-1], self.allocator.allocate()
+                self.k_cache[new], self.v_cache[new] = self.k_cache[old], self.v_cache[old]
+                self.allocator.free(old)
+                table[-1] = new
+            self.k_cache[table[-1], slot] = k[i]
+            self.v_cache[table[-1], slot] = v[i]
+            self.lengths[seq] = pos + 1
+
+    def block_tables(self, seqs=None):
+        """(batch, max blocks) int32 table (unused entries -1) and (batch,) int32 lengths of ``seqs``."""
+        seqs = range(len(self.tables)) if seqs is None else seqs
+        width = max([len(self.tables[s]) for s in seqs] + [1])
+        table = torch.full((len(seqs), width), -1, dtype=torch.int32)
+        for row, s in enumerate(seqs):
+            table[row, :len(self.tables[s])] = torch.tensor(self.tables[s], dtype=torch.int32)
+        lengths = torch.tensor([self.lengths[s] for s in seqs], dtype=torch.int32)
+        dev = self.k_cache.device
+        return table.to(dev), lengths.to(dev)
+
+
+def check_paged(q, k_cache, v_cache, block_tables, lengths) -> None:
+    b, n, h, d = q.shape
+    nb, bs, kvh, kd = k_cache.shape
+    if n != 1 or kd != d or h % kvh or v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged decode: q (batch, 1, heads, d) {tuple(q.shape)} against caches {tuple(k_cache.shape)}"
+                         f" / {tuple(v_cache.shape)} (num_blocks, block_size, kv_heads, d)")
+    if block_tables.shape[0] != b or lengths.shape != (b,):
+        raise ValueError(f"paged decode: {b} sequences, but block tables {tuple(block_tables.shape)} and lengths "
+                         f"{tuple(lengths.shape)}")
+    needed = (lengths.long() + bs - 1) // bs
+    if bool((needed > block_tables.shape[1]).any()) or bool((lengths < 0).any()):
+        raise ValueError(f"paged decode: lengths {lengths.tolist()} need more blocks than the tables hold "
+                         f"({block_tables.shape[1]})")
+    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None] < needed[:, None]
+    ids = block_tables[used]
+    if bool(((ids < 0) | (ids >= nb)).any()):
+        raise ValueError(f"paged decode: block tables point outside the cache's {nb} blocks: "
+                         f"{ids[(ids < 0) | (ids >= nb)][:4].tolist()}")
+
+
+def paged_decode_reference(q, k_cache, v_cache, block_tables, lengths, softmax_scale=None):
+    """(out, lse) by gathering each sequence's blocks and calling the attention reference."""
+    check_paged(q, k_cache, v_cache, block_tables, lengths)
+    outs, lses = [], []
+    for i in range(q.shape[0]):
+        n = int(lengths[i])
+        blocks = block_tables[i, :(n + k_cache.shape[1] - 1) // k_cache.shape[1]].long()
+        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:n][None]
+        v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:n][None]
+        if n == 0:
+            outs.append(torch.zeros_like(q[i:i + 1]))
+            lses.append(torch.full((1, q.shape[2], 1), float("-inf"), device=q.device))
+            continue
+        o, lse = attention_forward(q[i:i + 1], k, v, False, softmax_scale, backend="torch")
+        outs.append(o)
+        lses.append(lse.float())
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode(Q, K, V, TABLE, LENGTHS, OUT, LSE, scale, table_width, heads, kv_heads,
+               BLOCK: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
+        seq = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1).to(tl.int64)
+        g = tl.arange(0, G)
+        dims = tl.arange(0, D)
+        rows = tl.arange(0, BLOCK)
+        q = tl.load(Q + (seq * heads + kvh * G + g)[:, None] * D + dims[None, :]).to(tl.float32) * scale
+        n = tl.load(LENGTHS + seq)
+        m = tl.full([G], float("-inf"), tl.float32)
+        l = tl.zeros([G], tl.float32)
+        acc = tl.zeros([G, D], tl.float32)
+        for j in range(0, tl.cdiv(n, BLOCK)):
+            block = tl.load(TABLE + seq * table_width + j).to(tl.int64)
+            valid = j * BLOCK + rows < n
+            offs = ((block * BLOCK + rows) * kv_heads + kvh)[:, None] * D + dims[None, :]
+            k = tl.load(K + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+            v = tl.load(V + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+            s = tl.sum(q[:, None, :] * k[None, :, :], 2)                       # (G, BLOCK)
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
+            m = m_new
+        heads_out = seq * heads + kvh * G + g
+        tl.store(OUT + heads_out[:, None] * D + dims[None, :], (acc / l[:, None]).to(OUT.dtype.element_ty))
+        tl.store(LSE + heads_out, m + tl.log(l))
+
+    return decode
+
+
+_DECODE = None
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, lengths, softmax_scale=None):
+    """(out (batch, 1, heads, d) like q, lse float32 (batch, heads, 1)); Triton (CUDA, or CPU tensors under
+    ``TRITON_INTERPRET=1``). Every sequence must hold at least one token."""
+    global _DECODE
+    check_paged(q, k_cache, v_cache, block_tables, lengths)
+    if bool((lengths < 1).any()):
+        raise ValueError("paged_decode: every sequence needs at least one cached token")
+    b, _, h, d = q.shape
+    kvh = k_cache.shape[2]
+    g = h // kvh
+    if d & (d - 1) or g & (g - 1):
+        raise ValueError(f"paged_decode: head_dim {d} and heads per kv head {g} must be powers of two")
+    _DECODE = _DECODE or _kernel()
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, 1, dtype=torch.float32, device=q.device)
+    tables = block_tables.contiguous()
+    _DECODE[(b, kvh)](q.contiguous(), k_cache, v_cache, tables, lengths.contiguous(), out, lse, scale,
+                      tables.shape[1], h, kvh, BLOCK=k_cache.shape[1], D=d, G=g, num_warps=4)
+    return out, lse
