@@ -7,7 +7,9 @@
 Prefill runs the prompt through the sharded model (``distlab.model.parallel``) exactly as training does —
 each CP rank holds a piece of the prompt (zigzag or contiguous; ring, Ulysses or USP attention), TP splits
 the heads — and every layer keeps the K/V of *this rank's* tokens as its cache shard
-(``distlab.cp.decode.KVCacheShard``, K after RoPE). The next token comes from the logits at the prompt's
+(``distlab.cp.decode.PagedKVCacheShard``: blocks of 16 tokens and a block table per row, attended by
+``distlab.kernels.paged_attention``'s Triton kernel on a GPU; ``--kv-cache contiguous``: one growing
+buffer, ``KVCacheShard``; K after RoPE). The next token comes from the logits at the prompt's
 last position, held by one CP rank and shared with an all-reduce; the vocabulary is gathered over TP only
 for that one row. Each decode step embeds the new token on every rank, appends its K/V to the one rank that
 owns its position (round-robin), and attends it to every shard with ``cp_decode_attention`` (partial
@@ -29,7 +31,7 @@ import time
 import torch
 
 from distlab import comm
-from distlab.cp.decode import KVCacheShard
+from distlab.cp.decode import KVCacheShard, PagedKVCacheShard
 from distlab.model import checkpoint
 from distlab.model.config import load_config, load_layout
 from distlab.model.data import corpus, decode, encode
@@ -52,26 +54,32 @@ class PrefillCache:
     """A block's cache during prefill: attends as the block would (CP attention over the prompt) and keeps
     this rank's K/V (after RoPE) as its shard of the cache (``shard``)."""
 
-    def __init__(self, group, length: int):
-        self.group, self.length, self.shard = group, length, None
+    def __init__(self, group, length: int, kv_cache: str = "paged", capacity: int | None = None):
+        if kv_cache not in ("paged", "contiguous"):
+            raise ValueError(f"--kv-cache {kv_cache!r}: paged or contiguous")
+        self.group, self.length, self.shard, self.kv_cache, self.capacity = group, length, None, kv_cache, capacity
 
     def attend(self, q, k, v, attention):
-        self.shard = KVCacheShard(k.contiguous(), v.contiguous(), self.group, next_position=self.length)
+        if self.kv_cache == "paged":   # blocks of 16 tokens, room for the whole generation
+            self.shard = PagedKVCacheShard(k, v, self.group, next_position=self.length, capacity=self.capacity)
+        else:
+            self.shard = KVCacheShard(k.contiguous(), v.contiguous(), self.group, next_position=self.length)
         return attention(q, k, v)
 
 
 @torch.no_grad()
-def generate(model: ParallelLlama, ids, steps: int, timings: dict | None = None):
+def generate(model: ParallelLlama, ids, steps: int, timings: dict | None = None, kv_cache: str = "paged"):
     """Greedy decode: (new tokens (b, steps), their logits (b, steps, vocab)) for this dp rank's rows of
     the global prompt batch ``ids`` (B, L). Collective: every rank of the model's mesh calls it.
-    ``timings`` (a dict) receives ``prefill_s`` and ``decode_s`` (a list, one per decoded token)."""
+    ``timings`` (a dict) receives ``prefill_s`` and ``decode_s`` (a list, one per decoded token);
+    ``kv_cache``: each rank's shard in fixed-size blocks with block tables (paged) or one growing buffer."""
     timings = {} if timings is None else timings
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
     if model.sp:
         raise ValueError("inference runs TP without sequence parallelism (build the model with sp=False)")
     length = ids.shape[1]
     piece, _, ctx = model.shard_batch(ids, ids)
-    prefill = [PrefillCache(model.cp_group, length) for _ in model.blocks]
+    prefill = [PrefillCache(model.cp_group, length, kv_cache, length + steps) for _ in model.blocks]
     t0 = time.perf_counter()
     logits = [_last_logits(model, model(piece, positions=ctx["positions"], caches=prefill), ctx["positions"], length - 1)]
     tokens = [logits[-1].argmax(-1)]
@@ -122,6 +130,8 @@ def main(argv=None):
     add_layout_args(p, sp=False)
     p.add_argument("--dtype", type=dtype_arg("float32", "float64", "bfloat16"), default="float32")
     p.add_argument("--check", action="store_true", help="compare with the one-device model's greedy decode")
+    p.add_argument("--kv-cache", choices=("paged", "contiguous"), default="paged", help="each rank's cache shard "
+                   "in 16-token blocks with block tables (default), or one growing buffer")
     p.add_argument("--json", metavar="PATH", help="write tokens, timings and the check (rank 0)")
     p.add_argument("--device", default=None)
     a = p.parse_args(argv)
@@ -148,9 +158,9 @@ def main(argv=None):
     ref = checkpoint.load_weights(a.checkpoint, mcfg) if a.checkpoint else Llama(mcfg)
     ref = ref.to(rt.device, dtype)
     model = ParallelLlama(ref, layout, layout.build_mesh(rt.device.type))
-    generate(model, ids.to(rt.device), 2)                      # warm-up (allocator, kernels, groups)
+    generate(model, ids.to(rt.device), 2, kv_cache=a.kv_cache)   # warm-up (allocator, kernels, groups)
     timings = {}
-    tokens, logits = generate(model, ids.to(rt.device), a.steps, timings)
+    tokens, logits = generate(model, ids.to(rt.device), a.steps, timings, kv_cache=a.kv_cache)
     decode_ms = sorted(timings["decode_s"])[len(timings["decode_s"]) // 2] * 1e3 if timings["decode_s"] else 0.0
     tokens = comm.all_gather_raw(tokens, model.dp_group, 0).cpu()
     logits = comm.all_gather_raw(logits, model.dp_group, 0).float().cpu()

@@ -21,7 +21,7 @@ def parallel(ref, dp, tp, ring, ulysses, cp_layout="zigzag", sp=False):
     return ParallelLlama(ref, layout, layout.build_mesh("cpu"))
 
 
-def decode_vs_one_device(dp, tp, ring, ulysses, layout, experts, steps=32, batch=2):
+def decode_vs_one_device(dp, tp, ring, ulysses, layout, experts, steps=32, batch=2, kv_cache="paged"):
     cfg = ModelConfig(vocab=256, layers=2, hidden=64, heads=4, kv_heads=2, ffn=96, moe_experts=experts)
     torch.manual_seed(0)
     ref = Llama(cfg)
@@ -31,7 +31,7 @@ def decode_vs_one_device(dp, tp, ring, ulysses, layout, experts, steps=32, batch
     ref_tokens, ref_logits = greedy_reference(ref, ids, steps)
     model = parallel(ref, dp, tp, ring, ulysses, layout)
     with comm.CommLog() as log:
-        tokens, logits = generate(model, ids, steps)
+        tokens, logits = generate(model, ids, steps, kv_cache=kv_cache)
     rows = slice(comm.group_rank(model.dp_group) * batch // dp, (comm.group_rank(model.dp_group) + 1) * batch // dp)
     err = ((logits - ref_logits[rows]).abs().max() / ref_logits.abs().max()).item()
     return (tokens == ref_tokens[rows]).all().item(), err, len(set(ref_tokens.flatten().tolist())), dict(log.calls)
@@ -53,6 +53,13 @@ def test_cp_decode_gives_the_one_device_greedy_tokens(pools, world, dp, tp, ring
         assert same and err < 1e-5, err
         if ring * ulysses > 1:                # 2 collectives per layer per decode step, over the CP group
             assert calls["all_gather"] >= 2 * 31
+
+
+@pytest.mark.parametrize("world,tp,ring", [(2, 1, 2), (4, 2, 2)])
+def test_contiguous_cache_gives_the_same_tokens(pools, world, tp, ring):
+    """The default cache is paged (every test above); the one growing buffer per rank decodes the same."""
+    for same, err, _, _ in pools(world).run(decode_vs_one_device, 1, tp, ring, 1, "zigzag", 0, 16, 2, "contiguous"):
+        assert same and err < 1e-5, err
 
 
 def sp_model_refused():

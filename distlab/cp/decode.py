@@ -72,19 +72,67 @@ class KVCacheShard:
         self.append(k, v)
         return cp_decode_attention(q, self)
 
+    def local_attention(self, q, softmax_scale=None, backend="auto"):
+        """(out, lse) of q over this rank's shard, or None when the shard is empty."""
+        if not self.length:
+            return None
+        return attention_forward(q, self.k, self.v, False, softmax_scale, backend)
+
+
+class PagedKVCacheShard(KVCacheShard):
+    """This rank's part of the KV cache in fixed-size blocks (``distlab.kernels.paged_attention``): one paged
+    sequence per batch row; a decode step appends a token to the owning rank's blocks and attends through
+    the block tables (the Triton paged kernel on CUDA, the gathered reference on CPU)."""
+
+    def __init__(self, k, v, group=None, next_position=0, capacity=None, block_size=16):
+        from distlab.kernels.paged_attention import PagedKVCache
+
+        check_qkv(k, k, v, causal=False)
+        b, n, kvh, d = k.shape
+        capacity = max(capacity or 0, n + 1)
+        blocks = b * (-(-capacity // block_size) + 1)
+        self.paged = PagedKVCache(blocks, block_size, kvh, d, k.dtype, k.device)
+        for i in range(b):
+            self.paged.append(self.paged.new_sequence(), k[i], v[i])
+        self.group, self.length, self.position = group, n, next_position
+
+    @property
+    def k(self):
+        raise AttributeError("a paged cache has no contiguous K: read it through its block tables")
+
+    def append(self, k_new, v_new):
+        if self.owner(self.position) == comm.group_rank(self.group):
+            for i in range(k_new.shape[0]):
+                self.paged.append(i, k_new[i], v_new[i])
+            self.length += 1
+        self.position += 1
+
+    def local_attention(self, q, softmax_scale=None, backend="auto"):
+        from distlab.kernels.paged_attention import paged_decode, paged_decode_reference
+
+        if not self.length:
+            return None
+        table, lengths = self.paged.block_tables()
+        d, g = q.shape[3], q.shape[2] // self.paged.k_cache.shape[2]
+        fast = q.is_cuda and not d & (d - 1) and not g & (g - 1) and backend != "torch"
+        fn = paged_decode if fast else paged_decode_reference
+        return fn(q, self.paged.k_cache, self.paged.v_cache, table, lengths, softmax_scale)
+
 
 def cp_decode_attention(q, cache: KVCacheShard, softmax_scale=None, backend="auto"):
     """Attention of new queries q (batch, n, heads, head_dim) over the whole sharded cache; full output
     (batch, n, heads, head_dim) on every rank."""
     group = cache.group
-    if q.shape[0] != cache.k.shape[0] or q.shape[3] != cache.k.shape[3] or q.shape[2] % cache.k.shape[2]:
-        raise ValueError(f"query {tuple(q.shape)} does not fit the cache {tuple(cache.k.shape)} (batch, head_dim, "
-                         f"q heads a multiple of kv heads)")
+    shape = cache.paged.k_cache.shape[2:] if hasattr(cache, "paged") else cache.k.shape[2:]
+    rows = len(cache.paged.tables) if hasattr(cache, "paged") else cache.k.shape[0]
+    if q.shape[0] != rows or q.shape[3] != shape[1] or q.shape[2] % shape[0]:
+        raise ValueError(f"query {tuple(q.shape)} does not fit the cache ({rows} rows, {shape[0]} kv heads of "
+                         f"{shape[1]}): batch, head_dim, q heads a multiple of kv heads")
     b, n, h, d = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if cache.k.shape[1]:
-        o, lse = attention_forward(q, cache.k, cache.v, False, softmax_scale, backend)
-        o, lse = o.to(acc), lse.to(acc)
+    local = cache.local_attention(q, softmax_scale, backend)
+    if local is not None:
+        o, lse = local[0].to(acc), local[1].to(acc)
     else:
         o, lse = torch.zeros(b, n, h, d, dtype=acc, device=q.device), torch.full((b, h, n), float("-inf"),
                                                                                  dtype=acc, device=q.device)
