@@ -90,3 +90,19 @@ def test_triton_paged_decode_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.path.dirname(HERE), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0 and proc.stdout.count("OK") == 2, proc.stdout + proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_paged_decode_on_the_gpu():
+    from distlab.kernels.paged_attention import paged_decode
+
+    g = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(2048, 16, 8, 128, torch.bfloat16, "cuda")
+    for n in (1, 17, 1000, 4096):
+        cache.append(cache.new_sequence(), torch.randn(n, 8, 128, generator=g).cuda().bfloat16(),
+                     torch.randn(n, 8, 128, generator=g).cuda().bfloat16())
+    q = torch.randn(4, 1, 32, 128, generator=g).cuda().bfloat16()
+    table, lengths = cache.block_tables()
+    out, lse = paged_decode(q, cache.k_cache, cache.v_cache, table, lengths)
+    ref, ref_lse = paged_decode_reference(q.float(), cache.k_cache.float(), cache.v_cache.float(), table, lengths)
+    assert (out.float() - ref).abs().max().item() < 2e-2 and (lse - ref_lse).abs().max().item() < 1e-2

@@ -213,3 +213,61 @@ def paged_decode(q, k_cache, v_cache, block_tables, lengths, softmax_scale=None)
     _DECODE[(b, kvh)](q.contiguous(), k_cache, v_cache, tables, lengths.contiguous(), out, lse, scale,
                       tables.shape[1], h, kvh, BLOCK=k_cache.shape[1], D=d, G=g, num_warps=4)
     return out, lse
+
+
+def main(argv=None):
+    """GPU: the paged decode kernel's read bandwidth (K and V once) as % of a device copy, GPU and wall, eager
+    and as a CUDA graph, next to one contiguous decode call of the attention backends."""
+    from distlab.bench import StudyParser, add_common_args, device_of, positive_int, timeit, write_json
+    from distlab.kernels.bench import copy_bandwidth
+
+    p = StudyParser(prog="python -m distlab.kernels.paged_attention", description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=positive_int, default=32)
+    p.add_argument("--context", type=positive_int, nargs="+", default=[1024, 8192, 32768])
+    p.add_argument("--heads", type=positive_int, default=32)
+    p.add_argument("--kv-heads", type=positive_int, default=8)
+    p.add_argument("--head-dim", type=positive_int, default=128)
+    p.add_argument("--block-size", type=positive_int, default=16)
+    add_common_args(p, iters=50, warmup=10, dtype=False, gpu_tool=True)
+    a = p.parse_args(argv)
+    dev = device_of(a, "the paged decode study", gpu_tool=True)
+    if dev.type != "cuda":
+        raise ValueError("the paged decode study times the Triton kernel: run it on a GPU")
+    copy = copy_bandwidth(dev, a.iters, a.warmup)
+    rows = []
+    print(f"copy {copy / 1e9:.0f} GB/s; batch {a.batch}, heads {a.heads}/{a.kv_heads}, d {a.head_dim}, bf16, "
+          f"blocks of {a.block_size}")
+    print(f"{'context':>8} {'way':<22} {'GPU us':>8} {'wall us':>8} {'GB/s':>7} {'% copy':>7}")
+    for ctx in a.context:
+        per_seq = -(-ctx // a.block_size)
+        blocks = a.batch * per_seq
+        k_cache = torch.randn(blocks, a.block_size, a.kv_heads, a.head_dim, device=dev, dtype=torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+        table = torch.randperm(blocks, device=dev, dtype=torch.int64).to(torch.int32).view(a.batch, per_seq)
+        lengths = torch.full((a.batch,), ctx, dtype=torch.int32, device=dev)
+        q = torch.randn(a.batch, 1, a.heads, a.head_dim, device=dev, dtype=torch.bfloat16)
+        nbytes = 2 * a.batch * ctx * a.kv_heads * a.head_dim * 2
+        paged = lambda: paged_decode(q, k_cache, v_cache, table, lengths)   # noqa: E731
+        paged()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            paged()
+        k_flat = k_cache[table.long()].view(a.batch, -1, a.kv_heads, a.head_dim)[:, :ctx]
+        v_flat = v_cache[table.long()].view(a.batch, -1, a.kv_heads, a.head_dim)[:, :ctx]
+        contiguous = lambda: attention_forward(q, k_flat, v_flat, False)   # noqa: E731
+        for name, fn in (("paged (Triton)", paged), ("paged, CUDA graph", graph.replay),
+                         ("contiguous (auto backend)", contiguous)):
+            gpu, wall = timeit(fn, a.iters, a.warmup, dev), timeit(fn, a.iters, a.warmup, dev, "wall")
+            rows.append({"context": ctx, "way": name, "gpu_us": gpu * 1e6, "wall_us": wall * 1e6,
+                         "GB_s": nbytes / gpu / 1e9, "pct_copy": 100 * nbytes / gpu / copy})
+            r = rows[-1]
+            print(f"{ctx:>8} {name:<22} {r['gpu_us']:>8.1f} {r['wall_us']:>8.1f} {r['GB_s']:>7.0f} {r['pct_copy']:>6.0f}%",
+                  flush=True)
+    if a.json:
+        write_json(a.json, {"copy_GB_s": copy / 1e9, "args": vars(a), "rows": rows})
+
+
+if __name__ == "__main__":
+    from distlab.bench import run_study
+
+    run_study(main)
