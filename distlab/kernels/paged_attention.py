@@ -193,13 +193,15 @@ def _kernel():
 _DECODE = None
 
 
-def paged_decode(q, k_cache, v_cache, block_tables, lengths, softmax_scale=None):
+def paged_decode(q, k_cache, v_cache, block_tables, lengths, softmax_scale=None, check: bool = True):
     """(out (batch, 1, heads, d) like q, lse float32 (batch, heads, 1)); Triton (CUDA, or CPU tensors under
-    ``TRITON_INTERPRET=1``). Every sequence must hold at least one token."""
+    ``TRITON_INTERPRET=1``). Every sequence must hold at least one token. ``check=False`` skips the table
+    checks (they read the tables on the host): for a call captured in a CUDA graph, checked once before."""
     global _DECODE
-    check_paged(q, k_cache, v_cache, block_tables, lengths)
-    if bool((lengths < 1).any()):
-        raise ValueError("paged_decode: every sequence needs at least one cached token")
+    if check:
+        check_paged(q, k_cache, v_cache, block_tables, lengths)
+        if bool((lengths < 1).any()):
+            raise ValueError("paged_decode: every sequence needs at least one cached token")
     b, _, h, d = q.shape
     kvh = k_cache.shape[2]
     g = h // kvh
@@ -251,7 +253,7 @@ def main(argv=None):
         paged()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            paged()
+            paged_decode(q, k_cache, v_cache, table, lengths, check=False)
         k_flat = k_cache[table.long()].view(a.batch, -1, a.kv_heads, a.head_dim)[:, :ctx]
         v_flat = v_cache[table.long()].view(a.batch, -1, a.kv_heads, a.head_dim)[:, :ctx]
         contiguous = lambda: attention_forward(q, k_flat, v_flat, False)   # noqa: E731
