@@ -17,10 +17,11 @@ with row stride ``kv_heads·head_dim``: each row a contiguous 256-byte run (bf16
 vectorises itself, so the x-split buys nothing here.
 
 **The kernel.** ``paged_decode(q, cache_k, cache_v, block_tables, lengths)`` for one new token per sequence
-(``q`` (batch, 1, heads, head_dim)), GQA: one program per (sequence, kv head) walks the sequence's blocks
-through its table, scores the head's group of q heads against each ``(block_size, head_dim)`` tile and keeps
-an online softmax (running max, sum, output) in float32; it returns ``(out, lse)`` so CP decode can merge
-the ranks' partial results. ``paged_decode_reference`` gathers the blocks and calls the attention
+(``q`` (batch, 1, heads, head_dim)), GQA: one program per (sequence, kv head, split) walks its share of the
+sequence's blocks through the table, 64 rows (several blocks) per step, scores the head's group of q heads
+against each tile and keeps an online softmax (running max, sum, output) in float32; the splits (enough to
+give every SM a few programs: flash-decoding) are merged by LSE, and it returns ``(out, lse)`` so CP decode
+can merge the ranks' partial results the same way. ``paged_decode_reference`` gathers the blocks and calls the attention
 reference. Tables that point outside the cache, lengths past a table, shapes that disagree: ValueError.
 """
 
@@ -157,35 +158,44 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def decode(Q, K, V, TABLE, LENGTHS, OUT, LSE, scale, table_width, heads, kv_heads,
-               BLOCK: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
+    def decode(Q, K, V, TABLE, LENGTHS, OUT, LSE, scale, table_width, heads, kv_heads, blocks_per_split,
+               BLOCK: tl.constexpr, D: tl.constexpr, G: tl.constexpr, STEP: tl.constexpr):
+        """One (sequence, kv head, split): blocks [split·blocks_per_split, ...) of the sequence, STEP blocks
+        (STEP·BLOCK rows, gathered through the table) per iteration; a partial (out, lse) per split."""
         seq = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1).to(tl.int64)
+        split = tl.program_id(2).to(tl.int64)
+        splits = tl.num_programs(2).to(tl.int64)
         g = tl.arange(0, G)
         dims = tl.arange(0, D)
-        rows = tl.arange(0, BLOCK)
+        rows = tl.arange(0, STEP * BLOCK)
         q = tl.load(Q + (seq * heads + kvh * G + g)[:, None] * D + dims[None, :]).to(tl.float32) * scale
         n = tl.load(LENGTHS + seq)
+        first = split * blocks_per_split
+        last = tl.minimum(first + blocks_per_split, tl.cdiv(n, BLOCK))
         m = tl.full([G], float("-inf"), tl.float32)
         l = tl.zeros([G], tl.float32)
         acc = tl.zeros([G, D], tl.float32)
-        for j in range(0, tl.cdiv(n, BLOCK)):
-            block = tl.load(TABLE + seq * table_width + j).to(tl.int64)
-            valid = j * BLOCK + rows < n
-            offs = ((block * BLOCK + rows) * kv_heads + kvh)[:, None] * D + dims[None, :]
+        for j in range(first, last, STEP):
+            blk = j + rows // BLOCK                                            # the block of each row
+            token = blk * BLOCK + rows % BLOCK
+            valid = (blk < last) & (token < n)
+            block = tl.load(TABLE + seq * table_width + blk, mask=valid, other=0).to(tl.int64)
+            offs = ((block * BLOCK + rows % BLOCK) * kv_heads + kvh)[:, None] * D + dims[None, :]
             k = tl.load(K + offs, mask=valid[:, None], other=0.0).to(tl.float32)
             v = tl.load(V + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], 2)                       # (G, BLOCK)
+            s = tl.sum(q[:, None, :] * k[None, :, :], 2)                       # (G, STEP·BLOCK)
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(s - m_safe[:, None])
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
             m = m_new
-        heads_out = seq * heads + kvh * G + g
-        tl.store(OUT + heads_out[:, None] * D + dims[None, :], (acc / l[:, None]).to(OUT.dtype.element_ty))
-        tl.store(LSE + heads_out, m + tl.log(l))
+        part = (seq * splits + split) * heads + kvh * G + g
+        tl.store(OUT + part[:, None] * D + dims[None, :], acc / tl.where(l > 0, l, 1.0)[:, None])
+        tl.store(LSE + part, tl.where(l > 0, m + tl.log(l), float("-inf")))
 
     return decode
 
@@ -193,10 +203,12 @@ def _kernel():
 _DECODE = None
 
 
-def paged_decode(q, k_cache, v_cache, block_tables, lengths, softmax_scale=None, check: bool = True):
+def paged_decode(q, k_cache, v_cache, block_tables, lengths, softmax_scale=None, check: bool = True,
+                 splits: int | None = None):
     """(out (batch, 1, heads, d) like q, lse float32 (batch, heads, 1)); Triton (CUDA, or CPU tensors under
     ``TRITON_INTERPRET=1``). Every sequence must hold at least one token. ``check=False`` skips the table
-    checks (they read the tables on the host): for a call captured in a CUDA graph, checked once before."""
+    checks (they read the tables on the host): for a call captured in a CUDA graph, checked once before.
+    ``splits``: programs per (sequence, kv head) (default: enough for ~4 programs per SM)."""
     global _DECODE
     if check:
         check_paged(q, k_cache, v_cache, block_tables, lengths)
@@ -209,12 +221,26 @@ def paged_decode(q, k_cache, v_cache, block_tables, lengths, softmax_scale=None,
         raise ValueError(f"paged_decode: head_dim {d} and heads per kv head {g} must be powers of two")
     _DECODE = _DECODE or _kernel()
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    out = torch.empty_like(q)
-    lse = torch.empty(b, h, 1, dtype=torch.float32, device=q.device)
     tables = block_tables.contiguous()
-    _DECODE[(b, kvh)](q.contiguous(), k_cache, v_cache, tables, lengths.contiguous(), out, lse, scale,
-                      tables.shape[1], h, kvh, BLOCK=k_cache.shape[1], D=d, G=g, num_warps=4)
-    return out, lse
+    width = tables.shape[1]
+    # flash-decoding: split each sequence's blocks over programs until the GPU has ~4 programs per SM
+    # (sequences x kv heads alone leave most SMs idle at small batch), then merge the splits by LSE
+    step = max(1, 64 // k_cache.shape[1])
+    programs = b * kvh
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+    splits = splits or max(1, min(-(-width // step), -(-4 * sms // programs)))
+    per_split = -(-width // splits)
+    per_split = -(-per_split // step) * step
+    splits = -(-width // per_split)
+    part_out = torch.empty(b, splits, h, d, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(b, splits, h, dtype=torch.float32, device=q.device)
+    _DECODE[(b, kvh, splits)](q.contiguous(), k_cache, v_cache, tables, lengths.contiguous(), part_out, part_lse,
+                              scale, width, h, kvh, per_split, BLOCK=k_cache.shape[1], D=d, G=g, STEP=step,
+                              num_warps=4)
+    lse = torch.logsumexp(part_lse, 1)                                         # (b, h)
+    weight = torch.exp(part_lse - torch.where(lse == float("-inf"), 0.0, lse)[:, None])
+    out = (part_out * weight[..., None]).sum(1)
+    return out[:, None].to(q.dtype), lse[..., None]
 
 
 def main(argv=None):
