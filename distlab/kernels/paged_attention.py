@@ -20,7 +20,7 @@ vectorises itself, so the x-split buys nothing here.
 (``q`` (batch, 1, heads, head_dim)), GQA: one program per (sequence, kv head, split) walks its share of the
 sequence's blocks through the table, 64 rows (several blocks) per step, scores the head's group of q heads
 against each tile and keeps an online softmax (running max, sum, output) in float32; the splits (enough to
-give every SM a few programs: flash-decoding) are merged by LSE, and it returns ``(out, lse)`` so CP decode
+give every SM two programs: flash-decoding) are merged by LSE, and it returns ``(out, lse)`` so CP decode
 can merge the ranks' partial results the same way. ``paged_decode_reference`` gathers the blocks and calls the attention
 reference. Tables that point outside the cache, lengths past a table, shapes that disagree: ValueError.
 """
@@ -159,43 +159,45 @@ def _kernel():
 
     @triton.jit
     def decode(Q, K, V, TABLE, LENGTHS, OUT, LSE, scale, table_width, heads, kv_heads, blocks_per_split,
-               BLOCK: tl.constexpr, D: tl.constexpr, G: tl.constexpr, STEP: tl.constexpr):
+               BLOCK: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, STEP: tl.constexpr,
+               PREC: tl.constexpr):
         """One (sequence, kv head, split): blocks [split·blocks_per_split, ...) of the sequence, STEP blocks
         (STEP·BLOCK rows, gathered through the table) per iteration; a partial (out, lse) per split."""
         seq = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1).to(tl.int64)
         split = tl.program_id(2).to(tl.int64)
         splits = tl.num_programs(2).to(tl.int64)
-        g = tl.arange(0, G)
+        g = tl.arange(0, GP)                        # the group's q heads, padded to 16 rows for tl.dot
         dims = tl.arange(0, D)
         rows = tl.arange(0, STEP * BLOCK)
-        q = tl.load(Q + (seq * heads + kvh * G + g)[:, None] * D + dims[None, :]).to(tl.float32) * scale
+        q = tl.load(Q + (seq * heads + kvh * G + g)[:, None] * D + dims[None, :], mask=(g < G)[:, None], other=0.0)
         n = tl.load(LENGTHS + seq)
         first = split * blocks_per_split
         last = tl.minimum(first + blocks_per_split, tl.cdiv(n, BLOCK))
-        m = tl.full([G], float("-inf"), tl.float32)
-        l = tl.zeros([G], tl.float32)
-        acc = tl.zeros([G, D], tl.float32)
+        m = tl.full([GP], float("-inf"), tl.float32)
+        l = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
         for j in range(first, last, STEP):
             blk = j + rows // BLOCK                                            # the block of each row
             token = blk * BLOCK + rows % BLOCK
             valid = (blk < last) & (token < n)
             block = tl.load(TABLE + seq * table_width + blk, mask=valid, other=0).to(tl.int64)
             offs = ((block * BLOCK + rows % BLOCK) * kv_heads + kvh)[:, None] * D + dims[None, :]
-            k = tl.load(K + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-            v = tl.load(V + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], 2)                       # (G, STEP·BLOCK)
+            k = tl.load(K + offs, mask=valid[:, None], other=0.0)
+            v = tl.load(V + offs, mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale                                 # (GP, STEP·BLOCK), float32
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m = m_new
         part = (seq * splits + split) * heads + kvh * G + g
-        tl.store(OUT + part[:, None] * D + dims[None, :], acc / tl.where(l > 0, l, 1.0)[:, None])
-        tl.store(LSE + part, tl.where(l > 0, m + tl.log(l), float("-inf")))
+        mine = g < G
+        tl.store(OUT + part[:, None] * D + dims[None, :], acc / tl.where(l > 0, l, 1.0)[:, None], mask=mine[:, None])
+        tl.store(LSE + part, tl.where(l > 0, m + tl.log(l), float("-inf")), mask=mine)
 
     return decode
 
@@ -208,7 +210,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, lengths, softmax_scale=None,
     """(out (batch, 1, heads, d) like q, lse float32 (batch, heads, 1)); Triton (CUDA, or CPU tensors under
     ``TRITON_INTERPRET=1``). Every sequence must hold at least one token. ``check=False`` skips the table
     checks (they read the tables on the host): for a call captured in a CUDA graph, checked once before.
-    ``splits``: programs per (sequence, kv head) (default: enough for ~4 programs per SM)."""
+    ``splits``: programs per (sequence, kv head) (default: enough for ~2 programs per SM)."""
     global _DECODE
     if check:
         check_paged(q, k_cache, v_cache, block_tables, lengths)
@@ -223,20 +225,20 @@ def paged_decode(q, k_cache, v_cache, block_tables, lengths, softmax_scale=None,
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     tables = block_tables.contiguous()
     width = tables.shape[1]
-    # flash-decoding: split each sequence's blocks over programs until the GPU has ~4 programs per SM
+    # flash-decoding: split each sequence's blocks over programs until the GPU has ~2 programs per SM
     # (sequences x kv heads alone leave most SMs idle at small batch), then merge the splits by LSE
     step = max(1, 64 // k_cache.shape[1])
     programs = b * kvh
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
-    splits = splits or max(1, min(-(-width // step), -(-4 * sms // programs)))
+    splits = splits or max(1, min(-(-width // step), -(-2 * sms // programs)))
     per_split = -(-width // splits)
     per_split = -(-per_split // step) * step
     splits = -(-width // per_split)
     part_out = torch.empty(b, splits, h, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(b, splits, h, dtype=torch.float32, device=q.device)
     _DECODE[(b, kvh, splits)](q.contiguous(), k_cache, v_cache, tables, lengths.contiguous(), part_out, part_lse,
-                              scale, width, h, kvh, per_split, BLOCK=k_cache.shape[1], D=d, G=g, STEP=step,
-                              num_warps=4)
+                              scale, width, h, kvh, per_split, BLOCK=k_cache.shape[1], D=d, G=g, GP=max(16, g),
+                              STEP=step, PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
     lse = torch.logsumexp(part_lse, 1)                                         # (b, h)
     weight = torch.exp(part_lse - torch.where(lse == float("-inf"), 0.0, lse)[:, None])
     out = (part_out * weight[..., None]).sum(1)
