@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The one-GPU runs behind docs/PERF.md's kernel figures, in device calls of under 10 minutes each:
-#   bash launch/gpu_kernels_check.sh OUTDIR [all|check|attention|ring|memory|gemm|model]
+#   bash launch/gpu_kernels_check.sh OUTDIR [all|check|attention|ring|memory|gemm|model|curriculum]
 # check: the GPU tests of the Triton kernels and the kernel checks at real sizes (bf16 and fp16);
 # attention: one call of each backend, MHA and GQA (PERF "Attention kernels");
 # ring: one W=8 ring rank emulated, triton and cuDNN, PDL off and on (PERF "One ring rank emulated");
 # memory: RMSNorm, RoPE, SwiGLU and the LSE merge against copy bandwidth and torch.compile;
 # gemm: the grouped GEMM against torch._grouped_mm (uniform, skewed) and the MoE layer (gpu_moe_check.sh);
-# model: the small preset and the Llama-3-8B-shaped block training (MFU), and infer --check.
-# all = check, attention, ring, memory (about 8 minutes); gemm and model are a second call.
+# model: the small preset and the Llama-3-8B-shaped block training (MFU), and infer --check;
+# curriculum: fused linear CE (peak memory and time vs plain and Liger), the softmax ladder, FP8 GEMMs
+#    (error and speed), paged decode (% of copy, eager and graphed); Liger rows need its wheel on PYTHONPATH.
+# all = check, attention, ring, memory (about 8 minutes); gemm and model are a second call, curriculum a third.
 # The passes that led to these defaults (tile sweeps, TMA, PDL, steps per launch) are in docs/PERF-archive.md
 # and in this file's git history. Every command's output goes to OUTDIR/<name>.log (and JSON where it
 # writes one), all of it packed into OUTDIR/logs.tar.gz. TAIL=n shows n lines of each log; BUDGET=s skips
@@ -55,6 +57,13 @@ if wants model; then
   LIMIT=50 run train_block $py -m distlab.train --config llama-block-8gpu --tp 1 --ring 1 --ulysses 1 --steps 3 \
       --json "$out/train_block.json"
   LIMIT=30 run infer_check $py -m distlab.infer --config small --steps 32 --check --json "$out/infer_check.json"
+fi
+if wants curriculum; then
+  LIMIT=120 run fused_ce $py -m distlab.kernels.fused_linear_ce --vocab 32000 128256 --chunks 256 1024 4096 \
+      --json "$out/fused_ce.json" --plot "$out/fused_ce.png"
+  LIMIT=60 run softmax $py -m distlab.kernels.softmax --json "$out/softmax.json"
+  LIMIT=60 run fp8 $py -m distlab.kernels.fp8 --json "$out/fp8.json"
+  LIMIT=60 run paged $py -m distlab.kernels.paged_attention --json "$out/paged.json"
 fi
 pack_logs
 exit $status

@@ -39,7 +39,7 @@ def test_multigpu_check_commands_parse(tmp_path, gpus):
     assert len(trains) == (2 + 7 if gpus == "8" else 6), parsed   # model part at 8 and 4 GPUs; zero part (HSDP at 4+)
 
 
-@pytest.mark.parametrize("part", ["all", "check", "attention", "ring", "memory", "gemm", "model"])
+@pytest.mark.parametrize("part", ["all", "check", "attention", "ring", "memory", "gemm", "model", "curriculum"])
 def test_gpu_kernels_check_commands_parse(tmp_path, part):
     parsed, skipped, errors = dry_run(tmp_path, "launch/gpu_kernels_check.sh", part)
     assert not errors, errors
