@@ -147,3 +147,19 @@ class ProcessGroupPool:
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def run_in_triton_interpreter(code: str, timeout_s: float = 300):
+    """Run ``code`` in a fresh Python with ``TRITON_INTERPRET=1`` (it must be set before triton is imported:
+    the kernels' CPU tests), this checkout first on the path; the ``CompletedProcess``, output captured.
+    Skips the calling test when triton is not installed (the gpu extra)."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s, env=env)

@@ -3,16 +3,12 @@
 refused; distlab's Triton quantiser under the interpreter; on a GPU, the kernel bit for bit and every
 granularity's GEMM."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from distlab.kernels import fp8
+from distlab.testing import run_in_triton_interpreter
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from distlab.kernels import fp8
 
 
 @pytest.mark.parametrize("granularity,weight,shape", [("tensor", False, ()), ("row", False, (256, 1)),
@@ -76,9 +72,7 @@ for dtype in (torch.float32, torch.float16):
 def test_triton_quantiser_in_the_interpreter():
     """Scales exactly the reference's, and the scaled, saturated values before the cast (the interpreter's
     own FP8 conversion is wrong — 7.8 becomes 4.0 — so the cast is checked on the GPU, bit for bit, below)."""
-    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.path.dirname(HERE), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, timeout=300, env=env)
+    proc = run_in_triton_interpreter(INTERPRETED)
     assert proc.returncode == 0 and proc.stdout.count("OK") == 4, proc.stdout + proc.stderr[-3000:]
 
 

@@ -2,17 +2,13 @@
 attention, the Triton kernel under the interpreter (poisoned outputs), bad block tables refused, and CP
 decode over a paged, sharded cache token for token (tests/test_infer.py)."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from distlab.testing import run_in_triton_interpreter
+
 from distlab.kernels.attention import attention_forward
 from distlab.kernels.paged_attention import PagedKVCache, paged_decode_reference
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def filled(lengths, block=4, kvh=2, d=8, dtype=torch.float64, seed=0):
@@ -87,9 +83,7 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
 
 
 def test_triton_paged_decode_in_the_interpreter():
-    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.path.dirname(HERE), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, timeout=300, env=env)
+    proc = run_in_triton_interpreter(INTERPRETED)
     assert proc.returncode == 0 and proc.stdout.count("OK") == 6, proc.stdout + proc.stderr[-3000:]
 
 

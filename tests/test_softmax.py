@@ -2,16 +2,12 @@
 1e-5 on logits past exp's range; the Triton kernel under the interpreter (fp32, fp16; both the one-block
 and the long-row two-pass paths) with its output poisoned first."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from distlab.kernels.softmax import check, naive, online_one_pass, online_two_pass, safe
+from distlab.testing import run_in_triton_interpreter
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from distlab.kernels.softmax import check, naive, online_one_pass, online_two_pass, safe
 
 
 @pytest.mark.parametrize("fn", [safe, online_two_pass, online_one_pass], ids=lambda f: f.__name__)
@@ -41,9 +37,7 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
 
 
 def test_triton_softmax_in_the_interpreter():
-    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.path.dirname(HERE), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, timeout=300, env=env)
+    proc = run_in_triton_interpreter(INTERPRETED)
     assert proc.returncode == 0 and proc.stdout.count("OK") == 6, proc.stdout + proc.stderr[-3000:]
 
 
