@@ -4,6 +4,7 @@
     distlab run --nproc 2 -m distlab.train --config tiny --checkpoint-dir ckpt --json losses.json
     distlab run --nproc 2 -m distlab.train --config tiny --resume ckpt/step_100
     distlab run --nproc 4 -m distlab.train --config tiny --tp 2 --sp --ring 2
+    distlab run --nproc 4 -m distlab.train --config tiny --dp-shard 4 --ac selective --memory   # ZeRO-3 + AC
 
 Data parallelism over all ranks: every rank builds the same model from the seed, takes its slice of each
 step's global batch (the batch is a pure function of the step, see ``distlab.model.data``), and the
@@ -20,7 +21,9 @@ tokens/s × ``flops_per_token`` / (GPUs × the GPU's dense bf16 peak).
 
 ``--tp``, ``--sp``, ``--ring``, ``--ulysses`` shard the model itself (``distlab.model.parallel``; dp is
 what remains of the world size, and MoE experts spread over dp × cp); its gradient norm for clipping is
-the one-device norm.
+the one-device norm. ``--dp-shard`` / ``--dp-replicate`` / ``--zero`` shard what data parallelism replicates
+(ZeRO-1/2/3, HSDP: ``distlab.zero``; ``--fsdp-impl torch`` runs FSDP2 instead), ``--ac`` checkpoints the
+blocks' activations, ``--fused-ce`` fuses the LM head with the loss, ``--memory`` prints each rank's bytes.
 """
 
 from __future__ import annotations
@@ -198,6 +201,7 @@ def main(argv=None):
     # every multi-rank run is a ParallelLlama (dp alone too): its loss is the global batch's mean over the
     # non-ignored targets, whatever share of them each rank holds
     mesh = layout.build_mesh(rt.device.type) if rt.world_size > 1 or layout.sharded else None
+
     def build(ref):
         model = ParallelLlama(ref.to(rt.device), layout, mesh, a.fsdp_impl) if mesh else ref.to(rt.device)
         if a.fused_ce is not None:
