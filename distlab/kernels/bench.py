@@ -183,18 +183,20 @@ def bench_memory_bound(dev, dtype, iters, warmup, compile_ref=True, only=None):
             if pass_ == "fwd":
                 with torch.no_grad():
                     t = timeit(lambda: fn(*inputs), iters, warmup, dev)
+                    t_w = timeit(lambda: fn(*inputs), iters, warmup, dev, "wall")
                     t_c = _maybe(lambda: timeit(lambda: compiled(*inputs), iters, warmup, dev)) if compiled else None
                     if l_fn:
                         t_l = timeit(lambda: l_fn(*l_inputs), iters, warmup, dev)
             else:
                 t = timeit(_fwd_bwd(fn, inputs, grads), iters, warmup, dev)
+                t_w = timeit(_fwd_bwd(fn, inputs, grads), iters, warmup, dev, "wall")
                 t_c = _maybe(lambda: timeit(_fwd_bwd(compiled, inputs, grads), iters, warmup, dev)) if compiled else None
                 if l_fn:
                     t_l = timeit(_fwd_bwd(l_fn, l_inputs, l_grads), iters, warmup, dev)
             rows.append({"kernel": name, "pass": pass_, "ms": t * 1e3, "rate": nbytes / t / 1e9, "unit": "GB/s",
                          "anchor": "device copy", "anchor_rate": bw / 1e9 if bw else None,
                          "ratio": nbytes / t / bw if bw else None, "compile_ms": t_c * 1e3 if t_c else None,
-                         "liger_ms": t_l * 1e3 if t_l else None})
+                         "liger_ms": t_l * 1e3 if t_l else None, "wall_ms": t_w * 1e3})
     return rows
 
 
@@ -231,12 +233,13 @@ def main(argv=None):
           f"{args.seq} · heads {args.heads} (kv {kvh}) · head_dim {args.head_dim} · "
           f"{'causal' if args.causal else 'full'}")
     print(f"{'kernel':<30} {'pass':<8} {'ms':>8} {'rate':>9} {'unit':<8} {'anchor':<22} {'anchor rate':>11} "
-          f"{'ratio':>6} {'compile ms':>10} {'Liger ms':>9}")
+          f"{'ratio':>6} {'compile ms':>10} {'Liger ms':>9} {'wall ms':>8}")
     for r in table:
         anchor_rate = f"{r['anchor_rate']:>11.1f}" if r.get("anchor_rate") else f"{'-':>11}"
         ratio = f"{100 * r['ratio']:>5.0f}%" if r.get("ratio") else f"{'-':>6}"
         comp = f"{r['compile_ms']:>10.3f}" if r.get("compile_ms") else f"{'-':>10}"
         liger = f"{r['liger_ms']:>9.3f}" if r.get("liger_ms") else f"{'-':>9}"
+        liger += f" {r['wall_ms']:>8.3f}" if r.get("wall_ms") else f" {'-':>8}"
         print(f"{r['kernel']:<30} {r['pass']:<8} {r['ms']:>8.3f} {r['rate']:>9.1f} {r['unit']:<8} "
               f"{r.get('anchor') or '-':<22} {anchor_rate} {ratio} {comp} {liger}")
     if args.json:
