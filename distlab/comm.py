@@ -197,7 +197,7 @@ def _disagreement(what, values, group, describe) -> tuple[str, int] | None:
     mine[1:1 + len(values)] = torch.tensor(values, dtype=torch.int64)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
     every = torch.empty(n * _SIGNATURE_LEN, dtype=torch.int64, device=device)
-    _all_gather_dim0_untracked(every, mine.to(device), group)
+    all_gather_into(every, mine.to(device), group)
     rows = every.view(n, _SIGNATURE_LEN).cpu().tolist()
     seen = [tuple(r[1:1 + r[0]]) if 0 <= r[0] < _SIGNATURE_LEN else None for r in rows]
     if any(v != values for v in seen):
@@ -222,9 +222,18 @@ def _group_key(group):
     return None if group is None else getattr(group, "group_name", None) or id(group)
 
 
-def _all_gather_dim0_untracked(out, x, group) -> None:
+def all_gather_into(out, x, group=None, async_op: bool = False):
+    """Every rank's ``x`` into ``out`` along dim 0 (not counted in a CommLog); a work handle when
+    ``async_op``. torch 2.13's name with a fallback to the older one."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, x, group=group)
+    return fn(out, x, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(out, x, group=None, async_op: bool = False):
+    """The sum of ``x`` over ranks, this rank's dim-0 slice into ``out`` (not counted); a work handle when
+    ``async_op``."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, x, group=group, async_op=async_op)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -233,16 +242,14 @@ def _all_gather_dim0_untracked(out, x, group) -> None:
 def _all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     n = group_size(group)
     out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, x.contiguous(), group=group)
+    all_gather_into(out, x.contiguous(), group)
     return out
 
 
 def _reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
     n = group_size(group)
     out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, x.contiguous(), group=group)
+    reduce_scatter_into(out, x.contiguous(), group)
     return out
 
 

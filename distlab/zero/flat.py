@@ -22,7 +22,6 @@ backward is what the backward reads (the trick FSDP1 uses).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from distlab import comm
 
@@ -38,16 +37,6 @@ class Pending:
             self.work.wait()
             self.work = None
         return self.out
-
-
-def _all_gather_into(out, x, group, async_op):
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, x, group=group, async_op=async_op)
-
-
-def _reduce_scatter_into(out, x, group, async_op):
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(out, x, group=group, async_op=async_op)
 
 
 class FlatUnit:
@@ -112,7 +101,7 @@ class FlatUnit:
             out.copy_(piece)
             return Pending(None, out)
         comm.record("all_gather", comm.sent_bytes("all_gather", out.numel() * out.element_size(), self.n))
-        return Pending(_all_gather_into(out, piece.contiguous(), self.group, async_op), out)
+        return Pending(comm.all_gather_into(out, piece.contiguous(), self.group, async_op), out)
 
     def reduce_scatter(self, grads: list, async_op: bool = False) -> Pending:
         """The sum over the shard group of the flattened ``grads`` (a zero tensor for a missing one), this
@@ -124,7 +113,7 @@ class FlatUnit:
             return Pending(None, flat)
         comm.record("reduce_scatter", comm.sent_bytes("reduce_scatter", flat.numel() * flat.element_size(), self.n))
         out = flat.new_empty(self.chunk)
-        pending = Pending(_reduce_scatter_into(out, flat, self.group, async_op), out)
+        pending = Pending(comm.reduce_scatter_into(out, flat, self.group, async_op), out)
         pending.source = flat   # alive until the collective finishes
         return pending
 

@@ -168,7 +168,7 @@ class ZeroEngine:
                 flat = u.flatten([p.grad for p in u.params])
                 summed = comm.all_reduce_raw(flat, self.model.replica_group)
                 self.counts["all_reduce"] += 1
-                self._pieces[id(u)] = summed[u.rank * u.chunk:(u.rank + 1) * u.chunk]
+                self._pieces[id(u)] = summed[u.rank * u.chunk:(u.rank + 1) * u.chunk].clone()   # the full sum freed
                 for p in u.params:
                     p.grad = None
         else:
@@ -183,9 +183,8 @@ class ZeroEngine:
                 self.counts["all_reduce"] += 1
                 for u, piece in zip(units, flat.split([u.chunk for u in units])):
                     self._pieces[id(u)] = piece
-        for u in units:
-            u.shard.grad = self._pieces.pop(id(u)).div_(self.mean_over) if self.zero > 1 else \
-                self._pieces.pop(id(u)) / self.mean_over
+        for u in units:   # each piece is a fresh tensor (a collective's output): divided in place
+            u.shard.grad = self._pieces.pop(id(u)).div_(self.mean_over)
         for p in self.experts:   # an expert lives on one rank and holds every token's part
             if p.grad is not None:
                 p.grad /= self.mean_over
