@@ -73,10 +73,6 @@ class TorchFSDP:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
-    def grad_norm(self) -> torch.Tensor:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
     @torch.no_grad()
     def full_tensors(self, get) -> dict:
         def full(p):
