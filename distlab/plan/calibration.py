@@ -10,7 +10,8 @@ or ``_full`` (FLOP/s as FlashAttention counts them, 4·pairs·heads·head_dim fo
 against visible pairs per head), ``grouped_gemm`` (FLOP/s against FLOPs per call, 8 balanced groups)
 and ``copy`` (bytes/s read + written against bytes per call); ``launch_us`` is the wall time of one tiny
 op called back to back (Python + launch: what a call costs at least). ``Calibration.rate`` interpolates in
-log-size between measured points and says when it extrapolates past the ends (then it holds the end rate).
+log-size between measured points and says when it extrapolates past the ends: it then holds the end rate,
+and above the largest size it does not flag a kernel whose last two rates agree within 10% (saturated).
 
 Under torchrun with W > 1 ranks it sweeps the playground's collectives (``distlab.collectives``) and fits
 ``time = α + size·factor/busbw`` per op; the link lands in the file as ``links["<backend>-W<W>"]``. With
@@ -78,9 +79,11 @@ class Calibration:
         """(rate, extrapolated) for one call of ``size`` (the kernel's size unit, module doc)."""
         points = self.data["rates"][kernel]
         sizes = [p[0] for p in points]
-        if size <= sizes[0] or size >= sizes[-1]:
-            end = points[0] if size <= sizes[0] else points[-1]
-            return end[1], not math.isclose(size, end[0], rel_tol=1e-6)
+        if size <= sizes[0]:
+            return points[0][1], not math.isclose(size, sizes[0], rel_tol=1e-6)
+        if size >= sizes[-1]:     # past the top: held, and not flagged when the last two points agree (saturated)
+            saturated = len(points) > 1 and abs(points[-1][1] / points[-2][1] - 1) <= 0.1
+            return points[-1][1], not (saturated or math.isclose(size, sizes[-1], rel_tol=1e-6))
         i = bisect.bisect_left(sizes, size)
         (s0, r0), (s1, r1) = points[i - 1], points[i]
         w = (math.log(size) - math.log(s0)) / (math.log(s1) - math.log(s0))

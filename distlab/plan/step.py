@@ -54,10 +54,11 @@ class Plan:
     def describe(self) -> str:
         cp = {"none": "", "ring": f" · ring {self.ring}", "ulysses": f" · Ulysses {self.ulysses}",
               "usp": f" · USP {self.ulysses}x{self.ring}", "allgather": f" · all-gather KV {self.ring}"}[self.method]
-        dp = (f"FSDP {self.dp_shard}" if self.zero == 3 else f"ZeRO-{self.zero} {self.dp_shard}" if self.zero
-              else f"DDP {self.dp}") if self.dp > 1 or self.zero else "dp 1"
+        shards = self.dp_shard * self.cp               # ZeRO shards over dp_shard x cp
+        dp = (f"FSDP {shards}" if self.zero == 3 else f"ZeRO-{self.zero} {shards}" if self.zero
+              else f"DDP {self.dp}" if self.dp > 1 else "no DP")
         if self.dp_replicate > 1 and self.zero:
-            dp = f"HSDP {self.dp_replicate}x{self.dp_shard}"
+            dp = f"HSDP {self.dp_replicate}x{shards}"
         tp = f" · TP {self.tp}{' async' if self.async_tp else ''}" if self.tp > 1 else ""
         return f"{dp}{tp}{cp} · AC {self.ac}"
 
