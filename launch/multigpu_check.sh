@@ -19,6 +19,7 @@
 # zero: the small preset at --dp-shard N, ZeRO 1/2/3 (hand) and FSDP2 (the anchor), HSDP, --ac full:
 #    tokens/s and MFU against replicated DP (what the prefetched all-gathers and async reduce-scatters
 #    failed to hide), --memory per rank (held vs predicted, CUDA peak), ZeRO's collectives per step.
+# parity, tp and moe also print the planner's prediction (distlab.plan, H200 calibration) next to each run.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"   # $out, $py, $status, the multicast variables, pack_logs
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
@@ -43,6 +44,9 @@ for dtype in fp32 bf16; do
   run "$n" distlab.moe --check --tokens 2048 --dtype $dtype --iters 1 | grep -E "check vs" || status=1
 done
 run 1 distlab.cp.ring --seq 16384 --dtype bf16 --check --iters 1 --json "$out/parity_w1_bf16.json" | grep "check vs"
+echo "-- the planner's prediction (H200 calibration, NVLink 4) next to each bf16 study --"
+$py -m distlab.plan.validate --measured "$out"/parity_distlab_cp_*_bf16.json --link nvlink4 \
+  --json "$out/plan_vs_parity.json" || status=1
 # the Triton ring (in-kernel accumulation), its forwards also as programmatic dependents (PDL) behind NCCL receives
 for pdl in 0 1; do
   DISTLAB_TRITON_ATTN_PDL=$pdl run "$n" distlab.cp.ring --seq 16384 --dtype bf16 --backend triton --check --iters 2 \
@@ -73,11 +77,13 @@ for tp in 2 4 8; do
   done
 done
 $py -m distlab.tp.shard_gemms --tp 1 2 4 8 --json "$out/shard_gemms.json" | tail -5
+$py -m distlab.plan.validate --measured "$out"/tp*.json --link nvlink4 --json "$out/plan_vs_tp.json" || status=1
 
 fi
 if want moe; then
 echo "== 5. MoE at EP $n, Mixtral proxy =="
 run "$n" distlab.moe --experts 8 --topk 2 --hidden 4096 --ffn 14336 --tokens 4096 --json "$out/moe_ep$n.json" || status=1
+$py -m distlab.plan.validate --measured "$out/moe_ep$n.json" --link nvlink4 --json "$out/plan_vs_moe.json" || status=1
 
 fi
 if want model; then

@@ -156,3 +156,21 @@ def test_validation_on_gloo_end_to_end(tmp_path):
     assert row["study"] == "zigzag" and row["world"] == 2
     assert row["measured_fwd_bwd_s"] > 0 and row["predicted_fwd_bwd_s"] > 0
     assert "predicted / measured" in run.stdout
+
+
+def test_prediction_next_to_a_gpu_run(tmp_path, capsys):
+    """``--measured`` (what launch/multigpu_check.sh prints): a study's JSON in, predicted next to measured;
+    a CPU run is refused rather than compared with a GPU calibration."""
+    from distlab.plan import validate
+
+    result = {"algorithm": "ring", "world_size": 8, "device": "cuda:0", "slowest": {"fwd_s": 0.01, "fwd_bwd_s": 0.04},
+              "args": {"batch": 1, "seq": 65536, "heads": 32, "kv_heads": 8, "head_dim": 128, "causal": True,
+                       "layout": "zigzag", "dtype": "bfloat16"}}
+    path = tmp_path / "parity_distlab_cp_ring_bf16.json"
+    path.write_text(json.dumps(result))
+    validate.main(["--measured", str(path), "--json", str(tmp_path / "out.json")])
+    (row,) = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert row["study"] == "zigzag" and row["world"] == 8 and 0.005 < row["predicted_fwd_s"] < 0.02
+    path.write_text(json.dumps({**result, "device": "cpu"}))
+    with pytest.raises(ValueError, match="measured on 'cpu'"):
+        validate.main(["--measured", str(path)])

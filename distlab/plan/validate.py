@@ -2,6 +2,7 @@
 
     python -m distlab.plan.validate --json docs/perf/plan/validate_cpu.json          # ~15 min on 2 cores
     python -m distlab.plan.validate --worlds 2 --studies zigzag --seq 2048 --quick      # the test's case
+    python -m distlab.plan.validate --measured out/parity_*_bf16.json --link nvlink4   # GPUs: predicted vs run
 
 Steps: (1) calibrate this CPU's kernels with one thread per process (``distlab.plan.calibration``), (2)
 calibrate the gloo loopback at each W (the playground's sweep, α and busbw per collective), (3) run each
@@ -75,22 +76,40 @@ def measured(study, result) -> tuple[float, float]:
     return result["results"][0]["fwd_s"], result["results"][0]["fwd_bwd_s"]
 
 
-def predict(study, w, result, cal: Calibration, cores: int):
-    """(fwd, fwd+bwd) seconds and the kernels extrapolated, for a study's own arguments at W ranks."""
+def study_of(result) -> str:
+    """Which study wrote this JSON: a CP method (ring/zigzag by layout), tp or ep."""
+    if "algorithm" in result:
+        alg = result["algorithm"]
+        return ("zigzag" if result["args"]["layout"] == "zigzag" else "ring") if alg == "ring" else alg
+    return "tp" if "tp" in result else "ep"
+
+
+def world_of(result) -> int:
+    return result.get("world_size") or result.get("tp") or result.get("ep")
+
+
+def predict(study, w, result, cal: Calibration, cores: int, link=None):
+    """(fwd, fwd+bwd) seconds and the kernels extrapolated, for a study's own arguments at W ranks; ``link``
+    None: this CPU's calibrated gloo at W (sharing the cores), else that link on GPUs."""
     a = result["args"]
-    threads = max(1, cores // w)
-    loaded = cal.data.get("concurrent_processes", 1) * (cal.data.get("threads") or 1)   # busy cores while calibrating
-    k = Kernels(cal, slowdown=max(1.0, w * threads / max(loaded, cores)), itemsize=4)
-    link = cal.links()[f"gloo-W{w}"]
+    if link is None:
+        threads = max(1, cores // w)
+        loaded = cal.data.get("concurrent_processes", 1) * (cal.data.get("threads") or 1)   # busy while calibrating
+        k = Kernels(cal, slowdown=max(1.0, w * threads / max(loaded, cores)), itemsize=4)
+        link = cal.links()[f"gloo-W{w}"]
+    else:
+        from distlab.bench import DTYPES
+
+        k = Kernels(cal, itemsize=DTYPES[a["dtype"]].itemsize)
     if study in CP_STUDIES:
-        shape = AttnShape(a["batch"], a["seq"], a["heads"], a["kv_heads"], a["head_dim"], 4, a["causal"],
+        shape = AttnShape(a["batch"], a["seq"], a["heads"], a["kv_heads"], a["head_dim"], k.itemsize, a["causal"],
                           layout=a.get("layout", "contiguous"))
         method = {"ring": "ring", "zigzag": "ring"}.get(study, study)
         u, r = {"ulysses": (w, 1), "usp": (a.get("ulysses") or 2, w // (a.get("ulysses") or 2))}.get(study, (1, w))
         f, b = attention_cost(method, shape, k, link, link, ulysses=u, ring=r)
     elif study == "tp":
         heads, kv, d = a["heads"], a["kv_heads"], a["hidden"] // a["heads"]
-        shape = AttnShape(a["batch"], a["seq"], heads, kv, d, 4, True, layout="contiguous")
+        shape = AttnShape(a["batch"], a["seq"], heads, kv, d, k.itemsize, True, layout="contiguous")
         attn = ring_cost(shape, 1, heads // w, max(1, kv // w), k, link)
         f, b = block_cost(a["batch"] * a["seq"], {"hidden": a["hidden"], "heads": heads, "kv_heads": kv,
                                                   "head_dim": d, "ffn": a["ffn"]}, w, a["sp"], attn, k, link)
@@ -113,7 +132,12 @@ def main(argv=None):
     p.add_argument("--calibration", default=None, help="reuse this file (default: calibrate now)")
     p.add_argument("--quick", action="store_true", help="fewer calibration sizes (tests)")
     p.add_argument("--json", default=None)
+    p.add_argument("--measured", nargs="+", default=None, metavar="JSON",
+                   help="predict these study JSONs (written on GPUs) with --calibration and --link instead")
+    p.add_argument("--link", default="nvlink4", help="with --measured: the GPUs' link (distlab.plan.links)")
     a = p.parse_args(argv)
+    if a.measured:
+        return predict_measured(a)
     worlds = [int(w) for w in a.worlds.split(",")]
     studies = a.studies.split(",")
     unknown = set(studies) - set(STUDIES)
@@ -146,6 +170,35 @@ def main(argv=None):
     if a.json:
         write_json(a.json, {"args": vars(a), "cores": cores, "rows": rows, "ranking": ranking,
                             "calibration": calibration})
+
+
+def predict_measured(a):
+    """``--measured``: the planner's prediction next to each study a multi-GPU run wrote."""
+    from distlab.plan.links import LINKS
+
+    import glob
+
+    cal = Calibration.load(a.calibration or os.path.join(os.path.dirname(__file__), "calibrations", "h200.json"))
+    if a.link not in LINKS:
+        raise ValueError(f"unknown --link {a.link!r}; known: {', '.join(LINKS)}")
+    rows = []
+    for path in [p for pattern in a.measured for p in sorted(glob.glob(pattern))]:
+        with open(path) as f:
+            result = json.load(f)
+        study, w = study_of(result), world_of(result)
+        if not str(result.get("device", "")).startswith("cuda"):
+            raise ValueError(f"{path} was measured on {result.get('device')!r}: --measured predicts GPU runs "
+                             f"(on a CPU, run python -m distlab.plan.validate without --measured)")
+        mf, mfb = measured(study, result)
+        pf, pfb, extra = predict(study, w, result, cal, 0, LINKS[a.link])
+        rows.append({"file": os.path.basename(path), "study": study, "world": w, "measured_fwd_s": mf,
+                     "measured_fwd_bwd_s": mfb, "predicted_fwd_s": pf, "predicted_fwd_bwd_s": pfb,
+                     "extrapolated": extra})
+    if not rows:
+        raise ValueError(f"--measured {' '.join(a.measured)}: no such files")
+    print(report(rows, rank_agreement(rows)))
+    if a.json:
+        write_json(a.json, {"calibration": cal.path, "link": a.link, "rows": rows})
 
 
 def line(r) -> str:
