@@ -18,9 +18,7 @@ GPU is refused. A layout whose kernels fall outside the calibrated sizes is mark
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import os
 
 from distlab.bench import StudyParser, positive_int, run_study, write_json

@@ -32,7 +32,6 @@ ranks share cores.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 

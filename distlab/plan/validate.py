@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 
 from distlab.bench import StudyParser, positive_int, run_study, write_json
