@@ -32,6 +32,7 @@ CP_STUDIES = {"ring": ("distlab.cp.ring", ["--layout", "contiguous"]), "zigzag":
               "ulysses": ("distlab.cp.ulysses", []), "usp": ("distlab.cp.usp", []),
               "allgather": ("distlab.cp.allgather", [])}
 STUDIES = tuple(CP_STUDIES) + ("tp", "ep")
+CPU_HEADS = 4    # the CP studies' CPU default (distlab.cp.study)
 
 
 def _run(cmd):
@@ -154,6 +155,10 @@ def main(argv=None):
             for study in studies:
                 if study == "usp" and w < 4:
                     continue      # USP needs Ulysses and ring both > 1
+                if study == "ulysses" and CPU_HEADS % w:
+                    print(f"ulysses    {w:>2}  skipped: Ulysses {w} needs heads divisible by {w} (the CPU default is "
+                          f"{CPU_HEADS})", flush=True)
+                    continue
                 path = os.path.join(tmp, f"{study}{w}.json")
                 _run(study_command(study, w, a, path))
                 with open(path) as f:
