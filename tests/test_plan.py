@@ -86,6 +86,34 @@ def test_overlap_rules():
     assert fg.exposed == fg.comm and bg.exposed == bg.comm
 
 
+def test_masked_calls_take_the_masked_kernels_rate():
+    """All-gather KV's causal positions, packed documents and the balanced layout run the masked kernels;
+    zigzag's causal and full blocks do not."""
+    cal = flat_calibration()
+    cal.data["rates"]["attention_fwd_masked"] = [[1.0, 1e11], [1e18, 1e11]]          # 10x slower
+    k = Kernels(cal)
+    shape = AttnShape(1, 128, 4, 2, 8, layout="zigzag")
+    ag, _ = attention_cost("allgather", shape, k, FREE, FREE, ring=2)
+    pairs = sum(range(1, 33)) + sum(range(97, 129))          # rank 0's zigzag rows (0-31, 96-127), every key
+    assert ag.compute == pytest.approx(4 * pairs * 4 * 8 / 1e11)
+    zig, _ = ring_cost(shape, 2, 4, 2, k, FREE)             # the same pairs, as causal and full blocks
+    assert zig.compute == pytest.approx(4 * pairs * 4 * 8 / 1e12)
+    bal, _ = ring_cost(AttnShape(1, 128, 4, 2, 8, layout="balanced"), 2, 4, 2, k, FREE)
+    assert bal.compute > 5 * zig.compute
+
+
+def test_ranks_sharing_cores_overlap_their_idle_steps():
+    """8 ranks on 2 cores: a contiguous ring step where few ranks have work costs the work over the cores,
+    not the slowest rank at an eighth of a core."""
+    shape = AttnShape(1, 256, 4, 2, 8, layout="contiguous")
+    alone, _ = ring_cost(shape, 8, 4, 2, Kernels(flat_calibration(), slowdown=4.0), FREE)
+    shared, _ = ring_cost(shape, 8, 4, 2, Kernels(flat_calibration(), slowdown=4.0, cores=2), FREE)
+    zig = AttnShape(1, 256, 4, 2, 8, layout="zigzag")
+    z_alone, _ = ring_cost(zig, 8, 4, 2, Kernels(flat_calibration(), slowdown=4.0), FREE)
+    z_shared, _ = ring_cost(zig, 8, 4, 2, Kernels(flat_calibration(), slowdown=4.0, cores=2), FREE)
+    assert shared.compute < 0.7 * alone.compute and z_shared.compute == pytest.approx(z_alone.compute)
+
+
 def test_groups_inside_a_node_use_the_intra_link():
     c = parse_cluster("2x8", "nvlink4", "ib-ndr400", LINKS)
     assert c.world == 16 and c.group_link(1, 8).name == "nvlink4" and c.group_link(8, 2).name == "ib-ndr400"
@@ -114,6 +142,7 @@ def test_worked_example_ranks_ulysses_inside_and_ring_across(tmp_path):
     (["--model", "gpt5"], "unknown --model 'gpt5'"),
     (["--model", "llama3-8b", "--seq", "7", "--cluster", "8"], "no layout of 8 GPUs"),
     (["--model", "llama3-8b", "--methods", "ring,stripe"], "unknown --methods"),
+    (["--model", "llama3-8b", "--ac", "some"], "activation checkpointing none, selective, full"),
 ])
 def test_bad_input_is_refused_by_name(argv, message):
     argv = [os.path.join(plan_cli.CALIBRATIONS, "h200.json") if a == "H200" else a for a in argv]
@@ -143,6 +172,8 @@ def test_published_tables_are_reproduced_in_shape():
         assert 0.75 < r["predicted"] / r["published"] < 1.25
     tt = torchtitan(cal)[0]
     assert tt["published"] < tt["predicted"] < 2 * tt["published"]     # an upper bound (eager, 500 W caps)
+    mem = torchtitan(cal)[1]
+    assert 0.8 < mem["predicted"] / mem["published"] < 1.25
 
 
 def test_validation_on_gloo_end_to_end(tmp_path):

@@ -130,7 +130,7 @@ def parse_args(argv=None):
     p.add_argument("--link-table", default=None, help="JSON of more links: {name: {alpha_us, busbw_gbs, source}}")
     p.add_argument("--gpu", default="h200", help="the cluster's GPU (its calibration: --calibration or the shipped one)")
     p.add_argument("--calibration", default=None)
-    p.add_argument("--ac", default="none,full")
+    p.add_argument("--ac", default="none,selective,full")
     p.add_argument("--zero", default="0,3", help="ZeRO levels to consider (0: DDP)")
     p.add_argument("--methods", default="ring,ulysses,usp,allgather")
     p.add_argument("--top", type=positive_int, default=5)
@@ -157,6 +157,8 @@ def plan(a) -> dict:
     if bad:
         raise ValueError(f"unknown --methods {sorted(bad)}: ring, ulysses, usp, allgather")
     acs, zeros = a.ac.split(","), [int(z) for z in a.zero.split(",")]
+    if set(acs) - {"none", "selective", "full"} or set(zeros) - {0, 1, 2, 3}:
+        raise ValueError(f"--ac {a.ac} / --zero {a.zero}: activation checkpointing none, selective, full; ZeRO 0-3")
     rows = []
     for pl in layouts(cfg, cluster.world, cluster.gpus_per_node, a.seq, a.batch, acs, zeros, methods):
         batch = a.batch or pl.dp

@@ -5,9 +5,9 @@
     distlab run --nproc 4 -m distlab.plan.calibration --links-only --out cpu.json   # add gloo/NCCL links at W=4
 
 A calibration file holds, per kernel, rates measured at several call sizes: ``gemm`` (FLOP/s against
-FLOPs per call, (t, h)·(h, n) in the run's dtype), ``attention_fwd`` / ``attention_bwd`` with ``_causal``
-or ``_full`` (FLOP/s as FlashAttention counts them, 4·pairs·heads·head_dim forward, 2.5× that backward,
-against visible pairs per head), ``grouped_gemm`` (FLOP/s against FLOPs per call, 8 balanced groups)
+FLOPs per call, (t, h)·(h, n) in the run's dtype), ``attention_fwd`` / ``attention_bwd`` with ``_causal``,
+``_full`` or ``_masked`` (causal given as a ``KeyMask``, the masked kernels' rate) (FLOP/s as FlashAttention
+counts them, 4·pairs·heads·head_dim forward, 2.5× that backward, against visible pairs per head), ``grouped_gemm`` (FLOP/s against FLOPs per call, 8 balanced groups)
 and ``copy`` (bytes/s read + written against bytes per call); ``launch_us`` is the wall time of one tiny
 op called back to back (Python + launch: what a call costs at least). ``Calibration.rate`` interpolates in
 log-size between measured points and says when it extrapolates past the ends: it then holds the end rate,
@@ -35,7 +35,7 @@ from distlab.bench import StudyParser, dtype_arg, positive_int, resolve_device, 
 from distlab.plan.links import Link
 
 KERNELS = ("gemm", "attention_fwd_causal", "attention_bwd_causal", "attention_fwd_full", "attention_bwd_full",
-           "grouped_gemm", "copy")
+           "attention_fwd_masked", "attention_bwd_masked", "grouped_gemm", "copy")
 PEAK_TFLOPS = {"NVIDIA H200": 989.0, "NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H800": 989.0,
                "NVIDIA A100-SXM4-80GB": 312.0}   # dense bf16 tensor-core peak (NVIDIA data sheets)
 
@@ -121,20 +121,28 @@ def measure_gemm(device, dtype, hidden, sizes, iters, warmup):
     return points
 
 
-def measure_attention(device, dtype, heads, kv_heads, head_dim, sizes, backend, causal, iters, warmup):
-    from distlab.kernels.attention import attention_backward, attention_forward
+def measure_attention(device, dtype, heads, kv_heads, head_dim, sizes, backend, causal, iters, warmup,
+                      masked=False):
+    """``masked``: causal expressed as a ``KeyMask`` over positions, run by the masked kernels (what packed
+    documents, windows, all-gather KV and the balanced layout call)."""
+    from distlab.kernels.attention import attention_backward, attention_forward, resolve_backend
+    from distlab.kernels.masks import document_mask
 
     fwd, bwd = [], []
     for n in sizes:
         q = torch.randn(1, n, heads, head_dim, device=device, dtype=dtype)
         k = torch.randn(1, n, kv_heads, head_dim, device=device, dtype=dtype)
         v, do = torch.randn_like(k), torch.randn_like(q)
-        o, lse = attention_forward(q, k, v, causal, backend=backend)
-        pairs = n * (n + 1) / 2 if causal else n * n
+        pos = torch.arange(n)
+        mask = document_mask(pos, pos, None, True, None, n).to(device) if masked else None
+        be = resolve_backend("auto" if masked and device.type == "cuda" else backend, device, dtype, masked=masked)
+        flag = causal and not masked
+        o, lse = attention_forward(q, k, v, flag, backend=be, mask=mask)
+        pairs = n * (n + 1) / 2 if causal or masked else n * n
         flops = 4 * pairs * heads * head_dim
-        fwd.append([pairs, _median_rate(lambda: attention_forward(q, k, v, causal, backend=backend), flops,
+        fwd.append([pairs, _median_rate(lambda: attention_forward(q, k, v, flag, backend=be, mask=mask), flops,
                                         iters, warmup, device)])
-        bwd.append([pairs, _median_rate(lambda: attention_backward(do, q, k, v, o, lse, causal, backend=backend),
+        bwd.append([pairs, _median_rate(lambda: attention_backward(do, q, k, v, o, lse, flag, backend=be, mask=mask),
                                         2.5 * flops, iters, warmup, device)])
     return fwd, bwd
 
@@ -193,9 +201,9 @@ def measure_kernels(device, dtype, backend, quick=False) -> dict:
     rates = {"gemm": measure_gemm(device, dtype, hidden, gemm_tokens, it, wu),
              "grouped_gemm": measure_grouped(device, dtype, hidden, ffn, grouped_rows, it, wu),
              "copy": measure_copy(device, dtype, copy_sizes, it, wu)}
-    for causal in (True, False):
-        f, b = measure_attention(device, dtype, heads, kv, d, attn_sizes, backend, causal, it, wu)
-        tag = "causal" if causal else "full"
+    for tag in ("causal", "full", "masked"):
+        f, b = measure_attention(device, dtype, heads, kv, d, attn_sizes, backend, tag == "causal", it, wu,
+                                 masked=tag == "masked")
         rates[f"attention_fwd_{tag}"], rates[f"attention_bwd_{tag}"] = f, b
     return {"device": device_name(device), "dtype": str(dtype).removeprefix("torch."), "attention_backend": backend,
             "attention_shape": {"heads": heads, "kv_heads": kv, "head_dim": d}, "gemm_hidden": hidden,

@@ -9,7 +9,9 @@ causal, packed documents and windows all count the pairs a mask leaves (``distla
 memory-bound kernels (norms, RoPE, SwiGLU, the LSE merge, residual adds, the optimizer) by bytes at the
 ``copy`` rate. Backward GEMMs are two calls of the forward's size (dX, dW); attention's backward is 2.5× its
 forward's FLOPs at the ``attention_bwd`` rate. On a CPU, ``slowdown`` = processes × threads / cores when the
-ranks share cores.
+ranks share cores, and a ring step costs max(its slowest rank alone, all ranks' work over the cores).
+Calls with a ``KeyMask`` (packed documents, windows, the balanced layout, all-gather KV's causal
+positions) take the masked kernels' rate.
 
 **Communication.** ``Link.time``: α + bytes·factor/busbw (``distlab.plan.links``); the bytes are those
 ``distlab.cp.cost`` and ``distlab.comm.CommLog`` count.
@@ -61,8 +63,8 @@ class Phase:
 class Kernels:
     """Seconds of one call of each kernel on this calibration; ``extrapolated`` names what fell outside it."""
 
-    def __init__(self, cal: Calibration, slowdown: float = 1.0, itemsize: int = 2):
-        self.cal, self.slowdown, self.itemsize = cal, slowdown, itemsize
+    def __init__(self, cal: Calibration, slowdown: float = 1.0, itemsize: int = 2, cores: int | None = None):
+        self.cal, self.slowdown, self.itemsize, self.cores = cal, slowdown, itemsize, cores
         self.extrapolated: set[str] = set()
 
     def _time(self, kernel, size, work):
@@ -81,8 +83,10 @@ class Kernels:
         f = 2 * rows * k * n
         return (2 if backward else 1) * self._time("grouped_gemm", f, f)
 
-    def attention(self, pairs_per_head, heads, head_dim, causal_block, backward=False, batch=1):
-        kind = f"attention_{'bwd' if backward else 'fwd'}_{'causal' if causal_block else 'full'}"
+    def attention(self, pairs_per_head, heads, head_dim, causal_block, backward=False, batch=1, masked=False):
+        """One attention call: ``masked`` (a KeyMask: documents, windows, positions) or a causal or full block."""
+        tag = "masked" if masked else "causal" if causal_block else "full"
+        kind = f"attention_{'bwd' if backward else 'fwd'}_{tag}"
         work = 4 * pairs_per_head * heads * head_dim * batch * (2.5 if backward else 1.0)
         return self._time(kind, pairs_per_head, work)
 
@@ -120,6 +124,21 @@ def _pairs(shape: AttnShape, q_pos: torch.Tensor, k_pos: torch.Tensor) -> int:
     return int(torch.searchsorted(ks, q_pos, right=True).sum())
 
 
+def _masked(shape: AttnShape) -> bool:
+    """Whether the calls go to the masked kernels (a KeyMask): documents, windows, the balanced layout."""
+    return (shape.docs is not None and shape.docs.masked) or shape.layout == "balanced"
+
+
+def _step_time(per_rank: list[float], k: Kernels) -> float:
+    """A ring step ends when its slowest rank does. Ranks sharing ``k.cores`` CPU cores (each time already
+    × ``k.slowdown``, the share of a core it gets with every rank busy) run at full speed when fewer are
+    busy: the step is then max(slowest alone, all the work over the cores)."""
+    if not k.cores:
+        return max(per_rank)
+    alone = [t / k.slowdown for t in per_rank]
+    return max(max(alone), sum(alone) / k.cores)
+
+
 def ring_cost(shape: AttnShape, ring: int, heads: int, kv_heads: int, k: Kernels, link: Link,
               acc_itemsize: int = 4) -> tuple[Phase, Phase]:
     """Ring (contiguous, zigzag or balanced) over ``ring`` ranks, ``heads``/``kv_heads`` per rank."""
@@ -133,14 +152,17 @@ def ring_cost(shape: AttnShape, ring: int, heads: int, kv_heads: int, k: Kernels
     fwd, bwd = Phase(), Phase()
     hop_kv = link.time("sendrecv", 2 * b * local * kv_heads * d * shape.itemsize, 2) if ring > 1 else 0.0
     hop_dkv = link.time("sendrecv", 2 * b * local * kv_heads * d * acc_itemsize, 2) if ring > 1 else 0.0
+    masked = _masked(shape)
     for step in range(ring):
-        f_step = b_step = 0.0
+        tf, tb = [], []
         for r in range(ring):
             pairs = _pairs(shape, pos[r], pos[(r - step) % ring])
             diag = step == 0 and shape.causal
-            tf = k.attention(pairs, heads, d, diag, batch=b) + (k.memory(merge_bytes, 2) if step and pairs else 0.0)
-            tb = k.attention(pairs, heads, d, diag, backward=True, batch=b) + (k.memory(merge_bytes / 3 * 2) if pairs else 0.0)
-            f_step, b_step = max(f_step, tf), max(b_step, tb)
+            tf.append(k.attention(pairs, heads, d, diag, batch=b, masked=masked)
+                      + (k.memory(merge_bytes, 2) if step and pairs else 0.0))
+            tb.append(k.attention(pairs, heads, d, diag, backward=True, batch=b, masked=masked)
+                      + (k.memory(merge_bytes / 3 * 2) if pairs else 0.0))
+        f_step, b_step = _step_time(tf, k), _step_time(tb, k)
         fwd.compute += f_step
         bwd.compute += b_step
         if step < ring - 1:          # the hop for step+1 flies during this step
@@ -165,8 +187,9 @@ def ulysses_cost(shape: AttnShape, ulysses: int, k: Kernels, link: Link) -> tupl
     pos = torch.arange(shape.seq)
     pairs = _pairs(shape, pos, pos)
     h = shape.heads // ulysses
-    fwd = Phase(k.attention(pairs, h, shape.head_dim, shape.causal, batch=shape.batch), a2a, a2a)
-    bwd = Phase(k.attention(pairs, h, shape.head_dim, shape.causal, backward=True, batch=shape.batch), a2a, a2a)
+    m = _masked(shape)
+    fwd = Phase(k.attention(pairs, h, shape.head_dim, shape.causal, batch=shape.batch, masked=m), a2a, a2a)
+    bwd = Phase(k.attention(pairs, h, shape.head_dim, shape.causal, backward=True, batch=shape.batch, masked=m), a2a, a2a)
     return fwd, bwd
 
 
@@ -194,8 +217,9 @@ def allgather_cost(shape: AttnShape, world: int, k: Kernels, link: Link) -> tupl
     pairs = max(_pairs(shape, shard_positions(shape.seq, world, r, layout, cu), everything) for r in range(world))
     d, b = shape.head_dim, shape.batch
     gather = link.time("all_gather", 2 * b * shape.seq * shape.kv_heads // chunks * d * shape.itemsize, world)
-    cf = k.attention(pairs, shape.heads // chunks, d, False, batch=b)
-    cb = k.attention(pairs, shape.heads // chunks, d, False, backward=True, batch=b)
+    m = shape.causal or _masked(shape)        # local queries against every key: causal needs the positions' mask
+    cf = k.attention(pairs, shape.heads // chunks, d, False, batch=b, masked=m)
+    cb = k.attention(pairs, shape.heads // chunks, d, False, backward=True, batch=b, masked=m)
     hide = link.overlaps_compute
     fwd = Phase(chunks * cf, chunks * gather, gather + (chunks - 1) * (max(0.0, gather - cf) if hide else gather))
     bwd = Phase(chunks * cb, chunks * gather, gather + (chunks - 1) * (max(0.0, gather - cb) if hide else gather))

@@ -12,8 +12,10 @@ Memory per GPU: parameters, gradients and optimizer state as ``distlab.zero.memo
 (float32), ZeRO-3's two gathered bf16 layers in flight, activations (below), and the loss's float32
 logits and their gradient. Activations per token and layer, bf16: without checkpointing 6h (norms,
 residuals, the projections' inputs; /tp under SP) + (2·heads + 4·kv)·d/tp (q, k, v, out, RoPE'd q/k) + 4·ffn/tp
-(gate, up, SwiGLU out) plus the float32 LSE; under full checkpointing the block input (h, /tp under SP) per
-layer plus one layer's full set during its recompute. A layout fits when the sum is at most 92% of the
+(gate, up, SwiGLU out) plus the float32 LSE; selective checkpointing (``distlab.zero.checkpointing``: matmul
+outputs and the attention kept, norms, RoPE and SwiGLU recomputed, at the memory-bound kernels' cost) saves
+2h (/tp under SP) + 2·ffn/tp of that; full checkpointing keeps the block input (h, /tp under SP) per layer
+plus one layer's full set during its recompute (the whole forward again, collectives included). A layout fits when the sum is at most 92% of the
 GPU's memory (the CUDA context, NCCL's buffers and the allocator's slack take the rest).
 """
 
@@ -24,7 +26,8 @@ import math
 
 from distlab.model.config import ModelConfig
 from distlab.plan.links import Cluster
-from distlab.plan.model import AttnShape, Kernels, Phase, attention_cost, block_cost
+from distlab.plan.model import (ELEMENTWISE_CALLS, AttnShape, Kernels, Phase, attention_cost, block_cost,
+                                 elementwise_bytes)
 
 FIT_SHARE = 0.92
 
@@ -40,7 +43,7 @@ class Plan:
     dp_shard: int
     dp_replicate: int
     zero: int             # 0: plain DDP
-    ac: str               # none or full
+    ac: str               # none, selective or full
     async_tp: bool = False
 
     @property
@@ -88,7 +91,9 @@ def activation_bytes(cfg: ModelConfig, plan: Plan, tokens: int, itemsize: int = 
     ffn = cfg.ffn * cfg.moe_topk if cfg.moe_experts else cfg.ffn
     q_w, kv_w = cfg.heads // tp * d, max(1, cfg.kv_heads // tp) * d     # kv heads copied when tp > kv heads
     full = itemsize * (6 * h / sp + 2 * q_w + 4 * kv_w + 4 * ffn / tp) + 4 * cfg.heads / tp
-    per_layer = itemsize * h / sp if plan.ac == "full" else full
+    # selective (distlab.zero.checkpointing): matmul outputs and attention kept, norms/RoPE/SwiGLU recomputed
+    selective = full - itemsize * (2 * h / sp + 2 * ffn / tp)
+    per_layer = itemsize * h / sp if plan.ac == "full" else selective if plan.ac == "selective" else full
     layers = cfg.layers * per_layer + (full if plan.ac == "full" else 0.0)
     logits = 8 * cfg.vocab / tp
     return tokens * (layers + logits)
@@ -140,6 +145,11 @@ def step(cfg: ModelConfig, plan: Plan, cluster: Cluster, k: Kernels, seq: int, b
     fwd, bwd = block_cost(t, dims, plan.tp, plan.tp > 1, attn, k, links["tp"], plan.async_tp, moe)
     if plan.ac == "full":
         bwd = bwd + fwd                     # the forward again, its collectives included
+    elif plan.ac == "selective":            # the memory-bound kernels of the forward again
+        q_w, kv_w = cfg.heads // plan.tp * d, 2 * max(1, cfg.kv_heads // plan.tp) * d
+        ffn_local = 0 if cfg.moe_experts else cfg.ffn // plan.tp
+        bwd = bwd + Phase(k.memory(elementwise_bytes(t, cfg.hidden, q_w, kv_w, ffn_local, k.itemsize,
+                                                     1 / plan.tp if plan.tp > 1 else 1.0), ELEMENTWISE_CALLS))
     # data parallel, per layer: gathers before the forward and backward, gradient reduction after
     p_layer = dense_layer_params(cfg, plan.tp)
     shard_n = plan.dp_shard * plan.cp if plan.zero else plan.dp * plan.cp

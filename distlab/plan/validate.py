@@ -95,7 +95,7 @@ def predict(study, w, result, cal: Calibration, cores: int, link=None):
     if link is None:
         threads = max(1, cores // w)
         loaded = cal.data.get("concurrent_processes", 1) * (cal.data.get("threads") or 1)   # busy while calibrating
-        k = Kernels(cal, slowdown=max(1.0, w * threads / max(loaded, cores)), itemsize=4)
+        k = Kernels(cal, slowdown=max(1.0, w * threads / max(loaded, cores)), itemsize=4, cores=cores)
         link = cal.links()[f"gloo-W{w}"]
     else:
         from distlab.bench import DTYPES
