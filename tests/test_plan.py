@@ -132,6 +132,10 @@ def test_worked_example_ranks_ulysses_inside_and_ring_across(tmp_path):
     assert best["plan"]["method"] == "usp" and best["links"]["ulysses"] == "nvlink4" and best["links"]["ring"] == "ib-ndr400"
     assert best["step_s"] == pytest.approx(best["compute_s"] + best["exposed_comm_s"])
     assert 0 < best["mfu"] < 1 and not best["extrapolated"]
+    plan_cli.main(["--config", "tiny", "--seq", "4096", "--cluster", "2", "--tp", "2", "--json", str(out)])
+    tiny = json.loads(out.read_text())["rows"]       # head_dim 16, calibrated at 128: said, on every row
+    assert tiny and all(r["plan"]["tp"] == 2 for r in tiny)
+    assert all("attention(head_dim 16; calibrated at 128)" in r["extrapolated"] for r in tiny)
     assert not all(r["fits"] for r in rows)        # AC none without sharding does not fit everywhere
 
 
@@ -143,6 +147,9 @@ def test_worked_example_ranks_ulysses_inside_and_ring_across(tmp_path):
     (["--model", "llama3-8b", "--seq", "7", "--cluster", "8"], "no layout of 8 GPUs"),
     (["--model", "llama3-8b", "--methods", "ring,stripe"], "unknown --methods"),
     (["--model", "llama3-8b", "--ac", "some"], "activation checkpointing none, selective, full"),
+    (["--model", "llama3-8b", "--tp", "3", "--cluster", "2x8"], "--tp 3 must divide the 16 GPUs"),
+    (["--model", "llama3-8b", "--tp", "16", "--cluster", "2x8"], "spans nodes"),
+    (["--model", "llama3-8b", "--cp", "3", "--cluster", "2x8"], "--cp 3 must divide"),
 ])
 def test_bad_input_is_refused_by_name(argv, message):
     argv = [os.path.join(plan_cli.CALIBRATIONS, "h200.json") if a == "H200" else a for a in argv]

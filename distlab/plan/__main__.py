@@ -96,6 +96,18 @@ def table(rows, top) -> list[str]:
     return lines
 
 
+def check_degrees(cfg: ModelConfig, cluster, a) -> None:
+    """``--tp`` / ``--cp`` that cannot divide the cluster, the heads or the sequence: refused by name."""
+    if a.tp and (cluster.world % a.tp or cfg.heads % a.tp or cfg.hidden % a.tp or cfg.ffn % a.tp):
+        raise ValueError(f"--tp {a.tp} must divide the {cluster.world} GPUs, the {cfg.heads} heads, hidden "
+                         f"{cfg.hidden} and ffn {cfg.ffn}")
+    if a.tp and a.tp > cluster.gpus_per_node:
+        raise ValueError(f"--tp {a.tp} spans nodes ({cluster.gpus_per_node} GPUs each): the planner keeps TP in a node")
+    if a.cp and (cluster.world % (a.cp * (a.tp or 1)) or a.seq % a.cp):
+        raise ValueError(f"--cp {a.cp} must divide the {cluster.world // (a.tp or 1)} GPUs TP leaves and the "
+                         f"sequence {a.seq}")
+
+
 def build_config(a) -> ModelConfig:
     if a.model:
         if a.model not in PRESETS:
@@ -133,6 +145,8 @@ def parse_args(argv=None):
     p.add_argument("--ac", default="none,selective,full")
     p.add_argument("--zero", default="0,3", help="ZeRO levels to consider (0: DDP)")
     p.add_argument("--methods", default="ring,ulysses,usp,allgather")
+    p.add_argument("--tp", type=positive_int, default=None, help="only this TP degree")
+    p.add_argument("--cp", type=positive_int, default=None, help="only this CP degree (Ulysses x ring)")
     p.add_argument("--top", type=positive_int, default=5)
     p.add_argument("--links", action="store_true", help="print the link table and exit")
     p.add_argument("--json", default=None)
@@ -159,11 +173,19 @@ def plan(a) -> dict:
     acs, zeros = a.ac.split(","), [int(z) for z in a.zero.split(",")]
     if set(acs) - {"none", "selective", "full"} or set(zeros) - {0, 1, 2, 3}:
         raise ValueError(f"--ac {a.ac} / --zero {a.zero}: activation checkpointing none, selective, full; ZeRO 0-3")
+    check_degrees(cfg, cluster, a)
+    shape = cal.data.get("attention_shape", {})
+    note = None
+    if shape and shape.get("head_dim") != cfg.dims_per_head:
+        note = f"attention(head_dim {cfg.dims_per_head}; calibrated at {shape.get('head_dim')})"
     rows = []
     for pl in layouts(cfg, cluster.world, cluster.gpus_per_node, a.seq, a.batch, acs, zeros, methods):
+        if (a.tp and pl.tp != a.tp) or (a.cp and pl.cp != a.cp):
+            continue
         batch = a.batch or pl.dp
         r = step(cfg, pl, cluster, Kernels(cal), a.seq, batch, docs)
         r["fits"] = capacity is None or r["memory"]["total"] <= FIT_SHARE * capacity
+        r["extrapolated"] += [note] if note else []
         rows.append(r)
     if not rows:
         raise ValueError(f"no layout of {cluster.world} GPUs fits this model and sequence (heads {cfg.heads}, "
