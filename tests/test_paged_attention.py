@@ -46,6 +46,36 @@ def test_fork_shares_blocks_and_copies_on_write():
     assert cache.allocator.refs[cache.tables[0][0]] == 1
 
 
+def test_block_tables_stay_on_the_device_between_blocks():
+    """A decode step inside the last block reuses the device table and moves its length in place; a new
+    block, a fork or a copy on write rebuilds it; every time it equals the tables built from scratch."""
+    cache = PagedKVCache(16, 4, 2, 8)
+    for _ in range(2):
+        cache.append(cache.new_sequence(), torch.randn(6, 2, 8), torch.randn(6, 2, 8))
+
+    def fresh():
+        return cache._build(range(len(cache.tables)))
+
+    table, lengths = cache.block_tables()
+    cache.append(0, torch.randn(1, 2, 8), torch.randn(1, 2, 8))          # slot 2 of block 2: no new block
+    again = cache.block_tables()
+    assert again[0] is table and again[1] is lengths and lengths.tolist() == [7, 6]
+    cache.append(0, torch.randn(2, 2, 8), torch.randn(2, 2, 8))          # crosses into a third block
+    for got, want in zip(cache.block_tables(), fresh()):
+        assert torch.equal(got, want)
+    assert cache.block_tables()[0] is not table and cache.block_tables()[0].shape[1] == 3
+    beam = cache.fork(1)
+    cache.append(beam, torch.randn(1, 2, 8), torch.randn(1, 2, 8))      # copy on write of the shared block
+    for got, want in zip(cache.block_tables(), fresh()):
+        assert torch.equal(got, want)
+    k_all = torch.randn(9, 2, 8)
+    c2 = PagedKVCache(8, 4, 2, 8)
+    c2.append(c2.new_sequence(), k_all, k_all)                          # a prompt: one copy per block
+    t, n = c2.block_tables()
+    got = torch.cat([c2.k_cache[b] for b in t[0].tolist()])[: n[0]]
+    assert torch.equal(got, k_all)
+
+
 def test_bad_tables_are_refused():
     cache, _ = filled([5])
     q = torch.zeros(1, 1, 4, 8, dtype=torch.float64)

@@ -67,10 +67,12 @@ class PagedKVCache:
         self.allocator = BlockAllocator(num_blocks)
         self.tables: list[list[int]] = []
         self.lengths: list[int] = []
+        self._device = None       # (table, lengths) on the cache's device, kept current (block_tables)
 
     def new_sequence(self) -> int:
         self.tables.append([])
         self.lengths.append(0)
+        self._device = None
         return len(self.tables) - 1
 
     def fork(self, seq: int) -> int:
@@ -79,32 +81,51 @@ class PagedKVCache:
             self.allocator.share(block)
         self.tables.append(list(self.tables[seq]))
         self.lengths.append(self.lengths[seq])
+        self._device = None
         return len(self.tables) - 1
 
     def release(self, seq: int) -> None:
         for block in self.tables[seq]:
             self.allocator.free(block)
         self.tables[seq], self.lengths[seq] = [], 0
+        self._device = None
 
     def append(self, seq: int, k, v) -> None:
-        """Write tokens (n, kv_heads, head_dim) at the end of sequence ``seq``."""
-        for i in range(k.shape[0]):
-            table, pos = self.tables[seq], self.lengths[seq]
+        """Write tokens (n, kv_heads, head_dim) at the end of sequence ``seq``: one copy per block they land
+        in. A decode step that stays inside the last block (15 of 16 steps at block size 16) leaves the table
+        alone and bumps the device-side length in place; a new block or a copy on write rebuilds it."""
+        i, n, table = 0, k.shape[0], self.tables[seq]
+        while i < n:
+            pos = self.lengths[seq]
             slot = pos % self.block_size
             if slot == 0:
                 table.append(self.allocator.allocate())
+                self._device = None
             elif self.allocator.refs[table[-1]] > 1:      # shared with a fork: copy on write
                 old, new = table[-1], self.allocator.allocate()
                 self.k_cache[new], self.v_cache[new] = self.k_cache[old], self.v_cache[old]
                 self.allocator.free(old)
                 table[-1] = new
-            self.k_cache[table[-1], slot] = k[i]
-            self.v_cache[table[-1], slot] = v[i]
-            self.lengths[seq] = pos + 1
+                self._device = None
+            m = min(n - i, self.block_size - slot)
+            self.k_cache[table[-1], slot:slot + m] = k[i:i + m]
+            self.v_cache[table[-1], slot:slot + m] = v[i:i + m]
+            self.lengths[seq] = pos + m
+            i += m
+        if self._device is not None and n:
+            self._device[1][seq] += n
 
     def block_tables(self, seqs=None):
-        """(batch, max blocks) int32 table (unused entries -1) and (batch,) int32 lengths of ``seqs``."""
-        seqs = range(len(self.tables)) if seqs is None else seqs
+        """(batch, max blocks) int32 table (unused entries -1) and (batch,) int32 lengths of ``seqs``. For every
+        sequence (``seqs`` None) the device tensors are kept and returned again while no block changes: a
+        decode step then copies nothing from the host (the lengths move on in place at ``append``)."""
+        if seqs is None:
+            if self._device is None:
+                self._device = self._build(range(len(self.tables)))
+            return self._device
+        return self._build(seqs)
+
+    def _build(self, seqs):
         width = max([len(self.tables[s]) for s in seqs] + [1])
         table = torch.full((len(seqs), width), -1, dtype=torch.int32)
         for row, s in enumerate(seqs):
