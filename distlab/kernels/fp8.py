@@ -199,7 +199,8 @@ def main(argv=None):
     x = activations(a.m, a.k, False, dev).bfloat16()
     w = (torch.randn(a.n, a.k, device=dev) / a.k ** 0.5).bfloat16()
     flops = 2 * a.m * a.n * a.k
-    speed = [{"way": "bf16", "gemm_ms": 1e3 * timeit(lambda: x @ w.t(), a.iters, a.warmup, dev)}]
+    speed = [{"way": "bf16", "gemm_ms": 1e3 * timeit(lambda: x @ w.t(), a.iters, a.warmup, dev),
+              "wall_ms": 1e3 * timeit(lambda: x @ w.t(), a.iters, a.warmup, dev, mode="wall")}]
     for gran in GRANULARITIES:
         try:
             made = (quantize(x, gran), quantize(w, gran, weight=True))
@@ -207,11 +208,13 @@ def main(argv=None):
             qt = timeit(lambda: quantize(x, gran), a.iters, a.warmup, dev)
             qtt = timeit(lambda: quantize_triton(x, gran), a.iters, a.warmup, dev) if gran != "tensor" and \
                 dev.type == "cuda" else None
+            wall = timeit(lambda: fp8_matmul(x, w, gran, made), a.iters, a.warmup, dev, mode="wall")
             speed.append({"way": f"fp8 {gran}", "gemm_ms": 1e3 * t, "quant_ref_ms": 1e3 * qt,
-                          "quant_triton_ms": qtt and 1e3 * qtt})
+                          "quant_triton_ms": qtt and 1e3 * qtt, "wall_ms": 1e3 * wall})
         except (RuntimeError, ValueError) as e:
             speed.append({"way": f"fp8 {gran}", "error": str(e).splitlines()[0][:100]})
-    print(f"{'way':<12} {'GEMM ms':>9} {'TFLOP/s':>8} {'quantise x: torch ms':>21} {'Triton ms':>10}")
+    print(f"{'way':<12} {'GEMM ms':>9} {'TFLOP/s':>8} {'quantise x: torch ms':>21} {'Triton ms':>10} "
+          f"{'wall ms':>8}")
     for r in speed:
         if "error" in r:
             print(f"{r['way']:<12} not run: {r['error']}")
@@ -219,7 +222,7 @@ def main(argv=None):
         r["tflops"] = flops / r["gemm_ms"] / 1e9
         qr, qtr = r.get("quant_ref_ms"), r.get("quant_triton_ms")
         print(f"{r['way']:<12} {r['gemm_ms']:>9.3f} {r['tflops']:>8.1f} {'-' if qr is None else f'{qr:.3f}':>21} "
-              f"{'-' if qtr is None else f'{qtr:.3f}':>10}")
+              f"{'-' if qtr is None else f'{qtr:.3f}':>10} {r['wall_ms']:>8.3f}")
     if a.json:
         write_json(a.json, {"shape": [a.m, a.n, a.k], "errors": errors, "speed": speed})
 
