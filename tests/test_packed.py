@@ -292,3 +292,35 @@ def test_packed_emulator_runs_and_writes_json(tmp_path):
     balanced = result["rows"][2]
     assert balanced["imbalance"] < 1.05 and set(balanced["efficiency"]) == {"fwd_wall", "fwd_gpu", "fwd_bwd_wall",
                                                                          "fwd_bwd_gpu"}
+
+
+FUSED_QKV_VIEWS = """
+import torch
+from distlab.kernels.masks import document_mask
+from distlab.kernels.triton_masked_attention import masked_backward, masked_forward
+from distlab.kernels.attention import attention_backward, attention_forward
+torch.manual_seed(0)
+n, h, kv, d = 48, 4, 2, 16
+qkv = torch.randn(1, n, (h + 2 * kv) * d)
+q, k, v = (t.view(1, n, -1, d) for t in qkv.split([h * d, kv * d, kv * d], -1))
+q, k = q.contiguous(), k.contiguous()          # RoPE's outputs are new tensors; v stays a view of the fused output
+pos = torch.arange(n)
+mask = document_mask(pos, pos, torch.tensor([0, 20, 48]), True, None, n)
+out, lse = masked_forward(q, k, v, mask, d ** -0.5)
+want, want_lse = attention_forward(q, k, v.contiguous(), False, backend="torch", mask=mask)
+dout = torch.randn_like(out)
+got = masked_backward(dout, q, k, v, out, lse, mask, d ** -0.5)
+ref = attention_backward(dout, q, k, v.contiguous(), want, want_lse, False, backend="torch", mask=mask)
+err = max([(out - want).abs().max().item()] + [(a - b).abs().max().item() for a, b in zip(got, ref)])
+print("OK" if err < 1e-4 else f"BAD {err}")
+"""
+
+
+def test_masked_kernel_takes_a_fused_qkv_view():
+    """The masked Triton kernel with V a view of a fused QKV output (strides unlike K's): it walked V with K's
+    strides, so packed training and prefill in bf16 on a GPU attended the wrong values (found by
+    ``distlab.infer --pack`` against each prompt alone)."""
+    from distlab.testing import run_in_triton_interpreter
+
+    proc = run_in_triton_interpreter(FUSED_QKV_VIEWS)
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stdout + proc.stderr[-3000:]

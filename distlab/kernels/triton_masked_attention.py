@@ -222,6 +222,8 @@ def _check(q, k, v, mask):
 def masked_forward(q, k, v, mask, scale):
     """(out, lse) of attention under ``mask`` (a ``KeyMask`` on q's device)."""
     _check(q, k, v, mask)
+    if k.stride() != v.stride():   # the kernel walks K and V with one set of strides (a fused QKV's views differ)
+        k, v = k.contiguous(), v.contiguous()
     b, sq, h, d = q.shape
     bm, bn, warps, stages = _tiles(q.device, d)
     out = torch.empty_like(q)
