@@ -164,13 +164,14 @@ def paged_decode_reference(q, k_cache, v_cache, block_tables, lengths, softmax_s
         blocks = block_tables[i, :(n + k_cache.shape[1] - 1) // k_cache.shape[1]].long()
         k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:n][None]
         v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:n][None]
+        acc = torch.promote_types(q.dtype, torch.float32)    # float32 LSE, float64 for float64 inputs
         if n == 0:
             outs.append(torch.zeros_like(q[i:i + 1]))
-            lses.append(torch.full((1, q.shape[2], 1), float("-inf"), device=q.device))
+            lses.append(torch.full((1, q.shape[2], 1), float("-inf"), device=q.device, dtype=acc))
             continue
         o, lse = attention_forward(q[i:i + 1], k, v, False, softmax_scale, backend="torch")
         outs.append(o)
-        lses.append(lse.float())
+        lses.append(lse.to(acc))
     return torch.cat(outs), torch.cat(lses)
 
 
