@@ -3,6 +3,7 @@
     python -m distlab.infer --config tiny --steps 32 --check                      # one process
     distlab run --nproc 4 -m distlab.infer --config tiny --ring 4 --steps 32 --check
     distlab run --nproc 4 -m distlab.infer --config tiny --tp 2 --ring 2 --checkpoint ckpt/step_150
+    distlab run --nproc 4 -m distlab.infer --config tiny --ring 4 --pack 40,64,23 --layout balanced --check
 
 Prefill runs the prompt through the sharded model (``distlab.model.parallel``) exactly as training does —
 each CP rank holds a piece of the prompt (zigzag or contiguous; ring, Ulysses or USP attention), TP splits
@@ -15,7 +16,8 @@ for that one row. Each decode step embeds the new token on every rank, appends i
 owns its position (round-robin), and attends it to every shard with ``cp_decode_attention`` (partial
 (O, LSE) per rank, LSE-merged with two collectives). MoE layers route the token as in training.
 
-``--check`` decodes the same prompt with the one-device ``Llama`` (no cache: the whole sequence again at
+``--pack 40,64,23`` prefills several prompts packed as documents in one CP pass (``generate_packed``) and
+decodes them as a batch, each at its own position. ``--check`` decodes the same prompt with the one-device ``Llama`` (no cache: the whole sequence again at
 every step) and compares the tokens and the logits. SP is a training layout (a one-token step cannot be
 split over the sequence); inference uses TP without it. No anchor has CP decode (TransformerEngine
 disables CP for decoding).
@@ -54,14 +56,19 @@ class PrefillCache:
     """A block's cache during prefill: attends as the block would (CP attention over the prompt) and keeps
     this rank's K/V (after RoPE) as its shard of the cache (``shard``)."""
 
-    def __init__(self, group, length: int, kv_cache: str = "paged", capacity: int | None = None):
+    def __init__(self, group, length: int, kv_cache: str = "paged", capacity: int | None = None, documents=None):
+        """``documents``: packed prompts, (prompt index of each of this rank's tokens, prompt lengths)."""
         if kv_cache not in ("paged", "contiguous"):
             raise ValueError(f"--kv-cache {kv_cache!r}: paged or contiguous")
+        if documents is not None and kv_cache != "paged":
+            raise ValueError("packed prompts need --kv-cache paged (each prompt's shard has its own length)")
         self.group, self.length, self.shard, self.kv_cache, self.capacity = group, length, None, kv_cache, capacity
+        self.documents = documents
 
     def attend(self, q, k, v, attention):
         if self.kv_cache == "paged":   # blocks of 16 tokens, room for the whole generation
-            self.shard = PagedKVCacheShard(k, v, self.group, next_position=self.length, capacity=self.capacity)
+            self.shard = PagedKVCacheShard(k, v, self.group, next_position=self.length, capacity=self.capacity,
+                                           documents=self.documents)
         else:
             self.shard = KVCacheShard(k.contiguous(), v.contiguous(), self.group, next_position=self.length)
         return attention(q, k, v)
@@ -98,6 +105,50 @@ def generate(model: ParallelLlama, ids, steps: int, timings: dict | None = None,
 
 
 @torch.no_grad()
+def generate_packed(model: ParallelLlama, prompts: list, steps: int, timings: dict | None = None):
+    """Greedy decode of several prompts prefilled as one packed sequence: the prompts are documents
+    (``cu_seqlens``: no attention across them, RoPE restarting in each; a pad document fills the layout's
+    multiple), cut over the CP ranks like a training pack (any layout, balanced included). Each rank keeps
+    its tokens of prompt p as row p of its paged cache; then every prompt decodes at its own position, a
+    batch of rows. Returns (tokens (P, steps), logits (P, steps, vocab)). Needs dp 1 (one packed row)."""
+    from distlab.cp.layout import shard_sequence
+
+    timings = {} if timings is None else timings
+    sync = torch.cuda.synchronize if prompts[0].is_cuda else (lambda: None)
+    if model.sp or comm.group_size(model.dp_group) != 1:
+        raise ValueError("packed prefill runs one packed row: no data parallelism, no SP")
+    lengths = [len(t) for t in prompts]
+    total, div = sum(lengths), model.layout.seq_len_divisor
+    padded = -(-total // div) * div
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist() + ([padded] if padded > total else []))
+    device = prompts[0].device
+    ids = torch.cat([t.cpu() for t in prompts] + [torch.zeros(padded - total, dtype=prompts[0].dtype)])[None]
+    piece, _, ctx = model.shard_batch(ids, ids, docs=[cu])           # on the host, as training cuts a pack
+    piece = piece.to(device)
+    where = shard_sequence(torch.arange(padded)[None], model.ring_group, model.cp_layout, 1, model.ulysses_group,
+                           cu_seqlens=cu)[0]                               # global index of each local token
+    doc = torch.searchsorted(cu[1:], where, right=True)                    # its prompt (len(prompts): the pad)
+    prefill = [PrefillCache(model.cp_group, None, "paged", max(lengths) + steps, (doc, lengths)) for _ in model.blocks]
+    t0 = time.perf_counter()
+    out = model(piece, docs=ctx["docs"], positions=ctx["positions"], caches=prefill)[0]   # (local tokens, vocab/tp)
+    rows = torch.stack([out[(where == int(cu[p + 1]) - 1).to(out.device)].sum(0) for p in range(len(prompts))])
+    logits = [comm.all_gather_raw(comm.all_reduce_raw(rows, model.cp_group), model.tp_group, -1)]
+    tokens = [logits[-1].argmax(-1)]
+    sync()
+    timings["prefill_s"], timings["decode_s"] = time.perf_counter() - t0, []
+    caches = [c.shard for c in prefill]
+    for step in range(1, steps):
+        t0 = time.perf_counter()
+        pos = torch.tensor(lengths)[:, None] + step - 1                    # each prompt at its own position
+        logits.append(comm.all_gather_raw(model(tokens[-1][:, None], positions=pos, caches=caches)[:, 0],
+                                          model.tp_group, -1))
+        tokens.append(logits[-1].argmax(-1))
+        sync()
+        timings["decode_s"].append(time.perf_counter() - t0)
+    return torch.stack(tokens, 1), torch.stack(logits, 1)
+
+
+@torch.no_grad()
 def greedy_reference(model: Llama, ids, steps: int):
     """The one-device greedy decode without a cache: (tokens (B, steps), logits (B, steps, vocab))."""
     tokens, logits = [], []
@@ -106,6 +157,26 @@ def greedy_reference(model: Llama, ids, steps: int):
         tokens.append(logits[-1].argmax(-1))
         ids = torch.cat([ids, tokens[-1][:, None]], 1)
     return torch.stack(tokens, 1), torch.stack(logits, 1)
+
+
+def pack_prompts(spec: str, kv_cache: str, layout: Layout) -> list:
+    """``--pack 40,64,23``: prompts of those lengths, consecutive slices of the shipped corpus."""
+    try:
+        lengths = [int(x) for x in spec.split(",")]
+    except ValueError:
+        raise ValueError(f"--pack {spec!r}: comma-separated prompt lengths, e.g. 40,64,23") from None
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"--pack {spec!r}: every prompt needs at least one token")
+    if kv_cache != "paged":
+        raise ValueError("--pack needs --kv-cache paged (each prompt's shard has its own length)")
+    if layout.dp != 1:
+        raise ValueError(f"--pack prefills one packed row: the layout leaves {layout.dp} data-parallel ranks "
+                         "(give the world to tp x ring x ulysses)")
+    text, start, out = corpus(), 0, []
+    for n in lengths:
+        out.append(text[start:start + n])
+        start += n
+    return out
 
 
 def prompt_ids(text, length: int, batch: int, multiple: int):
@@ -126,6 +197,8 @@ def main(argv=None):
     p.add_argument("--prompt", default=None, help="prompt text (default: the first --prompt-len corpus bytes)")
     p.add_argument("--prompt-len", type=positive_int, default=64)
     p.add_argument("--batch", type=positive_int, default=1, help="prompt copies (split over the data-parallel ranks)")
+    p.add_argument("--pack", default=None, metavar="L1,L2,...",
+                   help="prefill prompts of these lengths (consecutive corpus slices) packed as documents")
     p.add_argument("--steps", type=positive_int, default=32, help="tokens to generate")
     add_layout_args(p, sp=False)
     p.add_argument("--dtype", type=dtype_arg("float32", "float64", "bfloat16"), default="float32")
@@ -142,12 +215,13 @@ def main(argv=None):
     mcfg, tcfg = load_config(a.config)
     preset = {k: v for k, v in load_layout(a.config).items() if k != "sp"}   # SP is a training layout
     layout = Layout.from_args(a, rt.world_size, preset, a.batch)
-    if layout.cp_layout == "balanced":
-        raise ValueError("infer prefills one prompt: use --layout zigzag or contiguous (balanced is for packs)")
-    if layout.ring == 1:
+    prompts = pack_prompts(a.pack, a.kv_cache, layout) if a.pack else None
+    if layout.cp_layout == "balanced" and prompts is None:
+        raise ValueError("infer prefills one prompt: use --layout zigzag or contiguous (balanced is for --pack)")
+    if layout.ring == 1 and layout.cp_layout != "balanced":
         layout = dataclasses.replace(layout, cp_layout="contiguous")
     layout_name = layout.cp_layout
-    ids = prompt_ids(a.prompt, a.prompt_len, a.batch, layout.seq_len_divisor)
+    ids = torch.cat(prompts)[None] if prompts else prompt_ids(a.prompt, a.prompt_len, a.batch, layout.seq_len_divisor)
     dtype = getattr(torch, a.dtype)
     torch.manual_seed(tcfg.seed)
     if a.checkpoint:
@@ -158,9 +232,13 @@ def main(argv=None):
     ref = checkpoint.load_weights(a.checkpoint, mcfg) if a.checkpoint else Llama(mcfg)
     ref = ref.to(rt.device, dtype)
     model = ParallelLlama(ref, layout, layout.build_mesh(rt.device.type))
-    generate(model, ids.to(rt.device), 2, kv_cache=a.kv_cache)   # warm-up (allocator, kernels, groups)
+    if prompts:
+        run = lambda n, t=None: generate_packed(model, [q.to(rt.device) for q in prompts], n, t)   # noqa: E731
+    else:
+        run = lambda n, t=None: generate(model, ids.to(rt.device), n, t, kv_cache=a.kv_cache)     # noqa: E731
+    run(2)   # warm-up (allocator, kernels, groups)
     timings = {}
-    tokens, logits = generate(model, ids.to(rt.device), a.steps, timings, kv_cache=a.kv_cache)
+    tokens, logits = run(a.steps, timings)
     decode_ms = sorted(timings["decode_s"])[len(timings["decode_s"]) // 2] * 1e3 if timings["decode_s"] else 0.0
     tokens = comm.all_gather_raw(tokens, model.dp_group, 0).cpu()
     logits = comm.all_gather_raw(logits, model.dp_group, 0).float().cpu()
@@ -168,7 +246,11 @@ def main(argv=None):
               "prompt_tokens": ids.shape[1], "steps": a.steps, "tokens": tokens.tolist(),
               "prefill_s": timings["prefill_s"], "decode_ms_per_token_median": decode_ms}
     if a.check:
-        ref_tokens, ref_logits = greedy_reference(ref, ids.to(rt.device), a.steps)
+        if prompts:   # each prompt alone on one device
+            refs = [greedy_reference(ref, q[None].to(rt.device), a.steps) for q in prompts]
+            ref_tokens, ref_logits = torch.cat([r[0] for r in refs]), torch.cat([r[1] for r in refs])
+        else:
+            ref_tokens, ref_logits = greedy_reference(ref, ids.to(rt.device), a.steps)
         ref_logits = ref_logits.float().cpu()
         same = int((tokens == ref_tokens.cpu()).all(0).long().cumprod(0).sum())
         err = ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
@@ -176,7 +258,7 @@ def main(argv=None):
     if rt.is_main:
         shown = " x ".join(f"{k} {v}" for k, v in layout.degrees().items())
         print(f"greedy decode on {rt.world_size} rank(s) ({shown}, {layout_name}), {rt.device}, {a.dtype}: "
-              f"prompt {ids.shape[1]} tokens, {a.steps} new")
+              f"prompt {ids.shape[1]} tokens{f' (packed: {a.pack})' if prompts else ''}, {a.steps} new")
         print(f"prefill {timings['prefill_s'] * 1e3:.1f} ms ({ids.numel() / timings['prefill_s']:,.0f} tok/s), "
               f"decode {decode_ms:.2f} ms/token (median)")
         print(f"prompt : {decode(ids[0])!r}")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distlab import comm
-from distlab.infer import generate, greedy_reference, prompt_ids
+from distlab.infer import generate, generate_packed, greedy_reference, pack_prompts, prompt_ids
 from distlab.model import Llama, ModelConfig
 from distlab.model.parallel import ParallelLlama
 from distlab.runtime import Layout
@@ -60,6 +60,44 @@ def test_contiguous_cache_gives_the_same_tokens(pools, world, tp, ring):
     """The default cache is paged (every test above); the one growing buffer per rank decodes the same."""
     for same, err, _, _ in pools(world).run(decode_vs_one_device, 1, tp, ring, 1, "zigzag", 0, 16, 2, "contiguous"):
         assert same and err < 1e-5, err
+
+
+def packed_vs_one_device(tp, ring, ulysses, layout, lengths=(5, 40, 23), steps=12):
+    """Prompts prefilled as one packed sequence, decoded as a batch at their own positions, against each
+    prompt decoded alone on one device (the 5-token prompt leaves some ranks' rows empty)."""
+    cfg = ModelConfig(vocab=256, layers=2, hidden=64, heads=4, kv_heads=2, ffn=96)
+    torch.manual_seed(0)
+    ref = Llama(cfg).double()
+    with torch.no_grad():
+        ref.embed.weight.normal_(0, 1)
+    text = prompt_ids(None, sum(lengths), 1, 1)[0]
+    prompts = list(text.split(list(lengths)))
+    model = parallel(ref, 1, tp, ring, ulysses, layout)
+    tokens, logits = generate_packed(model, prompts, steps)
+    refs = [greedy_reference(ref, q[None], steps) for q in prompts]
+    want_tokens, want_logits = torch.cat([r[0] for r in refs]), torch.cat([r[1] for r in refs])
+    err = ((logits - want_logits).abs().max() / want_logits.abs().max()).item()
+    return torch.equal(tokens, want_tokens), err, len(set(want_tokens.flatten().tolist()))
+
+
+PACKED = [(1, 1, 1, 1, "contiguous"), (4, 1, 4, 1, "balanced"), (4, 1, 2, 2, "zigzag"), (4, 2, 2, 1, "contiguous"),
+          (3, 1, 3, 1, "zigzag")]
+
+
+@pytest.mark.parametrize("world,tp,ring,ulysses,layout", PACKED,
+                         ids=[f"tp{t}-ring{r}-uly{u}-{lay}" for _, t, r, u, lay in PACKED])
+def test_packed_prompts_decode_as_each_alone(pools, world, tp, ring, ulysses, layout):
+    for same, err, distinct in pools(world).run(packed_vs_one_device, tp, ring, ulysses, layout):
+        assert distinct > 3 and same and err < 1e-10, err
+
+
+def test_packed_prompts_refused_where_they_cannot_run():
+    with pytest.raises(ValueError, match="needs --kv-cache paged"):
+        pack_prompts("4,8", "contiguous", Layout(2, dp=1, ring=2))
+    with pytest.raises(ValueError, match="leaves 2 data-parallel ranks"):
+        pack_prompts("4,8", "paged", Layout(2, dp=2))
+    with pytest.raises(ValueError, match="comma-separated prompt lengths"):
+        pack_prompts("4;8", "paged", Layout(1))
 
 
 def sp_model_refused():

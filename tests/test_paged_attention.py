@@ -131,3 +131,22 @@ def test_paged_decode_on_the_gpu():
     out, lse = paged_decode(q, cache.k_cache, cache.v_cache, table, lengths)
     ref, ref_lse = paged_decode_reference(q.float(), cache.k_cache.float(), cache.v_cache.float(), table, lengths)
     assert (out.float() - ref).abs().max().item() < 2e-2 and (lse - ref_lse).abs().max().item() < 1e-2
+
+
+@pytest.mark.gpu
+def test_a_packed_prompt_with_no_token_on_this_rank_is_empty_not_nan():
+    """CP decode of packed prompts: a row this rank holds nothing of gives out 0 and LSE -inf (the kernel
+    alone would give 0/0), so the LSE merge weighs it 0."""
+    from distlab.cp.decode import PagedKVCacheShard
+
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(1, 40, 2, 64, generator=g).cuda().bfloat16() for _ in range(2))
+    doc = torch.tensor([0] * 15 + [2] * 25)                      # prompt 1 has no token here
+    shard = PagedKVCacheShard(k, v, documents=(doc, [15, 9, 25]))
+    q = torch.randn(3, 1, 4, 64, generator=g).cuda().bfloat16()
+    out, lse = shard.local_attention(q)
+    assert torch.isfinite(out).all() and (out[1] == 0).all() and (lse[1] == float("-inf")).all()
+    want, want_lse = paged_decode_reference(q.float(), shard.paged.k_cache.float(), shard.paged.v_cache.float(),
+                                            *shard.paged.block_tables())
+    assert (out.float() - want).abs().max().item() < 2e-2
+    assert (lse[[0, 2]] - want_lse[[0, 2]]).abs().max().item() < 1e-2

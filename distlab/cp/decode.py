@@ -84,28 +84,47 @@ class PagedKVCacheShard(KVCacheShard):
     sequence per batch row; a decode step appends a token to the owning rank's blocks and attends through
     the block tables (the Triton paged kernel on CUDA, the gathered reference on CPU)."""
 
-    def __init__(self, k, v, group=None, next_position=0, capacity=None, block_size=16):
+    def __init__(self, k, v, group=None, next_position=0, capacity=None, block_size=16, documents=None):
+        """``documents``: packed prompts, ``(doc, next_positions)``: ``k``/``v`` hold one packed row
+        (1, n, kv_heads, head_dim) whose token i belongs to prompt ``doc[i]``; row p of the cache keeps this
+        rank's tokens of prompt p (maybe none) and its next token sits at in-prompt position
+        ``next_positions[p]`` (each row then decodes at its own position)."""
         from distlab.kernels.paged_attention import PagedKVCache
 
         check_qkv(k, k, v, causal=False)
         b, n, kvh, d = k.shape
-        capacity = max(capacity or 0, n + 1)
-        blocks = b * (-(-capacity // block_size) + 1)
+        if documents is None:
+            rows, positions = [(k[i], v[i]) for i in range(b)], [next_position] * b
+        else:
+            doc, positions = documents
+            if b != 1 or doc.shape != (n,):
+                raise ValueError(f"packed prompts: one row of K/V and a document index per token; got K "
+                                 f"{tuple(k.shape)} and {tuple(doc.shape)} indices")
+            doc = doc.to(k.device)
+            rows = [(k[0, doc == p], v[0, doc == p]) for p in range(len(positions))]
+        capacity = max(capacity or 0, max(len(r[0]) for r in rows) + 1)
+        blocks = len(rows) * (-(-capacity // block_size) + 1)
         self.paged = PagedKVCache(blocks, block_size, kvh, d, k.dtype, k.device)
-        for i in range(b):
-            self.paged.append(self.paged.new_sequence(), k[i], v[i])
-        self.group, self.length, self.position = group, n, next_position
+        for kr, vr in rows:
+            self.paged.append(self.paged.new_sequence(), kr, vr)
+        self.group, self.positions = group, [int(p) for p in positions]
 
     @property
     def k(self):
         raise AttributeError("a paged cache has no contiguous K: read it through its block tables")
 
+    @property
+    def length(self) -> int:
+        """Tokens this rank holds, over every row."""
+        return sum(self.paged.lengths)
+
     def append(self, k_new, v_new):
-        if self.owner(self.position) == comm.group_rank(self.group):
-            for i in range(k_new.shape[0]):
+        """Row i's new token goes to the rank that owns its position (rows may sit at different positions)."""
+        me = comm.group_rank(self.group)
+        for i in range(k_new.shape[0]):
+            if self.owner(self.positions[i]) == me:
                 self.paged.append(i, k_new[i], v_new[i])
-            self.length += 1
-        self.position += 1
+            self.positions[i] += 1
 
     def local_attention(self, q, softmax_scale=None, backend="auto"):
         from distlab.kernels.paged_attention import paged_decode, paged_decode_reference
@@ -115,9 +134,15 @@ class PagedKVCacheShard(KVCacheShard):
         table, lengths = self.paged.block_tables()
         d, g = q.shape[3], q.shape[2] // self.paged.k_cache.shape[2]
         fast = q.is_cuda and not d & (d - 1) and not g & (g - 1) and backend != "torch"
-        if fast:   # tables from our own allocator: valid by construction, no host-syncing checks per layer
-            return paged_decode(q, self.paged.k_cache, self.paged.v_cache, table, lengths, softmax_scale, check=False)
-        return paged_decode_reference(q, self.paged.k_cache, self.paged.v_cache, table, lengths, softmax_scale)
+        if not fast:
+            return paged_decode_reference(q, self.paged.k_cache, self.paged.v_cache, table, lengths, softmax_scale)
+        # tables from our own allocator: valid by construction, no host-syncing checks per layer
+        out, lse = paged_decode(q, self.paged.k_cache, self.paged.v_cache, table, lengths, softmax_scale, check=False)
+        if min(self.paged.lengths) == 0:   # a packed prompt with no token here: out 0, LSE -inf (not 0/0)
+            empty = (lengths == 0).to(out.device)
+            out = out.masked_fill(empty[:, None, None, None], 0)
+            lse = lse.masked_fill(empty.view(-1, *[1] * (lse.dim() - 1)), float("-inf"))
+        return out, lse
 
 
 def cp_decode_attention(q, cache: KVCacheShard, softmax_scale=None, backend="auto"):

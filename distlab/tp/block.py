@@ -109,8 +109,8 @@ class _Residual:
     def attend(self, q, k, v, docs=None, cache=None):
         """The attention child module on (q, k, v) after RoPE: row by row for packed ``docs``; through
         ``cache.attend(q, k, v, attention)`` when a KV cache takes part (``distlab.infer``)."""
-        if cache is not None:
-            return cache.attend(q, k, v, self.attention)
+        if cache is not None:   # a prefill of packed prompts attends inside each of them
+            return cache.attend(q, k, v, lambda q, k, v: packed_attention(self.attention, q, k, v, docs))
         return packed_attention(self.attention, q, k, v, docs)
 
     def forward(self, x, positions=None, docs=None, cache=None):
