@@ -112,6 +112,11 @@ def test_ranks_sharing_cores_overlap_their_idle_steps():
     z_alone, _ = ring_cost(zig, 8, 4, 2, Kernels(flat_calibration(), slowdown=4.0), FREE)
     z_shared, _ = ring_cost(zig, 8, 4, 2, Kernels(flat_calibration(), slowdown=4.0, cores=2), FREE)
     assert shared.compute < 0.7 * alone.compute and z_shared.compute == pytest.approx(z_alone.compute)
+    # USP 2x2 on 4 ranks, 2 cores: two rings side by side share them (without counting both: half the time)
+    k4 = Kernels(flat_calibration(), slowdown=2.0, cores=2)
+    usp, _ = attention_cost("usp", zig, k4, FREE, FREE, ulysses=2, ring=2)
+    ring4, _ = ring_cost(zig, 4, 4, 2, k4, FREE)
+    assert usp.compute == pytest.approx(ring4.compute)
 
 
 def test_groups_inside_a_node_use_the_intra_link():

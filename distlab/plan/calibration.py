@@ -189,8 +189,8 @@ def measure_kernels(device, dtype, backend, quick=False) -> dict:
         copy_sizes = [2**s for s in (16, 20, 24, 28, 30)]
     else:
         heads, kv, d, hidden, ffn = 4, 2, 32, 256, 512
-        attn_sizes = [128, 256, 512, 1024, 2048, 4096]
-        gemm_tokens, grouped_rows = [64, 256, 1024, 4096], [32, 128, 512]
+        attn_sizes = [128, 256, 512, 1024, 2048, 4096, 8192]
+        gemm_tokens, grouped_rows = [16, 64, 256, 1024, 4096], [32, 128, 512]
         copy_sizes = [2**s for s in (12, 16, 20, 24)]
     if quick:
         attn_sizes, gemm_tokens, grouped_rows = attn_sizes[:3], gemm_tokens[:2], grouped_rows[:2]

@@ -129,19 +129,21 @@ def _masked(shape: AttnShape) -> bool:
     return (shape.docs is not None and shape.docs.masked) or shape.layout == "balanced"
 
 
-def _step_time(per_rank: list[float], k: Kernels) -> float:
+def _step_time(per_rank: list[float], k: Kernels, rings: int = 1) -> float:
     """A ring step ends when its slowest rank does. Ranks sharing ``k.cores`` CPU cores (each time already
     × ``k.slowdown``, the share of a core it gets with every rank busy) run at full speed when fewer are
-    busy: the step is then max(slowest alone, all the work over the cores)."""
+    busy: the step is then max(slowest alone, all the work over the cores); ``rings`` rings of the same
+    schedule run side by side (USP: one per Ulysses rank) and share the cores too."""
     if not k.cores:
         return max(per_rank)
     alone = [t / k.slowdown for t in per_rank]
-    return max(max(alone), sum(alone) / k.cores)
+    return max(max(alone), rings * sum(alone) / k.cores)
 
 
 def ring_cost(shape: AttnShape, ring: int, heads: int, kv_heads: int, k: Kernels, link: Link,
-              acc_itemsize: int = 4) -> tuple[Phase, Phase]:
-    """Ring (contiguous, zigzag or balanced) over ``ring`` ranks, ``heads``/``kv_heads`` per rank."""
+              acc_itemsize: int = 4, rings: int = 1) -> tuple[Phase, Phase]:
+    """Ring (contiguous, zigzag or balanced) over ``ring`` ranks, ``heads``/``kv_heads`` per rank;
+    ``rings``: how many such rings run at once (USP's Ulysses degree), for ranks that share CPU cores."""
     from distlab.cp.layout import shard_positions
 
     cu = shape.docs.cu_seqlens if shape.docs is not None else None
@@ -162,7 +164,7 @@ def ring_cost(shape: AttnShape, ring: int, heads: int, kv_heads: int, k: Kernels
                       + (k.memory(merge_bytes, 2) if step and pairs else 0.0))
             tb.append(k.attention(pairs, heads, d, diag, backward=True, batch=b, masked=masked)
                       + (k.memory(merge_bytes / 3 * 2) if pairs else 0.0))
-        f_step, b_step = _step_time(tf, k), _step_time(tb, k)
+        f_step, b_step = _step_time(tf, k, rings), _step_time(tb, k, rings)
         fwd.compute += f_step
         bwd.compute += b_step
         if step < ring - 1:          # the hop for step+1 flies during this step
@@ -202,7 +204,7 @@ def usp_cost(shape: AttnShape, ulysses: int, ring: int, k: Kernels, link_u: Link
     kv = shape.kv_heads * kv_replication(shape.heads, shape.kv_heads, ulysses)
     local = shape.batch * (shape.seq // (ring * ulysses)) * shape.head_dim * shape.itemsize
     a2a = 2 * link_u.time("all_to_all", local * shape.heads, ulysses) + 2 * link_u.time("all_to_all", local * kv, ulysses)
-    f, b = ring_cost(shape, ring, shape.heads // ulysses, kv // ulysses, k, link_r)
+    f, b = ring_cost(shape, ring, shape.heads // ulysses, kv // ulysses, k, link_r, rings=ulysses)
     return f + Phase(0.0, a2a, a2a), b + Phase(0.0, a2a, a2a)
 
 
