@@ -18,6 +18,7 @@ GPU is refused. A layout whose kernels fall outside the calibrated sizes is mark
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 
@@ -145,6 +146,7 @@ def parse_args(argv=None):
     p.add_argument("--ac", default="none,selective,full")
     p.add_argument("--zero", default="0,3", help="ZeRO levels to consider (0: DDP)")
     p.add_argument("--methods", default="ring,ulysses,usp,allgather")
+    p.add_argument("--async-tp", action="store_true", help="TP's collectives overlapped with its GEMMs (distlab.tp.async_tp)")
     p.add_argument("--tp", type=positive_int, default=None, help="only this TP degree")
     p.add_argument("--cp", type=positive_int, default=None, help="only this CP degree (Ulysses x ring)")
     p.add_argument("--top", type=positive_int, default=5)
@@ -182,6 +184,7 @@ def plan(a) -> dict:
     for pl in layouts(cfg, cluster.world, cluster.gpus_per_node, a.seq, a.batch, acs, zeros, methods):
         if (a.tp and pl.tp != a.tp) or (a.cp and pl.cp != a.cp):
             continue
+        pl = dataclasses.replace(pl, async_tp=a.async_tp and pl.tp > 1)
         batch = a.batch or pl.dp
         r = step(cfg, pl, cluster, Kernels(cal), a.seq, batch, docs)
         r["fits"] = capacity is None or r["memory"]["total"] <= FIT_SHARE * capacity

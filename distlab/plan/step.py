@@ -25,6 +25,7 @@ import dataclasses
 import math
 
 from distlab.model.config import ModelConfig
+from distlab.zero.memory import layer_parameter_count
 from distlab.plan.links import Cluster
 from distlab.plan.model import (ELEMENTWISE_CALLS, AttnShape, Kernels, Phase, attention_cost, block_cost,
                                  elementwise_bytes)
@@ -66,15 +67,6 @@ class Plan:
         return f"{dp}{tp}{cp} · AC {self.ac}"
 
 
-def dense_layer_params(cfg: ModelConfig, tp: int) -> int:
-    """Values of one layer's dense weights on a TP rank (attention, norms, and the MLP or the router)."""
-    d = cfg.dims_per_head
-    kv_local = max(1, cfg.kv_heads // tp)
-    attention = cfg.hidden * (cfg.heads // tp + 2 * kv_local) * d + (cfg.heads // tp) * d * cfg.hidden
-    mlp = cfg.hidden * cfg.moe_experts if cfg.moe_experts else 3 * cfg.hidden * cfg.ffn // tp
-    return attention + 2 * cfg.hidden + mlp
-
-
 def model_flops(cfg: ModelConfig, tokens: int, attn_pairs: float) -> float:
     """FLOPs of one step as MFU counts them (no recompute): 6 × active non-embedding weights × tokens, the
     LM head 6·h·vocab per token, attention 3.5 × 4·pairs·heads·d per layer (FlashAttention's count)."""
@@ -113,7 +105,7 @@ def memory(cfg: ModelConfig, plan: Plan, world: int, local_batch: int, seq: int)
         extra = per_rank / ep - per_rank / world
         out = {k: (v + extra * (2 if k == "optimizer" else 1) * 4 if v is not None else v) for k, v in out.items()}
     out = {k: v for k, v in out.items() if k != "activations"}
-    out["gathered"] = 2 * 2 * dense_layer_params(cfg, plan.tp) if plan.zero == 3 else 0.0
+    out["gathered"] = 2 * 2 * layer_parameter_count(cfg, plan.tp) if plan.zero == 3 else 0.0
     out["activations"] = activation_bytes(cfg, plan, local_batch * seq // plan.cp)
     out["total"] = sum(out.values())
     return out
@@ -151,7 +143,7 @@ def step(cfg: ModelConfig, plan: Plan, cluster: Cluster, k: Kernels, seq: int, b
         bwd = bwd + Phase(k.memory(elementwise_bytes(t, cfg.hidden, q_w, kv_w, ffn_local, k.itemsize,
                                                      1 / plan.tp if plan.tp > 1 else 1.0), ELEMENTWISE_CALLS))
     # data parallel, per layer: gathers before the forward and backward, gradient reduction after
-    p_layer = dense_layer_params(cfg, plan.tp)
+    p_layer = layer_parameter_count(cfg, plan.tp)
     shard_n = plan.dp_shard * plan.cp if plan.zero else plan.dp * plan.cp
     sl = links["shard"] if plan.dp_replicate == 1 or plan.zero else cluster.group_link(plan.tp, shard_n)
     if plan.zero == 3:

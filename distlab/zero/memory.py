@@ -81,17 +81,24 @@ class saved_activations(contextlib.AbstractContextManager):
         return False
 
 
-def parameter_counts(cfg: ModelConfig, tp: int = 1, ep: int = 1) -> dict:
-    """Values one rank holds of each kind before ZeRO: "sharded" (TP slices and replicated weights, what ZeRO
-    shards further) and "experts"."""
+def layer_parameter_count(cfg: ModelConfig, tp: int = 1) -> int:
+    """Values of one layer's dense weights on a TP rank: the attention's slices (kv heads copied when tp
+    exceeds them), the norms, and the SwiGLU MLP's slices or the MoE router."""
     d = cfg.dims_per_head
     kv_local = max(1, cfg.kv_heads // tp)
     attention = cfg.hidden * (cfg.heads // tp + 2 * kv_local) * d + (cfg.heads // tp) * d * cfg.hidden
     norms = 2 * cfg.hidden + (2 * d if cfg.qk_norm else 0)
     mlp = cfg.hidden * cfg.moe_experts if cfg.moe_experts else 3 * cfg.hidden * cfg.ffn // tp
+    return attention + norms + mlp
+
+
+def parameter_counts(cfg: ModelConfig, tp: int = 1, ep: int = 1) -> dict:
+    """Values one rank holds of each kind before ZeRO: "sharded" (TP slices and replicated weights, what ZeRO
+    shards further) and "experts"."""
     embed = cfg.vocab // tp * cfg.hidden * (1 if cfg.tie_embeddings else 2)
     experts = 3 * cfg.hidden * cfg.ffn * cfg.moe_experts // ep if cfg.moe_experts else 0
-    return {"sharded": cfg.layers * (attention + norms + mlp) + embed + cfg.hidden, "experts": cfg.layers * experts}
+    return {"sharded": cfg.layers * layer_parameter_count(cfg, tp) + embed + cfg.hidden,
+            "experts": cfg.layers * experts}
 
 
 def predict(cfg: ModelConfig, layout, batch: int, seq: int, bytes_per_value: int = 4, ac: str = "none") -> dict:
