@@ -38,6 +38,8 @@ KNOBS = {
     "TRITON_ATTN_DQ_RING": Knob(None, _TILES.format("ring-step dQ")),
     "TRITON_ATTN_TMA": Knob("fwd", "kernels whose tiles move by TMA: 0, 1 (all) or a comma list of fwd, dq, dkv"),
     "TRITON_ATTN_PDL": Knob("0", "1: accumulating forwards launched as programmatic dependents (sm90+)"),
+    "TRITON_MASKED_FULL_TILES": Knob("1", "0: the masked attention kernel masks every key tile (no unmasked "
+                                          "fast path for tiles every row sees whole)"),
     "TRITON_ATTN_FMA": Knob("1", "1: the forward's rescale fused into one multiply-add"),
     "TRITON_ATTN_DQ_MODE": Knob("kernel", "how a ring step's dQ reaches the float32 accumulator: kernel, atomic, tma-reduce"),
     "TRITON_ATTN_SPLIT_GROUPS": Knob("auto", "GQA dK/dV split over q-head groups: auto, 0 or 1"),

@@ -3,10 +3,27 @@
 # and fp16 against the float64 torch loop, the ring study with documents on the GPU (--check), and the
 # packed emulator (a ring rank's schedule vs one call, W=8, 32q/8kv, head_dim 128, lognormal mean 2k).
 #
-#   bash launch/gpu_packed_check.sh OUTDIR       # logs and JSON into OUTDIR (default: $OUT or ./out)
+#   bash launch/gpu_packed_check.sh OUTDIR [PART]   # logs and JSON into OUTDIR; PART: all (default) or
+#                                                   # fulltiles (the masked kernel with/without its fast path)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
+part=${2:-all}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+
+if [ "$part" = fulltiles ]; then
+  $py tests/kernel_checks.py masked --device cuda --dtype bfloat16 --big || status=1
+  for full in 0 1; do
+    echo "== DISTLAB_TRITON_MASKED_FULL_TILES=$full: causal as a mask (TFLOP/s on visible pairs), packed ring rank =="
+    DISTLAB_TRITON_MASKED_FULL_TILES=$full $py -c "
+import torch
+from distlab.plan.calibration import measure_attention
+f, b = measure_attention(torch.device('cuda'), torch.bfloat16, 32, 8, 128, [4096, 16384, 32768], 'auto', True, 10, 3, masked=True)
+print('fwd', [round(r / 1e12) for _, r in f], 'bwd', [round(r / 1e12) for _, r in b])" || status=1
+    DISTLAB_TRITON_MASKED_FULL_TILES=$full $py -m distlab.cp.emulate_packed --world 8 --seq 65536 \
+      --json "$out/packed_full$full.json" 2>&1 | tail -6 || status=1
+  done
+  exit $status
+fi
 
 echo "== masked kernel, bf16 and fp16, S8192 32q/8kv D128 =="
 $py tests/kernel_checks.py masked --device cuda --dtype bfloat16 --big || status=1

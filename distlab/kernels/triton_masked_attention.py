@@ -8,7 +8,10 @@ query row i sees the keys whose global position lies in ``[lo[i], hi[i])``, and 
 ``k_pos`` (ascending, as every layout's shard is). So a tile of BLOCK_M query rows needs only the keys in
 ``[min lo, max hi)`` of its rows: the host finds that key range per query tile (``searchsorted``) and the
 kernel loops over it alone — tiles outside every document and window are never loaded, and the work
-follows the visible pairs. Inside the range a score is kept iff ``lo <= k_pos < hi``.
+follows the visible pairs. Inside the range a score is kept iff ``lo <= k_pos < hi``; key tiles that every
+row of the query tile sees whole (``full_key_ranges``: most of a causal or document block) skip the mask,
+its loads and its guards, as FlashAttention's full blocks do; dK/dV likewise for the query tiles that see
+a key tile whole (``full_query_ranges``). Knob ``DISTLAB_TRITON_MASKED_FULL_TILES=0`` turns it off.
 
 Backward (FA2): ``delta = rowsum(dO·O)``; dK/dV per (key tile, kv head) over the q heads of its group and
 the query tiles that can see the key tile (rows' ``lo``/``hi`` ascend with the row, so they are one range;
@@ -48,9 +51,9 @@ def _key_tile(K, V, KPOS, base, cols, end, sks, dims, lo, hi):
 
 
 @triton.jit
-def _fwd(Q, K, V, O, LSE, LO, HI, KPOS, KB, KE, scale,
+def _fwd(Q, K, V, O, LSE, LO, HI, KPOS, KB, KE, FB, FE, scale,
          sqb, sqs, sqh, skb, sks, skh, sob, sos, soh, seq_q, heads, groups,
-         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, FULL: tl.constexpr):
     tile, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // heads, bh % heads
     hk = h // groups
@@ -62,18 +65,30 @@ def _fwd(Q, K, V, O, LSE, LO, HI, KPOS, KB, KE, scale,
     hi = tl.load(HI + rows, mask=in_q, other=0)
     kb = tl.load(KB + tile)
     ke = tl.load(KE + tile)
+    fb = tl.load(FB + tile)
+    fe = tl.load(FE + tile)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     qk_scale = scale * 1.4426950408889634
+    base = b * skb + hk * skh
     for start in range(kb, ke, BLOCK_N):
-        k, v, seen = _key_tile(K, V, KPOS, b * skb + hk * skh, start + tl.arange(0, BLOCK_N), ke, sks, dims, lo, hi)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m - m_safe)
+        cols = start + tl.arange(0, BLOCK_N)
+        if FULL and (start >= fb) & (start + BLOCK_N <= fe):   # every row sees every key: no mask, no guards
+            k = tl.load(K + base + cols[:, None] * sks + dims[None, :])
+            v = tl.load(V + base + cols[:, None] * sks + dims[None, :])
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+        else:
+            k, v, seen = _key_tile(K, V, KPOS, base, cols, ke, sks, dims, lo, hi)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m - m_safe)
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
@@ -85,9 +100,9 @@ def _fwd(Q, K, V, O, LSE, LO, HI, KPOS, KB, KE, scale,
 
 
 @triton.jit
-def _bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, KPOS, QB, QE, scale,
+def _bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, KPOS, QB, QE, FB, FE, scale,
              sqb, sqs, sqh, skb, sks, skh, seq_q, seq_k, heads, kv_heads, groups,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, FULL: tl.constexpr):
     tile, bhk = tl.program_id(0), tl.program_id(1)
     b, hk = bhk // kv_heads, bhk % kv_heads
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -98,6 +113,8 @@ def _bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, KPOS, QB, QE, scale,
     kpos = tl.load(KPOS + cols, mask=in_k, other=0)
     qb = tl.load(QB + tile)
     qe = tl.load(QE + tile)
+    fb = tl.load(FB + tile)
+    fe = tl.load(FE + tile)
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     qk_scale = scale * 1.4426950408889634
@@ -105,17 +122,27 @@ def _bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, KPOS, QB, QE, scale,
         h = hk * groups + g
         for start in range(qb, qe, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
-            in_q = rows < qe
-            q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=in_q[:, None], other=0.0)
-            do = tl.load(DO + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=in_q[:, None], other=0.0)
-            lse = tl.load(LSE + (b * heads + h) * seq_q + rows, mask=in_q, other=float("inf"))
-            lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-            delta = tl.load(DELTA + (b * heads + h) * seq_q + rows, mask=in_q, other=0.0)
-            lo = tl.load(LO + rows, mask=in_q, other=0)
-            hi = tl.load(HI + rows, mask=in_q, other=0)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            seen = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] < hi[:, None]) & in_q[:, None] & in_k[None, :]
-            p = tl.where(seen, tl.exp2(s - lse[:, None]), 0.0)
+            # rows that see the whole key tile: no mask (key columns past seq_k only touch dK/dV rows not stored)
+            if FULL and (start >= fb) & (start + BLOCK_M <= fe):
+                q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :])
+                do = tl.load(DO + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :])
+                lse = tl.load(LSE + (b * heads + h) * seq_q + rows) * 1.4426950408889634
+                delta = tl.load(DELTA + (b * heads + h) * seq_q + rows)
+                s = tl.dot(q, tl.trans(k)) * qk_scale
+                p = tl.exp2(s - lse[:, None])
+            else:
+                in_q = rows < qe
+                q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=in_q[:, None], other=0.0)
+                do = tl.load(DO + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=in_q[:, None],
+                             other=0.0)
+                lse = tl.load(LSE + (b * heads + h) * seq_q + rows, mask=in_q, other=float("inf"))
+                lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+                delta = tl.load(DELTA + (b * heads + h) * seq_q + rows, mask=in_q, other=0.0)
+                lo = tl.load(LO + rows, mask=in_q, other=0)
+                hi = tl.load(HI + rows, mask=in_q, other=0)
+                s = tl.dot(q, tl.trans(k)) * qk_scale
+                seen = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] < hi[:, None]) & in_q[:, None] & in_k[None, :]
+                p = tl.where(seen, tl.exp2(s - lse[:, None]), 0.0)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do)
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - delta[:, None])
@@ -127,9 +154,9 @@ def _bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, KPOS, QB, QE, scale,
 
 
 @triton.jit
-def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, KPOS, KB, KE, scale,
+def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, KPOS, KB, KE, FB, FE, scale,
             sqb, sqs, sqh, skb, sks, skh, seq_q, heads, groups,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, FULL: tl.constexpr):
     tile, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // heads, bh % heads
     hk = h // groups
@@ -145,12 +172,22 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, KPOS, KB, KE, scale,
     hi = tl.load(HI + rows, mask=in_q, other=0)
     kb = tl.load(KB + tile)
     ke = tl.load(KE + tile)
+    fb = tl.load(FB + tile)
+    fe = tl.load(FE + tile)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
     qk_scale = scale * 1.4426950408889634
+    base = b * skb + hk * skh
     for start in range(kb, ke, BLOCK_N):
-        k, v, seen = _key_tile(K, V, KPOS, b * skb + hk * skh, start + tl.arange(0, BLOCK_N), ke, sks, dims, lo, hi)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        p = tl.where(seen, tl.exp2(s - lse[:, None]), 0.0)
+        cols = start + tl.arange(0, BLOCK_N)
+        if FULL and (start >= fb) & (start + BLOCK_N <= fe):   # the whole tile seen by every row
+            k = tl.load(K + base + cols[:, None] * sks + dims[None, :])
+            v = tl.load(V + base + cols[:, None] * sks + dims[None, :])
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            p = tl.exp2(s - lse[:, None])
+        else:
+            k, v, seen = _key_tile(K, V, KPOS, base, cols, ke, sks, dims, lo, hi)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            p = tl.where(seen, tl.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
@@ -181,6 +218,62 @@ def _key_ranges(mask, block_m: int):
     end = torch.searchsorted(mask.k_pos, hi.clamp(-2**62, 2**62))
     end = torch.where(end > begin, end, begin)            # a tile that sees nothing loops zero times
     return begin.to(torch.int32), end.to(torch.int32)
+
+
+def full_key_ranges(mask, block_m: int):
+    """Per query tile, the key rows [begin, end) that *every* row of the tile sees (empty when one of its rows
+    sees nothing): key tiles inside it run without the mask (the bulk of a causal or document block)."""
+    key = ("full_key_ranges", block_m)
+    if key not in mask.memo:
+        mask.memo[key] = _full_key_ranges(mask, block_m)
+    return mask.memo[key]
+
+
+def _full_key_ranges(mask, block_m: int):
+    n = mask.q_lo.shape[0]
+    tiles = (n + block_m - 1) // block_m
+    pad = tiles * block_m - n
+    seeing = mask.q_lo < mask.q_hi
+    big = torch.iinfo(torch.int64).max
+    lo = torch.where(seeing, mask.q_lo, torch.full_like(mask.q_lo, big))        # a blind row empties the range
+    hi = torch.where(seeing, mask.q_hi, torch.full_like(mask.q_hi, -big))
+    lo = torch.nn.functional.pad(lo, (0, pad), value=-big).view(tiles, block_m).amax(1)   # padding: no limit
+    hi = torch.nn.functional.pad(hi, (0, pad), value=big).view(tiles, block_m).amin(1)
+    begin = torch.searchsorted(mask.k_pos, lo.clamp(-2**62, 2**62))
+    end = torch.searchsorted(mask.k_pos, hi.clamp(-2**62, 2**62))
+    end = torch.where(end > begin, end, begin)
+    return begin.to(torch.int32), end.to(torch.int32)
+
+
+def full_query_ranges(mask, seq_k: int, block_n: int):
+    """Per key tile, the query rows [begin, end) that see every key of it (rows' intervals ascending; else
+    none): the dK/dV kernel runs them without the mask."""
+    key = ("full_query_ranges", seq_k, block_n)
+    if key not in mask.memo:
+        mask.memo[key] = _full_query_ranges(mask, seq_k, block_n)
+    return mask.memo[key]
+
+
+def _full_query_ranges(mask, seq_k: int, block_n: int):
+    tiles = (seq_k + block_n - 1) // block_n
+    lo, hi = mask.q_lo, mask.q_hi
+    monotone = lo.numel() < 2 or bool(((lo[1:] >= lo[:-1]) & (hi[1:] >= hi[:-1])).all())
+    if not monotone:
+        none = torch.zeros(tiles, dtype=torch.int32, device=lo.device)
+        return none, none.clone()
+    pad = tiles * block_n - seq_k
+    kpos = torch.nn.functional.pad(mask.k_pos, (0, pad), value=int(mask.k_pos[-1])).view(tiles, block_n)
+    kmin, kmax = kpos[:, 0].contiguous(), kpos[:, -1].contiguous()
+    begin = torch.searchsorted(hi, kmax, right=True)      # first row whose interval ends past the tile's last key
+    end = torch.searchsorted(lo, kmin, right=True)        # rows whose interval starts at or before its first
+    end = torch.where(end > begin, end, begin)
+    return begin.to(torch.int32), end.to(torch.int32)
+
+
+def _full_tiles() -> bool:
+    from distlab import knobs
+
+    return knobs.get("TRITON_MASKED_FULL_TILES") != "0"
 
 
 def query_ranges(mask, seq_k: int, block_n: int):
@@ -229,12 +322,13 @@ def masked_forward(q, k, v, mask, scale):
     out = torch.empty_like(q)
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
     kb, ke = key_ranges(mask, bm)
+    fb, fe = full_key_ranges(mask, bm)
     lo, hi, kpos = mask.q_lo.contiguous(), mask.q_hi.contiguous(), mask.k_pos.contiguous()
     grid = (triton.cdiv(sq, bm), b * h)
-    _fwd[grid](q, k, v, out, lse, lo, hi, kpos, kb, ke, scale,
+    _fwd[grid](q, k, v, out, lse, lo, hi, kpos, kb, ke, fb, fe, scale,
                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                out.stride(0), out.stride(1), out.stride(2), sq, h, h // k.shape[2],
-               BLOCK_M=bm, BLOCK_N=bn, D=d, num_warps=warps, num_stages=stages)
+               BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), num_warps=warps, num_stages=stages)
     return out, lse
 
 
@@ -250,13 +344,15 @@ def masked_backward(dout, q, k, v, out, lse, mask, scale):
     lo, hi, kpos = mask.q_lo.contiguous(), mask.q_hi.contiguous(), mask.k_pos.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     qb, qe = query_ranges(mask, sk, bn)
+    qfb, qfe = full_query_ranges(mask, sk, bn)
     _bwd_dkv[(triton.cdiv(sk, bn), b * hk)](
-        q, k, v, dout, lse, delta, dk, dv, lo, hi, kpos, qb, qe, scale,
+        q, k, v, dout, lse, delta, dk, dv, lo, hi, kpos, qb, qe, qfb, qfe, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), sq, sk, h, hk, h // hk,
-        BLOCK_M=bm, BLOCK_N=bn, D=d, num_warps=warps, num_stages=stages)
+        BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), num_warps=warps, num_stages=stages)
     kb, ke = key_ranges(mask, bm)
+    fb, fe = full_key_ranges(mask, bm)
     _bwd_dq[(triton.cdiv(sq, bm), b * h)](
-        q, k, v, dout, lse, delta, dq, lo, hi, kpos, kb, ke, scale,
+        q, k, v, dout, lse, delta, dq, lo, hi, kpos, kb, ke, fb, fe, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), sq, h, h // hk,
-        BLOCK_M=bm, BLOCK_N=bn, D=d, num_warps=warps, num_stages=stages)
+        BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), num_warps=warps, num_stages=stages)
     return dq, dk, dv
