@@ -93,10 +93,15 @@ def generate(model: ParallelLlama, ids, steps: int, timings: dict | None = None,
     sync()
     timings["prefill_s"], timings["decode_s"] = time.perf_counter() - t0, []
     caches = [c.shard for c in prefill]          # KVCacheShard.attend: append the new K/V, attend every shard
+    return _decode(model, tokens, logits, caches, steps, lambda step: torch.tensor([length + step - 1]), timings, sync)
+
+
+def _decode(model, tokens, logits, caches, steps, position, timings, sync):
+    """Greedy steps 1..steps-1 after the prefill's first token: feed the last token at ``position(step)``
+    (a (1,) or (rows, 1) tensor), through the caches; (tokens (rows, steps), logits (rows, steps, vocab))."""
     for step in range(1, steps):
         t0 = time.perf_counter()
-        pos = torch.tensor([length + step - 1])   # the position of the token being fed
-        logits.append(comm.all_gather_raw(model(tokens[-1][:, None], positions=pos, caches=caches)[:, 0],
+        logits.append(comm.all_gather_raw(model(tokens[-1][:, None], positions=position(step), caches=caches)[:, 0],
                                           model.tp_group, -1))
         tokens.append(logits[-1].argmax(-1))
         sync()
@@ -137,15 +142,8 @@ def generate_packed(model: ParallelLlama, prompts: list, steps: int, timings: di
     sync()
     timings["prefill_s"], timings["decode_s"] = time.perf_counter() - t0, []
     caches = [c.shard for c in prefill]
-    for step in range(1, steps):
-        t0 = time.perf_counter()
-        pos = torch.tensor(lengths)[:, None] + step - 1                    # each prompt at its own position
-        logits.append(comm.all_gather_raw(model(tokens[-1][:, None], positions=pos, caches=caches)[:, 0],
-                                          model.tp_group, -1))
-        tokens.append(logits[-1].argmax(-1))
-        sync()
-        timings["decode_s"].append(time.perf_counter() - t0)
-    return torch.stack(tokens, 1), torch.stack(logits, 1)
+    starts = torch.tensor(lengths)[:, None]                               # each prompt at its own position
+    return _decode(model, tokens, logits, caches, steps, lambda step: starts + step - 1, timings, sync)
 
 
 @torch.no_grad()
