@@ -159,3 +159,57 @@ def test_at_real_size_on_the_gpu():
     rows = {r["way"]: r for r in measure(4096, 2048, 32000, [], "cuda", iters=2) if r["way"] != "distlab"}
     fused = measure(4096, 2048, 32000, [default_chunk(4096, 2048, 32000)], "cuda", iters=2)[1]
     assert fused["peak_MiB"] * 2 <= rows["plain"]["peak_MiB"], (fused, rows)
+
+
+TRITON_CHUNKS = """
+import os
+os.environ["DISTLAB_FUSED_CE_TRITON"] = "1"
+import torch
+import torch.nn.functional as F
+from distlab.kernels.fused_linear_ce import fused_linear_cross_entropy
+g = torch.Generator().manual_seed(0)
+x, w = torch.randn(40, 16, generator=g), torch.randn(300, 16, generator=g) / 4
+t = torch.randint(0, 300, (40,), generator=g)
+t[::5] = -100
+worst = 0.0
+for smoothing in (0.0, 0.1):
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    want = F.cross_entropy(xa @ wa.t(), t, ignore_index=-100, label_smoothing=smoothing)
+    want.backward()
+    xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+    got = fused_linear_cross_entropy(xb, wb, t, chunk=7, label_smoothing=smoothing)
+    got.backward()
+    worst = max(worst, abs(got.item() - want.item()) / want.item(),
+                ((xb.grad - xa.grad).abs().max() / xa.grad.abs().max()).item(),
+                ((wb.grad - wa.grad).abs().max() / wa.grad.abs().max()).item())
+print("OK" if worst < 1e-5 else f"BAD {worst}")
+"""
+
+
+def test_triton_chunk_kernels_in_the_interpreter():
+    """The Triton chunk step (``distlab.kernels.triton_ce``: row statistics, then the softmax gradient in
+    place of the logits) against ``F.cross_entropy``, loss and both gradients, ignored rows and smoothing."""
+    from distlab.testing import run_in_triton_interpreter
+
+    proc = run_in_triton_interpreter(TRITON_CHUNKS)
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stdout + proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_triton_chunk_step_on_the_gpu():
+    """The Triton chunk step (bf16 logits become their gradient in place; sums in bf16, Liger's setting)
+    against the plain float32 loss at 4096 tokens x 2048 x 32000, label smoothing and ignored rows too."""
+    from distlab.kernels.fused_linear_ce import use_triton_ce
+
+    x, w, t = problem(4096, 2048, 32000, dtype=torch.float32)
+    x, w, t = x.cuda().bfloat16(), w.cuda().bfloat16(), t.cuda()
+    assert use_triton_ce(x, torch.bfloat16, True)
+    for smoothing in (0.0, 0.1):
+        xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+        want = F.cross_entropy((xa @ wa.t()).float(), t, label_smoothing=smoothing)
+        want.backward()
+        xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+        got = fused_linear_cross_entropy(xb, wb, t, label_smoothing=smoothing, grads_in_input_dtype=True)
+        got.backward()
+        assert abs(got.item() - want.item()) <= 1e-3 * abs(want.item())
+        assert rel(xb.grad.float(), xa.grad.float()) < 2e-2 and rel(wb.grad.float(), wa.grad.float()) < 3e-2

@@ -40,6 +40,20 @@ import torch
 from distlab import comm
 
 
+def use_triton_ce(x, mm_dtype, grads_in_input_dtype: bool) -> bool:
+    """The Triton chunk kernels (``distlab.kernels.triton_ce``) where they pay: on CUDA, bf16/fp16 GEMMs and
+    sums in the inputs' dtype (Liger's setting). ``DISTLAB_FUSED_CE_TRITON``: auto (that), 1 (always: the
+    interpreter's CPU test), 0 (never)."""
+    from distlab import knobs
+
+    choice = knobs.get("FUSED_CE_TRITON")
+    if choice not in ("auto", "0", "1"):
+        raise ValueError(f"DISTLAB_FUSED_CE_TRITON={choice!r}: auto, 0 or 1")
+    if choice == "0" or x.dtype == torch.float64:
+        return False
+    return choice == "1" or (x.is_cuda and grads_in_input_dtype and mm_dtype in (torch.bfloat16, torch.float16))
+
+
 def default_chunk(tokens: int, hidden: int, local_vocab: int) -> int:
     """The largest power of two ≤ tokens·hidden / local_vocab (≥ 1): a chunk's logits ≤ the hidden states."""
     rows = max(1, tokens * hidden // max(1, local_vocab))
@@ -60,15 +74,22 @@ class _FusedLinearCE(torch.autograd.Function):
         dx = torch.empty(x.shape, dtype=x.dtype if grads_in_input_dtype else acc, device=x.device)
         dweight = torch.zeros(weight.shape, dtype=weight.dtype if grads_in_input_dtype else acc, device=x.device)
         total = torch.zeros((), dtype=acc, device=x.device)
+        fused = use_triton_ce(x, mm_dtype, grads_in_input_dtype)
+        if fused:
+            from distlab.kernels.triton_ce import chunk_grad_, chunk_stats
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
             xc, tc, kc = x[lo:hi], target[lo:hi], keep[lo:hi]
-            logits = (xc.to(mm_dtype) @ w_mm.t()).to(acc)                      # (c, V/tp)
             local = tc - start
             mine = (local >= 0) & (local < local_vocab) & kc
             idx = local.clamp(0, local_vocab - 1).unsqueeze(-1)
-            stats = torch.stack([torch.logsumexp(logits, -1), logits.gather(-1, idx).squeeze(-1) * mine,
-                                 logits.sum(-1)])                              # (3, c)
+            if fused:   # the logits stay in the GEMM's dtype and become their own gradient (distlab.kernels.triton_ce)
+                logits = xc.to(mm_dtype) @ w_mm.t()
+                stats = torch.stack(chunk_stats(logits, idx.squeeze(-1), mine)).to(acc)
+            else:
+                logits = (xc.to(mm_dtype) @ w_mm.t()).to(acc)                  # (c, V/tp)
+                stats = torch.stack([torch.logsumexp(logits, -1), logits.gather(-1, idx).squeeze(-1) * mine,
+                                     logits.sum(-1)])                          # (3, c)
             if tp > 1:
                 every = comm.all_gather_raw(stats[None], group, 0)             # (tp, 3, c)
                 lse, target_logit, logit_sum = (torch.logsumexp(every[:, 0], 0), every[:, 1].sum(0),
@@ -79,12 +100,15 @@ class _FusedLinearCE(torch.autograd.Function):
             if smoothing:
                 per_token = (1 - smoothing) * per_token + smoothing * (lse - logit_sum / vocab)
             total += (per_token * kc).sum()
-            grad = logits.sub_(lse[:, None]).exp_()                            # softmax, in place of the logits
-            grad.scatter_add_(-1, idx, -(1 - smoothing) * mine[:, None].to(acc))
-            if smoothing:
-                grad.sub_(smoothing / vocab)
-            grad.mul_((kc.to(acc) / count)[:, None])
-            g_mm = grad.to(mm_dtype)
+            if fused:
+                g_mm = grad = chunk_grad_(logits, lse, idx.squeeze(-1), mine, kc.to(acc) / count, smoothing, vocab)
+            else:
+                grad = logits.sub_(lse[:, None]).exp_()                        # softmax, in place of the logits
+                grad.scatter_add_(-1, idx, -(1 - smoothing) * mine[:, None].to(acc))
+                if smoothing:
+                    grad.sub_(smoothing / vocab)
+                grad.mul_((kc.to(acc) / count)[:, None])
+                g_mm = grad.to(mm_dtype)
             dx[lo:hi] = g_mm @ w_mm
             if dweight.dtype == mm_dtype:            # the sum in the weight's dtype (Liger's default)
                 dweight.addmm_(g_mm.t(), xc.to(mm_dtype))
