@@ -198,6 +198,7 @@ class Layout:
     dp_shard: int | None = None
     dp_replicate: int | None = None
     zero: int | None = None
+    cp_method: str = "ring"
 
     AXES = ("dp", "ring", "ulysses", "tp")
     MESH_AXES = ("dp_replicate", "dp_shard", "ring", "ulysses", "tp")
@@ -266,14 +267,14 @@ class Layout:
 
     @classmethod
     def for_model(cls, world_size: int, tp=1, ring=1, ulysses=1, sp=False, cp_layout="zigzag", batch=None,
-                  dp_shard=None, dp_replicate=None, zero=None) -> "Layout":
+                  dp_shard=None, dp_replicate=None, zero=None, cp_method="ring") -> "Layout":
         """Data parallelism takes what ``tp`` × ``ring`` × ``ulysses`` leave of the world; ValueError (on every
         rank, before any collective) when the degrees or the global ``batch`` do not divide."""
         model_parallel = tp * ring * ulysses
         if world_size % model_parallel:
             raise ValueError(f"tp {tp} x ring {ring} x ulysses {ulysses} does not divide the world size {world_size}")
         layout = cls(world_size, dp=world_size // model_parallel, tp=tp, ring=ring, ulysses=ulysses, sp=bool(sp),
-                     cp_layout=cp_layout, dp_shard=dp_shard, dp_replicate=dp_replicate, zero=zero)
+                     cp_layout=cp_layout, dp_shard=dp_shard, dp_replicate=dp_replicate, zero=zero, cp_method=cp_method)
         if batch is not None and batch % layout.dp:
             raise ValueError(f"batch {batch} is not divisible by the {layout.dp} data-parallel ranks")
         return layout
@@ -283,7 +284,7 @@ class Layout:
         """The layout of ``add_layout_args``' flags; a flag left out takes the preset's value (a config's
         "layout" section), else the default."""
         preset = {"tp": 1, "sp": False, "ring": 1, "ulysses": 1, "cp_layout": "zigzag", "dp_shard": None,
-                  "dp_replicate": None, "zero": None, **(preset or {})}
+                  "dp_replicate": None, "zero": None, "cp_method": "ring", **(preset or {})}
         values = {k: getattr(args, k, None) if getattr(args, k, None) is not None else v for k, v in preset.items()}
         return cls.for_model(world_size, batch=batch, **values)
 
@@ -299,8 +300,9 @@ class Layout:
     def describe(self) -> str:
         dp = (f"dp {self.dp} (replicate {self.dp_replicate} x shard {self.dp_shard}, ZeRO-{self.zero} over "
               f"{self.shard_degree})" if self.sharded else f"dp {self.dp}")
+        method = ", all-gather KV" if self.cp_method == "allgather" and self.cp > 1 else ""
         return (f"{dp} x tp {self.tp}{' (SP)' if self.sp else ''} x ring {self.ring} x ulysses "
-                f"{self.ulysses}{f' ({self.cp_layout})' if self.cp > 1 else ''}")
+                f"{self.ulysses}{f' ({self.cp_layout}{method})' if self.cp > 1 else ''}")
 
     def degrees(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.AXES}
@@ -309,6 +311,12 @@ class Layout:
         from distlab.cp.layout import check_layout
 
         check_layout(self.cp_layout)
+        if self.cp_method not in ("ring", "allgather"):
+            raise ValueError(f"--cp-method {self.cp_method!r}: ring (ring, Ulysses or USP as the degrees say) or "
+                             "allgather (Llama 3's all-gather KV over the ring axis)")
+        if self.cp_method == "allgather" and self.ulysses > 1:
+            raise ValueError(f"--cp-method allgather gathers K/V over the whole CP axis: give --ring {self.cp} "
+                             f"--ulysses 1, not ulysses {self.ulysses}")
         for name, degree in self.degrees().items():
             if not isinstance(degree, int) or degree < 1:
                 raise ValueError(f"parallel degree {name}={degree!r} must be a positive integer")
@@ -358,6 +366,9 @@ def add_layout_args(parser, sp: bool = True, data_parallel: bool = False) -> Non
     parser.add_argument("--ulysses", type=positive_int, default=None, help="context parallelism: Ulysses degree")
     parser.add_argument("--layout", "--cp-layout", dest="cp_layout", choices=("zigzag", "contiguous", "balanced"),
                         default=None, help="sequence layout of the CP axes, as in the CP studies")
+    parser.add_argument("--cp-method", choices=("ring", "allgather"), default=None,
+                        help="ring (default: ring / Ulysses / USP by the degrees) or allgather (Llama 3's all-gather "
+                        "KV over --ring ranks)")
     if data_parallel:
         parser.add_argument("--dp-shard", type=positive_int, default=None, help="shard weights, gradients and AdamW "
                             "state over this many data-parallel ranks (x the CP ranks): ZeRO, distlab.zero")

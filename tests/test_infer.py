@@ -14,10 +14,11 @@ from distlab.model.parallel import ParallelLlama
 from distlab.runtime import Layout
 
 
-def parallel(ref, dp, tp, ring, ulysses, cp_layout="zigzag", sp=False):
+def parallel(ref, dp, tp, ring, ulysses, cp_layout="zigzag", sp=False, cp_method="ring"):
     """The ParallelLlama of this layout on a new mesh: the pool destroys the groups a task creates when it
     returns (``distlab.testing``), so a mesh cannot outlive its test."""
-    layout = Layout(comm.group_size(), dp=dp, tp=tp, ring=ring, ulysses=ulysses, sp=sp, cp_layout=cp_layout)
+    layout = Layout(comm.group_size(), dp=dp, tp=tp, ring=ring, ulysses=ulysses, sp=sp, cp_layout=cp_layout,
+                    cp_method=cp_method)
     return ParallelLlama(ref, layout, layout.build_mesh("cpu"))
 
 
@@ -62,7 +63,7 @@ def test_contiguous_cache_gives_the_same_tokens(pools, world, tp, ring):
         assert same and err < 1e-5, err
 
 
-def packed_vs_one_device(tp, ring, ulysses, layout, lengths=(5, 40, 23), steps=12):
+def packed_vs_one_device(tp, ring, ulysses, layout, lengths=(5, 40, 23), steps=12, cp_method="ring"):
     """Prompts prefilled as one packed sequence, decoded as a batch at their own positions, against each
     prompt decoded alone on one device (the 5-token prompt leaves some ranks' rows empty)."""
     cfg = ModelConfig(vocab=256, layers=2, hidden=64, heads=4, kv_heads=2, ffn=96)
@@ -72,7 +73,7 @@ def packed_vs_one_device(tp, ring, ulysses, layout, lengths=(5, 40, 23), steps=1
         ref.embed.weight.normal_(0, 1)
     text = prompt_ids(None, sum(lengths), 1, 1)[0]
     prompts = list(text.split(list(lengths)))
-    model = parallel(ref, 1, tp, ring, ulysses, layout)
+    model = parallel(ref, 1, tp, ring, ulysses, layout, cp_method=cp_method)
     tokens, logits = generate_packed(model, prompts, steps)
     refs = [greedy_reference(ref, q[None], steps) for q in prompts]
     want_tokens, want_logits = torch.cat([r[0] for r in refs]), torch.cat([r[1] for r in refs])
@@ -88,6 +89,12 @@ PACKED = [(1, 1, 1, 1, "contiguous"), (4, 1, 4, 1, "balanced"), (4, 1, 2, 2, "zi
                          ids=[f"tp{t}-ring{r}-uly{u}-{lay}" for _, t, r, u, lay in PACKED])
 def test_packed_prompts_decode_as_each_alone(pools, world, tp, ring, ulysses, layout):
     for same, err, distinct in pools(world).run(packed_vs_one_device, tp, ring, ulysses, layout):
+        assert distinct > 3 and same and err < 1e-10, err
+
+
+def test_allgather_kv_prefill_decodes_as_each_alone(pools):
+    """``--cp-method allgather``: the packed prefill's attention is all-gather KV; the decode is the same."""
+    for same, err, distinct in pools(4).run(packed_vs_one_device, 1, 4, 1, "zigzag", cp_method="allgather"):
         assert distinct > 3 and same and err < 1e-10, err
 
 

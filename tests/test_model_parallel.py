@@ -11,10 +11,11 @@ from distlab.model.parallel import ParallelLlama
 from distlab.runtime import Layout
 
 
-def parallel(ref, dp, tp, ring=1, ulysses=1, sp=False, cp_layout="zigzag"):
+def parallel(ref, dp, tp, ring=1, ulysses=1, sp=False, cp_layout="zigzag", cp_method="ring"):
     """The ParallelLlama of this layout on a new mesh: the pool destroys the groups a task creates when it
     returns (``distlab.testing``), so a mesh cannot outlive its test."""
-    layout = Layout(comm.group_size(), dp=dp, tp=tp, ring=ring, ulysses=ulysses, sp=sp, cp_layout=cp_layout)
+    layout = Layout(comm.group_size(), dp=dp, tp=tp, ring=ring, ulysses=ulysses, sp=sp, cp_layout=cp_layout,
+                    cp_method=cp_method)
     return ParallelLlama(ref, layout, layout.build_mesh("cpu"))
 
 
@@ -22,7 +23,7 @@ def rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def parallel_vs_one_device(dp, tp, sp, ring=1, ulysses=1, layout="zigzag", experts=0, packed=False):
+def parallel_vs_one_device(dp, tp, sp, ring=1, ulysses=1, layout="zigzag", experts=0, packed=False, cp_method="ring"):
     cfg = ModelConfig(vocab=256, layers=2, hidden=64, heads=4, kv_heads=2, ffn=96, moe_experts=experts)
     torch.manual_seed(0)
     ref = Llama(cfg, dtype=torch.float64)
@@ -38,7 +39,7 @@ def parallel_vs_one_device(dp, tp, sp, ring=1, ulysses=1, layout="zigzag", exper
         (ids, targets), docs = batch(corpus(), 3, 4, 16), None
     loss_ref = ref.loss(ids, targets, docs)
     loss_ref.backward()
-    model = parallel(ref, dp, tp, ring, ulysses, sp, layout)
+    model = parallel(ref, dp, tp, ring, ulysses, sp, layout, cp_method)
     tpg = model.tp_group
     if packed:
         my_ids, my_targets, ctx = model.shard_batch(ids, targets, docs)
@@ -171,6 +172,30 @@ def test_packed_documents_match_one_device(pools, world, dp, tp, sp, ring, ulyss
     each rank holds a different number of ignored targets."""
     for errors, _ in pools(world).run(parallel_vs_one_device, dp, tp, sp, ring, ulysses, layout, experts, True):
         assert max(errors.values()) < 1e-10, {k: v for k, v in errors.items() if v >= 1e-10}
+
+
+ALLGATHER_LAYOUTS = [  # (world, dp, tp, sp, ring, layout, packed)
+    (4, 1, 1, False, 4, "zigzag", False), (4, 1, 2, True, 2, "contiguous", False), (4, 1, 1, False, 4, "balanced", True),
+    (2, 1, 1, False, 2, "contiguous", True),     # (the model tests' 16-token rows do not split over 3)
+]
+
+
+@pytest.mark.parametrize("world,dp,tp,sp,ring,layout,packed", ALLGATHER_LAYOUTS,
+                         ids=[f"tp{t}{'-sp' if s else ''}-ring{r}-{lay}{'-packed' if p else ''}"
+                              for _, d, t, s, r, lay, p in ALLGATHER_LAYOUTS])
+def test_allgather_kv_in_the_model(pools, world, dp, tp, sp, ring, layout, packed):
+    """``--cp-method allgather``: the model's attention is all-gather KV over the ring axis; loss and every
+    gradient equal the one-device model's, plain and packed; it gathers K/V and never sends a ring hop."""
+    for errors, calls in pools(world).run(parallel_vs_one_device, dp, tp, sp, ring, 1, layout, 0, packed, "allgather"):
+        assert max(errors.values()) < 1e-10, {k: v for k, v in errors.items() if v >= 1e-10}
+        assert calls.get("allgather_kv", 0) > 0 and not any(k.startswith("ring") for k in calls), calls
+
+
+def test_allgather_layout_refuses_ulysses():
+    with pytest.raises(ValueError, match="--cp-method allgather gathers K/V over the whole CP axis"):
+        Layout(4, ring=2, ulysses=2, cp_method="allgather")
+    with pytest.raises(ValueError, match="--cp-method 'stripe'"):
+        Layout(4, ring=4, cp_method="stripe")
 
 
 def test_a_packed_row_is_its_documents_run_one_by_one():

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from distlab import comm
+from distlab.cp.allgather import allgather_attention
 from distlab.cp.layout import check_divisible, shard_sequence
 from distlab.cp.ring import ring_attention
 from distlab.cp.ulysses import ulysses_attention
@@ -50,14 +51,18 @@ from distlab.tp.vocab import VocabParallelEmbedding, vocab_parallel_cross_entrop
 
 class ContextAttention(torch.nn.Module):
     """Causal attention over the context-parallel group, the method the layout names: ring attention
-    (ulysses 1), Ulysses (ring 1) or USP; ``forward(q, k, v, cu_seqlens)`` as every block's attention child."""
+    (ulysses 1), Ulysses (ring 1) or USP, or all-gather KV over the ring axis (``method="allgather"``);
+    ``forward(q, k, v, cu_seqlens)`` as every block's attention child."""
 
-    def __init__(self, ring_group, ulysses_group, cp_layout):
+    def __init__(self, ring_group, ulysses_group, cp_layout, method="ring"):
         super().__init__()
         self.ring_group, self.ulysses_group, self.cp_layout = ring_group, ulysses_group, cp_layout
         self.ring, self.ulysses = comm.group_size(ring_group), comm.group_size(ulysses_group)
+        self.method = method
 
     def forward(self, q, k, v, cu_seqlens=None):
+        if self.method == "allgather":
+            return allgather_attention(q, k, v, self.ring_group, True, self.cp_layout, cu_seqlens=cu_seqlens)
         if self.ring > 1 and self.ulysses > 1:
             return usp_attention(q, k, v, self.ulysses_group, self.ring_group, True, self.cp_layout, cu_seqlens=cu_seqlens)
         if self.ulysses > 1:
@@ -92,7 +97,8 @@ class ParallelLlama(torch.nn.Module):
         # MoE layers: experts sharded over all ranks (EP = dp x cp x tp)
         self.blocks = torch.nn.ModuleList(
             TPLlamaBlock(b, self.tp_group, sequence_parallel, ep_group=self.ep_group,
-                         attention=ContextAttention(self.ring_group, self.ulysses_group, cp_layout) if ring * uly > 1
+                         attention=ContextAttention(self.ring_group, self.ulysses_group, cp_layout, layout.cp_method)
+                         if ring * uly > 1
                          else None) for b in ref.blocks)
         self.norm = RMSNorm.from_norm(ref.norm, self.tp_group, sequence_parallel)
         self.head = ColumnParallelLinear.from_linear(ref.head, self.tp_group, sequence_parallel=sequence_parallel)
