@@ -136,13 +136,9 @@ class PagedKVCacheShard(KVCacheShard):
         fast = q.is_cuda and not d & (d - 1) and not g & (g - 1) and backend != "torch"
         if not fast:
             return paged_decode_reference(q, self.paged.k_cache, self.paged.v_cache, table, lengths, softmax_scale)
-        # tables from our own allocator: valid by construction, no host-syncing checks per layer
-        out, lse = paged_decode(q, self.paged.k_cache, self.paged.v_cache, table, lengths, softmax_scale, check=False)
-        if min(self.paged.lengths) == 0:   # a packed prompt with no token here: out 0, LSE -inf (not 0/0)
-            empty = (lengths == 0).to(out.device)
-            out = out.masked_fill(empty[:, None, None, None], 0)
-            lse = lse.masked_fill(empty.view(-1, *[1] * (lse.dim() - 1)), float("-inf"))
-        return out, lse
+        # tables from our own allocator: valid by construction, no host-syncing checks per layer; a packed
+        # prompt with no token here gives out 0 and LSE -inf (the kernel's empty splits)
+        return paged_decode(q, self.paged.k_cache, self.paged.v_cache, table, lengths, softmax_scale, check=False)
 
 
 def cp_decode_attention(q, cache: KVCacheShard, softmax_scale=None, backend="auto"):

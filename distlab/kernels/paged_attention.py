@@ -230,14 +230,13 @@ _DECODE = None
 def paged_decode(q, k_cache, v_cache, block_tables, lengths, softmax_scale=None, check: bool = True,
                  splits: int | None = None):
     """(out (batch, 1, heads, d) like q, lse float32 (batch, heads, 1)); Triton (CUDA, or CPU tensors under
-    ``TRITON_INTERPRET=1``). Every sequence must hold at least one token. ``check=False`` skips the table
+    ``TRITON_INTERPRET=1``). A sequence with no token gives out 0 and LSE −inf (every split of it is empty),
+    as the reference does. ``check=False`` skips the table
     checks (they read the tables on the host): for a call captured in a CUDA graph, checked once before.
     ``splits``: programs per (sequence, kv head) (default: enough for ~2 programs per SM)."""
     global _DECODE
     if check:
         check_paged(q, k_cache, v_cache, block_tables, lengths)
-        if bool((lengths < 1).any()):
-            raise ValueError("paged_decode: every sequence needs at least one cached token")
     b, _, h, d = q.shape
     kvh = k_cache.shape[2]
     g = h // kvh
