@@ -171,6 +171,8 @@ def pack_prompts(spec: str, kv_cache: str, layout: Layout) -> list:
         raise ValueError(f"--pack prefills one packed row: the layout leaves {layout.dp} data-parallel ranks "
                          "(give the world to tp x ring x ulysses)")
     text, start, out = corpus(), 0, []
+    if sum(lengths) > len(text):
+        raise ValueError(f"--pack {spec!r}: {sum(lengths)} tokens in all, but the corpus has {len(text)}")
     for n in lengths:
         out.append(text[start:start + n])
         start += n

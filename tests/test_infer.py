@@ -105,6 +105,8 @@ def test_packed_prompts_refused_where_they_cannot_run():
         pack_prompts("4,8", "paged", Layout(2, dp=2))
     with pytest.raises(ValueError, match="comma-separated prompt lengths"):
         pack_prompts("4;8", "paged", Layout(1))
+    with pytest.raises(ValueError, match="but the corpus has"):
+        pack_prompts("4,999999999", "paged", Layout(1))
 
 
 def sp_model_refused():
