@@ -156,7 +156,8 @@ def step(cfg: ModelConfig, plan: Plan, cluster: Cluster, k: Kernels, seq: int, b
     else:
         dp_f, dp_b = 0.0, sl.time("all_reduce", 4 * p_layer, shard_n)
     if moe and world // ep > 1:              # experts' gradients over their replicas
-        dp_b += cluster.inter.time("all_reduce", 4 * 3 * cfg.hidden * cfg.ffn * cfg.moe_experts / ep, world // ep)
+        replicas = cluster.group_link(ep, world // ep)                # the ranks holding the same experts
+        dp_b += replicas.time("all_reduce", 4 * 3 * cfg.hidden * cfg.ffn * cfg.moe_experts / ep, world // ep)
     hide = sl.overlaps_compute
     layer_f = fwd + Phase(0.0, dp_f, max(0.0, dp_f - fwd.compute) if hide else dp_f)
     layer_b = bwd + Phase(0.0, dp_b, max(0.0, dp_b - bwd.compute) if hide else dp_b)
