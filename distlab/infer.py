@@ -75,11 +75,14 @@ class PrefillCache:
 
 
 @torch.no_grad()
-def generate(model: ParallelLlama, ids, steps: int, timings: dict | None = None, kv_cache: str = "paged"):
+def generate(model: ParallelLlama, ids, steps: int, timings: dict | None = None, kv_cache: str = "paged",
+             static_step: str | None = None):
     """Greedy decode: (new tokens (b, steps), their logits (b, steps, vocab)) for this dp rank's rows of
     the global prompt batch ``ids`` (B, L). Collective: every rank of the model's mesh calls it.
     ``timings`` (a dict) receives ``prefill_s`` and ``decode_s`` (a list, one per decoded token);
-    ``kv_cache``: each rank's shard in fixed-size blocks with block tables (paged) or one growing buffer."""
+    ``kv_cache``: each rank's shard in fixed-size blocks with block tables (paged) or one growing buffer;
+    ``static_step``: ``"graph"`` decodes with the step captured as a CUDA graph, ``"eager"`` runs that same
+    static-buffer step without capturing it (``distlab.graphed_decode``; one process, paged cache)."""
     timings = {} if timings is None else timings
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
     if model.sp:
@@ -93,12 +96,20 @@ def generate(model: ParallelLlama, ids, steps: int, timings: dict | None = None,
     sync()
     timings["prefill_s"], timings["decode_s"] = time.perf_counter() - t0, []
     caches = [c.shard for c in prefill]          # KVCacheShard.attend: append the new K/V, attend every shard
-    return _decode(model, tokens, logits, caches, steps, lambda step: torch.tensor([length + step - 1]), timings, sync)
+    return _decode(model, tokens, logits, caches, steps, lambda step: torch.tensor([length + step - 1]), timings, sync,
+                   static_step)
 
 
-def _decode(model, tokens, logits, caches, steps, position, timings, sync):
+def _decode(model, tokens, logits, caches, steps, position, timings, sync, static_step=None):
     """Greedy steps 1..steps-1 after the prefill's first token: feed the last token at ``position(step)``
     (a (1,) or (rows, 1) tensor), through the caches; (tokens (rows, steps), logits (rows, steps, vocab))."""
+    if static_step is not None:
+        from distlab.graphed_decode import decode_steps
+
+        if static_step not in ("graph", "eager"):
+            raise ValueError(f"static_step {static_step!r}: graph or eager")
+        return decode_steps(model, tokens[0], logits[0], caches, steps, position(1), timings,
+                            capture=static_step == "graph")
     for step in range(1, steps):
         t0 = time.perf_counter()
         logits.append(comm.all_gather_raw(model(tokens[-1][:, None], positions=position(step), caches=caches)[:, 0],
@@ -110,12 +121,14 @@ def _decode(model, tokens, logits, caches, steps, position, timings, sync):
 
 
 @torch.no_grad()
-def generate_packed(model: ParallelLlama, prompts: list, steps: int, timings: dict | None = None):
+def generate_packed(model: ParallelLlama, prompts: list, steps: int, timings: dict | None = None,
+                    static_step: str | None = None):
     """Greedy decode of several prompts prefilled as one packed sequence: the prompts are documents
     (``cu_seqlens``: no attention across them, RoPE restarting in each; a pad document fills the layout's
     multiple), cut over the CP ranks like a training pack (any layout, balanced included). Each rank keeps
     its tokens of prompt p as row p of its paged cache; then every prompt decodes at its own position, a
-    batch of rows. Returns (tokens (P, steps), logits (P, steps, vocab)). Needs dp 1 (one packed row)."""
+    batch of rows. Returns (tokens (P, steps), logits (P, steps, vocab)). Needs dp 1 (one packed row).
+    ``static_step``: as ``generate``'s."""
     from distlab.cp.layout import shard_sequence
 
     timings = {} if timings is None else timings
@@ -143,7 +156,7 @@ def generate_packed(model: ParallelLlama, prompts: list, steps: int, timings: di
     timings["prefill_s"], timings["decode_s"] = time.perf_counter() - t0, []
     caches = [c.shard for c in prefill]
     starts = torch.tensor(lengths)[:, None]                               # each prompt at its own position
-    return _decode(model, tokens, logits, caches, steps, lambda step: starts + step - 1, timings, sync)
+    return _decode(model, tokens, logits, caches, steps, lambda step: starts + step - 1, timings, sync, static_step)
 
 
 @torch.no_grad()
@@ -205,6 +218,8 @@ def main(argv=None):
     p.add_argument("--check", action="store_true", help="compare with the one-device model's greedy decode")
     p.add_argument("--kv-cache", choices=("paged", "contiguous"), default="paged", help="each rank's cache shard "
                    "in 16-token blocks with block tables (default), or one growing buffer")
+    p.add_argument("--cuda-graph", action="store_true", help="decode with the whole step captured as one CUDA "
+                   "graph (distlab.graphed_decode: one GPU process, dense model, paged cache)")
     p.add_argument("--json", metavar="PATH", help="write tokens, timings and the check (rank 0)")
     p.add_argument("--device", default=None)
     a = p.parse_args(argv)
@@ -216,6 +231,11 @@ def main(argv=None):
     preset = {k: v for k, v in load_layout(a.config).items() if k != "sp"}   # SP is a training layout
     layout = Layout.from_args(a, rt.world_size, preset, a.batch)
     prompts = pack_prompts(a.pack, a.kv_cache, layout) if a.pack else None
+    static = "graph" if a.cuda_graph else None
+    if a.cuda_graph:
+        from distlab.graphed_decode import check_graphable
+
+        check_graphable(mcfg, layout, a.kv_cache, rt.device)
     if layout.cp_layout == "balanced" and prompts is None:
         raise ValueError("infer prefills one prompt: use --layout zigzag or contiguous (balanced is for --pack)")
     if layout.ring == 1 and layout.cp_layout != "balanced":
@@ -233,9 +253,9 @@ def main(argv=None):
     ref = ref.to(rt.device, dtype)
     model = ParallelLlama(ref, layout, layout.build_mesh(rt.device.type))
     if prompts:
-        run = lambda n, t=None: generate_packed(model, [q.to(rt.device) for q in prompts], n, t)   # noqa: E731
+        run = lambda n, t=None: generate_packed(model, [q.to(rt.device) for q in prompts], n, t, static)  # noqa: E731
     else:
-        run = lambda n, t=None: generate(model, ids.to(rt.device), n, t, kv_cache=a.kv_cache)     # noqa: E731
+        run = lambda n, t=None: generate(model, ids.to(rt.device), n, t, a.kv_cache, static)             # noqa: E731
     run(2)   # warm-up (allocator, kernels, groups)
     timings = {}
     tokens, logits = run(a.steps, timings)
@@ -243,6 +263,7 @@ def main(argv=None):
     tokens = comm.all_gather_raw(tokens, model.dp_group, 0).cpu()
     logits = comm.all_gather_raw(logits, model.dp_group, 0).float().cpu()
     result = {"world_size": rt.world_size, "layout": layout.degrees(), "cp_layout": layout_name, "dtype": a.dtype,
+              "kv_cache": a.kv_cache, "cuda_graph": a.cuda_graph,
               "prompt_tokens": ids.shape[1], "steps": a.steps, "tokens": tokens.tolist(),
               "prefill_s": timings["prefill_s"], "decode_ms_per_token_median": decode_ms}
     if a.check:
@@ -257,7 +278,8 @@ def main(argv=None):
         result.update(same_tokens=same, logits_max_rel_err=err)
     if rt.is_main:
         shown = " x ".join(f"{k} {v}" for k, v in layout.degrees().items())
-        print(f"greedy decode on {rt.world_size} rank(s) ({shown}, {layout_name}), {rt.device}, {a.dtype}: "
+        print(f"greedy decode on {rt.world_size} rank(s) ({shown}, {layout_name}), {rt.device}, {a.dtype}"
+              f"{', CUDA-graphed step' if a.cuda_graph else ''}: "
               f"prompt {ids.shape[1]} tokens{f' (packed: {a.pack})' if prompts else ''}, {a.steps} new")
         print(f"prefill {timings['prefill_s'] * 1e3:.1f} ms ({ids.numel() / timings['prefill_s']:,.0f} tok/s), "
               f"decode {decode_ms:.2f} ms/token (median)")

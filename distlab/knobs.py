@@ -64,6 +64,8 @@ KNOBS = {
     "GROUPED_GEMM_WS": Knob("0", "1: warp specialisation in the persistent kernel"),
     "GROUPED_GEMM_WGRAD_TMA": Knob("0", "1: TMA loads in the weight-gradient kernel"),
     # collectives and runtime
+    "TRITON_LAUNCH": Knob("cached", "Triton launches: cached (bound once per key, distlab.kernels.launch.CachedLaunch), "
+                                    "plain (Triton's own launch every call), check (both; raises if they differ)"),
     "TIMEOUT_S": Knob("300", "seconds a collective waits for the other ranks before failing the job"),
     # launcher variables
     "ERROR_DIR": Knob(None, "where ranks file their errors for distlab run's summary", launcher=True),
@@ -77,6 +79,7 @@ KNOBS = {
 }
 
 _ENV: dict[str, str] | None = None     # what the environment held at the first read (never parallel state)
+_GENERATION = [0]                      # bumped whenever the knobs in force may change (plans cache on it)
 _OVERRIDES: list[dict[str, str]] = []
 _SET: dict[str, str] = {}                # knobs.set(): until knobs.unset()
 
@@ -113,10 +116,12 @@ def override(**values):
     if unknown:
         raise ValueError(f"unknown knob(s) {', '.join(unknown)}: python -m distlab.knobs lists them")
     _OVERRIDES.append({k: (KNOBS[k].default if v is None else str(v)) for k, v in values.items()})
+    _GENERATION[0] += 1
     try:
         yield
     finally:
         _OVERRIDES.pop()
+        _GENERATION[0] += 1
 
 
 def set(**values) -> None:   # noqa: A001 (the knobs' own verb)
@@ -125,11 +130,19 @@ def set(**values) -> None:   # noqa: A001 (the knobs' own verb)
     if unknown:
         raise ValueError(f"unknown knob(s) {', '.join(unknown)}: python -m distlab.knobs lists them")
     _SET.update({k: str(v) for k, v in values.items()})
+    _GENERATION[0] += 1
 
 
 def unset(*names) -> None:
     for name in names:
         _SET.pop(name, None)
+    _GENERATION[0] += 1
+
+
+def generation() -> int:
+    """A number that changes whenever ``override``, ``set`` or ``unset`` may have changed a knob in force: a
+    launch plan computed from knobs (``distlab.kernels.triton_attention``) stays valid while it is the same."""
+    return _GENERATION[0]
 
 
 def parse_settings(text: str, prefix: str = "") -> dict[str, str]:

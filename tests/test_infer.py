@@ -130,3 +130,52 @@ def test_infer_command_checks_itself():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "8/8 tokens equal" in out.stdout and "PASS" in out.stdout
+
+
+def static_step_vs_eager(packed, steps=12):
+    """The graph-ready decode step (``distlab.graphed_decode``: static buffers, slots computed on the device,
+    blocks reserved) run eagerly, against the ordinary decode: the same tokens and logits (float64)."""
+    cfg = ModelConfig(vocab=256, layers=2, hidden=64, heads=4, kv_heads=2, ffn=96)
+    torch.manual_seed(0)
+    ref = Llama(cfg).double()
+    with torch.no_grad():
+        ref.embed.weight.normal_(0, 1)
+    model = parallel(ref, 1, 1, 1, 1, "contiguous")
+    if packed:   # three prompts at their own positions; 17 + 11 steps crosses a 16-token block
+        text = prompt_ids(None, 60, 1, 1)[0]
+        prompts = list(text.split([17, 30, 13]))
+        runs = [generate_packed(model, prompts, steps, static_step=s) for s in (None, "eager")]
+    else:
+        ids = prompt_ids(None, 32, 2, 16)
+        runs = [generate(model, ids, steps, static_step=s) for s in (None, "eager")]
+    (tokens, logits), (s_tokens, s_logits) = runs
+    return torch.equal(tokens, s_tokens), (logits - s_logits).abs().max().item(), len(set(tokens.flatten().tolist()))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+def test_graph_ready_decode_step_matches_the_eager_decode(pools, packed):
+    for same, err, distinct in pools(1).run(static_step_vs_eager, packed):
+        assert distinct > 3 and same and err < 1e-12, err
+
+
+def test_cuda_graph_decode_refused_where_it_cannot_run():
+    from distlab.graphed_decode import check_graphable
+
+    dense, moe = ModelConfig(), ModelConfig(moe_experts=4)
+    with pytest.raises(ValueError, match="a CUDA device"):
+        check_graphable(dense, Layout(1), "paged", "cpu")
+    with pytest.raises(ValueError, match=r"one process \(this run has 2.*--kv-cache paged.*a dense model"):
+        check_graphable(moe, Layout(2, dp=1, ring=2), "contiguous", "cuda")
+    if not torch.cuda.is_available():   # the command says so in one line, no traceback
+        out = subprocess.run([sys.executable, "-m", "distlab.infer", "--config", "tiny", "--steps", "4",
+                              "--cuda-graph"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and "--cuda-graph needs a CUDA device" in out.stderr, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_gives_the_one_device_tokens():
+    out = subprocess.run([sys.executable, "-m", "distlab.infer", "--config", "tiny", "--steps", "40", "--check",
+                          "--cuda-graph"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "40/40 tokens equal" in out.stdout and "CUDA-graphed step" in out.stdout

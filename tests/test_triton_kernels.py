@@ -87,15 +87,76 @@ def test_triton_backend_refuses_what_it_cannot_run():
         flash_backward(q, q, k, k, q, torch.zeros(1, 4, 8), True, dq_acc=torch.zeros(q.shape, dtype=torch.float16))
 
 
+class _FakeCompiled:
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class _FakeKernel:
+    """Stands in for a ``triton.jit`` kernel ``k(X, n, B: constexpr)``: each launch through ``k[grid]``
+    compiles (a new ``_FakeCompiled``) unless ``n`` keeps its specialisation class, as Triton would."""
+
+    def __init__(self):
+        self.params = [type("P", (), {"name": n, "is_constexpr": c})() for n, c in (("X", False), ("n", False),
+                                                                                    ("B", True))]
+        self.__name__ = "fake"
+        self.compiled, self.plain = {}, 0
+
+    def __getitem__(self, grid):
+        def launch(x, n, B, num_warps):
+            self.plain += 1
+            return self.compiled.setdefault((n % 16 == 0, B), _FakeCompiled())
+        return launch
+
+
+def test_cached_launch_binds_once_per_key(monkeypatch):
+    """``CachedLaunch``: the first launch of a key goes through ``kernel[grid]``, later ones straight to the
+    compiled kernel's launcher with every parameter in order (constexprs last) and the grid padded to 3-D;
+    ``plain`` always goes through Triton; ``check`` raises when a key would reuse a kernel Triton specialised
+    differently."""
+    from distlab.kernels import launch
+
+    driver = type("D", (), {"get_current_device": lambda self: 0, "get_current_stream": lambda self, d: 77})()
+    hooks = type("K", (), {"runtime": type("R", (), {"launch_enter_hook": None, "launch_exit_hook": None})})()
+    monkeypatch.setattr(launch, "_triton_runtime", lambda: (driver, hooks))
+    kernel = _FakeKernel()
+    cached = launch.CachedLaunch(kernel)
+    x = torch.zeros(4)
+    cached("k16", (2,), (x, 16), dict(B=8, num_warps=4))
+    cached("k16", (3, 2), (x, 32), dict(B=8, num_warps=4))
+    assert kernel.plain == 1
+    compiled = kernel.compiled[(True, 8)]
+    assert compiled.runs == [(3, 2, 1, 77, "fn", "meta", None, None, None, x, 32, 8)]
+    with knobs.override(TRITON_LAUNCH="plain"):
+        cached("k16", (2,), (x, 48), dict(B=8, num_warps=4))
+    assert kernel.plain == 2 and len(compiled.runs) == 1
+    with knobs.override(TRITON_LAUNCH="check"):
+        cached("k16", (2,), (x, 64), dict(B=8, num_warps=4))   # same specialisation: fine
+        with pytest.raises(RuntimeError, match="'k16'.*misses something"):
+            cached("k16", (2,), (x, 17), dict(B=8, num_warps=4))   # a key that ignores n % 16
+    with knobs.override(TRITON_LAUNCH="fast"):
+        with pytest.raises(ValueError, match="use cached, plain or check"):
+            cached("k16", (2,), (x, 16), dict(B=8, num_warps=4))
+    assert launch.tensor_key(x) == (x.shape, x.stride(), x.dtype, x.data_ptr() % 16)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_kernels_on_the_gpu(dtype):
+@pytest.mark.parametrize("dtype,launch", [("bfloat16", "cached"), ("float16", "cached"), ("bfloat16", "check")])
+def test_kernels_on_the_gpu(dtype, launch):
+    """At real sizes, outputs poisoned; ``check``: every launch also through Triton's own binding, raising if a
+    ``CachedLaunch`` key would have reused a kernel specialised for other arguments."""
     sys.path.insert(0, HERE)
     import kernel_checks
 
     kernel_checks.poison_allocations()
     try:
-        for name in NAMES:
-            kernel_checks.CHECKS[name](torch.device("cuda"), getattr(torch, dtype), big=True)
+        with knobs.override(TRITON_LAUNCH=launch):
+            for name in NAMES:
+                kernel_checks.CHECKS[name](torch.device("cuda"), getattr(torch, dtype), big=True)
     finally:
         torch.empty, torch.empty_like = kernel_checks._empty, kernel_checks._empty_like

@@ -53,7 +53,25 @@ _SDPA_DTYPES = {
 # validation and backend choice
 # ---------------------------------------------------------------------------------------------------------
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
-    """Raise ValueError with a clear message unless q, k, v are a valid (bshd, GQA) attention input."""
+    """Raise ValueError with a clear message unless q, k, v are a valid (bshd, GQA) attention input. What
+    passed is remembered by shapes, dtypes and devices (the checks cost ~8 µs of host time a call, #24)."""
+    try:
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, causal)
+    except AttributeError:   # not tensors: the checks below say so
+        key = None
+    if key is not None and key in _CHECKED:
+        return
+    _check_qkv(q, k, v, causal)
+    if key is not None:
+        if len(_CHECKED) >= 4096:
+            _CHECKED.clear()
+        _CHECKED.add(key)
+
+
+_CHECKED: set = set()
+
+
+def _check_qkv(q, k, v, causal) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor (batch, seq, heads, head_dim); got "
@@ -114,6 +132,11 @@ def resolve_backend(backend: str, device: torch.device | str, dtype: torch.dtype
     ``masked``: the attention has documents or a window (a ``KeyMask``), which only ``MASK_BACKENDS`` take."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    return _resolve(backend, torch.device(device), dtype, masked, os.environ.get("TRITON_INTERPRET"))
+
+
+@functools.lru_cache(maxsize=256)
+def _resolve(backend, device, dtype, masked, _interpret) -> str:
     present = available_backends(device, dtype)
     if masked:
         present = [n for n in present if n in MASK_BACKENDS]

@@ -2,19 +2,30 @@
 that the GPU waits for the host (issue #24: a rank is host-bound below a few thousand tokens).
 
     python -m distlab.kernels.host_cost                       # GPU: S2048, 4 q heads, 1 kv head, D128, bf16
-    python -m distlab.kernels.host_cost --seq 1024 --json host.json
+    python -m distlab.kernels.host_cost --seq 1024 --rounds 7 --json host.json
 
-For each backend present: the host's seconds per call (``perf_counter`` around N calls with no sync inside;
-the GPU runs behind), the wall seconds per call once the GPU has caught up, and the GPU's own time per call
+For each row: the host's seconds per call (``perf_counter`` around N calls with no sync inside; the GPU runs
+behind), the wall seconds per call once the GPU has caught up, and the GPU's own time per call
 (``distlab.bench.timeit``, launches queued behind a spin kernel). host ≈ wall > GPU means host-bound.
+Host timing on a shared machine moves by 2× between runs, so the rows are measured in ``--rounds``
+interleaved rounds and the table shows each row's fastest round (and the median beside it in the JSON).
+
+Rows: every attention backend present (forward and backward through ``attention_forward``/``_backward``);
+the Triton kernel's own launch (``flash_forward``) with distlab's cached launch (``CachedLaunch``, the
+default) and with Triton's plain one (``DISTLAB_TRITON_LAUNCH=plain``); the LSE merge a ring step of a
+non-Triton backend adds; bare FA4 calls (the wrapper's overhead, #24: within 10 µs); and one W-rank ring
+step (``--ring-world``; the rank's real ``_ring_forward``/``_ring_backward`` over resident K/V, no exchange:
+block kernels and bookkeeping, per step) for the ``triton`` and ``fa4`` backends.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
 
+from distlab import knobs
 from distlab.bench import StudyParser, add_common_args, device_of, positive_int, run_study, timeit, write_json
 from distlab.kernels.attention import attention_backward, attention_forward, available_backends
 
@@ -31,6 +42,78 @@ def host_seconds(fn, calls: int, device) -> tuple[float, float]:
     return host / calls, (time.perf_counter() - t0) / calls
 
 
+def _rows(a, device, dtype):
+    """``[(name, pass, fn, knob overrides, calls per fn)]``: what the table measures."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(1, a.seq, a.heads, a.head_dim, generator=g).to(device, dtype)
+    k, v = (torch.randn(1, a.seq, a.kv_heads, a.head_dim, generator=g).to(device, dtype) for _ in range(2))
+    dout = torch.randn_like(q)
+    scale = a.head_dim ** -0.5
+    rows = []
+    for backend in available_backends(device, dtype):
+        if backend == "torch":
+            continue
+        out, lse = attention_forward(q, k, v, True, backend=backend)
+        rows += [(backend, "fwd", lambda b=backend: attention_forward(q, k, v, True, backend=b), {}, 1),
+                 (backend, "bwd", lambda b=backend, o=out, l=lse: attention_backward(dout, q, k, v, o, l, True,
+                                                                                    backend=b), {}, 1)]
+    if "triton" in available_backends(device, dtype):
+        from distlab.kernels.triton_attention import flash_forward
+
+        rows += [("triton launch", "fwd", lambda: flash_forward(q, k, v, True, scale), {}, 1),
+                 ("triton launch, plain", "fwd", lambda: flash_forward(q, k, v, True, scale),
+                  {"TRITON_LAUNCH": "plain"}, 1)]
+        out, lse = attention_forward(q, k, v, True, backend="triton")
+        rows += [("triton, plain", "bwd", lambda: attention_backward(dout, q, k, v, out, lse, True, backend="triton"),
+                  {"TRITON_LAUNCH": "plain"}, 1)]
+        from distlab.kernels.lse_merge import lse_merge_
+
+        acc, acc_lse = out.float(), lse.clone()
+        rows += [("lse merge", "fwd", lambda: lse_merge_(acc, acc_lse, out, lse), {}, 1)]
+    from distlab.kernels import fa4
+
+    if fa4.runs_on(device, dtype):   # the same FA4 calls without distlab's wrapper (#24: within 10 µs of it)
+        fi = fa4._interface()
+        out, lse = fa4.fa4_forward(q, k, v, True, scale)
+        rows += [("fa4 bare", "fwd", lambda: fi._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True,
+                                                                return_lse=True), {}, 1),
+                 ("fa4 bare", "bwd", lambda: fi._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale,
+                                                                causal=True), {}, 1)]
+    if a.ring_world > 1:
+        rows += _ring_rows(a, device, dtype)
+    return rows
+
+
+def _ring_rows(a, device, dtype):
+    """One rank's ring forward and backward at W = ``ring_world`` (zigzag, causal, rank 0) over resident K/V:
+    the host time of its W steps, reported per step."""
+    from distlab.cp.emulate import ResidentRing, rank_rows
+    from distlab.cp.ring import _ring_backward, _ring_forward
+
+    w, s = a.ring_world, a.seq * a.ring_world   # each rank holds --seq tokens
+    g = torch.Generator(device="cpu").manual_seed(2)
+    q, k, v = (torch.randn(1, s, h, a.head_dim, generator=g).to(device, dtype)
+               for h in (a.heads, a.kv_heads, a.kv_heads))
+    shard = {r: rank_rows(r, w, s, "zigzag").to(device) for r in range(w)}
+    kv = [(k[:, shard[(0 - i) % w]].contiguous(), v[:, shard[(0 - i) % w]].contiguous()) for i in range(w)]
+    q_r = q[:, shard[0]].contiguous()
+    dout = torch.randn_like(q_r)
+    scale = a.head_dim ** -0.5
+    rows = []
+    for backend in ("triton", "fa4"):
+        if backend not in available_backends(device, dtype):
+            continue
+        ring = ResidentRing(w, 0, kv)
+        out, lse = _ring_forward(q_r, *kv[0], ring, True, "zigzag", scale, backend)
+        out = out.to(dtype)
+        rows += [(f"ring step W{w}, {backend}", "fwd",
+                  lambda b=backend, r=ring: _ring_forward(q_r, *kv[0], r, True, "zigzag", scale, b), {}, w),
+                 (f"ring step W{w}, {backend}", "bwd",
+                  lambda b=backend, r=ring, o=out, l=lse: _ring_backward(dout, q_r, *kv[0], o, l, r, True, "zigzag",
+                                                                         scale, b), {}, w)]
+    return rows
+
+
 def main(argv=None):
     p = StudyParser(prog="python -m distlab.kernels.host_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=positive_int, default=2048)
@@ -38,6 +121,9 @@ def main(argv=None):
     p.add_argument("--kv-heads", type=positive_int, default=1)
     p.add_argument("--head-dim", type=positive_int, default=128)
     p.add_argument("--calls", type=positive_int, default=200)
+    p.add_argument("--rounds", type=positive_int, default=5, help="interleaved rounds; the table shows the fastest")
+    p.add_argument("--ring-world", type=int, default=8, help="W of the ring-step rows (each rank holds --seq "
+                   "tokens); 1: none")
     add_common_args(p, iters=20, warmup=5, dtype="bfloat16", gpu_tool=True)
     a = p.parse_args(argv)
     device = device_of(a, "distlab.kernels.host_cost", gpu_tool=True, cpu_hint="it measures a GPU queue")
@@ -46,36 +132,27 @@ def main(argv=None):
     from distlab.bench import to_dtype
 
     dtype = to_dtype(a.dtype)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    q = torch.randn(1, a.seq, a.heads, a.head_dim, generator=g).to(device, dtype)
-    k, v = (torch.randn(1, a.seq, a.kv_heads, a.head_dim, generator=g).to(device, dtype) for _ in range(2))
-    dout = torch.randn_like(q)
+    specs = _rows(a, device, dtype)
+    print(f"host time per call, {torch.cuda.get_device_name(device)}: S{a.seq}, {a.heads} q / {a.kv_heads} kv "
+          f"heads, D{a.head_dim}, causal, {a.dtype}; fastest of {a.rounds} interleaved rounds of {a.calls} calls")
+    host = {i: [] for i in range(len(specs))}
+    wall = {i: [] for i in range(len(specs))}
+    for _ in range(a.rounds):
+        for i, (_, _, fn, over, per) in enumerate(specs):
+            with knobs.override(**over):
+                h, w = host_seconds(fn, max(1, a.calls // per), device)
+            host[i].append(h / per)
+            wall[i].append(w / per)
     rows = []
-    print(f"host time per attention call, {torch.cuda.get_device_name(device)}: S{a.seq}, {a.heads} q / "
-          f"{a.kv_heads} kv heads, D{a.head_dim}, causal, {a.dtype}")
-    print(f"{'backend':<16} {'pass':<5} {'host µs':>9} {'wall µs':>9} {'GPU µs':>9}")
-    for backend in available_backends(device, dtype):
-        if backend == "torch":
-            continue
-        out, lse = attention_forward(q, k, v, True, backend=backend)
-        for pass_, fn in (("fwd", lambda: attention_forward(q, k, v, True, backend=backend)),
-                          ("bwd", lambda: attention_backward(dout, q, k, v, out, lse, True, backend=backend))):
-            host, wall = host_seconds(fn, a.calls, device)
-            gpu = timeit(fn, a.iters, a.warmup, device)
-            rows.append({"backend": backend, "pass": pass_, "host_s": host, "wall_s": wall, "gpu_s": gpu})
-            print(f"{backend:<16} {pass_:<5} {host * 1e6:>9.1f} {wall * 1e6:>9.1f} {gpu * 1e6:>9.1f}", flush=True)
-    from distlab.kernels import fa4
-
-    if fa4.runs_on(device, dtype):   # the same FA4 calls without distlab's wrapper (#24: within 10 µs of it)
-        fi = fa4._interface()
-        scale = a.head_dim ** -0.5
-        out, lse = fa4.fa4_forward(q, k, v, True, scale)
-        for pass_, fn in (("fwd", lambda: fi._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)),
-                          ("bwd", lambda: fi._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=True))):
-            host, wall = host_seconds(fn, a.calls, device)
-            gpu = timeit(fn, a.iters, a.warmup, device)
-            rows.append({"backend": "fa4 bare", "pass": pass_, "host_s": host, "wall_s": wall, "gpu_s": gpu})
-            print(f"{'fa4 bare':<16} {pass_:<5} {host * 1e6:>9.1f} {wall * 1e6:>9.1f} {gpu * 1e6:>9.1f}", flush=True)
+    print(f"{'row':<24} {'pass':<5} {'host µs':>9} {'median':>8} {'wall µs':>9} {'GPU µs':>9}")
+    for i, (name, pass_, fn, over, per) in enumerate(specs):
+        with knobs.override(**over):
+            gpu = timeit(fn, a.iters, a.warmup, device) / per
+        row = {"row": name, "pass": pass_, "host_s": min(host[i]), "host_median_s": statistics.median(host[i]),
+               "wall_s": min(wall[i]), "gpu_s": gpu, "per_call_of": per, "knobs": over}
+        rows.append(row)
+        print(f"{name:<24} {pass_:<5} {row['host_s'] * 1e6:>9.1f} {row['host_median_s'] * 1e6:>8.1f} "
+              f"{row['wall_s'] * 1e6:>9.1f} {gpu * 1e6:>9.1f}", flush=True)
     if a.json:
         write_json(a.json, {"args": vars(a), "device": torch.cuda.get_device_name(device), "rows": rows})
 

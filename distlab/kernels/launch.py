@@ -59,3 +59,85 @@ def knob(name: str, default: int) -> int:
     """Knob ``KERNEL_<name>`` (``distlab.knobs``: e.g. rows or tokens per program), else ``default``."""
     value = knobs.get(f"KERNEL_{name}")
     return int(value) if value is not None else default
+
+
+class CachedLaunch:
+    """``kernel[grid](*args, **kwargs)`` with Triton's per-call work done once per key (#24: host cost).
+
+    Triton binds and specialises every argument on every launch (dtype, 16-byte alignment, integer ranges),
+    builds a cache-key string from them and finds the compiled kernel. The caller gives a ``key`` that fixes
+    all of that: the dtypes, the shapes and strides the integer arguments are computed from, whether every
+    pointer is 16-byte aligned, the constexprs and launch options. The first launch of a key goes through
+    Triton and keeps the compiled kernel it returns; later ones call its launcher directly
+    (``CompiledKernel.run``, what Triton's ``JITFunction.run`` ends with), with every argument in the kernel's
+    parameter order. Knob ``DISTLAB_TRITON_LAUNCH``: ``cached`` (default), ``plain`` (Triton's launch every
+    call), ``check`` (Triton's launch every call, raising if it picked another compiled kernel than the
+    key's: the GPU tests run so). Under the interpreter, and while a Triton launch hook is set (profilers),
+    every call is plain."""
+
+    MAX_KEYS = 4096
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.interpreted = not hasattr(kernel, "params")   # TRITON_INTERPRET=1: an InterpretedFunction
+        self.names = None if self.interpreted else [p.name for p in kernel.params]
+        self.entries: dict = {}
+
+    def __call__(self, key, grid, args, kwargs):
+        mode = knobs.get("TRITON_LAUNCH")
+        if mode not in ("cached", "plain", "check"):
+            raise ValueError(f"DISTLAB_TRITON_LAUNCH={mode!r}: use cached, plain or check")
+        if self.interpreted:
+            self.kernel[grid](*args, **kwargs)
+            return
+        driver, triton_knobs = _triton_runtime()
+        device = driver.get_current_device()   # Triton compiles and launches for the current device
+        key = (device, key)
+        entry = self.entries.get(key) if mode == "cached" else None
+        if entry is not None and triton_knobs.runtime.launch_enter_hook is None \
+                and triton_knobs.runtime.launch_exit_hook is None:
+            compiled, tail = entry
+            compiled.run(*grid, *(1,) * (3 - len(grid)), driver.get_current_stream(device), compiled.function,
+                         compiled.packed_metadata, None, None, None, *args, *tail)
+            return
+        compiled = self.kernel[grid](*args, **kwargs)
+        if mode == "check" and key in self.entries and self.entries[key][0] is not compiled:
+            raise RuntimeError(f"CachedLaunch({self.kernel.__name__}): key {key!r} reused for arguments Triton "
+                               f"specialises differently: the caller's key misses something")
+        if len(self.entries) >= self.MAX_KEYS:
+            self.entries.clear()
+        tail = tuple(kwargs[name] for name in self.names[len(args):])   # the constexprs, in parameter order
+        self.entries.setdefault(key, (compiled, tail))
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_runtime():
+    """(Triton's active driver, ``triton.knobs``), looked up once."""
+    import triton
+    from triton import knobs as triton_knobs
+
+    return triton.runtime.driver.active, triton_knobs
+
+
+def aligned(*tensors) -> bool:
+    """Every tensor's data pointer 16-byte aligned (what Triton specialises a pointer on): part of a
+    ``CachedLaunch`` key."""
+    return not any(t.data_ptr() % 16 for t in tensors)
+
+
+def tensor_key(x):
+    """What Triton's specialisation and a launch's integer arguments read of one argument: a tensor's shape,
+    strides, dtype and pointer alignment; a TMA descriptor's base and block; anything else as it is."""
+    if hasattr(x, "data_ptr"):
+        return x.shape, x.stride(), x.dtype, x.data_ptr() % 16
+    if hasattr(x, "block_shape"):
+        return tensor_key(x.base), tuple(x.block_shape)
+    return x
+
+
+def launch_keyed(cached: CachedLaunch, grid, tensors, scalars, kwargs):
+    """``cached`` launched with ``(*tensors, *scalars)`` (the kernel's parameters in that order) and the
+    constexprs/options ``kwargs``, keyed on every argument (``tensor_key``): for launches whose integer
+    arguments are not all derived from a caller's plan."""
+    key = (tuple(map(tensor_key, tensors)), scalars, grid, tuple(kwargs.items()))
+    cached(key, grid, (*tensors, *scalars), kwargs)

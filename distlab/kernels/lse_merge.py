@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from distlab.kernels.launch import knob, num_warps
+from distlab.kernels.launch import CachedLaunch, knob, launch_keyed, num_warps
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -106,7 +106,7 @@ def _kernel():
         tl.store(o_ptrs, out, mask=in_rows[:, None])
         tl.store(LSE + b * slb + h * slh + rows, new, mask=in_rows)
 
-    return triton, _merge_kernel
+    return triton, CachedLaunch(_merge_kernel)   # bound once per key (host cost, #24)
 
 
 def lse_merge_(out, lse, block_out, block_lse):
@@ -121,8 +121,7 @@ def lse_merge_(out, lse, block_out, block_lse):
         raise ValueError(f"the Triton merge takes a power-of-two head_dim; got {d}")
     block = knob("MERGE_BLOCK", 32)
     triton, kernel = _kernel()
-    kernel[(triton.cdiv(s, block), b * h)](
-        out, lse, block_out, block_lse, s, h, out.stride(0), out.stride(1), out.stride(2), lse.stride(0),
-        lse.stride(1), block_out.stride(0), block_out.stride(1), block_out.stride(2), block_lse.stride(0),
-        block_lse.stride(1), BLOCK=block, D=d, num_warps=num_warps(4))
+    launch_keyed(kernel, (triton.cdiv(s, block), b * h), (out, lse, block_out, block_lse),
+                 (s, h, *out.stride()[:3], *lse.stride()[:2], *block_out.stride()[:3], *block_lse.stride()[:2]),
+                 dict(BLOCK=block, D=d, num_warps=num_warps(4)))
     return out, lse

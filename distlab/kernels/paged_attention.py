@@ -92,28 +92,37 @@ class PagedKVCache:
 
     def append(self, seq: int, k, v) -> None:
         """Write tokens (n, kv_heads, head_dim) at the end of sequence ``seq``: one copy per block they land
-        in. A decode step that stays inside the last block (15 of 16 steps at block size 16) leaves the table
-        alone and bumps the device-side length in place; a new block or a copy on write rebuilds it."""
+        in. A decode step that stays inside its block (15 of 16 steps at block size 16, or every step into
+        blocks ``reserve`` allocated) leaves the table alone and bumps the device-side length in place; a new
+        block or a copy on write rebuilds it."""
         i, n, table = 0, k.shape[0], self.tables[seq]
         while i < n:
             pos = self.lengths[seq]
-            slot = pos % self.block_size
-            if slot == 0:
+            slot, index = pos % self.block_size, pos // self.block_size
+            if index == len(table):                           # past the last block: a new one
                 table.append(self.allocator.allocate())
                 self._device = None
-            elif self.allocator.refs[table[-1]] > 1:      # shared with a fork: copy on write
-                old, new = table[-1], self.allocator.allocate()
+            elif self.allocator.refs[table[index]] > 1:       # shared with a fork: copy on write
+                old, new = table[index], self.allocator.allocate()
                 self.k_cache[new], self.v_cache[new] = self.k_cache[old], self.v_cache[old]
                 self.allocator.free(old)
-                table[-1] = new
+                table[index] = new
                 self._device = None
             m = min(n - i, self.block_size - slot)
-            self.k_cache[table[-1], slot:slot + m] = k[i:i + m]
-            self.v_cache[table[-1], slot:slot + m] = v[i:i + m]
+            self.k_cache[table[index], slot:slot + m] = k[i:i + m]
+            self.v_cache[table[index], slot:slot + m] = v[i:i + m]
             self.lengths[seq] = pos + m
             i += m
         if self._device is not None and n:
             self._device[1][seq] += n
+
+    def reserve(self, seq: int, tokens: int) -> None:
+        """Allocate the blocks that ``tokens`` more tokens of ``seq`` will need, now (their table entries
+        stop changing: what a CUDA-graphed decode step needs, ``distlab.graphed_decode``)."""
+        table = self.tables[seq]
+        while len(table) * self.block_size < self.lengths[seq] + tokens:
+            table.append(self.allocator.allocate())
+            self._device = None
 
     def block_tables(self, seqs=None):
         """(batch, max blocks) int32 table (unused entries -1) and (batch,) int32 lengths of ``seqs``. For every

@@ -34,13 +34,15 @@ as programmatic dependent launches (``pdl_enabled``). ``DISTLAB_TRITON_ATTN_{FWD
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from distlab import knobs
-from distlab.kernels.launch import sm_major
+from distlab.kernels.launch import CachedLaunch, sm_major
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = 1.4426950408889634
 
@@ -274,10 +276,7 @@ def _tma_fits(*ts) -> bool:
 
 
 def _descriptor(t, block):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    b, s, h, d = t.shape
-    return TensorDescriptor(t, [b, s, h * d], [t.stride(0), t.stride(1), 1], [1, block, d])
+    return TensorDescriptor(t, *_layout(t, block))
 
 
 def _tile_descriptors(kind, k, v, block_n):
@@ -333,7 +332,64 @@ def flash_forward_blocks(q, blocks, softmax_scale=None, out=None, lse=None, accu
     — query rows [lo, hi) see all of that block's keys (causal: the first block only, covering every row,
     with as many keys as q rows). A row's softmax runs over every block that covers it. Several ring steps
     then cost one launch: one epilogue, and one longer key loop for the rows they share.
-    Raises unless ``blocks_fit_one_launch``; the rows the blocks cover must be one range."""
+    Raises unless ``blocks_fit_one_launch``; the rows the blocks cover must be one range.
+
+    Host cost (#24): everything computed from shapes, strides, dtypes, flags and knobs — the checks, the
+    grid, the integer arguments, whether TMA is used — is a ``_ForwardPlan`` kept per such key; a call with
+    a known key only allocates what it must, builds the two-per-block TMA descriptors and goes straight to
+    the compiled kernel's launcher (``distlab.kernels.launch.CachedLaunch``)."""
+    (lo1, hi1, k, v, causal), *later = blocks
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = _last_contiguous(q, k, v)
+        blocks = [(lo1, hi1, k, v, causal), *later]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if scale < 0:   # the kernel takes a row's max before scaling (one FMA per score): keep the scale positive
+        q, scale = -q, -scale
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs the running out and lse")
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+    fo = final_out if final_out is not None else out
+    key = (_sig(q), tuple((lo, hi, _sig(kb), _sig(vb), c) for lo, hi, kb, vb, c in blocks), scale, _sig(out),
+           _sig(lse), _sig(fo), final_out is not None, tuple(final_rows) if final_rows is not None else None,
+           accumulate, q.device, knobs.generation())
+    plan = _FORWARD_PLANS.get(key)
+    if plan is None:
+        plan = _forward_plan(q, blocks, scale, out, lse, accumulate, final_out, final_rows)
+        if len(_FORWARD_PLANS) >= 4096:
+            _FORWARD_PLANS.clear()
+        _FORWARD_PLANS[key] = plan
+    kvs = [(kb, vb) for _, _, kb, vb, _ in blocks]
+    if plan.tma:
+        descs = [(_fast_descriptor(kb, *k_layout), _fast_descriptor(vb, *v_layout))
+                 for (kb, vb), (k_layout, v_layout) in zip(kvs, plan.tma)]
+    else:
+        descs = kvs
+    slots = [x for (kb, vb), (kd, vd) in zip(kvs[1:], descs[1:]) for x in (kb, vb, kd, vd)]
+    slots += [None] * (4 * (MAX_BLOCKS - 1) - len(slots))   # unused block slots: constexpr None
+    _FORWARD_LAUNCH(key, plan.grid, (q, k, v, *descs[0], *slots, out, lse, fo, *plan.scalars), plan.constexprs)
+    return out, lse
+
+
+class _ForwardPlan(NamedTuple):
+    grid: tuple
+    scalars: tuple      # the kernel's integer and float arguments, in order
+    tma: tuple          # per block: K's and V's descriptor (shape, strides, block), or () for pointer loads
+    constexprs: dict    # and launch options
+
+
+_FORWARD_PLANS: dict = {}
+
+
+def _sig(t):
+    """What a launch plan reads of a tensor: shape, strides, dtype, and its pointer's alignment (TMA and
+    Triton's specialisation need 16 bytes)."""
+    return t.shape, t.stride(), t.dtype, t.data_ptr() % 16
+
+
+def _forward_plan(q, blocks, scale, out, lse, accumulate, final_out, final_rows):
+    """Check a forward launch and compute everything it needs that does not depend on the data."""
     if not blocks_fit_one_launch(q, blocks):
         raise ValueError(f"flash_forward_blocks: at most {MAX_BLOCKS} blocks, only the first causal, each starting "
                          f"on a query tile of {tile_config('FWD', q.device, q.shape[-1])[0]} rows, the later blocks' "
@@ -353,15 +409,7 @@ def flash_forward_blocks(q, blocks, softmax_scale=None, out=None, lse=None, accu
             raise ValueError(f"flash_forward_blocks: the blocks' rows {span} leave a gap")
         reach = max(reach, hi)
     row0, row1 = span[0][0], reach
-    q, k, v = _last_contiguous(q, k, v)
-    later = [(lo, hi, kb, vb) for lo, hi, kb, vb, _ in later]   # last dims contiguous, one set of strides
     b, sq, h, d = q.shape
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    if out is None:
-        if accumulate:
-            raise ValueError("accumulate=True needs the running out and lse")
-        out = torch.empty_like(q)
-        lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
     if out.shape != q.shape or lse.shape != (b, h, sq) or lse.dtype != torch.float32 or out.stride(-1) != 1 \
             or lse.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} (last dim contiguous) and lse float32 {(b, h, sq)}; "
@@ -369,31 +417,40 @@ def flash_forward_blocks(q, blocks, softmax_scale=None, out=None, lse=None, accu
     if final_out is not None and (final_out.shape != q.shape or final_out.stride(-1) != 1 or final_rows is None):
         raise ValueError(f"final_out must be {tuple(q.shape)} with a contiguous last dim, and final_rows (lo, hi) given")
     fo, (f_lo, f_hi) = (final_out, final_rows) if final_out is not None else (out, (0, 0))
-    if scale < 0:   # the kernel takes a row's max before scaling (one FMA per score): keep the scale positive
-        q, scale = -q, -scale
     bm, bn, warps, stages = tile_config("FWD", q.device, d)
-    grid = (b * h, triton.cdiv(row1 - row0, bm))
     # TMA descriptors for every block's K/V, or pointers for all of them when one block cannot use TMA
-    kvs = [(k, v)] + [(kb, vb) for _, _, kb, vb in later]
-    descs = [_tile_descriptors("fwd", kb, vb, bn) for kb, vb in kvs]
-    tma = all(t for *_, t in descs)
-    descs = [(kd_, vd_) if tma else (kb, vb) for (kd_, vd_, _), (kb, vb) in zip(descs, kvs)]
-    # blocks 2-4: (lo, hi, k, v, kd, vd); unused slots repeat block 1 with no rows (BLOCKS says they are unused)
-    slots = [(*blk, *dsc) for blk, dsc in zip(later, descs[1:])]
-    slots += [(0, 0, k, v, *descs[0])] * (MAX_BLOCKS - len(blocks))
-    k2, v2 = slots[0][2:4]
+    kvs = [(kb, vb) for _, _, kb, vb, _ in blocks]
+    tma = all(_tile_descriptors("fwd", kb, vb, bn)[2] for kb, vb in kvs)
+    k2, v2 = kvs[1] if len(kvs) > 1 else (k, v)
+    los_his = [x for lo, hi, *_ in later for x in (lo, hi)] + [0, 0] * (MAX_BLOCKS - len(blocks))
+    seqs = [kb.shape[1] for kb, _ in kvs[1:]] + [k.shape[1]] * (MAX_BLOCKS - len(blocks))
+    scalars = (sq, k.shape[1], *seqs, h, h // k.shape[2], scale * LOG2E, row0, lo1, hi1, *los_his, f_lo, f_hi,
+               *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *k2.stride()[:3], *v2.stride()[:3],
+               *out.stride()[:3], *lse.stride()[:2], *fo.stride()[:3])
     # PDL: an accumulating step launches as a dependent of the kernel before it; every forward lets its
     # dependents start early (they wait for it before touching what it writes)
     use_pdl = q.is_cuda and pdl_enabled(q.device)
-    pdl = {"launch_pdl": True} if accumulate and use_pdl else {}
-    _fwd_kernel[grid](q, k, v, *descs[0], *(x for slot in slots for x in slot[2:]), out, lse, fo, sq, k.shape[1],
-                      *(slot[2].shape[1] for slot in slots), h, h // k.shape[2], scale * LOG2E, row0, lo1, hi1,
-                      *(x for slot in slots for x in slot[:2]), f_lo, f_hi,
-                      q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                      v.stride(0), v.stride(1), v.stride(2), k2.stride(0), k2.stride(1), k2.stride(2),
-                      v2.stride(0), v2.stride(1), v2.stride(2), out.stride(0), out.stride(1), out.stride(2),
-                      lse.stride(0), lse.stride(1), fo.stride(0), fo.stride(1), fo.stride(2),
-                      BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, ACCUMULATE=accumulate, PREC=_precision(q),
-                      TMA=tma, PDL=use_pdl, FMA=knobs.get("TRITON_ATTN_FMA") == "1",
-                      FINAL=final_out is not None, BLOCKS=len(blocks), num_warps=warps, num_stages=stages, **pdl)
-    return out, lse
+    constexprs = dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, ACCUMULATE=accumulate, PREC=_precision(q),
+                      TMA=tma, PDL=use_pdl, FMA=knobs.get("TRITON_ATTN_FMA") == "1", FINAL=final_out is not None,
+                      BLOCKS=len(blocks), num_warps=warps, num_stages=stages)
+    if accumulate and use_pdl:
+        constexprs["launch_pdl"] = True
+    descs = tuple((_layout(kb, bn), _layout(vb, bn)) for kb, vb in kvs) if tma else ()
+    return _ForwardPlan((b * h, triton.cdiv(row1 - row0, bm)), scalars, descs, constexprs)
+
+
+def _layout(t, block):
+    """A (batch, seq, heads, D) tensor seen by TMA as (batch, seq, heads·D): (shape, strides, block shape)."""
+    b, s, h, d = t.shape
+    return [b, s, h * d], [t.stride(0), t.stride(1), 1], [1, block, d]
+
+
+def _fast_descriptor(t, shape, strides, block):
+    """``TensorDescriptor(t, shape, strides, block)`` without its checks (the plan made them once for this
+    shape, strides and alignment): a microsecond instead of ten."""
+    desc = TensorDescriptor.__new__(TensorDescriptor)
+    desc.__dict__.update(base=t, shape=shape, strides=strides, block_shape=block, padding="zero")
+    return desc
+
+
+_FORWARD_LAUNCH = CachedLaunch(_fwd_kernel)

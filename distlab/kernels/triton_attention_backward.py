@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from distlab import knobs
+from distlab.kernels.launch import CachedLaunch, launch_keyed
 from distlab.kernels.triton_attention import (LOG2E, _descriptor, _kv_tile, _last_contiguous, _precision, _tile_descriptors,
                                       _tma_fits, _visible, check_triton_inputs, pdl_enabled, tile_config)
 
@@ -268,9 +269,8 @@ def backward_rows(dout, out, lse):
     b, s, h, d = out.shape
     delta = torch.empty(b, h, s, dtype=torch.float32, device=out.device)
     lse2 = torch.empty_like(delta)
-    _delta_kernel[(triton.cdiv(s, 64), b * h)](out, dout, lse, delta, lse2, s, h, out.stride(0), out.stride(1),
-                                               out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-                                               lse.stride(0), lse.stride(1), LOG2E, BLOCK=64, D=d)
+    launch_keyed(_DELTA, (triton.cdiv(s, 64), b * h), (out, dout, lse, delta, lse2),
+                 (s, h, *out.stride()[:3], *dout.stride()[:3], *lse.stride()[:2], LOG2E), dict(BLOCK=64, D=d))
     return delta, lse2
 
 
@@ -343,13 +343,11 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
     # a ring step (rows given, computed by an earlier launch) runs its kernels as programmatic dependents
     pdl = {"launch_pdl": True} if rows is not None and q.is_cuda and pdl_enabled(q.device) else {}
     qd, dod, tma = _tile_descriptors("dkv", q, dout, bm)
-    _dkdv_kernel[(b * hk * splits, tiles)](
-        q, k, v, dout, qd, dod, dqd, lse2, delta, dk_part, dv_part, dq_sum, sq, sk, h, groups, groups // splits,
-        scale * LOG2E, scale, delta.stride(0), delta.stride(1), *strides, dk_part.stride(0), dk_part.stride(1),
-        dk_part.stride(2), dv_part.stride(0), dv_part.stride(1), dv_part.stride(2), dq_sum.stride(0),
-        dq_sum.stride(1), dq_sum.stride(2),
-        BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), ATOMIC_DQ=atomic, TMA=tma,
-        PDL=bool(pdl), num_warps=warps, num_stages=stages, **pdl)
+    launch_keyed(_DKDV, (b * hk * splits, tiles), (q, k, v, dout, qd, dod, dqd, lse2, delta, dk_part, dv_part, dq_sum),
+                 (sq, sk, h, groups, groups // splits, scale * LOG2E, scale, delta.stride(0), delta.stride(1), *strides,
+                  *dk_part.stride()[:3], *dv_part.stride()[:3], *dq_sum.stride()[:3]),
+                 dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), ATOMIC_DQ=atomic, TMA=tma,
+                      PDL=bool(pdl), num_warps=warps, num_stages=stages, **pdl))
     if splits > 1 and dkv_into is None and (atomic or split_sum == "kernel"):   # one launch sums the partials
         _sum_splits(dk_part, dv_part, dk, dv, splits, add=False)
     if atomic:
@@ -365,14 +363,12 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
         in_dq = splits > 1 and split_sum == "dq"
         acc_k, acc_v = (_received(dkv_into, k, v) if dkv_into is not None else (dk, dv)) if in_dq else (dq, dq)
         rows_per_program = triton.cdiv(triton.cdiv(b * sk * hk, grid[0] * grid[1]), 16) * 16
-        _dq_kernel[grid](
-            q, k, v, kd, vd, dout, lse2, delta, dq, dk_part, dv_part, acc_k, acc_v, sq, sk, h, h // hk, scale * LOG2E,
-            scale, delta.stride(0), delta.stride(1), *strides, dq.stride(0), dq.stride(1), dq.stride(2),
-            b * sk * hk, rows_per_program, acc_k.stride(0), acc_k.stride(1), acc_k.stride(2), acc_v.stride(0),
-            acc_v.stride(1), acc_v.stride(2),
-            BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), TMA=tma,
-            DQ_ADD=dq_acc is not None and dq_add, PDL=bool(pdl), SUM_SPLITS=splits if in_dq else 0, SUM_ROWS=16,
-            SUM_ADD=dkv_into is not None, num_warps=warps, num_stages=stages, **pdl)
+        launch_keyed(_DQ, grid, (q, k, v, kd, vd, dout, lse2, delta, dq, dk_part, dv_part, acc_k, acc_v),
+                     (sq, sk, h, h // hk, scale * LOG2E, scale, delta.stride(0), delta.stride(1), *strides,
+                      *dq.stride()[:3], b * sk * hk, rows_per_program, *acc_k.stride()[:3], *acc_v.stride()[:3]),
+                     dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), TMA=tma,
+                          DQ_ADD=dq_acc is not None and dq_add, PDL=bool(pdl), SUM_SPLITS=splits if in_dq else 0,
+                          SUM_ROWS=16, SUM_ADD=dkv_into is not None, num_warps=warps, num_stages=stages, **pdl))
         if in_dq and dkv_into is not None:
             return dq, acc_k, acc_v
     if dkv_into is None:
@@ -398,6 +394,9 @@ def _received(dkv_into, k, v):
 def _sum_splits(dk_part, dv_part, dk, dv, splits, add):
     b, sk, hk, d = dk.shape
     rows = b * sk * hk
-    _sum_splits_kernel[(triton.cdiv(rows, 16),)](dk_part, dv_part, dk, dv, sk, hk, rows, dk.stride(0), dk.stride(1),
-                                                 dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-                                                 SPLITS=splits, ROWS=16, D=d, ADD=add, num_warps=4)
+    launch_keyed(_SUM_SPLITS, (triton.cdiv(rows, 16),), (dk_part, dv_part, dk, dv),
+                 (sk, hk, rows, *dk.stride()[:3], *dv.stride()[:3]), dict(SPLITS=splits, ROWS=16, D=d, ADD=add, num_warps=4))
+
+
+# the launches, bound once per key (host cost, #24)
+_DELTA, _DKDV, _DQ, _SUM_SPLITS = map(CachedLaunch, (_delta_kernel, _dkdv_kernel, _dq_kernel, _sum_splits_kernel))
