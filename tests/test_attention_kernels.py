@@ -212,3 +212,28 @@ def test_fa4_block_with_the_global_lse_as_a_ring_step():
     dq, dk, dv = attention_backward(dout, q, k, v, whole, whole_lse, False, backend="fa4")
     assert ((blocks[0][0].float() + blocks[1][0].float()) - dq.float()).abs().max() < 5e-2
     assert (torch.cat([blocks[0][1], blocks[1][1]], 1).float() - dk.float()).abs().max() < 5e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_heads,causal", [(2, True), (8, False)])
+def test_fa4_replayed_forward_equals_a_call_through_its_interface(kv_heads, causal):
+    """The replayed forward (FA4's compiled kernel called directly, distlab.kernels.fa4) gives the very bits
+    a call through FlashAttention-4's interface gives, and a second call of a shape is a replay."""
+    _fa4_or_skip()
+    from distlab import knobs
+    from distlab.kernels import fa4
+
+    g = torch.Generator(device="cpu").manual_seed(3)
+    q = torch.randn(2, 777, 8, 128, generator=g).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(2, 777, kv_heads, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    with knobs.override(FA4_REPLAY="0"):
+        want, want_lse = fa4.fa4_forward(q, k, v, causal, 0.088)
+    before = fa4.REPLAYED[0]
+    runs = [fa4.fa4_forward(q, k, v, causal, 0.088) for _ in range(3)]
+    assert fa4.REPLAYED[0] - before == 2, "the second and third calls should be replays"
+    for out, lse in runs:
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    q2 = torch.randn_like(q)   # new data, same shape: a replay computes on it, not on what was recorded
+    with knobs.override(FA4_REPLAY="0"):
+        want2, _ = fa4.fa4_forward(q2, k, v, causal, 0.088)
+    assert torch.equal(fa4.fa4_forward(q2, k, v, causal, 0.088)[0], want2)

@@ -52,3 +52,10 @@ def test_one_gpu_check_commands_parse(tmp_path, script):
     parsed, skipped, errors = dry_run(tmp_path, script, packed=False)
     assert not errors, errors
     assert parsed, skipped
+
+
+@pytest.mark.parametrize("part", ["kernels", "timing"])
+def test_gpu_host_check_commands_parse(tmp_path, part):
+    parsed, skipped, errors = dry_run(tmp_path, "launch/gpu_host_check.sh", part)
+    assert not errors, errors
+    assert parsed, skipped

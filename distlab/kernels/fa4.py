@@ -10,6 +10,15 @@ head itself), causal or full attention; the forward returns (out, LSE) with the 
 key block with the global LSE. ``flash_attn.cute`` is imported on first use, never at distlab's import.
 Packed documents and windows (``KeyMask``) are not routed here yet: FA4 has varlen and windows, but its
 masks are per-sequence offsets, not distlab's interval masks; ``auto`` keeps the masked Triton kernel for them.
+
+Host cost (#24): FA4's Python interface spends ~80-120 µs a call (arguments, its compile key, the
+scheduler's choices) in front of a kernel that takes ~25 µs at S2048. ``fa4_forward`` records, for each
+shape, the compiled kernel FA4 called and its argument list (``_Recorder`` around FA4's compile cache); a
+later call with the same shapes, strides, dtypes, alignment, causality and scale calls that compiled
+kernel directly with the new q, k, v and freshly allocated out and LSE. A call is recorded only when it is
+exactly one kernel whose first five arguments are q, k, v, out, LSE and none of the rest is a tensor (no
+scheduler buffers or semaphores to refresh): anything else goes through FA4 every time. Knob
+``DISTLAB_FA4_REPLAY=0`` turns it off; the GPU tests compare both ways bit for bit.
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from distlab import knobs
 
 PACKAGE = "flash-attn-4"
 DTYPES = (torch.float16, torch.bfloat16)
@@ -58,8 +69,67 @@ def _interface():
 
 def fa4_forward(q, k, v, causal, scale):
     """(out, lse): out like q, lse float32 (batch, heads, seq_q)."""
-    out, lse, *_ = _interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)
+    if knobs.get("FA4_REPLAY") == "0" or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        out, lse, *_ = _interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)
+        return out, lse
+    key = (q.shape, k.shape, v.shape, q.dtype, q.device, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16,
+           causal, scale)
+    replay = _REPLAYS.get(key)
+    if replay is not None:
+        fn, rest, (o_size, o_stride, o_dtype), (l_size, l_stride) = replay
+        out = torch.empty_strided(o_size, o_stride, dtype=o_dtype, device=q.device)
+        lse = torch.empty_strided(l_size, l_stride, dtype=torch.float32, device=q.device)
+        fn(*(t.detach() if t.requires_grad else t for t in (q, k, v)), out, lse, *rest)
+        REPLAYED[0] += 1
+        return out, lse
+    interface = _interface()
+    recorder = _Recorder(interface._flash_attn_fwd.compile_cache)
+    interface._flash_attn_fwd.compile_cache = recorder
+    try:
+        out, lse, *_ = interface._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)
+    finally:
+        interface._flash_attn_fwd.compile_cache = recorder.cache
+    if len(recorder.calls) == 1:
+        fn, args = recorder.calls[0]
+        if len(args) >= 5 and all(isinstance(t, torch.Tensor) and t.data_ptr() == want.data_ptr()
+                                  and t.shape == want.shape and t.stride() == want.stride() for t, want in zip(args[:5], (q, k, v, out, lse))) \
+                and not _holds_tensor(args[5:]):
+            _REPLAYS[key] = (fn, args[5:], (out.shape, out.stride(), out.dtype), (lse.shape, lse.stride()))
     return out, lse
+
+
+_REPLAYS: dict = {}
+REPLAYED = [0]   # forward calls that went straight to the compiled kernel (the tests read it)
+
+
+class _Recorder:
+    """Stands in for FA4's compile cache during one call: what it hands out is called through here, so the
+    compiled kernel and its arguments are seen."""
+
+    def __init__(self, cache):
+        self.cache, self.calls = cache, []
+
+    def __contains__(self, key):
+        return key in self.cache
+
+    def __setitem__(self, key, fn):
+        self.cache[key] = fn
+
+    def __getitem__(self, key):
+        fn = self.cache[key]
+
+        def call(*args):
+            self.calls.append((fn, args))
+            return fn(*args)
+        return call
+
+
+def _holds_tensor(x) -> bool:
+    if isinstance(x, torch.Tensor):
+        return True
+    if isinstance(x, (tuple, list)):
+        return any(_holds_tensor(y) for y in x)
+    return False
 
 
 def fa4_backward(dout, q, k, v, out, lse, causal, scale):

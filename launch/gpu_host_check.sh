@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Host cost and wall clock on one H200 (#24), and the CUDA-graphed decode step (#29), in two parts:
+#   bash launch/gpu_host_check.sh OUTDIR kernels   # no FA4 needed: the Triton GPU tests in cached and check
+#                                                  # launch modes, the graphed-decode test, graph vs eager decode
+#   bash launch/gpu_host_check.sh OUTDIR timing    # FA4 present (../shared/tools/fa4-carry): its GPU tests with
+#                                                  # the replayed forward, host_cost, the W=8 ring rank wall/GPU
+# With the FA4 carry, part `kernels` goes with call 1 (carry .fa4-a: mkdir -p /opt/fa4 && tar -xJf
+# .fa4-a/ir.tar.xz -C /opt/fa4 && bash launch/gpu_host_check.sh $OUT kernels) and part `timing` with call 2
+# (carry .fa4-b: tar -xJf .fa4-b/rest.tar.xz -C /opt/fa4 && bash launch/gpu_host_check.sh $OUT timing).
+set -uo pipefail
+source "$(dirname "$0")/gpu_env.sh"   # $out, $py, $status, the multicast variables, pack_logs
+export PYTHONPATH=/opt/fa4:/opt/fa4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+part=${2:-kernels}
+run() { local name=$1; shift; echo "== $name: $*"; local t0=$SECONDS
+        timeout "${LIMIT:-200}" "$@" > "$out/$name.log" 2>&1 || { echo "   FAILED or timed out ($name)"; status=1; }
+        tail -n ${TAIL:-6} "$out/$name.log"; echo "   ($((SECONDS - t0)) s)"; }
+if [ "$part" = kernels ]; then
+  LIMIT=420 run triton_tests $py -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_paged_attention.py \
+      -p no:cacheprovider
+  LIMIT=120 run graph_test $py -m pytest -q -m gpu tests/test_infer.py -k cuda_graph -p no:cacheprovider
+  for dt in float32 bfloat16; do
+    for mode in eager graph; do
+      flag=$([ $mode = graph ] && echo --cuda-graph)
+      LIMIT=120 TAIL=4 run "infer_${dt}_$mode" $py -m distlab.infer --config small --steps 64 --check --dtype $dt \
+          $flag --json "$out/infer_${dt}_$mode.json"
+    done
+  done
+else
+  $py -c 'import flash_attn.cute.interface' > "$out/fa4_import.log" 2>&1 || { cat "$out/fa4_import.log"; echo "FA4 is not importable"; }
+  LIMIT=200 run fa4_tests $py -m pytest -q -m gpu tests/test_attention_kernels.py -k fa4 -p no:cacheprovider
+  LIMIT=120 TAIL=20 run host_cost $py -m distlab.kernels.host_cost --json "$out/host_cost.json"
+  LIMIT=120 TAIL=20 run host_cost_8k $py -m distlab.kernels.host_cost --seq 1024 --heads 4 --kv-heads 1 \
+      --ring-world 8 --rounds 3 --json "$out/host_cost_ring8k.json"
+  LIMIT=150 TAIL=14 run emulate $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 sdpa-cudnn triton \
+      --iters 10 --wall --json "$out/emulate_wall.json"
+  LIMIT=150 TAIL=14 run emulate_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 triton \
+      --iters 10 --json "$out/emulate_gpu.json"
+fi
+pack_logs
+exit $status
