@@ -47,7 +47,8 @@ def test_gpu_kernels_check_commands_parse(tmp_path, part):
 
 
 @pytest.mark.parametrize("script", ["launch/gpu_check.sh", "launch/gpu_overlap_check.sh", "launch/gpu_moe_check.sh",
-                                    "launch/gpu_packed_check.sh", "launch/gpu_fa4_check.sh", "launch/gpu_zero_check.sh"])
+                                    "launch/gpu_packed_check.sh", "launch/gpu_fa4_check.sh", "launch/gpu_zero_check.sh",
+                                    "launch/gpu_host_debug.sh"])
 def test_one_gpu_check_commands_parse(tmp_path, script):
     parsed, skipped, errors = dry_run(tmp_path, script, packed=False)
     assert not errors, errors

@@ -62,7 +62,9 @@ def _rows(a, device, dtype):
 
         rows += [("triton launch", "fwd", lambda: flash_forward(q, k, v, True, scale), {}, 1),
                  ("triton launch, plain", "fwd", lambda: flash_forward(q, k, v, True, scale),
-                  {"TRITON_LAUNCH": "plain"}, 1)]
+                  {"TRITON_LAUNCH": "plain"}, 1),
+                 ("triton launch, no TMA", "fwd", lambda: flash_forward(q, k, v, True, scale),
+                  {"TRITON_ATTN_TMA": "0"}, 1)]
         out, lse = attention_forward(q, k, v, True, backend="triton")
         rows += [("triton, plain", "bwd", lambda: attention_backward(dout, q, k, v, out, lse, True, backend="triton"),
                   {"TRITON_LAUNCH": "plain"}, 1)]
@@ -124,6 +126,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=positive_int, default=5, help="interleaved rounds; the table shows the fastest")
     p.add_argument("--ring-world", type=int, default=8, help="W of the ring-step rows (each rank holds --seq "
                    "tokens); 1: none")
+    p.add_argument("--profile", metavar="ROW", default=None, help="also cProfile the calls of this row (name, or "
+                   "'name/pass'), printing the functions where the host time goes")
     add_common_args(p, iters=20, warmup=5, dtype="bfloat16", gpu_tool=True)
     a = p.parse_args(argv)
     device = device_of(a, "distlab.kernels.host_cost", gpu_tool=True, cpu_hint="it measures a GPU queue")
@@ -153,8 +157,32 @@ def main(argv=None):
         rows.append(row)
         print(f"{name:<24} {pass_:<5} {row['host_s'] * 1e6:>9.1f} {row['host_median_s'] * 1e6:>8.1f} "
               f"{row['wall_s'] * 1e6:>9.1f} {gpu * 1e6:>9.1f}", flush=True)
+    if a.profile:
+        _profile(specs, a.profile, a.calls, device)
     if a.json:
         write_json(a.json, {"args": vars(a), "device": torch.cuda.get_device_name(device), "rows": rows})
+
+
+def _profile(specs, which, calls, device):
+    import cProfile
+    import pstats
+
+    name, _, pass_ = which.partition("/")
+    found = [s for s in specs if s[0] == name and (not pass_ or s[1] == pass_)]
+    if not found:
+        raise ValueError(f"--profile {which!r}: no such row; rows: {sorted({s[0] for s in specs})}")
+    _, _, fn, over, _ = found[0]
+    with knobs.override(**over):
+        fn()
+        torch.cuda.synchronize(device)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize(device)
+    print(f"cProfile of {calls} calls of {which} (tottime: the function's own time):")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

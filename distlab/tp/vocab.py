@@ -48,7 +48,10 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     def forward(self, ids):
         vocab = self.per_rank * self.tp
-        if bool(((ids < 0) | (ids >= vocab)).any()):   # one reduction, one host sync per forward
+        # one reduction, one host sync per forward; none inside a CUDA graph's capture (graphed decode feeds
+        # back its own argmax, in range by construction, and a capture cannot read the device)
+        capturing = ids.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and bool(((ids < 0) | (ids >= vocab)).any()):
             raise ValueError(f"token ids outside the vocabulary [0, {vocab}): min {int(ids.min())}, max {int(ids.max())}")
         local = ids - self.start
         mine = (local >= 0) & (local < self.per_rank)
