@@ -4,6 +4,8 @@
 #                                                  # launch modes, the graphed-decode test, graph vs eager decode
 #   bash launch/gpu_host_check.sh OUTDIR timing    # FA4 present (../shared/tools/fa4-carry): its GPU tests with
 #                                                  # the replayed forward, host_cost, the W=8 ring rank wall/GPU
+#   bash launch/gpu_host_check.sh OUTDIR verify    # no FA4: the kernel checks (bf16) with the cached launch and in
+#                                                  # check mode, host_cost, the Triton ring rank's wall clock
 # With the FA4 carry, part `kernels` goes with call 1 (carry .fa4-a: mkdir -p /opt/fa4 && tar -xJf
 # .fa4-a/ir.tar.xz -C /opt/fa4 && bash launch/gpu_host_check.sh $OUT kernels) and part `timing` with call 2
 # (carry .fa4-b: tar -xJf .fa4-b/rest.tar.xz -C /opt/fa4 && bash launch/gpu_host_check.sh $OUT timing).
@@ -25,6 +27,16 @@ if [ "$part" = kernels ]; then
           $flag --json "$out/infer_${dt}_$mode.json"
     done
   done
+elif [ "$part" = verify ]; then
+  LIMIT=270 run checks_cached $py tests/kernel_checks.py attention accumulate merge emulate --device cuda \
+      --dtype bfloat16 --big
+  LIMIT=60 run checks_check env DISTLAB_TRITON_LAUNCH=check $py tests/kernel_checks.py attention accumulate \
+      --device cuda --dtype bfloat16 --big
+  LIMIT=80 TAIL=20 run host_cost $py -m distlab.kernels.host_cost --rounds 3 --json "$out/host_cost.json"
+  LIMIT=90 TAIL=8 run emulate $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend triton --iters 10 \
+      --wall --json "$out/emulate_wall.json"
+  LIMIT=40 TAIL=4 run infer_bfloat16_eager $py -m distlab.infer --config small --steps 64 --dtype bfloat16 \
+      --json "$out/infer_bfloat16_eager.json"
 else
   $py -c 'import flash_attn.cute.interface' > "$out/fa4_import.log" 2>&1 || { cat "$out/fa4_import.log"; echo "FA4 is not importable"; }
   LIMIT=200 run fa4_tests $py -m pytest -q -m gpu tests/test_attention_kernels.py -k fa4 -p no:cacheprovider

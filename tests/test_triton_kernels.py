@@ -122,7 +122,8 @@ def test_cached_launch_binds_once_per_key(monkeypatch):
     from distlab.kernels import launch
 
     driver = type("D", (), {"get_current_device": lambda self: 0, "get_current_stream": lambda self, d: 77})()
-    hooks = type("K", (), {"runtime": type("R", (), {"launch_enter_hook": None, "launch_exit_hook": None})})()
+    chain = type("HookChain", (), {"calls": []})   # Triton 3.5+: hooks are a chain object, empty when unset
+    hooks = type("K", (), {"runtime": type("R", (), {"launch_enter_hook": chain(), "launch_exit_hook": None})})()
     monkeypatch.setattr(launch, "_triton_runtime", lambda: (driver, hooks))
     kernel = _FakeKernel()
     cached = launch.CachedLaunch(kernel)
@@ -139,6 +140,9 @@ def test_cached_launch_binds_once_per_key(monkeypatch):
         cached("k16", (2,), (x, 64), dict(B=8, num_warps=4))   # same specialisation: fine
         with pytest.raises(RuntimeError, match="'k16'.*misses something"):
             cached("k16", (2,), (x, 17), dict(B=8, num_warps=4))   # a key that ignores n % 16
+    hooks.runtime.launch_enter_hook.calls = [print]   # a profiler's hook: every launch through Triton
+    cached("k16", (2,), (x, 16), dict(B=8, num_warps=4))
+    assert kernel.plain == 5 and len(compiled.runs) == 1
     with knobs.override(TRITON_LAUNCH="fast"):
         with pytest.raises(ValueError, match="use cached, plain or check"):
             cached("k16", (2,), (x, 16), dict(B=8, num_warps=4))

@@ -94,8 +94,8 @@ class CachedLaunch:
         device = driver.get_current_device()   # Triton compiles and launches for the current device
         key = (device, key)
         entry = self.entries.get(key) if mode == "cached" else None
-        if entry is not None and triton_knobs.runtime.launch_enter_hook is None \
-                and triton_knobs.runtime.launch_exit_hook is None:
+        if entry is not None and _no_hook(triton_knobs.runtime.launch_enter_hook) \
+                and _no_hook(triton_knobs.runtime.launch_exit_hook):
             compiled, tail = entry
             compiled.run(*grid, *(1,) * (3 - len(grid)), driver.get_current_stream(device), compiled.function,
                          compiled.packed_metadata, None, None, None, *args, *tail)
@@ -108,6 +108,12 @@ class CachedLaunch:
             self.entries.clear()
         tail = tuple(kwargs[name] for name in self.names[len(args):])   # the constexprs, in parameter order
         self.entries.setdefault(key, (compiled, tail))
+
+
+def _no_hook(hook) -> bool:
+    """No launch hook is set: None (older Triton) or an empty ``HookChain`` (Triton 3.5+, where the hooks are
+    always a chain object: testing ``is None`` alone sent every launch down Triton's slow path)."""
+    return hook is None or (hasattr(hook, "calls") and not hook.calls)
 
 
 @functools.lru_cache(maxsize=1)
