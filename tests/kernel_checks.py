@@ -446,6 +446,39 @@ def check_masked(device, dtype, big=False):
         grads = attention_backward(do, q, k, v, out_w.to(dtype), lse_w.float(), mask=mask, backend="triton")
         for name, g, w in zip(("dq", "dk", "dv"), grads, grads_w):
             assert rel(g, w) < tol(dtype) * 4, (i, name, rel(g, w))
+        # a ring's step: the keys in two blocks, each merged inside the kernel into float32 running results
+        # that are a view of some rows of larger buffers (as a packed ring's row runs are)
+        from distlab.kernels.triton_masked_attention import masked_forward
+
+        out_run = torch.full((2, len(qp) + 3, h, d), float("nan"), device=device)
+        lse_run = torch.full((2, h, len(qp) + 3), float("nan"), device=device)
+        out_run[:, 3:], lse_run[:, :, 3:] = 0.0, float("-inf")
+        half = len(kp) // 2
+        for part in (slice(0, half), slice(half, len(kp))):
+            m = document_mask(qp, kp[part], cu, causal, window, t).to(device)
+            masked_forward(q, k[:, part], v[:, part], m, d ** -0.5, out_run[:, 3:], lse_run[:, :, 3:],
+                           accumulate=True)
+        assert torch.equal(torch.isinf(lse_run[:, :, 3:]), torch.isinf(lse_w)), (i, "accumulate: rows without keys")
+        assert rel(out_run[:, 3:], out_w) < tol(dtype), (i, "accumulate", rel(out_run[:, 3:], out_w))
+        finite = torch.isfinite(lse_w)
+        assert not finite.any() or (lse_run[:, :, 3:][finite] - lse_w[finite]).abs().max() < tol(dtype), (i, "lse")
+        assert torch.isnan(out_run[:, :3]).all() and torch.isnan(lse_run[:, :, :3]).all(), "rows outside the view"
+        # and its backward: dQ of both blocks added into one float32 view, dK/dV of each into its own
+        from distlab.kernels.triton_masked_attention import masked_backward, masked_backward_rows
+
+        rows = masked_backward_rows(do, out_w.to(dtype), lse_w.float())
+        dq_run = torch.full((2, len(qp) + 3, h, d), float("nan"), device=device)
+        dq_run[:, 3:] = 0.0
+        for part in (slice(0, half), slice(half, len(kp))):
+            m = document_mask(qp, kp[part], cu, causal, window, t).to(device)
+            dk_acc = torch.zeros(k[:, part].shape, device=device)
+            dv_acc = torch.zeros_like(dk_acc)
+            masked_backward(do, q, k[:, part], v[:, part], None, None, m, d ** -0.5, rows=rows, dq_acc=dq_run[:, 3:],
+                            dk_acc=dk_acc, dv_acc=dv_acc)
+            for name, g, w in (("dk", dk_acc, grads_w[1][:, part]), ("dv", dv_acc, grads_w[2][:, part])):
+                assert rel(g, w) < tol(dtype) * 4, (i, "accumulate", name, rel(g, w))
+        assert rel(dq_run[:, 3:], grads_w[0]) < tol(dtype) * 4, (i, "accumulate dq", rel(dq_run[:, 3:], grads_w[0]))
+        assert torch.isnan(dq_run[:, :3]).all(), "dq rows outside the view"
     print("OK masked")
 
 

@@ -5,7 +5,8 @@ kernel; and the masked kernel's rate on visible pairs.
     python -m distlab.cp.emulate_packed --device cpu --seq 1024 --heads 4 --kv-heads 2 --head-dim 16 --iters 1
 
 For each sequence length and layout, every rank's ring schedule runs with the K/V of all its steps already
-on the device (the exchanges removed: what is left is the masked kernels and the merges, the ceiling once
+on the device (``distlab.cp.ring_packed``'s own code with the exchanges removed: what is left is the masked
+kernels, which merge into the running results themselves with ``triton``, and the ceiling once
 communication hides behind compute), and the slowest rank's time T_r is kept; the anchor is the whole
 pack's masked attention in one call, T_one. Efficiency = T_one / (W · T_r): 100% is perfect scaling of the
 same kernel. Forward and forward+backward, each timed two ways: "GPU" (launches queued behind a spin kernel:
@@ -22,39 +23,31 @@ from distlab.bench import (DTYPES, StudyParser, add_common_args, positive_int, r
                            time_wall, write_json)
 from distlab.cp.documents import Documents, describe, parse_docs
 from distlab.cp.layout import shard_positions
-from distlab.cp.ring_packed import merge_rows, step_blocks
+from distlab.cp.ring_packed import step_blocks
 from distlab.kernels.attention import attention_backward, attention_forward, resolve_backend
 from distlab.bench import timeit
 
 
 def rank_schedule(q, k, v, dout, docs, positions, rank, backend):
-    """(forward, forward+backward) callables of ring rank ``rank``'s packed schedule, every K/V resident."""
+    """(forward, forward+backward) callables of ring rank ``rank``'s packed schedule, every K/V resident:
+    ``distlab.cp.ring_packed``'s own ``_forward``/``_backward`` over a ``ResidentRing`` (no exchange)."""
+    from distlab.cp.emulate import ResidentRing
+    from distlab.cp.ring_packed import _backward, _forward
+
     world = len(positions)
     blocks = step_blocks(docs, positions, rank, q.device)   # the ring's own blocks: rows that see each step
     mine = positions[rank].to(q.device)
     qr, dr = q[:, mine].contiguous(), dout[:, mine].contiguous()
     kv = [(k[:, positions[(rank - s) % world].to(q.device)].contiguous(),
            v[:, positions[(rank - s) % world].to(q.device)].contiguous()) for s in range(world)]
+    ring = ResidentRing(world, rank, kv)
 
     def fwd():
-        out = torch.zeros(qr.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full((qr.shape[0], qr.shape[2], qr.shape[1]), float("-inf"), device=q.device)
-        for step, runs in enumerate(blocks):
-            for a, b, m in runs:
-                o, l = attention_forward(qr[:, a:b], *kv[step], False, None, backend, mask=m)
-                merge_rows(out, lse, o, l, a, b)
-        return out, lse
+        return _forward(qr, *kv[0], ring, blocks, None, backend)
 
     def fwd_bwd():
         out, lse = fwd()
-        o = out.to(q.dtype)
-        dq = torch.zeros(qr.shape, dtype=torch.float32, device=q.device)
-        for step, runs in enumerate(blocks):
-            for a, b, m in runs:
-                g = attention_backward(dr[:, a:b], qr[:, a:b], *kv[step], o[:, a:b], lse[:, :, a:b], False, None,
-                                       backend, mask=m)
-                dq[:, a:b] += g[0]
-        return dq
+        return _backward(dr, qr, *kv[0], out, lse, ring, blocks, None, backend)
 
     return fwd, fwd_bwd
 

@@ -11,7 +11,8 @@ i this rank's queries, at global positions ``pos[me]``, meet the keys of rank ``
 launches no kernel (its K/V still travel on: the next rank needs them), and a step computes and merges only
 the runs of rows that see some of its keys (``step_blocks``): with documents most rows see nothing of most
 other ranks, and merging the whole float32 output at every step cost more than the kernels on the H200
-(docs/PERF.md). Inside a block the kernel skips the keys the mask removes, so the work follows the visible
+(docs/PERF.md). With the ``triton`` backend each block merges into the running (out, LSE) inside its kernel
+(``block_into``). Inside a block the kernel skips the keys the mask removes, so the work follows the visible
 pairs, not T².
 
 Every layout works because nothing here assumes where a position lives: the masks are computed from the
@@ -24,7 +25,7 @@ import torch
 
 from distlab.kernels.lse_merge import lse_merge_, merge_into
 from distlab.profiling import phase
-from distlab.kernels.attention import attention_backward, attention_forward
+from distlab.kernels.attention import attention_backward, attention_forward, resolve_backend
 
 ROW_GAP = 256   # rows that see nothing between two runs, below which the runs are computed as one
 
@@ -53,6 +54,20 @@ def step_blocks(docs, positions, rank, device, gap: int = ROW_GAP):
     return steps
 
 
+def block_into(out, lse, q, k, v, a, b, mask, scale, backend):
+    """Rows a..b of q against one step's K/V under ``mask``, merged into the float32 running (out, lse).
+    The ``triton`` backend merges inside its kernel (``masked_forward(accumulate=True)``: no merge launch,
+    no block output in memory); the others compute the block, then ``merge_rows``."""
+    if out.dtype == torch.float32 and resolve_backend(backend, q.device, q.dtype, masked=True) == "triton":
+        from distlab.kernels.triton_masked_attention import masked_forward
+
+        masked_forward(q[:, a:b], k, v, mask, scale if scale is not None else q.shape[-1] ** -0.5,
+                       out[:, a:b], lse[:, :, a:b], accumulate=True)
+        return
+    o, l = attention_forward(q[:, a:b], k, v, False, scale, backend, mask=mask)
+    merge_rows(out, lse, o, l, a, b)
+
+
 def merge_rows(out, lse, o, l, a, b):
     """Merge a block of rows a..b into the float32 running (out, lse) in place (one Triton launch on CUDA)."""
     if out.is_cuda and not out.shape[-1] & (out.shape[-1] - 1):
@@ -71,9 +86,7 @@ def _forward(q, k, v, ring, blocks, scale, backend):
             pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
         for a, b, mask in blocks[step]:
             with phase("ring.block"):
-                o, l = attention_forward(q[:, a:b], kv[0], kv[1], False, scale, backend, mask=mask)
-            with phase("ring.merge"):
-                merge_rows(out, lse, o, l, a, b)
+                block_into(out, lse, q, kv[0], kv[1], a, b, mask, scale, backend)
         if pending is not None:
             with phase("ring.wait"):
                 kv = tuple(pending.wait())
@@ -84,11 +97,26 @@ def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv, dkv_pending = (k, v), None
+    # the triton backend adds each block's dQ and dK/dV into float32 accumulators inside its kernels, from
+    # the backward rows (final LSE, rowsum(dO·O)) computed once for the shard
+    fused = acc == torch.float32 and resolve_backend(backend, q.device, q.dtype, masked=True) == "triton"
+    if fused:
+        from distlab.kernels.triton_masked_attention import masked_backward, masked_backward_rows
+
+        back_rows = masked_backward_rows(dout, out, lse)
+        block_scale = scale if scale is not None else q.shape[-1] ** -0.5
     for step in range(ring.size):
         with phase("ring.exchange"):
             kv_pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
         part = None
-        for a, b, mask in blocks[step]:
+        if fused and blocks[step]:
+            part = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
+        for a, b, mask in blocks[step] if fused else ():
+            with phase("ring.block_backward"):
+                masked_backward(dout[:, a:b], q[:, a:b], kv[0], kv[1], None, None, mask, block_scale,
+                                rows=(back_rows[0][:, :, a:b], back_rows[1][:, :, a:b]), dq_acc=dq[:, a:b],
+                                dk_acc=part[0], dv_acc=part[1])
+        for a, b, mask in blocks[step] if not fused else ():
             with phase("ring.block_backward"):
                 dq_b, dk_b, dv_b = attention_backward(dout[:, a:b], q[:, a:b], kv[0], kv[1], out[:, a:b],
                                                       lse[:, :, a:b], False, scale, backend, mask=mask)

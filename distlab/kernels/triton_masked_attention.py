@@ -52,8 +52,9 @@ def _key_tile(K, V, KPOS, base, cols, end, sks, dims, lo, hi):
 
 @triton.jit
 def _fwd(Q, K, V, O, LSE, LO, HI, KPOS, KB, KE, FB, FE, scale,
-         sqb, sqs, sqh, skb, sks, skh, sob, sos, soh, seq_q, heads, groups,
-         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, FULL: tl.constexpr):
+         sqb, sqs, sqh, skb, sks, skh, sob, sos, soh, slb, slh, seq_q, heads, groups,
+         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, FULL: tl.constexpr,
+         ACCUMULATE: tl.constexpr):
     tile, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // heads, bh % heads
     hk = h // groups
@@ -95,14 +96,27 @@ def _fwd(Q, K, V, O, LSE, LO, HI, KPOS, KB, KE, FB, FE, scale,
     seen_any = l > 0
     out = acc / tl.where(seen_any, l, 1.0)[:, None]
     lse = tl.where(seen_any, (m + tl.log2(tl.where(seen_any, l, 1.0))) / 1.4426950408889634, float("-inf"))
-    tl.store(O + b * sob + h * soh + rows[:, None] * sos + dims[None, :], out.to(O.dtype.element_ty), mask=in_q[:, None])
-    tl.store(LSE + bh * seq_q + rows, lse, mask=in_q)
+    o_ptrs = O + b * sob + h * soh + rows[:, None] * sos + dims[None, :]
+    l_ptrs = LSE + b * slb + h * slh + rows
+    if ACCUMULATE:   # merge into the running float32 (out, lse); either side may be empty (LSE -inf)
+        prev = tl.load(l_ptrs, mask=in_q, other=float("-inf"))
+        o_prev = tl.load(o_ptrs, mask=in_q[:, None], other=0.0)
+        top = tl.maximum(prev, lse)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w_prev, w_blk = tl.exp(prev - top), tl.exp(lse - top)
+        total = w_prev + w_blk
+        denom = tl.where(total > 0, total, 1.0)
+        out = o_prev * (w_prev / denom)[:, None] + out * (w_blk / denom)[:, None]
+        lse = tl.where(total > 0, top + tl.log(denom), float("-inf"))
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=in_q[:, None])
+    tl.store(l_ptrs, lse, mask=in_q)
 
 
 @triton.jit
 def _bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, KPOS, QB, QE, FB, FE, scale,
-             sqb, sqs, sqh, skb, sks, skh, seq_q, seq_k, heads, kv_heads, groups,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, FULL: tl.constexpr):
+             sqb, sqs, sqh, skb, sks, skh, srb, srh, sdb, sds, sdh, seq_q, seq_k, heads, kv_heads, groups,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, FULL: tl.constexpr,
+             ADD: tl.constexpr):
     tile, bhk = tl.program_id(0), tl.program_id(1)
     b, hk = bhk // kv_heads, bhk % kv_heads
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -126,8 +140,8 @@ def _bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, KPOS, QB, QE, FB, FE, scal
             if FULL and (start >= fb) & (start + BLOCK_M <= fe):
                 q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :])
                 do = tl.load(DO + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :])
-                lse = tl.load(LSE + (b * heads + h) * seq_q + rows) * 1.4426950408889634
-                delta = tl.load(DELTA + (b * heads + h) * seq_q + rows)
+                lse = tl.load(LSE + b * srb + h * srh + rows) * 1.4426950408889634
+                delta = tl.load(DELTA + b * srb + h * srh + rows)
                 s = tl.dot(q, tl.trans(k)) * qk_scale
                 p = tl.exp2(s - lse[:, None])
             else:
@@ -135,9 +149,9 @@ def _bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, KPOS, QB, QE, FB, FE, scal
                 q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=in_q[:, None], other=0.0)
                 do = tl.load(DO + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=in_q[:, None],
                              other=0.0)
-                lse = tl.load(LSE + (b * heads + h) * seq_q + rows, mask=in_q, other=float("inf"))
+                lse = tl.load(LSE + b * srb + h * srh + rows, mask=in_q, other=float("inf"))
                 lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-                delta = tl.load(DELTA + (b * heads + h) * seq_q + rows, mask=in_q, other=0.0)
+                delta = tl.load(DELTA + b * srb + h * srh + rows, mask=in_q, other=0.0)
                 lo = tl.load(LO + rows, mask=in_q, other=0)
                 hi = tl.load(HI + rows, mask=in_q, other=0)
                 s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -147,16 +161,21 @@ def _bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, KPOS, QB, QE, FB, FE, scal
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-    tl.store(DK + b * skb + hk * skh + cols[:, None] * sks + dims[None, :], (dk * scale).to(DK.dtype.element_ty),
-             mask=in_k[:, None])
-    tl.store(DV + b * skb + hk * skh + cols[:, None] * sks + dims[None, :], dv.to(DV.dtype.element_ty),
-             mask=in_k[:, None])
+    dk_ptrs = DK + b * sdb + hk * sdh + cols[:, None] * sds + dims[None, :]
+    dv_ptrs = DV + b * sdb + hk * sdh + cols[:, None] * sds + dims[None, :]
+    dk = dk * scale
+    if ADD:   # a ring step: added into float32 accumulators
+        dk += tl.load(dk_ptrs, mask=in_k[:, None], other=0.0)
+        dv += tl.load(dv_ptrs, mask=in_k[:, None], other=0.0)
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=in_k[:, None])
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=in_k[:, None])
 
 
 @triton.jit
 def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, KPOS, KB, KE, FB, FE, scale,
-            sqb, sqs, sqh, skb, sks, skh, seq_q, heads, groups,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, FULL: tl.constexpr):
+            sqb, sqs, sqh, skb, sks, skh, srb, srh, sdb, sds, sdh, seq_q, heads, groups,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, FULL: tl.constexpr,
+            ADD: tl.constexpr):
     tile, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // heads, bh % heads
     hk = h // groups
@@ -165,9 +184,9 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, KPOS, KB, KE, FB, FE, scale,
     in_q = rows < seq_q
     q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=in_q[:, None], other=0.0)
     do = tl.load(DO + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=in_q[:, None], other=0.0)
-    lse = tl.load(LSE + bh * seq_q + rows, mask=in_q, other=float("inf"))
+    lse = tl.load(LSE + b * srb + h * srh + rows, mask=in_q, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-    delta = tl.load(DELTA + bh * seq_q + rows, mask=in_q, other=0.0)
+    delta = tl.load(DELTA + b * srb + h * srh + rows, mask=in_q, other=0.0)
     lo = tl.load(LO + rows, mask=in_q, other=0)
     hi = tl.load(HI + rows, mask=in_q, other=0)
     kb = tl.load(KB + tile)
@@ -191,8 +210,11 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, KPOS, KB, KE, FB, FE, scale,
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
-    tl.store(DQ + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], (dq * scale).to(DQ.dtype.element_ty),
-             mask=in_q[:, None])
+    dq_ptrs = DQ + b * sdb + h * sdh + rows[:, None] * sds + dims[None, :]
+    dq = dq * scale
+    if ADD:   # a ring step: added into the float32 dQ of the shard
+        dq += tl.load(dq_ptrs, mask=in_q[:, None], other=0.0)
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=in_q[:, None])
 
 
 def key_ranges(mask, block_m: int):
@@ -286,47 +308,84 @@ def _check(q, k, v, mask):
             raise ValueError("the triton masked kernel needs the last dim contiguous")
 
 
-def masked_forward(q, k, v, mask, scale):
-    """(out, lse) of attention under ``mask`` (a ``KeyMask`` on q's device)."""
+def masked_forward(q, k, v, mask, scale, out=None, lse=None, accumulate=False):
+    """(out, lse) of attention under ``mask`` (a ``KeyMask`` on q's device). With ``out``/``lse`` given
+    (float32 running results, e.g. views of some rows of a ring's accumulators, last dims contiguous) and
+    ``accumulate=True`` the block is merged into them inside the kernel — a packed ring step then needs no
+    separate merge launch (a row this block leaves empty keeps what it held)."""
     _check(q, k, v, mask)
     if k.stride() != v.stride():   # the kernel walks K and V with one set of strides (a fused QKV's views differ)
         k, v = k.contiguous(), v.contiguous()
     b, sq, h, d = q.shape
     bm, bn, warps, stages = _tiles(q.device, d)
-    out = torch.empty_like(q)
-    lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs the running out and lse")
+        out = torch.empty_like(q)
+        lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
+    elif out.shape != q.shape or lse.shape != (b, h, sq) or lse.dtype != torch.float32 or out.stride(-1) != 1 \
+            or lse.stride(-1) != 1 or (accumulate and out.dtype != torch.float32):
+        raise ValueError(f"out must be {tuple(q.shape)} (float32 to accumulate) and lse float32 {(b, h, sq)}, last "
+                         f"dims contiguous; got {tuple(out.shape)} {out.dtype} and {tuple(lse.shape)} {lse.dtype}")
     kb, ke = key_ranges(mask, bm)
     fb, fe = full_key_ranges(mask, bm)
     lo, hi, kpos = mask.q_lo.contiguous(), mask.q_hi.contiguous(), mask.k_pos.contiguous()
     grid = (triton.cdiv(sq, bm), b * h)
     _fwd[grid](q, k, v, out, lse, lo, hi, kpos, kb, ke, fb, fe, scale,
                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               out.stride(0), out.stride(1), out.stride(2), sq, h, h // k.shape[2],
-               BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), num_warps=warps, num_stages=stages)
+               out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), sq, h, h // k.shape[2],
+               BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), ACCUMULATE=accumulate, num_warps=warps,
+               num_stages=stages)
     return out, lse
 
 
-def masked_backward(dout, q, k, v, out, lse, mask, scale):
-    """(dq, dk, dv) given the final out and lse (as every backend; see ``distlab.kernels.attention``)."""
+def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None, dk_acc=None, dv_acc=None):
+    """(dq, dk, dv) given the final out and lse (as every backend; see ``distlab.kernels.attention``).
+
+    A packed ring step passes ``rows = masked_backward_rows(dout, out, lse)`` of these query rows (computed
+    once for the shard; then ``out``/``lse`` are not read) and float32 accumulators ``dq_acc`` (q's shape)
+    and ``dk_acc``/``dv_acc`` (k's shape), last dims contiguous, that the kernels *add* their gradients into
+    — no per-step sums, conversions or row statistics; it gets the accumulators back."""
     _check(q, k, v, mask)
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     bm, bn, warps, stages = _tiles(q.device, d, "bwd")
     q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))   # Q and dO share strides in the kernels
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()     # (b, h, sq)
-    lse = lse.float().contiguous()
+    lse, delta = rows if rows is not None else masked_backward_rows(dout, out, lse)
+    if lse.stride() != delta.stride() or lse.stride(-1) != 1 or lse.shape != (b, h, sq):
+        raise ValueError("the backward rows (lse, delta) must be float32 (batch, heads, seq_q) sharing strides")
+    accs = (dq_acc, dk_acc, dv_acc)
+    if any(a is not None for a in accs):
+        for name, a, shape in zip(("dq_acc", "dk_acc", "dv_acc"), accs, (q.shape, k.shape, v.shape)):
+            if a is None or a.shape != shape or a.dtype != torch.float32 or a.stride(-1) != 1:
+                raise ValueError(f"{name} must be float32 {tuple(shape)} with a contiguous last dim (give all three)")
+        if dk_acc.stride() != dv_acc.stride():
+            raise ValueError("dk_acc and dv_acc must share strides")
+        dq, dk, dv = accs
+    else:
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    add = dq_acc is not None
     lo, hi, kpos = mask.q_lo.contiguous(), mask.q_hi.contiguous(), mask.k_pos.contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     qb, qe = query_ranges(mask, sk, bn)
     qfb, qfe = full_query_ranges(mask, sk, bn)
     _bwd_dkv[(triton.cdiv(sk, bn), b * hk)](
         q, k, v, dout, lse, delta, dk, dv, lo, hi, kpos, qb, qe, qfb, qfe, scale,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), sq, sk, h, hk, h // hk,
-        BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), num_warps=warps, num_stages=stages)
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), lse.stride(0), lse.stride(1),
+        dk.stride(0), dk.stride(1), dk.stride(2), sq, sk, h, hk, h // hk,
+        BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), ADD=add, num_warps=warps, num_stages=stages)
     kb, ke = key_ranges(mask, bm)
     fb, fe = full_key_ranges(mask, bm)
     _bwd_dq[(triton.cdiv(sq, bm), b * h)](
         q, k, v, dout, lse, delta, dq, lo, hi, kpos, kb, ke, fb, fe, scale,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), sq, h, h // hk,
-        BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), num_warps=warps, num_stages=stages)
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), lse.stride(0), lse.stride(1),
+        dq.stride(0), dq.stride(1), dq.stride(2), sq, h, h // hk,
+        BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), ADD=add, num_warps=warps, num_stages=stages)
     return dq, dk, dv
+
+
+def masked_backward_rows(dout, out, lse):
+    """``(lse, delta)``, float32 (batch, heads, seq), contiguous: the final LSE and ``rowsum(dO·O)`` the
+    backward kernels read. A packed ring computes them once for its shard and passes row views to each
+    step's ``masked_backward`` (the final out and LSE do not change between steps)."""
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+    return lse.float().contiguous(), delta
