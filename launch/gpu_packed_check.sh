@@ -3,12 +3,21 @@
 # and fp16 against the float64 torch loop, the ring study with documents on the GPU (--check), and the
 # packed emulator (a ring rank's schedule vs one call, W=8, 32q/8kv, head_dim 128, lognormal mean 2k).
 #
-#   bash launch/gpu_packed_check.sh OUTDIR [PART]   # logs and JSON into OUTDIR; PART: all (default) or
-#                                                   # fulltiles (the masked kernel with/without its fast path)
+#   bash launch/gpu_packed_check.sh OUTDIR [PART]   # logs and JSON into OUTDIR; PART: all (default),
+#                                                   # fulltiles (the masked kernel with/without its fast path) or
+#                                                   # accumulate (the kernels merging/adding in place: checks, 64k ring)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 part=${2:-all}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+
+if [ "$part" = accumulate ]; then
+  timeout -s ABRT 110 $py tests/kernel_checks.py masked --device cuda --dtype bfloat16 --big || status=1
+  timeout -s ABRT 170 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --rate-means --iters 5 --warmup 1 \
+    --json "$out/packed_accumulate.json" || status=1
+  pack_logs
+  exit $status
+fi
 
 if [ "$part" = fulltiles ]; then
   $py tests/kernel_checks.py masked --device cuda --dtype bfloat16 --big || status=1
