@@ -64,8 +64,9 @@ KNOBS = {
     "GROUPED_GEMM_WS": Knob("0", "1: warp specialisation in the persistent kernel"),
     "GROUPED_GEMM_WGRAD_TMA": Knob("0", "1: TMA loads in the weight-gradient kernel"),
     # collectives and runtime
-    "TRITON_LAUNCH": Knob("cached", "Triton launches: cached (bound once per key, distlab.kernels.launch.CachedLaunch), "
-                                    "plain (Triton's own launch every call), check (both; raises if they differ)"),
+    "TRITON_LAUNCH": Knob("cached", "Triton launches: cached (bound once per key, distlab.kernels.launch."
+                                    "CachedLaunch), plain (Triton's own launch every call), check (both; raises if "
+                                    "they differ)"),
     "FA4_REPLAY": Knob("1", "0: every fa4 forward through FlashAttention-4's Python interface (default: a shape's "
                             "compiled kernel called directly after its first call, distlab.kernels.fa4)"),
     "TIMEOUT_S": Knob("300", "seconds a collective waits for the other ranks before failing the job"),

@@ -127,12 +127,6 @@ def _triton_runtime():
     return triton.runtime.driver.active, triton_knobs
 
 
-def aligned(*tensors) -> bool:
-    """Every tensor's data pointer 16-byte aligned (what Triton specialises a pointer on): part of a
-    ``CachedLaunch`` key."""
-    return not any(t.data_ptr() % 16 for t in tensors)
-
-
 def tensor_key(x):
     """What Triton's specialisation and a launch's integer arguments read of one argument: a tensor's shape,
     strides, dtype and pointer alignment; a TMA descriptor's base and block; anything else as it is."""

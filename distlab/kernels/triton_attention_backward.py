@@ -395,7 +395,8 @@ def _sum_splits(dk_part, dv_part, dk, dv, splits, add):
     b, sk, hk, d = dk.shape
     rows = b * sk * hk
     launch_keyed(_SUM_SPLITS, (triton.cdiv(rows, 16),), (dk_part, dv_part, dk, dv),
-                 (sk, hk, rows, *dk.stride()[:3], *dv.stride()[:3]), dict(SPLITS=splits, ROWS=16, D=d, ADD=add, num_warps=4))
+                 (sk, hk, rows, *dk.stride()[:3], *dv.stride()[:3]),
+                 dict(SPLITS=splits, ROWS=16, D=d, ADD=add, num_warps=4))
 
 
 # the launches, bound once per key (host cost, #24)
