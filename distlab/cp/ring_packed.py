@@ -109,19 +109,20 @@ def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
         with phase("ring.exchange"):
             kv_pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
         part = None
-        if fused and blocks[step]:
+        if fused and blocks[step]:   # this step's dK/dV, summed by the kernels into float32 zeros
             part = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
-        for a, b, mask in blocks[step] if fused else ():
-            with phase("ring.block_backward"):
-                masked_backward(dout[:, a:b], q[:, a:b], kv[0], kv[1], None, None, mask, block_scale,
-                                rows=(back_rows[0][:, :, a:b], back_rows[1][:, :, a:b]), dq_acc=dq[:, a:b],
-                                dk_acc=part[0], dv_acc=part[1])
-        for a, b, mask in blocks[step] if not fused else ():
-            with phase("ring.block_backward"):
-                dq_b, dk_b, dv_b = attention_backward(dout[:, a:b], q[:, a:b], kv[0], kv[1], out[:, a:b],
-                                                      lse[:, :, a:b], False, scale, backend, mask=mask)
-            dq[:, a:b] += dq_b
-            part = (dk_b.to(acc), dv_b.to(acc)) if part is None else (part[0].add_(dk_b), part[1].add_(dv_b))
+            for a, b, mask in blocks[step]:
+                with phase("ring.block_backward"):
+                    masked_backward(dout[:, a:b], q[:, a:b], kv[0], kv[1], None, None, mask, block_scale,
+                                    rows=(back_rows[0][:, :, a:b], back_rows[1][:, :, a:b]), dq_acc=dq[:, a:b],
+                                    dk_acc=part[0], dv_acc=part[1])
+        elif not fused:
+            for a, b, mask in blocks[step]:
+                with phase("ring.block_backward"):
+                    dq_b, dk_b, dv_b = attention_backward(dout[:, a:b], q[:, a:b], kv[0], kv[1], out[:, a:b],
+                                                          lse[:, :, a:b], False, scale, backend, mask=mask)
+                dq[:, a:b] += dq_b
+                part = (dk_b.to(acc), dv_b.to(acc)) if part is None else (part[0].add_(dk_b), part[1].add_(dv_b))
         if step == 0:      # the accumulator of my own K/V starts here
             dkv = part if part is not None else tuple(torch.zeros(k.shape, dtype=acc, device=k.device)
                                                       for _ in range(2))
