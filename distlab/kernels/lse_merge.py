@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from distlab.kernels.launch import CachedLaunch, knob, launch_keyed, num_warps
+from distlab.kernels.launch import CachedLaunch, cdiv, knob, launch_keyed, num_warps
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -121,7 +121,7 @@ def lse_merge_(out, lse, block_out, block_lse):
         raise ValueError(f"the Triton merge takes a power-of-two head_dim; got {d}")
     block = knob("MERGE_BLOCK", 32)
     triton, kernel = _kernel()
-    launch_keyed(kernel, (triton.cdiv(s, block), b * h), (out, lse, block_out, block_lse),
+    launch_keyed(kernel, (cdiv(s, block), b * h), (out, lse, block_out, block_lse),
                  (s, h, *out.stride()[:3], *lse.stride()[:2], *block_out.stride()[:3], *block_lse.stride()[:2]),
                  dict(BLOCK=block, D=d, num_warps=num_warps(4)))
     return out, lse

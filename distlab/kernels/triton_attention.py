@@ -33,13 +33,14 @@ as programmatic dependent launches (``pdl_enabled``). ``DISTLAB_TRITON_ATTN_{FWD
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
 import torch
 
 from distlab import knobs
-from distlab.kernels.launch import CachedLaunch, sm_major
+from distlab.kernels.launch import CachedLaunch, cdiv, sm_major
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -58,10 +59,16 @@ _CPU = {"FWD": (32, 16, 4, 1), "DKV": (16, 32, 4, 1), "DKV_RING": (16, 32, 4, 1)
 
 
 def tile_config(kind: str, device: torch.device, head_dim: int):
-    env = knobs.get(f"TRITON_ATTN_{kind}")
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a kernel: the knob, else the device's defaults (worked out
+    once per knob value, device type and head_dim: this runs on every launch)."""
+    return _tile_config(kind, knobs.get(f"TRITON_ATTN_{kind}"), torch.device(device).type, head_dim)
+
+
+@functools.lru_cache(maxsize=256)
+def _tile_config(kind: str, env, device_type: str, head_dim: int):
     if env:
         bm, bn, w, s = (int(x) for x in env.split(","))
-    elif device.type != "cuda":
+    elif device_type != "cuda":
         bm, bn, w, s = _CPU[kind]
     else:
         bm, bn, w, s = _GPU_DEFAULTS[kind]
@@ -258,7 +265,11 @@ TMA_DEFAULT = "fwd"   # the H200 (``next`` call): forward +3% (MHA) / +7% (GQA);
 def tma_kernels() -> tuple[str, ...]:
     """The kernels whose tiles move through TMA descriptors: ``DISTLAB_TRITON_ATTN_TMA`` = ``0`` (none),
     ``1`` (all), or a comma list of fwd, dq, dkv (default ``fwd``)."""
-    env = knobs.get("TRITON_ATTN_TMA")
+    return _tma_kinds(knobs.get("TRITON_ATTN_TMA"))
+
+
+@functools.lru_cache(maxsize=64)
+def _tma_kinds(env: str) -> tuple[str, ...]:
     kinds = {"0": (), "1": TMA_KERNELS}.get(env, tuple(x for x in env.split(",") if x))
     if any(k not in TMA_KERNELS for k in kinds):
         raise ValueError(f"DISTLAB_TRITON_ATTN_TMA={env!r}: use 0, 1 or a comma list of {', '.join(TMA_KERNELS)}")
@@ -436,7 +447,7 @@ def _forward_plan(q, blocks, scale, out, lse, accumulate, final_out, final_rows)
     if accumulate and use_pdl:
         constexprs["launch_pdl"] = True
     descs = tuple((_layout(kb, bn), _layout(vb, bn)) for kb, vb in kvs) if tma else ()
-    return _ForwardPlan((b * h, triton.cdiv(row1 - row0, bm)), scalars, descs, constexprs)
+    return _ForwardPlan((b * h, cdiv(row1 - row0, bm)), scalars, descs, constexprs)
 
 
 def _layout(t, block):

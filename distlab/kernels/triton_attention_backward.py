@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from distlab import knobs
-from distlab.kernels.launch import CachedLaunch, launch_keyed
+from distlab.kernels.launch import CachedLaunch, cdiv, launch_keyed
 from distlab.kernels.triton_attention import (LOG2E, _descriptor, _kv_tile, _last_contiguous, _precision, _tile_descriptors,
                                       _tma_fits, _visible, check_triton_inputs, pdl_enabled, tile_config)
 
@@ -269,7 +269,7 @@ def backward_rows(dout, out, lse):
     b, s, h, d = out.shape
     delta = torch.empty(b, h, s, dtype=torch.float32, device=out.device)
     lse2 = torch.empty_like(delta)
-    launch_keyed(_DELTA, (triton.cdiv(s, 64), b * h), (out, dout, lse, delta, lse2),
+    launch_keyed(_DELTA, (cdiv(s, 64), b * h), (out, dout, lse, delta, lse2),
                  (s, h, *out.stride()[:3], *dout.stride()[:3], *lse.stride()[:2], LOG2E), dict(BLOCK=64, D=d))
     return delta, lse2
 
@@ -315,7 +315,7 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
     bm, bn, warps, stages = tile_config("DKV" if rows is None else "DKV_RING", q.device, d)
-    groups, tiles = h // hk, triton.cdiv(sk, bn)
+    groups, tiles = h // hk, cdiv(sk, bn)
     if split_groups is None:   # env: DISTLAB_TRITON_ATTN_SPLIT_GROUPS = auto (default), 0 or 1 forces it
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
         split_groups = groups > 1 and (env == "1" or (env == "auto" and tiles * b * hk < sms))
@@ -355,14 +355,14 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
     else:
         bm, bn, warps, stages = tile_config("DQ" if rows is None else "DQ_RING", q.device, d)
         kd, vd, tma = _tile_descriptors("dq", k, v, bn)
-        grid = (b * h, triton.cdiv(sq, bm))
+        grid = (b * h, cdiv(sq, bm))
         # split partials: summed into dK/dV (a later ring step: added into the received accumulators) by the
         # dQ kernel's programs after their dQ (DISTLAB_TRITON_ATTN_SPLIT_SUM=dq, the default: W8 ring rank at
         # S8192 f+b 0.902 -> 0.854 ms on the H200, ring15) or by their own launch (kernel). With dq a ring
         # step's wait for the received accumulator comes before the dQ launch instead of after it
         in_dq = splits > 1 and split_sum == "dq"
         acc_k, acc_v = (_received(dkv_into, k, v) if dkv_into is not None else (dk, dv)) if in_dq else (dq, dq)
-        rows_per_program = triton.cdiv(triton.cdiv(b * sk * hk, grid[0] * grid[1]), 16) * 16
+        rows_per_program = cdiv(cdiv(b * sk * hk, grid[0] * grid[1]), 16) * 16
         launch_keyed(_DQ, grid, (q, k, v, kd, vd, dout, lse2, delta, dq, dk_part, dv_part, acc_k, acc_v),
                      (sq, sk, h, h // hk, scale * LOG2E, scale, delta.stride(0), delta.stride(1), *strides,
                       *dq.stride()[:3], b * sk * hk, rows_per_program, *acc_k.stride()[:3], *acc_v.stride()[:3]),
@@ -394,7 +394,7 @@ def _received(dkv_into, k, v):
 def _sum_splits(dk_part, dv_part, dk, dv, splits, add):
     b, sk, hk, d = dk.shape
     rows = b * sk * hk
-    launch_keyed(_SUM_SPLITS, (triton.cdiv(rows, 16),), (dk_part, dv_part, dk, dv),
+    launch_keyed(_SUM_SPLITS, (cdiv(rows, 16),), (dk_part, dv_part, dk, dv),
                  (sk, hk, rows, *dk.stride()[:3], *dv.stride()[:3]),
                  dict(SPLITS=splits, ROWS=16, D=d, ADD=add, num_warps=4))
 

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from distlab.kernels.launch import cdiv
+
 LOG2E = 1.4426950408889634
 
 
@@ -330,7 +332,7 @@ def masked_forward(q, k, v, mask, scale, out=None, lse=None, accumulate=False):
     kb, ke = key_ranges(mask, bm)
     fb, fe = full_key_ranges(mask, bm)
     lo, hi, kpos = mask.q_lo.contiguous(), mask.q_hi.contiguous(), mask.k_pos.contiguous()
-    grid = (triton.cdiv(sq, bm), b * h)
+    grid = (cdiv(sq, bm), b * h)
     _fwd[grid](q, k, v, out, lse, lo, hi, kpos, kb, ke, fb, fe, scale,
                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), sq, h, h // k.shape[2],
@@ -368,14 +370,14 @@ def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None
     lo, hi, kpos = mask.q_lo.contiguous(), mask.q_hi.contiguous(), mask.k_pos.contiguous()
     qb, qe = query_ranges(mask, sk, bn)
     qfb, qfe = full_query_ranges(mask, sk, bn)
-    _bwd_dkv[(triton.cdiv(sk, bn), b * hk)](
+    _bwd_dkv[(cdiv(sk, bn), b * hk)](
         q, k, v, dout, lse, delta, dk, dv, lo, hi, kpos, qb, qe, qfb, qfe, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), lse.stride(0), lse.stride(1),
         dk.stride(0), dk.stride(1), dk.stride(2), sq, sk, h, hk, h // hk,
         BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), ADD=add, num_warps=warps, num_stages=stages)
     kb, ke = key_ranges(mask, bm)
     fb, fe = full_key_ranges(mask, bm)
-    _bwd_dq[(triton.cdiv(sq, bm), b * h)](
+    _bwd_dq[(cdiv(sq, bm), b * h)](
         q, k, v, dout, lse, delta, dq, lo, hi, kpos, kb, ke, fb, fe, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), lse.stride(0), lse.stride(1),
         dq.stride(0), dq.stride(1), dq.stride(2), sq, h, h // hk,
