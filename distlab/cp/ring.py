@@ -42,7 +42,8 @@ from distlab.cp.documents import Documents, check_call_everywhere
 from distlab.cp.layout import check_layout, shard_positions
 from distlab.kernels.lse_merge import lse_merge_, merge_attention, merge_into
 from distlab.profiling import phase
-from distlab.kernels.attention import attention_backward, attention_forward, check_qkv, resolve_backend, triton_runs_on
+from distlab.kernels.attention import (attention_backward, attention_forward, available_backends, check_qkv,
+                                       resolve_backend, triton_runs_on)
 
 
 def ring_blocks(step_src: int, rank: int, seq: int, causal: bool, layout: str):
@@ -337,7 +338,24 @@ def check_ring_inputs(q, k, v, world: int, causal: bool, layout: str, backend: s
                          f"got {q.shape[1]}")
     if world < 1:
         raise ValueError(f"world size must be >= 1; got {world}")
-    return resolve_backend(backend, q.device, q.dtype, masked=masked)
+    resolved = resolve_backend(backend, q.device, q.dtype, masked=masked)
+    if masked:
+        return resolved
+    return pick_ring_backend(backend, resolved, q.shape[1], available_backends(q.device, q.dtype))
+
+
+# ``auto`` for a ring: FA4 blocks on long shards, the Triton kernel (in-kernel accumulation, several steps a
+# launch, less host time a step) on short ones. H200, W=8 zigzag, f+b wall TFLOP/s (docs/PERF.md, 2026-12-04):
+# shard 1024 tokens, triton 99 vs fa4 38; shard 4096, fa4 475 vs triton 405.
+RING_TRITON_MAX_SHARD = 2048
+
+
+def pick_ring_backend(backend: str, resolved: str, shard: int, present) -> str:
+    """The ring's block backend: what ``auto`` resolved to (the fastest single call), except ``triton`` for
+    shards of at most ``RING_TRITON_MAX_SHARD`` tokens when FA4 was picked and Triton is present."""
+    if backend == "auto" and resolved == "fa4" and "triton" in present and shard <= RING_TRITON_MAX_SHARD:
+        return "triton"
+    return resolved
 
 
 def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backend="auto", softmax_scale=None,
