@@ -42,6 +42,10 @@ def check_graphable(config, layout, kv_cache: str, device) -> None:
         why.append("--kv-cache paged")
     if config.moe_experts:
         why.append("a dense model (MoE routing sizes its all-to-all on the host)")
+    d, g = config.dims_per_head, config.heads // config.kv_heads
+    if d & (d - 1) or g & (g - 1):
+        why.append(f"head_dim ({d}) and q heads per kv head ({g}) powers of two (the paged Triton kernel; the "
+                   "reference it falls back to reads lengths on the host)")
     if why:
         raise ValueError(f"--cuda-graph needs {', '.join(why)}")
 

@@ -166,6 +166,9 @@ def test_cuda_graph_decode_refused_where_it_cannot_run():
         check_graphable(dense, Layout(1), "paged", "cpu")
     with pytest.raises(ValueError, match=r"one process \(this run has 2.*--kv-cache paged.*a dense model"):
         check_graphable(moe, Layout(2, dp=1, ring=2), "contiguous", "cuda")
+    with pytest.raises(ValueError, match=r"head_dim \(24\) and q heads per kv head \(3\) powers of two"):
+        check_graphable(ModelConfig(hidden=72, heads=3, kv_heads=1), Layout(1), "paged", "cuda")
+    check_graphable(dense, Layout(1), "paged", "cuda")   # what the GPU run takes: no complaint
     if not torch.cuda.is_available():   # the command says so in one line, no traceback
         out = subprocess.run([sys.executable, "-m", "distlab.infer", "--config", "tiny", "--steps", "4",
                               "--cuda-graph"], capture_output=True, text=True, timeout=120)
