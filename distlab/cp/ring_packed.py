@@ -25,7 +25,7 @@ import torch
 
 from distlab.kernels.lse_merge import lse_merge_, merge_into
 from distlab.profiling import phase
-from distlab.kernels.attention import attention_backward, attention_forward, resolve_backend
+from distlab.kernels.attention import attention_backward, attention_forward
 
 ROW_GAP = 256   # rows that see nothing between two runs, below which the runs are computed as one
 
@@ -57,8 +57,9 @@ def step_blocks(docs, positions, rank, device, gap: int = ROW_GAP):
 def block_into(out, lse, q, k, v, a, b, mask, scale, backend):
     """Rows a..b of q against one step's K/V under ``mask``, merged into the float32 running (out, lse).
     The ``triton`` backend merges inside its kernel (``masked_forward(accumulate=True)``: no merge launch,
-    no block output in memory); the others compute the block, then ``merge_rows``."""
-    if out.dtype == torch.float32 and resolve_backend(backend, q.device, q.dtype, masked=True) == "triton":
+    no block output in memory); the others compute the block, then ``merge_rows``. ``backend``: concrete, as
+    ``ring_attention`` resolved it."""
+    if out.dtype == torch.float32 and backend == "triton":
         from distlab.kernels.triton_masked_attention import masked_forward
 
         masked_forward(q[:, a:b], k, v, mask, scale if scale is not None else q.shape[-1] ** -0.5,
@@ -99,7 +100,7 @@ def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
     kv, dkv_pending = (k, v), None
     # the triton backend adds each block's dQ and dK/dV into float32 accumulators inside its kernels, from
     # the backward rows (final LSE, rowsum(dO·O)) computed once for the shard
-    fused = acc == torch.float32 and resolve_backend(backend, q.device, q.dtype, masked=True) == "triton"
+    fused = acc == torch.float32 and backend == "triton"   # backend: concrete (ring_attention resolved it)
     if fused:
         from distlab.kernels.triton_masked_attention import masked_backward, masked_backward_rows
 

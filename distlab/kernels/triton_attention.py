@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 
 from distlab import knobs
-from distlab.kernels.launch import CachedLaunch, cdiv, sm_major
+from distlab.kernels.launch import CachedLaunch, cdiv, sm_major, tensor_key
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -362,9 +362,10 @@ def flash_forward_blocks(q, blocks, softmax_scale=None, out=None, lse=None, accu
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
     fo = final_out if final_out is not None else out
-    key = (_sig(q), tuple((lo, hi, _sig(kb), _sig(vb), c) for lo, hi, kb, vb, c in blocks), scale, _sig(out),
-           _sig(lse), _sig(fo), final_out is not None, tuple(final_rows) if final_rows is not None else None,
-           accumulate, q.device, knobs.generation())
+    sig = tensor_key   # shape, strides, dtype, pointer alignment: what the plan and Triton's binding read
+    key = (sig(q), tuple((lo, hi, sig(kb), sig(vb), c) for lo, hi, kb, vb, c in blocks), scale, sig(out), sig(lse),
+           sig(fo), final_out is not None, tuple(final_rows) if final_rows is not None else None, accumulate,
+           q.device, knobs.generation())
     plan = _FORWARD_PLANS.get(key)
     if plan is None:
         plan = _forward_plan(q, blocks, scale, out, lse, accumulate, final_out, final_rows)
@@ -391,12 +392,6 @@ class _ForwardPlan(NamedTuple):
 
 
 _FORWARD_PLANS: dict = {}
-
-
-def _sig(t):
-    """What a launch plan reads of a tensor: shape, strides, dtype, and its pointer's alignment (TMA and
-    Triton's specialisation need 16 bytes)."""
-    return t.shape, t.stride(), t.dtype, t.data_ptr() % 16
 
 
 def _forward_plan(q, blocks, scale, out, lse, accumulate, final_out, final_rows):
