@@ -430,7 +430,8 @@ def check_masked(device, dtype, big=False):
         (torch.arange(t), torch.arange(t), True, None), (torch.arange(t), torch.arange(t), True, 7 if not big else 1000),
         (torch.arange(t), torch.arange(t), False, None),
         (torch.cat([torch.arange(t // 4), torch.arange(3 * t // 4, t)]), torch.arange(t // 4, t // 2), True, None),
-        (torch.arange(t // 2), torch.arange(t // 2, t), True, None)]
+        (torch.arange(t // 2), torch.arange(t // 2, t), True, None),
+        (torch.arange(t // 3), torch.arange(t), True, None)]   # rows that see some keys only: dK/dV on those
     for i, (qp, kp, causal, window) in enumerate(cases):
         mask = document_mask(qp, kp, cu, causal, window, t).to(device)
         q = rand(2, len(qp), h, d, dtype=dtype, device=device, seed=i)

@@ -24,6 +24,7 @@ from distlab.bench import (DTYPES, StudyParser, add_common_args, positive_int, r
 from distlab.cp.documents import Documents, describe, parse_docs
 from distlab.cp.layout import shard_positions
 from distlab.cp.ring_packed import step_blocks
+from distlab.profiling import kernel_summary
 from distlab.kernels.attention import attention_backward, attention_forward, resolve_backend
 from distlab.bench import timeit
 
@@ -66,6 +67,13 @@ def one_call(q, k, v, dout, docs, backend):
     return fwd, fwd_bwd
 
 
+def print_summary(summary, what, top=8):
+    print(f"{'':>8}{what}: wall {summary['wall_s'] * 1e3:.2f} ms (profiled), kernels {summary['kernel_s'] * 1e3:.2f} ms in "
+          f"{sum(k['count'] for k in summary['kernels'])} launches")
+    for k in summary["kernels"][:top]:
+        print(f"{'':>10}{k['total_us']:>9.0f} µs {k['count']:>4}x  {k['name'][:90]}")
+
+
 def measure(fns, args, device):
     """{name: {"gpu_s", "wall_s"}} for each callable."""
     return {name: {"gpu_s": timeit(fn, args.iters, args.warmup, device),
@@ -82,6 +90,9 @@ def main(argv=None):
     p.add_argument("--kv-heads", type=positive_int, default=8)
     p.add_argument("--head-dim", type=positive_int, default=128)
     p.add_argument("--backend", default="auto")
+    p.add_argument("--profile", nargs="*", default=None, metavar="LAYOUT",
+                   help="also list the kernels of the slowest rank's forward+backward (torch.profiler), per layout "
+                        "given (none: every layout)")
     p.add_argument("--rate-means", type=positive_int, nargs="*", default=None,
                    help="mean document lengths for the kernel-rate table (default 32768 8192 2048 512)")
     add_common_args(p, iters=10, warmup=3, dtypes=("bfloat16", "float16", "float32"))
@@ -119,6 +130,9 @@ def main(argv=None):
             print(f"{seq:>6} {layout:<11} {row['imbalance']:>6.3f}  {e['fwd_wall'] * 100:>8.1f}% {e['fwd_bwd_wall'] * 100:>8.1f}%"
                   f"   {e['fwd_gpu'] * 100:>7.1f}% {e['fwd_bwd_gpu'] * 100:>7.1f}%   "
                   f"r{worst} {ranks[worst]['fwd']['wall_s'] * 1e3:.2f} / {ranks[worst]['fwd_bwd']['wall_s'] * 1e3:.2f}")
+            if gpu and a.profile is not None and (not a.profile or layout in a.profile):
+                row["profile"] = kernel_summary(rank_schedule(q, k, v, dout, docs, positions, worst, backend)[1], device)
+                print_summary(row["profile"], f"r{worst} fwd+bwd")
             result["rows"].append(row)
         print(f"{'':>6} one call: fwd {one['fwd']['wall_s'] * 1e3:.2f} ms, fwd+bwd {one['fwd_bwd']['wall_s'] * 1e3:.2f} ms "
               f"(wall); {describe(docs)}")

@@ -117,6 +117,53 @@ def _balanced(total: int, world: int, cu_key: tuple | None) -> tuple[int, tuple[
     return best[1], best[2]
 
 
+def _causal_pairs(a: int, b: int) -> int:
+    """Causal visible pairs of the queries at document-relative rows [a, b)."""
+    return (b * (b + 1) - a * (a + 1)) // 2
+
+
+def documents_first(total: int, world: int, cu_seqlens=None, heavy: float = 0.5) -> list[torch.Tensor]:
+    """Per rank, ascending global positions: whole documents where they fit, so most pairs stay on one rank.
+
+    A document whose causal work exceeds ``heavy`` of a rank's share is cut into 2k equal chunks dealt
+    zigzag to the k least loaded ranks with room (chunks i and 2k−1−i together: the same work), k the
+    smallest with at most ``heavy`` of a share each; the other documents go whole, longest first, to the
+    least loaded rank with room, and one that fits nowhere fills the roomiest ranks piece by piece. Every
+    rank ends with exactly T/W tokens."""
+    cu = [0, total] if cu_seqlens is None else [int(x) for x in cu_seqlens]
+    docs = [(cu[i], cu[i + 1]) for i in range(len(cu) - 1) if cu[i + 1] > cu[i]]
+    share = sum(_causal_pairs(0, e - s) for s, e in docs) / world
+    load, room, owned = [0] * world, [total // world] * world, [[] for _ in range(world)]
+
+    def give(r, s, a, b):
+        owned[r].append((s + a, s + b))
+        load[r] += _causal_pairs(a, b)
+        room[r] -= b - a
+
+    rest = []
+    for s, e in sorted(docs, key=lambda d: (d[0] - d[1], d[0])):
+        n = e - s
+        k = min(world, -(-_causal_pairs(0, n) // max(1, int(heavy * share))), n // 2)
+        if k > 1:
+            ranks = [r for r in sorted(range(world), key=lambda r: (load[r], r)) if room[r] >= -(-n // k)][:k]
+            if len(ranks) == k:
+                cut = [i * n // (2 * k) for i in range(2 * k + 1)]
+                for i, r in enumerate(ranks):
+                    give(r, s, cut[i], cut[i + 1])
+                    give(r, s, cut[2 * k - 1 - i], cut[2 * k - i])
+                continue
+        rest.append((s, e))
+    for s, e in rest:
+        a, n = 0, e - s
+        while a < n:
+            fits = [r for r in range(world) if room[r] >= n - a]
+            r = min(fits, key=lambda r: (load[r], r)) if fits else max(range(world), key=lambda r: (room[r], -r))
+            b = n if fits else a + room[r]
+            give(r, s, a, b)
+            a = b
+    return [torch.cat([torch.arange(a, b) for a, b in sorted(o)]) for o in owned]
+
+
 def balanced_units(total: int, world: int, cu_seqlens=None) -> list[list[int]]:
     """Per rank, the indices (ascending) of the ``world·m`` equal units it holds (module doc)."""
     key = None if cu_seqlens is None else tuple(torch.as_tensor(cu_seqlens).tolist())

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from distlab.kernels.launch import cdiv
+from distlab.kernels.masks import KeyMask
 
 LOG2E = 1.4426950408889634
 
@@ -237,6 +238,20 @@ def full_key_ranges(mask, block_m: int):
     return mask.memo[key]
 
 
+def seen_keys(mask):
+    """``(cols, sub)``: the slice of key rows some query of ``mask`` sees and the mask of those keys alone, or
+    ``(None, mask)`` when that is every key (or none); once per mask. A packed ring block's rows see a few of
+    the other rank's keys: its dK/dV grid then covers those tiles only (the others held no work, but loaded
+    K/V and loaded and stored the float32 dK/dV accumulators)."""
+    if "seen_keys" not in mask.memo:
+        cols = mask.key_columns()
+        if cols is None or (cols.start, cols.stop) == (0, mask.k_pos.shape[0]):
+            mask.memo["seen_keys"] = (None, mask)
+        else:
+            mask.memo["seen_keys"] = (cols, KeyMask(mask.q_lo, mask.q_hi, mask.k_pos[cols], True))
+    return mask.memo["seen_keys"]
+
+
 def _tile_key_ranges(mask, block_m: int, every: bool):
     """The union (``every`` False) or the intersection (True) of the key intervals of each tile's rows, as key
     rows. A row that sees nothing drops out of a union and empties an intersection; padding rows do neither."""
@@ -367,6 +382,11 @@ def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None
     else:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     add = dq_acc is not None
+    if add:   # only the keys some row sees: a ring block's other key tiles would load and store dK/dV for nothing
+        cols, mask = seen_keys(mask)
+        if cols is not None:
+            k, v, dk, dv = k[:, cols], v[:, cols], dk[:, cols], dv[:, cols]
+            sk = k.shape[1]
     lo, hi, kpos = mask.q_lo.contiguous(), mask.q_hi.contiguous(), mask.k_pos.contiguous()
     qb, qe = query_ranges(mask, sk, bn)
     qfb, qfe = full_query_ranges(mask, sk, bn)

@@ -116,6 +116,29 @@ def profile_steps(fn, mode: str, out_dir: str, rank: int, **schedule) -> str | N
     return prof.trace_path
 
 
+def kernel_summary(fn, device) -> dict:
+    """One call of ``fn`` (after a warm one) under ``torch.profiler``: ``{"wall_s", "kernel_s", "kernels":
+    [{"name", "count", "total_us"}, ...]}``, kernels by total GPU time, busiest first. What a benchmark row's
+    time is made of: how many launches, which kernels, how much of the wall the GPU was busy."""
+    import time
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device)
+        wall = time.perf_counter() - t0
+    _state["torch_ran"] = True
+    kernels = [{"name": e.key, "count": e.count, "total_us": e.self_device_time_total}
+               for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    kernels.sort(key=lambda k: -k["total_us"])
+    return {"wall_s": wall, "kernel_s": sum(k["total_us"] for k in kernels) / 1e6, "kernels": kernels}
+
+
 def end_process() -> None:
     """Call last in a study's ``__main__`` block (after ``shutdown()``): if a torch profiler ran in this
     process, flush stdout/stderr and exit with status 0 through ``os._exit``, so the profiler's teardown
