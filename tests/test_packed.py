@@ -324,3 +324,20 @@ def test_masked_kernel_takes_a_fused_qkv_view():
 
     proc = run_in_triton_interpreter(FUSED_QKV_VIEWS)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stdout + proc.stderr[-3000:]
+
+
+def test_masked_kernel_tile_ranges_are_tight_for_partial_tiles():
+    """The key range a query tile loops over is the union of its rows' intervals, also for a tile the rows do
+    not fill (a ring block's last tile): its padding once turned into "from key 0" (an int64-max fill value
+    wrapped through a double), so a 5-row block of a late document looped over every key of the step."""
+    pytest.importorskip("triton")
+    from distlab.kernels.triton_masked_attention import full_key_ranges, key_ranges, query_ranges
+
+    rows, keys = torch.arange(200, 205), torch.arange(300)
+    mask = document_mask(rows, keys, torch.tensor([0, 50, 300]), True, None, 300)
+    for block_m in (4, 128):   # several tiles, the last one partial; one partial tile
+        (kb, ke), (fb, fe) = key_ranges(mask, block_m), full_key_ranges(mask, block_m)
+        assert kb.tolist()[0] == 50 and ke.tolist()[-1] == 205, (block_m, kb, ke)
+        assert fb.tolist()[-1] == 50 and fe.tolist()[-1] == (205 if block_m == 4 else 201), (block_m, fb, fe)
+    qb, qe = query_ranges(mask, 300, 64)   # key tiles 0 (keys 0..63) .. 4: rows see keys 50..204
+    assert qb.tolist() == [0, 0, 0, 0, 5] and qe.tolist() == [5, 5, 5, 5, 5]

@@ -259,14 +259,15 @@ def _tile_key_ranges(mask, block_m: int, every: bool):
     tiles = (n + block_m - 1) // block_m
     pad = tiles * block_m - n
     seeing = mask.q_lo < mask.q_hi
-    big = torch.iinfo(torch.int64).max
+    big = 2 ** 62   # past every position; int64's max would not do: pad's fill value goes through a double and
+    #                 wraps to int64's min (every partial tile's key range then started at key 0)
     lo = torch.where(seeing, mask.q_lo, torch.full_like(mask.q_lo, big))
     hi = torch.where(seeing, mask.q_hi, torch.full_like(mask.q_hi, -big))
     lo = torch.nn.functional.pad(lo, (0, pad), value=-big if every else big).view(tiles, block_m)
     hi = torch.nn.functional.pad(hi, (0, pad), value=big if every else -big).view(tiles, block_m)
     lo, hi = (lo.amax(1), hi.amin(1)) if every else (lo.amin(1), hi.amax(1))
-    begin = torch.searchsorted(mask.k_pos, lo.clamp(-2**62, 2**62))
-    end = torch.searchsorted(mask.k_pos, hi.clamp(-2**62, 2**62))
+    begin = torch.searchsorted(mask.k_pos, lo)
+    end = torch.searchsorted(mask.k_pos, hi)
     end = torch.where(end > begin, end, begin)            # a tile that sees nothing loops zero times
     return begin.to(torch.int32), end.to(torch.int32)
 
