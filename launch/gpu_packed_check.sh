@@ -21,14 +21,14 @@ if [ "$part" = accumulate ]; then
   exit $status
 fi
 
-if [ "$part" = placement ]; then   # the slowest rank's kernels per layout; the units deal against documents-first
+if [ "$part" = placement ]; then   # the slowest rank's kernels per layout; the units deal against balanced
   timeout -s ABRT 240 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --layouts zigzag balanced --profile \
     --rate-means --iters 5 --warmup 1 --json "$out/packed_profile.json" || status=1
   timeout -s ABRT 150 $py - "$out/placement.json" <<'PY' || status=1
 import json, sys, torch
 from distlab.cp.documents import Documents, parse_docs
 from distlab.cp.emulate_packed import measure, one_call, print_summary, rank_schedule
-from distlab.cp.layout import documents_first, shard_positions
+from distlab.cp.layout import shard_positions, units_positions
 from distlab.profiling import kernel_summary
 args = type("A", (), {"iters": 5, "warmup": 1})()
 dev, seq, world = torch.device("cuda"), 65536, 8
@@ -37,8 +37,8 @@ g = torch.Generator().manual_seed(0)
 q, k, v, do = (torch.randn(1, seq, h, 128, generator=g).to(dev, torch.bfloat16) for h in (32, 8, 8, 32))
 one = measure(dict(zip(("fwd", "fwd_bwd"), one_call(q, k, v, do, docs, "triton"))), args, dev)
 res = {"one_call": one}
-for name, pos in (("units", [shard_positions(seq, world, r, "balanced", docs.cu_seqlens) for r in range(world)]),
-                  ("documents_first", documents_first(seq, world, docs.cu_seqlens))):
+for name, pos in (("units", units_positions(seq, world, docs.cu_seqlens)),
+                  ("balanced", [shard_positions(seq, world, r, "balanced", docs.cu_seqlens) for r in range(world)])):
     ranks = [measure(dict(zip(("fwd", "fwd_bwd"), rank_schedule(q, k, v, do, docs, pos, r, "triton"))), args, dev)
              for r in range(world)]
     work = [docs.work(p) for p in pos]

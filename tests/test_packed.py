@@ -14,7 +14,7 @@ from distlab import comm
 from distlab.cp import allgather_attention, gather_sequence, ring_attention, shard_sequence, ulysses_attention
 from distlab.cp import usp_attention
 from distlab.cp.documents import Documents, parse_docs
-from distlab.cp.layout import balanced_units, shard_positions, units_per_rank
+from distlab.cp.layout import balanced_units, shard_positions, units_per_rank, units_positions
 from distlab.kernels.masks import document_mask
 
 T = 96   # divisible by 2W for W in 1, 2, 3, 4, 8 (zigzag, balanced) and by U x R for the USP splits
@@ -198,6 +198,21 @@ def test_balanced_layout_holds_every_token_once():
         assert sorted(u for r in units for u in r) == list(range(world * units_per_rank(6144, world, cu)))
         pos = torch.cat([shard_positions(6144, world, r, "balanced", cu) for r in range(world)])
         assert torch.equal(pos.sort().values, torch.arange(6144))
+        units = torch.cat(units_positions(6144, world, cu))   # the units deal, the fallback
+        assert torch.equal(units.sort().values, torch.arange(6144))
+
+
+def test_balanced_layout_keeps_short_documents_whole():
+    """Documents that fit are not cut: every pair of a pack of 12 equal documents stays on one rank, and
+    without documents the layout is zigzag."""
+    cu = torch.arange(0, T + 1, 8)
+    docs = Documents.from_args(T, cu, True)
+    for world in (2, 3, 4):
+        pos = [shard_positions(T, world, r, "balanced", cu) for r in range(world)]
+        assert [docs.work(p, p) for p in pos] == [docs.work(p) for p in pos] == [12 * 36 // world] * world
+    for world in (3, 4):
+        assert all(torch.equal(shard_positions(T, world, r, "balanced"), shard_positions(T, world, r, "zigzag"))
+                   for r in range(world))
 
 
 def test_parse_docs():

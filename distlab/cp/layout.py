@@ -8,14 +8,16 @@ gives rank W−1 W times the work of rank 0.
 ``zigzag``: the sequence is cut into 2W chunks; rank r holds chunks r and 2W−1−r (in that order). Every
 rank then holds one early and one late chunk, so causal attention costs every rank the same.
 
-``balanced`` (packed documents, ``cu_seqlens=``): the sequence is cut into m units per rank, each unit's
-causal work — the visible query–key pairs of its queries, documents respected — is counted, and the units
-are dealt out heaviest first, each to the rank with the least work that still has room, so every rank
-holds T/W tokens and about the same work whatever the document lengths. m is the smallest of 2, 4, 8, 16
-(dividing the length) whose deal is within 3% of the mean — fewer, longer units keep the kernels' tiles
-whole (on the H200 16 units per rank cost 2-3x the kernel time of 2) — else the best of them; the length
-must divide by 2W. A rank's units are kept in position order. Without ``cu_seqlens`` it balances one
-causal sequence (m = 2: exactly zigzag's work).
+``balanced`` (packed documents, ``cu_seqlens=``): every rank holds T/W tokens and about the same causal work
+(visible query–key pairs, documents respected) whatever the document lengths, with as many pairs as
+possible on one rank: ``documents_first`` keeps documents whole, longest first, on the least loaded rank
+with room, and cuts those heavier than a fraction of a rank's share zigzag over a few ranks; the fraction
+goes down (1/2, 1/4, ... 0: every document cut over all ranks) until the busiest rank is within 3% of the
+mean. Should none be, the units deal: the sequence cut into m equal units per rank (2, 4, 8 or 16),
+dealt heaviest first to the rank with the least work that has room (``balanced_units``). Either way a
+rank's tokens are kept in position order; the length must divide by 2W. Whole documents matter on the
+GPU: a ring step's block of a few rows of a split document is a launch that barely fills the GPU (H200,
+64k lognormal pack: docs/PERF.md). Without ``cu_seqlens`` it is zigzag (one document cut over all ranks).
 
 USP (a Ulysses group of U ranks inside each ring position, ``ulysses_group=``): the sequence is first cut
 for the ring group as above, then each ring shard is cut into U contiguous pieces, piece u to Ulysses
@@ -43,7 +45,8 @@ def check_layout(layout: str) -> None:
 
 
 def chunks_per_rank(layout: str) -> int:
-    """Chunks of equal length a rank's shard is made of (balanced: at least 2; see ``balanced_units``)."""
+    """Chunks of equal length a rank's shard is made of (balanced: its length divides by 2 as zigzag's; where
+    its tokens lie depends on the documents: ``shard_positions``)."""
     check_layout(layout)
     return 1 if layout == "contiguous" else 2
 
@@ -62,7 +65,7 @@ def check_divisible(seq_len: int, world: int, layout: str, ulysses: int = 1) -> 
 
 def rank_chunks(rank: int, world: int, layout: str) -> list[int]:
     """Indices of the sequence chunks (of ``world * chunks_per_rank``) that ``rank`` holds, in order
-    (contiguous and zigzag; balanced chunks depend on the documents: ``balanced_units``)."""
+    (contiguous and zigzag; the balanced layout's tokens depend on the documents: ``shard_positions``)."""
     if layout == "balanced":
         raise ValueError("the balanced layout's chunks depend on the documents: use shard_positions")
     return [rank, 2 * world - 1 - rank] if chunks_per_rank(layout) == 2 else [rank]
@@ -73,7 +76,7 @@ BALANCE_TARGET = 1.03   # the busiest rank's work over the mean that a deal of f
 
 
 def units_per_rank(total: int, world: int, cu_seqlens=None) -> int:
-    """m, the units per rank of the balanced layout (module doc)."""
+    """m, the units per rank of the units deal (module doc)."""
     key = None if cu_seqlens is None else tuple(torch.as_tensor(cu_seqlens).tolist())
     return _balanced(total, world, key)[0]
 
@@ -164,8 +167,48 @@ def documents_first(total: int, world: int, cu_seqlens=None, heavy: float = 0.5)
     return [torch.cat([torch.arange(a, b) for a, b in sorted(o)]) for o in owned]
 
 
+HEAVY_STEPS = (0.5, 0.25, 0.125, 0.0625, 0.03125, 0.0)   # documents_first's thresholds, tried in turn
+
+
+def rank_work(positions: torch.Tensor, cu_seqlens=None) -> int:
+    """Causal visible pairs of the queries at ``positions`` (documents respected): a rank's work."""
+    start = torch.zeros_like(positions)
+    if cu_seqlens is not None:
+        cu = torch.as_tensor(cu_seqlens, dtype=torch.int64)
+        start = cu[torch.searchsorted(cu, positions, right=True) - 1]
+    return int((positions - start + 1).sum())
+
+
+def units_positions(total: int, world: int, cu_seqlens=None) -> list[torch.Tensor]:
+    """Per rank, the positions of the units deal (``balanced_units``), ascending."""
+    size = total // (world * units_per_rank(total, world, cu_seqlens))
+    return [torch.cat([torch.arange(u * size, (u + 1) * size) for u in units])
+            for units in balanced_units(total, world, cu_seqlens)]
+
+
+@functools.lru_cache(maxsize=64)
+def _balanced_positions(total: int, world: int, cu_key: tuple | None) -> tuple[tuple[int, ...], ...]:
+    """The balanced layout's positions per rank (module doc): documents first at the largest threshold within
+    ``BALANCE_TARGET``, else the least imbalanced of those and the units deal."""
+    if total % (2 * world):
+        raise ValueError(f"the balanced layout needs a sequence length divisible by 2 x {world} ranks; got {total}")
+    tries = []
+    for heavy in HEAVY_STEPS:
+        pos = documents_first(total, world, cu_key, heavy)
+        work = [rank_work(p, cu_key) for p in pos]
+        tries.append((max(work) / max(1, sum(work) / world), len(tries), pos))
+        if tries[-1][0] <= BALANCE_TARGET:
+            break
+    else:
+        pos = units_positions(total, world, cu_key)
+        work = [rank_work(p, cu_key) for p in pos]
+        tries.append((max(work) / max(1, sum(work) / world), len(tries), pos))
+    best = tries[-1] if tries[-1][0] <= BALANCE_TARGET else min(tries, key=lambda t: t[:2])
+    return tuple(tuple(p.tolist()) for p in best[2])
+
+
 def balanced_units(total: int, world: int, cu_seqlens=None) -> list[list[int]]:
-    """Per rank, the indices (ascending) of the ``world·m`` equal units it holds (module doc)."""
+    """The units deal (module doc): per rank, the indices (ascending) of the ``world·m`` equal units it holds."""
     key = None if cu_seqlens is None else tuple(torch.as_tensor(cu_seqlens).tolist())
     return [list(u) for u in _balanced(total, world, key)[1]]
 
@@ -176,9 +219,8 @@ def shard_positions(total: int, world: int, rank: int, layout: str, cu_seqlens=N
     of Ulysses rank ``ulysses_rank``'s piece of that ring shard (USP)."""
     check_divisible(total, world, layout, ulysses)
     if layout == "balanced":
-        units = balanced_units(total, world, cu_seqlens)[rank]
-        size = total // (world * units_per_rank(total, world, cu_seqlens))
-        pos = torch.cat([torch.arange(u * size, (u + 1) * size) for u in units])
+        key = None if cu_seqlens is None else tuple(torch.as_tensor(cu_seqlens).tolist())
+        pos = torch.tensor(_balanced_positions(total, world, key)[rank])
     else:
         size = total // (world * chunks_per_rank(layout))
         pos = torch.cat([torch.arange(c * size, (c + 1) * size) for c in rank_chunks(rank, world, layout)])
