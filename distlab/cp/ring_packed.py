@@ -50,7 +50,10 @@ def step_blocks(docs, positions, rank, device, gap: int = ROW_GAP):
     steps = []
     for step in range(world):
         m = docs.mask(positions[rank], positions[(rank - step) % world])
-        steps.append([(a, b, m.rows(a, b).to(device)) for a, b in row_runs(m, gap)])
+        blocks = [(a, b, m.rows(a, b)) for a, b in row_runs(m, gap)]
+        for _, _, blk in blocks:
+            blk.seen_columns()   # found here, on the host: the kernels' key span needs no device sync
+        steps.append([(a, b, blk.to(device)) for a, b, blk in blocks])
     return steps
 
 
@@ -109,9 +112,14 @@ def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
     for step in range(ring.size):
         with phase("ring.exchange"):
             kv_pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
-        part = None
+        part, span = None, slice(None)
         if fused and blocks[step]:   # this step's dK/dV, summed by the kernels into float32 zeros
-            part = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
+            part = (torch.empty(k.shape, dtype=acc, device=k.device), torch.empty(v.shape, dtype=acc, device=v.device))
+            if step:   # only the keys the step's blocks see are written, zeroed and added on (step 0: all)
+                seen = [m.seen_columns() for _, _, m in blocks[step] if m.seen_columns() is not None]
+                span = slice(min(c.start for c in seen), max(c.stop for c in seen)) if seen else slice(0, 0)
+            for t in part:
+                t[:, span].zero_()
             for a, b, mask in blocks[step]:
                 with phase("ring.block_backward"):
                     masked_backward(dout[:, a:b], q[:, a:b], kv[0], kv[1], None, None, mask, block_scale,
@@ -130,7 +138,8 @@ def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
         else:              # the accumulator of rank src's K/V, from the previous rank: add mine
             dkv = tuple(dkv_pending.wait())
             if part is not None:
-                dkv = (dkv[0].add_(part[0]), dkv[1].add_(part[1]))
+                dkv[0][:, span].add_(part[0][:, span])
+                dkv[1][:, span].add_(part[1][:, span])
         if ring.size > 1:
             dkv_pending = ring.exchange(dkv, "ring_dkv")
         if kv_pending is not None:

@@ -38,7 +38,19 @@ class KeyMask:
         return KeyMask(self.q_lo[start:stop], self.q_hi[start:stop], self.k_pos, self.k_sorted)
 
     def to(self, device) -> "KeyMask":
-        return KeyMask(self.q_lo.to(device), self.q_hi.to(device), self.k_pos.to(device), self.k_sorted)
+        moved = KeyMask(self.q_lo.to(device), self.q_hi.to(device), self.k_pos.to(device), self.k_sorted)
+        if "seen_columns" in self.memo:   # found on the host: the device copy needs no sync to know it
+            moved.memo["seen_columns"] = self.memo["seen_columns"]
+        return moved
+
+    def seen_columns(self) -> slice | None:
+        """``key_columns()`` of ascending keys, once per mask (kept by ``to``): the slice of key rows some
+        query sees, or None."""
+        if "seen_columns" not in self.memo:
+            if not self.k_sorted:
+                raise ValueError("seen_columns needs ascending key positions")
+            self.memo["seen_columns"] = self.key_columns()
+        return self.memo["seen_columns"]
 
     def key_columns(self) -> slice | torch.Tensor | None:
         """The key rows any query of this mask can see: a slice (ascending keys) or an index tensor; None
