@@ -15,7 +15,8 @@ the Triton kernel's own launch (``flash_forward``) with distlab's cached launch 
 default) and with Triton's plain one (``DISTLAB_TRITON_LAUNCH=plain``); the LSE merge a ring step of a
 non-Triton backend adds; bare FA4 calls (the wrapper's overhead, #24: within 10 µs); and one W-rank ring
 step (``--ring-world``; the rank's real ``_ring_forward``/``_ring_backward`` over resident K/V, no exchange:
-block kernels and bookkeeping, per step) for the ``triton`` and ``fa4`` backends.
+block kernels and bookkeeping, per step) for the ``triton`` and ``fa4`` backends — the forward with the
+steps per launch ``ring_attention`` takes by default (``triton``: 4, so 3 launches for 8 steps) and with one.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def _ring_rows(a, device, dtype):
     """One rank's ring forward and backward at W = ``ring_world`` (zigzag, causal, rank 0) over resident K/V:
     the host time of its W steps, reported per step."""
     from distlab.cp.emulate import ResidentRing, rank_rows
-    from distlab.cp.ring import _ring_backward, _ring_forward
+    from distlab.cp.ring import _ring_backward, _ring_forward, check_steps_per_launch
 
     w, s = a.ring_world, a.seq * a.ring_world   # each rank holds --seq tokens
     g = torch.Generator(device="cpu").manual_seed(2)
@@ -106,11 +107,15 @@ def _ring_rows(a, device, dtype):
         if backend not in available_backends(device, dtype):
             continue
         ring = ResidentRing(w, 0, kv)
-        out, lse = _ring_forward(q_r, *kv[0], ring, True, "zigzag", scale, backend)
+        n = check_steps_per_launch(None, backend, w)   # what ring_attention runs by default (triton: 4)
+        out, lse = _ring_forward(q_r, *kv[0], ring, True, "zigzag", scale, backend, n)
         out = out.to(dtype)
-        rows += [(f"ring step W{w}, {backend}", "fwd",
-                  lambda b=backend, r=ring: _ring_forward(q_r, *kv[0], r, True, "zigzag", scale, b), {}, w),
-                 (f"ring step W{w}, {backend}", "bwd",
+        rows += [(f"ring step W{w}, {backend}" + (f", {n} steps a launch" if n > 1 else ""), "fwd",
+                  lambda b=backend, r=ring, n=n: _ring_forward(q_r, *kv[0], r, True, "zigzag", scale, b, n), {}, w)]
+        if n > 1:
+            rows += [(f"ring step W{w}, {backend}, 1 step a launch", "fwd",
+                      lambda b=backend, r=ring: _ring_forward(q_r, *kv[0], r, True, "zigzag", scale, b), {}, w)]
+        rows += [(f"ring step W{w}, {backend}", "bwd",
                   lambda b=backend, r=ring, o=out, l=lse: _ring_backward(dout, q_r, *kv[0], o, l, r, True, "zigzag",
                                                                          scale, b), {}, w)]
     return rows
