@@ -211,26 +211,33 @@ def _triton_block_backward(dq, dout, q, k, v, back_rows, rows, cols, causal, sca
     Returns the step's (dK, dV)."""
     from distlab.kernels.triton_attention_backward import flash_backward
 
-    common = dict(rows=(back_rows[0][:, :, rows], back_rows[1][:, :, rows]), dq_acc=dq[:, rows])
+    all_rows, all_cols = rows == slice(0, q.shape[1]), cols == slice(0, k.shape[1])
+    if all_rows:   # no views where a block takes every row or key (each view is a microsecond or two of host)
+        common = dict(rows=back_rows, dq_acc=dq)
+    else:
+        common = dict(rows=(back_rows[0][:, :, rows], back_rows[1][:, :, rows]), dq_acc=dq[:, rows])
+        dout, q = dout[:, rows], q[:, rows]
+    k_shape = k.shape
+    if not all_cols:
+        k, v = k[:, cols], v[:, cols]
     if received is None:
-        if (rows.start, rows.stop) != (0, q.shape[1]):
+        if not all_rows:
             raise RuntimeError("the ring's first backward block must cover every query row (it writes dQ)")
-        new = torch.empty if cols.start == 0 and cols.stop == k.shape[1] else torch.zeros
-        dk_blk, dv_blk = (new(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
+        new = torch.empty if all_cols else torch.zeros
+        dk_blk, dv_blk = (new(k_shape, dtype=torch.float32, device=k.device) for _ in range(2))
         with phase("ring.block_backward"):
-            flash_backward(dout[:, rows], q[:, rows], k[:, cols], v[:, cols], None, None, causal, scale,
-                           dk_out=dk_blk[:, cols], dv_out=dv_blk[:, cols], dq_add=False, **common)
+            flash_backward(dout, q, k, v, None, None, causal, scale, dk_out=dk_blk if all_cols else dk_blk[:, cols],
+                           dv_out=dv_blk if all_cols else dv_blk[:, cols], dq_add=False, **common)
         return dk_blk, dv_blk
     got = []
 
     def into():
         with phase("ring.wait"):
             got.extend(received.wait())
-        return got[0][:, cols], got[1][:, cols]
+        return (got[0], got[1]) if all_cols else (got[0][:, cols], got[1][:, cols])
 
     with phase("ring.block_backward"):
-        flash_backward(dout[:, rows], q[:, rows], k[:, cols], v[:, cols], None, None, causal, scale,
-                       dkv_into=into, **common)
+        flash_backward(dout, q, k, v, None, None, causal, scale, dkv_into=into, **common)
     return got[0], got[1]
 
 

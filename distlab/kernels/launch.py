@@ -12,22 +12,20 @@ from __future__ import annotations
 import functools
 import os
 
+import torch
+
 from distlab import knobs
 
 
 def sm_major(device) -> int:
     """The CUDA device's compute-capability major (9 on Hopper), cached per device: the query costs host
     time on every kernel launch that asks (TMA, PDL)."""
-    import torch
-
     device = torch.device(device)
     return _sm_major(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=16)
 def _sm_major(index: int) -> int:
-    import torch
-
     return torch.cuda.get_device_capability(index)[0]
 
 
@@ -35,8 +33,6 @@ def triton_runs_on(device) -> bool:
     """Triton is importable and the tensors are on CUDA (or on CPU with ``TRITON_INTERPRET=1``). The one
     guard of the triton import: modules whose kernels are Triton are imported only after it says yes (or
     define their kernels lazily), so an install without the gpu extra never imports triton."""
-    import torch
-
     if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
     return _triton_importable()
@@ -137,11 +133,21 @@ def tensor_key(x):
     return x
 
 
+def pointer_key(x):
+    """What Triton's specialisation reads of a pointer argument: its dtype and alignment (a tensor's sizes and
+    strides reach a kernel only as integer arguments, which ``launch_keyed`` keys on as they are); a TMA
+    descriptor's ``tensor_key``; anything else as it is."""
+    if isinstance(x, torch.Tensor):
+        return x.dtype, x.data_ptr() % 16
+    return tensor_key(x)
+
+
 def launch_keyed(cached: CachedLaunch, grid, tensors, scalars, kwargs):
     """``cached`` launched with ``(*tensors, *scalars)`` (the kernel's parameters in that order) and the
-    constexprs/options ``kwargs``, keyed on every argument (``tensor_key``): for launches whose integer
-    arguments are not all derived from a caller's plan."""
-    key = (tuple(map(tensor_key, tensors)), scalars, grid, tuple(kwargs.items()))
+    constexprs/options ``kwargs``, keyed on every argument: the scalars and constexprs as they are, the
+    tensors by ``pointer_key`` — for launches whose integer arguments are not all derived from a caller's
+    plan."""
+    key = (tuple(map(pointer_key, tensors)), scalars, grid, tuple(kwargs.items()))
     cached(key, grid, (*tensors, *scalars), kwargs)
 
 

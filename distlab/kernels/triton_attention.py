@@ -61,7 +61,14 @@ _CPU = {"FWD": (32, 16, 4, 1), "DKV": (16, 32, 4, 1), "DKV_RING": (16, 32, 4, 1)
 def tile_config(kind: str, device: torch.device, head_dim: int):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a kernel: the knob, else the device's defaults (worked out
     once per knob value, device type and head_dim: this runs on every launch)."""
-    return _tile_config(kind, knobs.get(f"TRITON_ATTN_{kind}"), torch.device(device).type, head_dim)
+    device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return _tile_config_now(kind, device_type, head_dim, knobs.generation())
+
+
+@functools.lru_cache(maxsize=256)
+def _tile_config_now(kind: str, device_type: str, head_dim: int, generation: int):
+    """``_tile_config`` with the knob read once per knob generation (``distlab.knobs.generation``)."""
+    return _tile_config(kind, knobs.get(f"TRITON_ATTN_{kind}"), device_type, head_dim)
 
 
 @functools.lru_cache(maxsize=256)
@@ -265,6 +272,11 @@ TMA_DEFAULT = "fwd"   # the H200 (``next`` call): forward +3% (MHA) / +7% (GQA);
 def tma_kernels() -> tuple[str, ...]:
     """The kernels whose tiles move through TMA descriptors: ``DISTLAB_TRITON_ATTN_TMA`` = ``0`` (none),
     ``1`` (all), or a comma list of fwd, dq, dkv (default ``fwd``)."""
+    return _tma_kinds_now(knobs.generation())
+
+
+@functools.lru_cache(maxsize=8)
+def _tma_kinds_now(generation: int) -> tuple[str, ...]:
     return _tma_kinds(knobs.get("TRITON_ATTN_TMA"))
 
 

@@ -19,6 +19,7 @@ after their dQ, no extra launch) or ``kernel`` (one launch of its own).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -301,11 +302,7 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
         if t is not None and (t.shape != shape or t.dtype != torch.float32 or t.stride(-1) != 1):
             raise ValueError(f"{name} must be float32 {tuple(shape)} with a contiguous last dim; got "
                              f"{tuple(t.shape)} {t.dtype}")
-    mode, env, split_sum = (knobs.get(f"TRITON_ATTN_{n}") for n in ("DQ_MODE", "SPLIT_GROUPS", "SPLIT_SUM"))
-    if mode not in DQ_MODES or env not in ("auto", "0", "1") or split_sum not in ("dq", "kernel"):
-        raise ValueError(f"DISTLAB_TRITON_ATTN_DQ_MODE={mode!r} (use one of {', '.join(DQ_MODES)}), "
-                         f"DISTLAB_TRITON_ATTN_SPLIT_GROUPS={env!r} (use auto, 0 or 1), "
-                         f"DISTLAB_TRITON_ATTN_SPLIT_SUM={split_sum!r} (use dq or kernel)")
+    mode, env, split_sum = _backward_knobs(knobs.generation())
     delta, lse2 = rows if rows is not None else backward_rows(dout, out, lse)
     if delta.stride() != lse2.stride() or delta.stride(-1) != 1:
         raise ValueError("the backward rows (delta, lse2) must share strides, rows contiguous")
@@ -380,6 +377,17 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
         acc_k.add_(dk)
         acc_v.add_(dv)
     return dq, acc_k, acc_v
+
+
+@functools.lru_cache(maxsize=8)
+def _backward_knobs(generation: int):
+    """(DQ_MODE, SPLIT_GROUPS, SPLIT_SUM), checked; read once per knob generation (host cost, #24)."""
+    mode, env, split_sum = (knobs.get(f"TRITON_ATTN_{n}") for n in ("DQ_MODE", "SPLIT_GROUPS", "SPLIT_SUM"))
+    if mode not in DQ_MODES or env not in ("auto", "0", "1") or split_sum not in ("dq", "kernel"):
+        raise ValueError(f"DISTLAB_TRITON_ATTN_DQ_MODE={mode!r} (use one of {', '.join(DQ_MODES)}), "
+                         f"DISTLAB_TRITON_ATTN_SPLIT_GROUPS={env!r} (use auto, 0 or 1), "
+                         f"DISTLAB_TRITON_ATTN_SPLIT_SUM={split_sum!r} (use dq or kernel)")
+    return mode, env, split_sum
 
 
 def _received(dkv_into, k, v):
