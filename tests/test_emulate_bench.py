@@ -46,3 +46,36 @@ def test_emulate_and_bench_commands_write_their_json(tmp_path):
     rows = json.loads(be.read_text())["results"]
     assert {(r["kernel"], r["pass"]) for r in rows} == {("attention torch", p) for p in ("fwd", "bwd", "fwd wall",
                                                                                          "bwd wall")}
+
+
+SKIPPED_LAUNCH = """
+import torch
+from distlab import knobs
+from distlab.kernels.triton_attention import flash_forward
+q, k, v = (torch.randn(1, 64, 2, 16) for _ in range(3))
+out, lse = torch.full_like(q, float("nan")), torch.full((1, 2, 64), float("nan"))
+with knobs.override(TRITON_LAUNCH="skip"):
+    flash_forward(q, k, v, True, out=out, lse=lse)
+skipped = bool(out.isnan().all())
+flash_forward(q, k, v, True, out=out, lse=lse)
+print("OK" if skipped and not out.isnan().any() else "BAD")
+"""
+
+
+def test_host_cost_with_launches_skipped_on_cpu(tmp_path):
+    """``DISTLAB_TRITON_LAUNCH=skip`` computes everything up to a launch and launches nothing (the output
+    stays as it was), and ``host_cost --skip-launches`` times the Triton rows so on a CPU, ring steps too."""
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    from distlab.testing import run_in_triton_interpreter
+
+    proc = run_in_triton_interpreter(SKIPPED_LAUNCH)
+    assert proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr[-2000:]
+    js = tmp_path / "host.json"
+    out = subprocess.run([sys.executable, "-m", "distlab.kernels.host_cost", "--skip-launches", "--rounds", "1",
+                          "--calls", "6", "--ring-world", "3", "--seq", "64", "--head-dim", "16", "--json", str(js)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {(r["row"], r["pass"]): r for r in json.loads(js.read_text())["rows"]}
+    assert {("ring step W3, triton, 4 steps a launch", "fwd"), ("ring step W3, triton, 1 step a launch", "fwd"),
+            ("ring step W3, triton", "bwd"), ("triton launch", "fwd")} <= set(rows), sorted(rows)
+    assert all(r["host_s"] > 0 for r in rows.values())

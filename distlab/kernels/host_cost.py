@@ -31,15 +31,20 @@ from distlab.bench import StudyParser, add_common_args, device_of, positive_int,
 from distlab.kernels.attention import attention_backward, attention_forward, available_backends
 
 
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def host_seconds(fn, calls: int, device) -> tuple[float, float]:
     """(host seconds per call, wall seconds per call) of ``calls`` back-to-back calls."""
     fn()
-    torch.cuda.synchronize(device)
+    _sync(device)
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
     host = time.perf_counter() - t0
-    torch.cuda.synchronize(device)
+    _sync(device)
     return host / calls, (time.perf_counter() - t0) / calls
 
 
@@ -133,11 +138,18 @@ def main(argv=None):
                    "tokens); 1: none")
     p.add_argument("--profile", metavar="ROW", default=None, help="also cProfile the calls of this row (name, or "
                    "'name/pass'), printing the functions where the host time goes")
+    p.add_argument("--skip-launches", action="store_true",
+                   help="CPU, no GPU: the Triton rows with every launch skipped (Triton's interpreter defines the "
+                        "kernels, DISTLAB_TRITON_LAUNCH=skip): the host work around the launches, float32, small "
+                        "shapes by default (S256, D64)")
     add_common_args(p, iters=20, warmup=5, dtype="bfloat16", gpu_tool=True)
     a = p.parse_args(argv)
+    if a.skip_launches:
+        return _skip_launches(a)
     device = device_of(a, "distlab.kernels.host_cost", gpu_tool=True, cpu_hint="it measures a GPU queue")
     if device.type != "cuda":
-        raise ValueError("host cost is measured against a GPU's queue; on CPU every call is synchronous")
+        raise ValueError("host cost is measured against a GPU's queue; on CPU every call is synchronous "
+                         "(--skip-launches: the host work around the launches)")
     from distlab.bench import to_dtype
 
     dtype = to_dtype(a.dtype)
@@ -166,6 +178,33 @@ def main(argv=None):
         _profile(specs, a.profile, a.calls, device)
     if a.json:
         write_json(a.json, {"args": vars(a), "device": torch.cuda.get_device_name(device), "rows": rows})
+
+
+def _skip_launches(a):
+    """The Triton rows on the CPU with no launch: what Python, checks, allocations and launch keys cost."""
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel is defined: they run nowhere anyway
+    device = torch.device("cpu")
+    if a.seq == 2048 and a.head_dim == 128:   # the GPU defaults: CPU allocations of that size cost more
+        a.seq, a.head_dim = 256, 64
+    # split GQA dK/dV as a GPU takes it at these shapes (too few key tiles to fill its SMs; the CPU has none)
+    with knobs.override(TRITON_LAUNCH="skip", TRITON_ATTN_SPLIT_GROUPS="1" if a.heads > a.kv_heads else "auto"):
+        specs = [s for s in _rows(a, device, torch.float32) if s[0] != "torch" and "TRITON_LAUNCH" not in s[3]]
+        print(f"host time per call with every Triton launch skipped (CPU): S{a.seq}, {a.heads} q / {a.kv_heads} kv "
+              f"heads, D{a.head_dim}, causal, float32; fastest of {a.rounds} interleaved rounds of {a.calls} calls")
+        times = {i: [] for i in range(len(specs))}
+        for _ in range(a.rounds):
+            for i, (_, _, fn, over, per) in enumerate(specs):
+                with knobs.override(**over):
+                    times[i].append(host_seconds(fn, max(1, a.calls // per), device)[0] / per)
+    rows = [{"row": name, "pass": pass_, "host_s": min(times[i]), "host_median_s": statistics.median(times[i]),
+             "per_call_of": per, "knobs": over} for i, (name, pass_, _, over, per) in enumerate(specs)]
+    print(f"{'row':<40} {'pass':<5} {'host µs':>9} {'median':>8}")
+    for r in rows:
+        print(f"{r['row']:<40} {r['pass']:<5} {r['host_s'] * 1e6:>9.1f} {r['host_median_s'] * 1e6:>8.1f}")
+    if a.json:
+        write_json(a.json, {"args": vars(a), "device": "cpu, launches skipped", "rows": rows})
 
 
 def _profile(specs, which, calls, device):

@@ -70,8 +70,9 @@ class CachedLaunch:
     (``CompiledKernel.run``, what Triton's ``JITFunction.run`` ends with), with every argument in the kernel's
     parameter order. Knob ``DISTLAB_TRITON_LAUNCH``: ``cached`` (default), ``plain`` (Triton's launch every
     call), ``check`` (Triton's launch every call, raising if it picked another compiled kernel than the
-    key's: the GPU tests run so). Under the interpreter, and while a Triton launch hook is set (profilers),
-    every call is plain."""
+    key's: the GPU tests run so), ``skip`` (no launch at all: ``distlab.kernels.host_cost --skip-launches``
+    times the host work around the launches on a CPU). Under the interpreter, and while a Triton launch hook
+    is set (profilers), every call is plain."""
 
     MAX_KEYS = 4096
 
@@ -83,8 +84,10 @@ class CachedLaunch:
 
     def __call__(self, key, grid, args, kwargs):
         mode = knobs.get("TRITON_LAUNCH")
-        if mode not in ("cached", "plain", "check"):
-            raise ValueError(f"DISTLAB_TRITON_LAUNCH={mode!r}: use cached, plain or check")
+        if mode not in ("cached", "plain", "check", "skip"):
+            raise ValueError(f"DISTLAB_TRITON_LAUNCH={mode!r}: use cached, plain, check or skip")
+        if mode == "skip":   # everything up to the launch, and no launch (host cost on a machine without a GPU)
+            return
         if self.interpreted:
             self.kernel[grid](*args, **kwargs)
             return
