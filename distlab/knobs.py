@@ -36,7 +36,8 @@ KNOBS = {
     "TRITON_ATTN_DKV_RING": Knob(None, _TILES.format("ring-step dK/dV")),
     "TRITON_ATTN_DQ": Knob(None, _TILES.format("dQ")),
     "TRITON_ATTN_DQ_RING": Knob(None, _TILES.format("ring-step dQ")),
-    "TRITON_ATTN_TMA": Knob("fwd", "kernels whose tiles move by TMA: 0, 1 (all) or a comma list of fwd, dq, dkv"),
+    "TRITON_ATTN_TMA": Knob("auto", "kernels whose tiles move by TMA: auto (fwd, launches of enough work), 0, 1 "
+                                    "(all) or a comma list of fwd, dq, dkv"),
     "TRITON_ATTN_PDL": Knob("0", "1: accumulating forwards launched as programmatic dependents (sm90+)"),
     "FUSED_CE_TRITON": Knob("auto", "fused linear CE's chunk step in Triton (distlab.kernels.triton_ce): auto "
                                     "(CUDA, bf16/fp16, grads_in_input_dtype), 1 always, 0 never"),

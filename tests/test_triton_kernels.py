@@ -87,6 +87,26 @@ def test_triton_backend_refuses_what_it_cannot_run():
         flash_backward(q, q, k, k, q, torch.zeros(1, 4, 8), True, dq_acc=torch.zeros(q.shape, dtype=torch.float16))
 
 
+def test_forward_takes_tma_descriptors_for_launches_with_enough_work():
+    """``DISTLAB_TRITON_ATTN_TMA=auto`` (the default): a forward launch below ``TMA_MIN_FLOPS`` loads its K/V
+    tiles by pointer (host-bound: the descriptors cost more than they gain), one above it through TMA; ``fwd``
+    takes TMA whatever the size, ``0`` never. The plan only (CPU tensors, nothing launched)."""
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    from distlab.kernels.triton_attention import TMA_MIN_FLOPS, _forward_plan
+
+    def tma(seq, heads, env):
+        q = torch.zeros(1, seq, heads, 128)
+        k = torch.zeros(1, seq, 1, 128)
+        out, lse = torch.empty_like(q), torch.empty(1, heads, seq)
+        with knobs.override(TRITON_ATTN_TMA=env):
+            return bool(_forward_plan(q, [(0, seq, k, k, False)], 0.1, out, lse, False, None, None).tma)
+
+    small, big = (128, 4), (2048, 32)   # 4·S²·H·D FLOPs: 3.4e7 and 6.9e10, either side of the bar
+    assert 4 * small[0] ** 2 * small[1] * 128 < TMA_MIN_FLOPS < 4 * big[0] ** 2 * big[1] * 128
+    assert [tma(*small, "auto"), tma(*big, "auto")] == [False, True]
+    assert [tma(*small, "fwd"), tma(*big, "0")] == [True, False]
+
+
 class _FakeCompiled:
     function, packed_metadata = "fn", "meta"
 
@@ -144,7 +164,7 @@ def test_cached_launch_binds_once_per_key(monkeypatch):
     cached("k16", (2,), (x, 16), dict(B=8, num_warps=4))
     assert kernel.plain == 5 and len(compiled.runs) == 1
     with knobs.override(TRITON_LAUNCH="fast"):
-        with pytest.raises(ValueError, match="use cached, plain or check"):
+        with pytest.raises(ValueError, match="use cached, plain, check or skip"):
             cached("k16", (2,), (x, 16), dict(B=8, num_warps=4))
     assert launch.tensor_key(x) == (x.shape, x.stride(), x.dtype, x.data_ptr() % 16)
 

@@ -69,6 +69,8 @@ def _rows(a, device, dtype):
         rows += [("triton launch", "fwd", lambda: flash_forward(q, k, v, True, scale), {}, 1),
                  ("triton launch, plain", "fwd", lambda: flash_forward(q, k, v, True, scale),
                   {"TRITON_LAUNCH": "plain"}, 1),
+                 ("triton launch, TMA", "fwd", lambda: flash_forward(q, k, v, True, scale),
+                  {"TRITON_ATTN_TMA": "fwd"}, 1),
                  ("triton launch, no TMA", "fwd", lambda: flash_forward(q, k, v, True, scale),
                   {"TRITON_ATTN_TMA": "0"}, 1)]
         out, lse = attention_forward(q, k, v, True, backend="triton")

@@ -26,8 +26,9 @@ Backward: ``distlab/kernels/triton_attention_backward.py`` (``flash_backward``).
 
 Knobs, measured on the H200 (docs/PERF-archive.md): ``DISTLAB_TRITON_ATTN_TMA`` — which kernels move their
 streamed tiles (K/V of the forward and dQ kernels, Q/dO of the dK/dV kernel) through TMA descriptors over
-(batch, seq, heads·D): default ``fwd`` (+3–7% forward), ``1`` all, ``0`` none (dK/dV through TMA was 25%
-slower). ``DISTLAB_TRITON_ATTN_PDL=1``: a ring's accumulating forwards (and its backward's kernels) launch
+(batch, seq, heads·D): default ``auto`` — the forward, when its launch has at least ``TMA_MIN_FLOPS`` of work
+(+3–7% on the GPU; below it the descriptors' host time is more than that: a host-bound launch) — ``fwd``
+the forward always, ``1`` all, ``0`` none (dK/dV through TMA was 25% slower). ``DISTLAB_TRITON_ATTN_PDL=1``: a ring's accumulating forwards (and its backward's kernels) launch
 as programmatic dependent launches (``pdl_enabled``). ``DISTLAB_TRITON_ATTN_{FWD,DKV,DKV_RING,DQ,DQ_RING}``: tiles; ``DISTLAB_TRITON_ATTN_SPLIT_GROUPS``.
 """
 
@@ -266,13 +267,30 @@ def _precision(q):
 
 
 TMA_KERNELS = ("fwd", "dq", "dkv")
-TMA_DEFAULT = "fwd"   # the H200 (``next`` call): forward +3% (MHA) / +7% (GQA); all three: backward -18%
+TMA_DEFAULT = "auto"  # the H200 (``next`` call): forward +3% (MHA) / +7% (GQA); all three: backward -18%
+# ``auto``: a forward launch below this much work (FLOPs) runs without TMA. H200, S2048, 4 q / 1 kv heads,
+# causal (4.3 GFLOP): host 35.2 µs / GPU 26.4 with TMA, 26.0 / 29.5 without (docs/PERF.md: a launch that
+# small waits on the host, so the one without descriptors is done first); at S8192, 32 heads (550 GFLOP)
+# the GPU time is ~1 ms and TMA's +3–7% is what counts. The bar sits where the GPU time (~60 µs at 500
+# TFLOP/s) passes the host time with descriptors.
+TMA_MIN_FLOPS = 3e10
 
 
 def tma_kernels() -> tuple[str, ...]:
     """The kernels whose tiles move through TMA descriptors: ``DISTLAB_TRITON_ATTN_TMA`` = ``0`` (none),
-    ``1`` (all), or a comma list of fwd, dq, dkv (default ``fwd``)."""
+    ``1`` (all), a comma list of fwd, dq, dkv, or ``auto`` (the default: fwd, for launches of at least
+    ``TMA_MIN_FLOPS``, see ``tma_by_size``)."""
     return _tma_kinds_now(knobs.generation())
+
+
+def tma_by_size() -> bool:
+    """The knob is ``auto``: the forward uses TMA only for launches of at least ``TMA_MIN_FLOPS``."""
+    return _tma_env_now(knobs.generation()) == "auto"
+
+
+@functools.lru_cache(maxsize=8)
+def _tma_env_now(generation: int) -> str:
+    return knobs.get("TRITON_ATTN_TMA")
 
 
 @functools.lru_cache(maxsize=8)
@@ -282,9 +300,10 @@ def _tma_kinds_now(generation: int) -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=64)
 def _tma_kinds(env: str) -> tuple[str, ...]:
-    kinds = {"0": (), "1": TMA_KERNELS}.get(env, tuple(x for x in env.split(",") if x))
+    kinds = {"0": (), "1": TMA_KERNELS, "auto": ("fwd",)}.get(env, tuple(x for x in env.split(",") if x))
     if any(k not in TMA_KERNELS for k in kinds):
-        raise ValueError(f"DISTLAB_TRITON_ATTN_TMA={env!r}: use 0, 1 or a comma list of {', '.join(TMA_KERNELS)}")
+        raise ValueError(f"DISTLAB_TRITON_ATTN_TMA={env!r}: use 0, 1, auto or a comma list of "
+                         f"{', '.join(TMA_KERNELS)}")
     return kinds
 
 
@@ -438,7 +457,9 @@ def _forward_plan(q, blocks, scale, out, lse, accumulate, final_out, final_rows)
     bm, bn, warps, stages = tile_config("FWD", q.device, d)
     # TMA descriptors for every block's K/V, or pointers for all of them when one block cannot use TMA
     kvs = [(kb, vb) for _, _, kb, vb, _ in blocks]
-    tma = all(_tile_descriptors("fwd", kb, vb, bn)[2] for kb, vb in kvs)
+    flops = 4 * b * h * d * sum((hi - lo) * kb.shape[1] * (0.5 if c else 1) for lo, hi, kb, _, c in blocks)
+    tma = all(_tile_descriptors("fwd", kb, vb, bn)[2] for kb, vb in kvs) \
+        and (not tma_by_size() or flops >= TMA_MIN_FLOPS)
     k2, v2 = kvs[1] if len(kvs) > 1 else (k, v)
     los_his = [x for lo, hi, *_ in later for x in (lo, hi)] + [0, 0] * (MAX_BLOCKS - len(blocks))
     seqs = [kb.shape[1] for kb, _ in kvs[1:]] + [k.shape[1]] * (MAX_BLOCKS - len(blocks))
