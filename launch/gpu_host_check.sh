@@ -30,8 +30,8 @@ if [ "$part" = kernels ]; then
 elif [ "$part" = verify ]; then
   LIMIT=270 run checks_cached $py tests/kernel_checks.py attention accumulate merge emulate --device cuda \
       --dtype bfloat16 --big
-  LIMIT=60 run checks_check env DISTLAB_TRITON_LAUNCH=check $py tests/kernel_checks.py attention accumulate \
-      --device cuda --dtype bfloat16 --big
+  LIMIT=150 run checks_check env DISTLAB_TRITON_LAUNCH=check $py tests/kernel_checks.py attention accumulate \
+      masked --device cuda --dtype bfloat16 --big
   LIMIT=80 TAIL=20 run host_cost $py -m distlab.kernels.host_cost --rounds 3 --json "$out/host_cost.json"
   LIMIT=90 TAIL=8 run emulate $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend triton --iters 10 \
       --wall --json "$out/emulate_wall.json"

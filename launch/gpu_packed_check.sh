@@ -22,6 +22,8 @@ if [ "$part" = accumulate ]; then
 fi
 
 if [ "$part" = placement ]; then   # the slowest rank's kernels per layout; the units deal against balanced
+  DISTLAB_TRITON_LAUNCH=check timeout -s ABRT 150 $py tests/kernel_checks.py masked --device cuda --dtype bfloat16 \
+    --big || status=1   # the masked kernels' cached launch, checked against Triton's own binding
   timeout -s ABRT 240 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --layouts zigzag balanced --profile \
     --rate-means --iters 5 --warmup 1 --json "$out/packed_profile.json" || status=1
   timeout -s ABRT 150 $py - "$out/placement.json" <<'PY' || status=1
