@@ -202,6 +202,24 @@ def test_balanced_layout_holds_every_token_once():
         assert torch.equal(units.sort().values, torch.arange(6144))
 
 
+def test_documents_first_fills_every_rank_exactly():
+    """``documents_first`` at every threshold ``balanced`` tries, on random packs (arbitrary lengths, W up to
+    8, non-powers of two): every token once, T/W on each rank, positions ascending."""
+    import random
+
+    from distlab.cp.layout import HEAVY_STEPS, documents_first
+
+    rng = random.Random(0)
+    for _ in range(300):
+        world = rng.choice([2, 3, 4, 5, 6, 8])
+        total = 2 * world * rng.randint(1, 40)
+        cu = [0] + sorted(rng.sample(range(1, total), min(rng.randint(1, 12), total - 1))) + [total]
+        for heavy in HEAVY_STEPS:
+            pos = documents_first(total, world, cu, heavy)
+            assert all(p.numel() == total // world and bool((p[1:] > p[:-1]).all()) for p in pos), (cu, world, heavy)
+            assert torch.equal(torch.cat(pos).sort().values, torch.arange(total)), (cu, world, heavy)
+
+
 def test_balanced_layout_keeps_short_documents_whole():
     """Documents that fit are not cut: every pair of a pack of 12 equal documents stays on one rank, and
     without documents the layout is zigzag."""

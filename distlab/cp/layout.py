@@ -148,9 +148,10 @@ def documents_first(total: int, world: int, cu_seqlens=None, heavy: float = 0.5)
         n = e - s
         k = min(world, -(-_causal_pairs(0, n) // max(1, int(heavy * share))), n // 2)
         if k > 1:
-            ranks = [r for r in sorted(range(world), key=lambda r: (load[r], r)) if room[r] >= -(-n // k)][:k]
+            cut = [i * n // (2 * k) for i in range(2 * k + 1)]
+            need = max(cut[i + 1] - cut[i] + cut[2 * k - i] - cut[2 * k - 1 - i] for i in range(k))
+            ranks = [r for r in sorted(range(world), key=lambda r: (load[r], r)) if room[r] >= need][:k]
             if len(ranks) == k:
-                cut = [i * n // (2 * k) for i in range(2 * k + 1)]
                 for i, r in enumerate(ranks):
                     give(r, s, cut[i], cut[i + 1])
                     give(r, s, cut[2 * k - 1 - i], cut[2 * k - i])
@@ -195,6 +196,8 @@ def _balanced_positions(total: int, world: int, cu_key: tuple | None) -> tuple[t
     tries = []
     for heavy in HEAVY_STEPS:
         pos = documents_first(total, world, cu_key, heavy)
+        if any(p.numel() != total // world for p in pos):   # a zigzag cut that overfilled a rank: not this one
+            continue
         work = [rank_work(p, cu_key) for p in pos]
         tries.append((max(work) / max(1, sum(work) / world), len(tries), pos))
         if tries[-1][0] <= BALANCE_TARGET:
