@@ -28,8 +28,9 @@ Knobs, measured on the H200 (docs/PERF-archive.md): ``DISTLAB_TRITON_ATTN_TMA`` 
 streamed tiles (K/V of the forward and dQ kernels, Q/dO of the dK/dV kernel) through TMA descriptors over
 (batch, seq, heads·D): default ``auto`` — the forward, when its launch has at least ``TMA_MIN_FLOPS`` of work
 (+3–7% on the GPU; below it the descriptors' host time is more than that: a host-bound launch) — ``fwd``
-the forward always, ``1`` all, ``0`` none (dK/dV through TMA was 25% slower). ``DISTLAB_TRITON_ATTN_PDL=1``: a ring's accumulating forwards (and its backward's kernels) launch
-as programmatic dependent launches (``pdl_enabled``). ``DISTLAB_TRITON_ATTN_{FWD,DKV,DKV_RING,DQ,DQ_RING}``: tiles; ``DISTLAB_TRITON_ATTN_SPLIT_GROUPS``.
+the forward always, ``1`` all, ``0`` none (dK/dV through TMA was 25% slower). ``DISTLAB_TRITON_ATTN_PDL=1``:
+a ring's accumulating forwards (and its backward's kernels) launch as programmatic dependent launches
+(``pdl_enabled``). ``DISTLAB_TRITON_ATTN_{FWD,DKV,DKV_RING,DQ,DQ_RING}``: tiles; ``DISTLAB_TRITON_ATTN_SPLIT_GROUPS``.
 """
 
 from __future__ import annotations

@@ -405,8 +405,8 @@ def masked_backward_rows(dout, out, lse):
     """``(lse, delta)``, float32 (batch, heads, seq), contiguous: the final LSE and ``rowsum(dO·O)`` the
     backward kernels read. A packed ring computes them once for its shard and passes row views to each
     step's ``masked_backward`` (the final out and LSE do not change between steps). delta comes from the
-    dense backward's row kernel (one launch; PyTorch's float copies, product and sum were five and ~0.4 ms
-    at a 64k pack's W=8 shard on the H200)."""
+    dense backward's row kernel, one launch (PyTorch's float copies, product, sum and transpose were several
+    launches and ~0.2-0.3 ms in the H200 profile of a 64k pack's W=8 rank)."""
     d = out.shape[-1]
     if d & (d - 1) or d < 16:
         delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
