@@ -281,22 +281,19 @@ def tma_kernels() -> tuple[str, ...]:
     """The kernels whose tiles move through TMA descriptors: ``DISTLAB_TRITON_ATTN_TMA`` = ``0`` (none),
     ``1`` (all), a comma list of fwd, dq, dkv, or ``auto`` (the default: fwd, for launches of at least
     ``TMA_MIN_FLOPS``, see ``tma_by_size``)."""
-    return _tma_kinds_now(knobs.generation())
+    return _tma_now(knobs.generation())[1]
 
 
 def tma_by_size() -> bool:
     """The knob is ``auto``: the forward uses TMA only for launches of at least ``TMA_MIN_FLOPS``."""
-    return _tma_env_now(knobs.generation()) == "auto"
+    return _tma_now(knobs.generation())[0] == "auto"
 
 
 @functools.lru_cache(maxsize=8)
-def _tma_env_now(generation: int) -> str:
-    return knobs.get("TRITON_ATTN_TMA")
-
-
-@functools.lru_cache(maxsize=8)
-def _tma_kinds_now(generation: int) -> tuple[str, ...]:
-    return _tma_kinds(knobs.get("TRITON_ATTN_TMA"))
+def _tma_now(generation: int) -> tuple[str, tuple[str, ...]]:
+    """(the knob's value, the kernels it names), read once per knob generation."""
+    env = knobs.get("TRITON_ATTN_TMA")
+    return env, _tma_kinds(env)
 
 
 @functools.lru_cache(maxsize=64)
