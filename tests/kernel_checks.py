@@ -464,6 +464,18 @@ def check_masked(device, dtype, big=False):
         finite = torch.isfinite(lse_w)
         assert not finite.any() or (lse_run[:, :, 3:][finite] - lse_w[finite]).abs().max() < tol(dtype), (i, "lse")
         assert torch.isnan(out_run[:, :3]).all() and torch.isnan(lse_run[:, :, :3]).all(), "rows outside the view"
+        # ordered (a packed ring): unfilled (NaN) running buffers, each row started by its first block and
+        # written in q's dtype to a final output by its last
+        run = torch.full((2, len(qp), h, d), float("nan"), device=device)
+        run_lse = torch.full((2, h, len(qp)), float("nan"), device=device)
+        final = torch.full((2, len(qp), h, d), float("nan"), dtype=dtype, device=device)
+        first = torch.zeros(len(qp), dtype=torch.int32, device=device)
+        for number, part in enumerate((slice(0, half), slice(half, len(kp)))):
+            m = document_mask(qp, kp[part], cu, causal, window, t).to(device)
+            masked_forward(q, k[:, part], v[:, part], m, d ** -0.5, run, run_lse, accumulate=True,
+                           order=(first, first + 1, number), final_out=final)
+        assert rel(final, out_w) < tol(dtype), (i, "ordered", rel(final, out_w))
+        assert torch.equal(torch.isinf(run_lse), torch.isinf(lse_w)), (i, "ordered: rows without keys")
         # and its backward: dQ of both blocks added into one float32 view, dK/dV of each into its own
         from distlab.kernels.triton_masked_attention import masked_backward, masked_backward_rows
 

@@ -12,8 +12,9 @@ launches no kernel (its K/V still travel on: the next rank needs them), and a st
 the runs of rows that see some of its keys (``step_blocks``): with documents most rows see nothing of most
 other ranks, and merging the whole float32 output at every step cost more than the kernels on the H200
 (docs/PERF.md). With the ``triton`` backend each block merges into the running (out, LSE) inside its kernel
-(``block_into``). Inside a block the kernel skips the keys the mask removes, so the work follows the visible
-pairs, not T².
+(``_forward``), a row starting at its first block and written in q's dtype at its last, and the backward's
+kernels add into float32 accumulators. Inside a block the kernel skips the keys the mask removes, so the
+work follows the visible pairs, not T².
 
 Every layout works because nothing here assumes where a position lives: the masks are computed from the
 positions each layout assigns (``distlab.cp.layout.shard_positions``), the same on every rank.
@@ -43,31 +44,44 @@ def row_runs(mask, gap: int = ROW_GAP) -> list[tuple[int, int]]:
     return [(a, b) for a, b in runs]
 
 
-def step_blocks(docs, positions, rank, device, gap: int = ROW_GAP):
+class StepBlocks(list):
+    """``step_blocks``' result, a list: per ring step, its ``(a, b, mask)`` blocks. ``first``/``last``: per row of
+    the shard, the number (in the order the forward runs them) of the first and the last block whose rows
+    cover it, −1 for none (int32, on the device); ``untouched``: the rows no block covers (their output is
+    0, their LSE −inf). The ``triton`` forward starts a row at its first block (no running result to read)
+    and writes it in q's dtype at its last (no float32 copy to convert after)."""
+
+    first: torch.Tensor
+    last: torch.Tensor
+    untouched: torch.Tensor
+
+
+def step_blocks(docs, positions, rank, device, gap: int = ROW_GAP) -> StepBlocks:
     """Per ring step of rank ``rank``: the ``(a, b, mask)`` blocks of rows a..b that see that step's keys
     (an empty list: the step launches nothing)."""
     world = len(positions)
-    steps = []
+    steps = StepBlocks()
+    rows = positions[rank].numel()
+    first = torch.full((rows,), -1, dtype=torch.int32)
+    last = torch.full((rows,), -1, dtype=torch.int32)
+    number = 0
     for step in range(world):
         m = docs.mask(positions[rank], positions[(rank - step) % world])
         blocks = [(a, b, m.rows(a, b)) for a, b in row_runs(m, gap)]
-        for _, _, blk in blocks:
+        for a, b, blk in blocks:
             blk.seen_columns()   # found here, on the host: the kernels' key span needs no device sync
+            first[a:b] = torch.where(first[a:b] < 0, number, first[a:b])
+            last[a:b] = number
+            number += 1
         steps.append([(a, b, blk.to(device)) for a, b, blk in blocks])
+    steps.first, steps.last = first.to(device), last.to(device)
+    steps.untouched = (first < 0).nonzero().squeeze(1).to(device)
     return steps
 
 
 def block_into(out, lse, q, k, v, a, b, mask, scale, backend):
-    """Rows a..b of q against one step's K/V under ``mask``, merged into the float32 running (out, lse).
-    The ``triton`` backend merges inside its kernel (``masked_forward(accumulate=True)``: no merge launch,
-    no block output in memory); the others compute the block, then ``merge_rows``. ``backend``: concrete, as
-    ``ring_attention`` resolved it."""
-    if out.dtype == torch.float32 and backend == "triton":
-        from distlab.kernels.triton_masked_attention import masked_forward
-
-        masked_forward(q[:, a:b], k, v, mask, scale if scale is not None else q.shape[-1] ** -0.5,
-                       out[:, a:b], lse[:, :, a:b], accumulate=True)
-        return
+    """Rows a..b of q against one step's K/V under ``mask``, merged into the running (out, lse) in place:
+    ``backend`` (concrete, as ``ring_attention`` resolved it) computes the block, then ``merge_rows``."""
     o, l = attention_forward(q[:, a:b], k, v, False, scale, backend, mask=mask)
     merge_rows(out, lse, o, l, a, b)
 
@@ -81,20 +95,42 @@ def merge_rows(out, lse, o, l, a, b):
 
 
 def _forward(q, k, v, ring, blocks, scale, backend):
+    """The ``triton`` backend (float32 running results or below) merges each block inside its kernel
+    (``masked_forward(accumulate=True)``: no merge launch, no block output in memory), starting a row at its
+    first block and writing it in q's dtype at its last (``StepBlocks``: no zero fill, no conversion); the
+    others compute each block, then ``merge_rows`` into zero-filled running results."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
-    kv = (k, v)
+    fused = acc == torch.float32 and backend == "triton"
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    if fused:
+        from distlab.kernels.triton_masked_attention import masked_forward
+
+        out, final = torch.empty(q.shape, dtype=acc, device=q.device), torch.empty_like(q)
+        lse = torch.empty(lse_shape, dtype=acc, device=q.device)
+        if blocks.untouched.numel():   # rows no block covers: output 0, LSE -inf
+            final.index_fill_(1, blocks.untouched, 0.0)
+            lse.index_fill_(2, blocks.untouched, float("-inf"))
+        block_scale = scale if scale is not None else q.shape[-1] ** -0.5
+    else:
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(lse_shape, float("-inf"), dtype=acc, device=q.device)
+    kv, number = (k, v), 0
     for step in range(ring.size):
         with phase("ring.exchange"):
             pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
         for a, b, mask in blocks[step]:
             with phase("ring.block"):
-                block_into(out, lse, q, kv[0], kv[1], a, b, mask, scale, backend)
+                if fused:
+                    masked_forward(q[:, a:b], kv[0], kv[1], mask, block_scale, out[:, a:b], lse[:, :, a:b],
+                                   accumulate=True, order=(blocks.first[a:b], blocks.last[a:b], number),
+                                   final_out=final[:, a:b])
+                else:
+                    block_into(out, lse, q, kv[0], kv[1], a, b, mask, scale, backend)
+            number += 1
         if pending is not None:
             with phase("ring.wait"):
                 kv = tuple(pending.wait())
-    return out.to(q.dtype), lse
+    return (final if fused else out.to(q.dtype)), lse
 
 
 def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):

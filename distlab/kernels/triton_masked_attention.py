@@ -53,11 +53,13 @@ def _key_tile(K, V, KPOS, base, cols, end, sks, dims, lo, hi):
     return k, v, seen
 
 
-@triton.jit
-def _fwd(Q, K, V, O, LSE, LO, HI, KPOS, KB, KE, FB, FE, scale,
-         sqb, sqs, sqh, skb, sks, skh, sob, sos, soh, slb, slh, seq_q, heads, groups,
+@triton.jit(do_not_specialize=["number"])   # a block's number: no recompiles for 1 or multiples of 16
+def _fwd(Q, K, V, O, LSE, LO, HI, KPOS, KB, KE, FB, FE, FO, FIRST, LAST, scale,
+         sqb, sqs, sqh, skb, sks, skh, sob, sos, soh, slb, slh, sfb, sfs, sfh, seq_q, heads, groups, number,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, FULL: tl.constexpr,
-         ACCUMULATE: tl.constexpr):
+         ACCUMULATE: tl.constexpr, ORDERED: tl.constexpr):
+    """ORDERED (a packed ring's block ``number``): a row whose FIRST block this is reads no running result
+    (it starts there), one whose LAST block this is is written to FO in FO's dtype instead of to O."""
     tile, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // heads, bh % heads
     hk = h // groups
@@ -102,8 +104,11 @@ def _fwd(Q, K, V, O, LSE, LO, HI, KPOS, KB, KE, FB, FE, scale,
     o_ptrs = O + b * sob + h * soh + rows[:, None] * sos + dims[None, :]
     l_ptrs = LSE + b * slb + h * slh + rows
     if ACCUMULATE:   # merge into the running float32 (out, lse); either side may be empty (LSE -inf)
-        prev = tl.load(l_ptrs, mask=in_q, other=float("-inf"))
-        o_prev = tl.load(o_ptrs, mask=in_q[:, None], other=0.0)
+        held = in_q
+        if ORDERED:   # a row's first block: nothing held yet (the buffers are not filled)
+            held = in_q & (tl.load(FIRST + rows, mask=in_q, other=number) != number)
+        prev = tl.load(l_ptrs, mask=held, other=float("-inf"))
+        o_prev = tl.load(o_ptrs, mask=held[:, None], other=0.0)
         top = tl.maximum(prev, lse)
         top = tl.where(top == float("-inf"), 0.0, top)
         w_prev, w_blk = tl.exp(prev - top), tl.exp(lse - top)
@@ -111,7 +116,13 @@ def _fwd(Q, K, V, O, LSE, LO, HI, KPOS, KB, KE, FB, FE, scale,
         denom = tl.where(total > 0, total, 1.0)
         out = o_prev * (w_prev / denom)[:, None] + out * (w_blk / denom)[:, None]
         lse = tl.where(total > 0, top + tl.log(denom), float("-inf"))
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=in_q[:, None])
+    if ORDERED:   # a row's last block: its result, in FO's dtype (no float32 copy converted after)
+        done = tl.load(LAST + rows, mask=in_q, other=-1) == number
+        fo_ptrs = FO + b * sfb + h * sfh + rows[:, None] * sfs + dims[None, :]
+        tl.store(fo_ptrs, out.to(FO.dtype.element_ty), mask=(in_q & done)[:, None])
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(in_q & ~done)[:, None])
+    else:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=in_q[:, None])
     tl.store(l_ptrs, lse, mask=in_q)
 
 
@@ -326,11 +337,16 @@ def _check(q, k, v, mask):
             raise ValueError("the triton masked kernel needs the last dim contiguous")
 
 
-def masked_forward(q, k, v, mask, scale, out=None, lse=None, accumulate=False):
+def masked_forward(q, k, v, mask, scale, out=None, lse=None, accumulate=False, order=None, final_out=None):
     """(out, lse) of attention under ``mask`` (a ``KeyMask`` on q's device). With ``out``/``lse`` given
     (float32 running results, e.g. views of some rows of a ring's accumulators, last dims contiguous) and
     ``accumulate=True`` the block is merged into them inside the kernel — a packed ring step then needs no
-    separate merge launch (a row this block leaves empty keeps what it held)."""
+    separate merge launch (a row this block leaves empty keeps what it held).
+
+    ``order = (first, last, number)`` with ``final_out`` (a packed ring, ``distlab.cp.ring_packed.StepBlocks``):
+    this is block ``number``; ``first``/``last`` (int32, one per query row) number each row's first and last
+    block. A row starts at its first block (``out``/``lse`` need no fill) and its merged result goes to
+    ``final_out`` (q's shape, any float dtype) at its last, instead of to ``out``; returns ``(final_out, lse)``."""
     _check(q, k, v, mask)
     if k.stride() != v.stride():   # the kernel walks K and V with one set of strides (a fused QKV's views differ)
         k, v = k.contiguous(), v.contiguous()
@@ -345,15 +361,26 @@ def masked_forward(q, k, v, mask, scale, out=None, lse=None, accumulate=False):
             or lse.stride(-1) != 1 or (accumulate and out.dtype != torch.float32):
         raise ValueError(f"out must be {tuple(q.shape)} (float32 to accumulate) and lse float32 {(b, h, sq)}, last "
                          f"dims contiguous; got {tuple(out.shape)} {out.dtype} and {tuple(lse.shape)} {lse.dtype}")
+    first = last = None
+    number, fo_strides = 0, (0, 0, 0)
+    if order is not None:
+        first, last, number = order
+        if not accumulate or final_out is None or final_out.shape != q.shape or final_out.stride(-1) != 1 \
+                or any(t.shape != (sq,) or t.dtype != torch.int32 or t.stride(0) != 1 for t in (first, last)):
+            raise ValueError(f"order=(first, last, number) needs accumulate=True, final_out {tuple(q.shape)} with a "
+                             f"contiguous last dim, and first/last contiguous int32 ({sq},)")
+        fo_strides = final_out.stride()[:3]
     kb, ke = key_ranges(mask, bm)
     fb, fe = full_key_ranges(mask, bm)
     lo, hi, kpos = mask.q_lo.contiguous(), mask.q_hi.contiguous(), mask.k_pos.contiguous()
     grid = (cdiv(sq, bm), b * h)
-    launch_keyed(_FWD, grid, (q, k, v, out, lse, lo, hi, kpos, kb, ke, fb, fe),
-                 (scale, *q.stride()[:3], *k.stride()[:3], *out.stride()[:3], *lse.stride()[:2], sq, h, h // k.shape[2]),
-                 dict(BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), ACCUMULATE=accumulate, num_warps=warps,
-                      num_stages=stages))
-    return out, lse
+    launch_keyed(_FWD, grid, (q, k, v, out, lse, lo, hi, kpos, kb, ke, fb, fe, final_out if order else None, first,
+                              last),
+                 (scale, *q.stride()[:3], *k.stride()[:3], *out.stride()[:3], *lse.stride()[:2], *fo_strides, sq, h,
+                  h // k.shape[2], number),
+                 dict(BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), ACCUMULATE=accumulate,
+                      ORDERED=order is not None, num_warps=warps, num_stages=stages))
+    return (final_out if order is not None else out), lse
 
 
 def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None, dk_acc=None, dv_acc=None):
