@@ -201,22 +201,28 @@ def _accumulate(acc, part, index, like, dtype):
     return acc
 
 
-def _triton_block_backward(dq, dout, q, k, v, back_rows, rows, cols, causal, scale, received=None):
+def _triton_block_backward(dq, dout, q, k, v, back_rows, rows, cols, causal, scale, received=None, row_views=None):
     """The ``triton`` backend's block backward: dQ added into the float32 ``dq`` inside its kernel (written at
     step 0, whose block covers every row, so ``dq`` starts unfilled), the backward rows (delta, exp2 LSE)
     computed once per ring backward — no per-step conversions. dK/dV: at step 0 written in float32 into new
     step accumulators (zeros where the block has no keys; a step has at
     most one block); at a later step added into the accumulator ``received`` from the previous rank, whose
     wait comes after this step's kernels are launched (with split groups, the partials' sum adds into it).
-    Returns the step's (dK, dV)."""
+    ``row_views``: a dict kept for one ring backward, holding the row views of a row range once made (the
+    zigzag steps after the first share one range). Returns the step's (dK, dV)."""
     from distlab.kernels.triton_attention_backward import flash_backward
 
     all_rows, all_cols = rows == slice(0, q.shape[1]), cols == slice(0, k.shape[1])
     if all_rows:   # no views where a block takes every row or key (each view is a microsecond or two of host)
         common = dict(rows=back_rows, dq_acc=dq)
     else:
-        common = dict(rows=(back_rows[0][:, :, rows], back_rows[1][:, :, rows]), dq_acc=dq[:, rows])
-        dout, q = dout[:, rows], q[:, rows]
+        views = row_views.get((rows.start, rows.stop)) if row_views is not None else None
+        if views is None:
+            views = (back_rows[0][:, :, rows], back_rows[1][:, :, rows], dq[:, rows], dout[:, rows], q[:, rows])
+            if row_views is not None:
+                row_views[(rows.start, rows.stop)] = views
+        common = dict(rows=views[:2], dq_acc=views[2])
+        dout, q = views[3], views[4]
     k_shape = k.shape
     if not all_cols:
         k, v = k[:, cols], v[:, cols]
@@ -244,7 +250,7 @@ def _triton_block_backward(dq, dout, q, k, v, back_rows, rows, cols, causal, sca
 def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend):
     s = q.shape[1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dq, kv, dkv_pending, back_rows = None, (k, v), None, None
+    dq, kv, dkv_pending, back_rows, row_views = None, (k, v), None, None, {}
     if backend == "triton":
         from distlab.kernels.triton_attention_backward import backward_rows
 
@@ -258,7 +264,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
         for rows, cols, blk_causal in ring_blocks(src, ring.rank, s, causal, layout):
             if back_rows is not None:   # a later step adds into the received accumulator (then no wait below)
                 dk_blk, dv_blk = _triton_block_backward(dq, dout, q, *kv, back_rows, rows, cols, blk_causal, scale,
-                                                        received=dkv_pending)
+                                                        received=dkv_pending, row_views=row_views)
                 dkv_pending = None
                 continue
             with phase("ring.block_backward"):

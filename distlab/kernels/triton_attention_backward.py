@@ -20,16 +20,19 @@ after their dQ, no extra launch) or ``kernel`` (one launch of its own).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from distlab import knobs
-from distlab.kernels.launch import CachedLaunch, cdiv, launch_keyed
-from distlab.kernels.triton_attention import (LOG2E, _descriptor, _kv_tile, _last_contiguous, _precision, _tile_descriptors,
-                                      _tma_fits, _visible, check_triton_inputs, pdl_enabled, tile_config)
+from distlab.kernels.launch import CachedLaunch, cdiv, launch_keyed, tensor_key
+from distlab.kernels.triton_attention import (LOG2E, _descriptor, _fast_descriptor, _kv_tile, _last_contiguous,
+                                              _layout, _precision, _tma_fits, _visible, check_triton_inputs,
+                                              pdl_enabled, tile_config, tma_kernels)
 
 DQ_MODES = ("kernel", "atomic", "tma-reduce")   # DISTLAB_TRITON_ATTN_DQ_MODE (see the module doc)
 
@@ -292,91 +295,182 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
     that returns the float32 views dK/dV are *added* to (the accumulator this rank receives for the block),
     called after this step's dK/dV kernel is launched, so the wait for it comes after that compute (and after
     the dQ kernel too, but for split groups summed by the dQ kernel, ``SPLIT_SUM=dq``); with split groups the
-    partials are summed straight into them (no separate add)."""
-    check_triton_inputs(q, k, v, causal)
+    partials are summed straight into them (no separate add).
+
+    Host cost (#24): as the forward, everything that follows from shapes, strides, dtypes, alignment, flags
+    and knobs — checks, tiles, split groups, grids, integer arguments — is a ``_BackwardPlan`` kept per such
+    key; a known key allocates, and calls the two compiled kernels' launchers."""
     q, k, v, dout = _last_contiguous(q, k, v, dout)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    sig = tensor_key   # shape, strides, dtype, pointer alignment
+    key = (sig(q), sig(k), sig(v), sig(dout), rows is None or (sig(rows[0]), sig(rows[1])), sig(dq_acc), sig(dk_out),
+           sig(dv_out), dkv_into is not None, dq_add, causal, scale, split_groups, q.device, knobs.generation())
+    plan = _BACKWARD_PLANS.get(key)
+    if plan is None:
+        plan = _backward_plan(q, k, v, dout, causal, scale, split_groups, rows, dq_acc, dk_out, dv_out, dkv_into,
+                              dq_add)
+        if len(_BACKWARD_PLANS) >= 4096:
+            _BACKWARD_PLANS.clear()
+        _BACKWARD_PLANS[key] = plan
+    delta, lse2 = rows if rows is not None else backward_rows(dout, out, lse)
+    device = q.device
+    dq = dq_acc if dq_acc is not None else torch.empty(q.shape, dtype=q.dtype, device=device)
+    dk = dk_out if dk_out is not None or plan.dkv_dtype is None else torch.empty(k.shape, dtype=plan.dkv_dtype,
+                                                                                device=device)
+    dv = dv_out if dv_out is not None or plan.dkv_dtype is None else torch.empty(v.shape, dtype=plan.dkv_dtype,
+                                                                                device=device)
+    if plan.splits > 1:   # float32 partial sums per q head, added up below
+        dk_part = torch.empty(plan.part_shape, dtype=torch.float32, device=device)
+        dv_part = torch.empty(plan.part_shape, dtype=torch.float32, device=device)
+    else:
+        dk_part, dv_part = dk, dv
+    if not plan.atomic:
+        dq_sum = dq
+    else:   # atomics add into a float32 dQ: the ring's accumulator itself, or a zeroed one
+        dq_sum = dq_acc if dq_acc is not None else torch.zeros(q.shape, dtype=torch.float32, device=device)
+        if dq_acc is not None and not dq_add:
+            dq_sum.zero_()
+    dqd = _descriptor(dq_sum, plan.dkv_constexprs["BLOCK_M"]) if plan.atomic == 2 else dq_sum
+    qd, dod = (_fast_descriptor(q, *plan.dkv_tma[0]), _fast_descriptor(dout, *plan.dkv_tma[1])) if plan.dkv_tma \
+        else (q, dout)
+    _DKDV(plan.dkv_key, plan.dkv_grid, (q, k, v, dout, qd, dod, dqd, lse2, delta, dk_part, dv_part, dq_sum,
+                                        *plan.dkv_scalars), plan.dkv_constexprs)
+    if plan.sum_splits_launch:   # one launch sums the partials
+        _sum_splits(dk_part, dv_part, dk, dv, plan.splits, add=False)
+    if plan.atomic:
+        dq = dq_sum if dq_acc is not None else dq_sum.to(q.dtype)
+    else:
+        kd, vd = (_fast_descriptor(k, *plan.dq_tma[0]), _fast_descriptor(v, *plan.dq_tma[1])) if plan.dq_tma \
+            else (k, v)
+        # split partials: summed into dK/dV (a later ring step: added into the received accumulators) by the
+        # dQ kernel's programs after their dQ (DISTLAB_TRITON_ATTN_SPLIT_SUM=dq, the default: W8 ring rank at
+        # S8192 f+b 0.902 -> 0.854 ms on the H200, ring15) or by their own launch (kernel). With dq a ring
+        # step's wait for the received accumulator comes before the dQ launch instead of after it
+        dq_key, acc_strides = plan.dq_key, plan.acc_strides
+        if not plan.in_dq:
+            acc_k = acc_v = dq
+        elif dkv_into is None:
+            acc_k, acc_v = dk, dv
+        else:
+            acc_k, acc_v = _received(dkv_into, k, v)
+            acc_strides = (*acc_k.stride()[:3], *acc_v.stride()[:3])
+            dq_key = (dq_key, acc_strides, acc_k.data_ptr() % 16, acc_v.data_ptr() % 16)
+        _DQ(dq_key, plan.dq_grid, (q, k, v, kd, vd, dout, lse2, delta, dq, dk_part, dv_part, acc_k, acc_v,
+                                   *plan.dq_scalars, *acc_strides), plan.dq_constexprs)
+        if plan.in_dq and dkv_into is not None:
+            return dq, acc_k, acc_v
+    if dkv_into is None:
+        return dq, dk, dv
+    acc_k, acc_v = _received(dkv_into, k, v)   # e.g. the ring's wait for the accumulator it receives
+    if plan.splits > 1:                 # the partials summed straight into the accumulators
+        _sum_splits(dk_part, dv_part, acc_k, acc_v, plan.splits, add=True)
+    else:
+        acc_k.add_(dk)
+        acc_v.add_(dv)
+    return dq, acc_k, acc_v
+
+
+class _BackwardPlan(NamedTuple):
+    splits: int            # dK/dV programs per kv head (q heads per program: groups / splits)
+    dkv_dtype: object      # dtype of the dK/dV this call allocates (None: it allocates none)
+    part_shape: tuple      # the float32 per-q-head partials, when splits > 1
+    atomic: int            # DQ_MODES index: 0 the dQ kernel, 1 pointer atomics, 2 TMA reduce-add
+    sum_splits_launch: bool
+    dkv_key: tuple         # CachedLaunch keys
+    dkv_grid: tuple
+    dkv_scalars: tuple
+    dkv_tma: tuple         # (q's, dO's descriptor layout) or ()
+    dkv_constexprs: dict
+    in_dq: bool            # the dQ kernel's programs sum the split partials
+    dq_key: tuple
+    dq_grid: tuple
+    dq_scalars: tuple      # the dQ kernel's arguments up to the accumulators' strides
+    acc_strides: tuple     # those strides, unless they come with a received accumulator
+    dq_tma: tuple
+    dq_constexprs: dict
+
+
+_BACKWARD_PLANS: dict = {}
+_PLAN_IDS = itertools.count()
+
+
+def _backward_plan(q, k, v, dout, causal, scale, split_groups, rows, dq_acc, dk_out, dv_out, dkv_into, dq_add):
+    """Check a backward call and compute everything its launches need that does not depend on the data."""
+    check_triton_inputs(q, k, v, causal)
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    if dout.shape != q.shape or dout.dtype != q.dtype:
+        raise ValueError(f"dout must be {tuple(q.shape)} {q.dtype}; got {tuple(dout.shape)} {dout.dtype}")
     for name, t, shape in (("dq_acc", dq_acc, q.shape), ("dk_out", dk_out, k.shape), ("dv_out", dv_out, v.shape)):
         if t is not None and (t.shape != shape or t.dtype != torch.float32 or t.stride(-1) != 1):
             raise ValueError(f"{name} must be float32 {tuple(shape)} with a contiguous last dim; got "
                              f"{tuple(t.shape)} {t.dtype}")
-    mode, env, split_sum = _backward_knobs(knobs.generation())
-    delta, lse2 = rows if rows is not None else backward_rows(dout, out, lse)
-    if delta.stride() != lse2.stride() or delta.stride(-1) != 1:
-        raise ValueError("the backward rows (delta, lse2) must share strides, rows contiguous")
-    dq = dq_acc if dq_acc is not None else torch.empty_like(q)
     if dkv_into is not None and (dk_out is not None or dv_out is not None):
         raise ValueError("give dkv_into or dk_out/dv_out, not both")
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
+    if (dk_out is None) != (dv_out is None):
+        raise ValueError("give dk_out and dv_out together")
+    mode, env, split_sum = _backward_knobs(knobs.generation())
+    if rows is not None:
+        delta, lse2 = rows
+        if delta.shape != (b, h, sq) or lse2.shape != delta.shape or delta.stride() != lse2.stride() \
+                or delta.stride(-1) != 1:
+            raise ValueError(f"the backward rows (delta, lse2) must be {(b, h, sq)}, share strides, rows contiguous")
+        row_strides = delta.stride()[:2]
+    else:   # backward_rows: new, contiguous
+        row_strides = (h * sq, sq)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
     bm, bn, warps, stages = tile_config("DKV" if rows is None else "DKV_RING", q.device, d)
     groups, tiles = h // hk, cdiv(sk, bn)
     if split_groups is None:   # env: DISTLAB_TRITON_ATTN_SPLIT_GROUPS = auto (default), 0 or 1 forces it
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
         split_groups = groups > 1 and (env == "1" or (env == "auto" and tiles * b * hk < sms))
     splits = groups if split_groups else 1
-    if dkv_into is None or splits == 1:   # with dkv_into: float32, added into the accumulators after
-        f32 = dict(dtype=torch.float32) if dkv_into is not None else {}
-        dk = dk_out if dk_out is not None else torch.empty_like(k, **f32)
-        dv = dv_out if dv_out is not None else torch.empty_like(v, **f32)
-    else:                                 # the partials are summed straight into the accumulators
-        dk = dv = None
-    if splits > 1:   # float32 partial sums per q head, added up below
-        dk_part = torch.empty(b, sk, hk * splits, d, dtype=torch.float32, device=q.device)
-        dv_part = torch.empty_like(dk_part)
+    # dK/dV this call allocates: none when given, or with dkv_into and split partials (summed into those)
+    if dk_out is not None:
+        dkv_dtype, dk_strides, dv_strides = None, dk_out.stride()[:3], dv_out.stride()[:3]
+    elif dkv_into is None or splits == 1:   # with dkv_into: float32, added into the accumulators after
+        dkv_dtype = torch.float32 if dkv_into is not None else k.dtype
+        dk_strides = dv_strides = (sk * hk * d, hk * d, d)
     else:
-        dk_part, dv_part = dk, dv
-    if mode == "kernel":
-        dq_sum = dq
-    else:   # atomics add into a float32 dQ: the ring's accumulator itself, or a zeroed one
-        dq_sum = dq_acc if dq_acc is not None else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        if dq_acc is not None and not dq_add:
-            dq_sum.zero_()
-    # the interpreter has no TMA reduce: pointer atomics there (the GPU tests check the reduce-adds)
-    atomic = DQ_MODES.index(mode) if mode != "tma-reduce" or (q.is_cuda and _tma_fits(dq_sum)) else 1
-    dqd = _descriptor(dq_sum, bm) if atomic == 2 else dq_sum
+        dkv_dtype, dk_strides, dv_strides = None, None, None
+    part_shape = (b, sk, hk * splits, d)
+    # what the dK/dV kernel writes: dK/dV, or the split partials
+    part_strides = (sk * hk * splits * d, hk * splits * d, d) * 2 if splits > 1 else (*dk_strides, *dv_strides)
+    dq_strides = dq_acc.stride()[:3] if dq_acc is not None else (sq * h * d, h * d, d)
+    atomic = 0 if mode == "kernel" else 1
+    if mode == "tma-reduce":   # the interpreter has no TMA reduce: pointer atomics there (the GPU tests check them)
+        dq_sum = dq_acc if dq_acc is not None else torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        atomic = 2 if q.is_cuda and _tma_fits(dq_sum) else 1
     # a ring step (rows given, computed by an earlier launch) runs its kernels as programmatic dependents
     pdl = {"launch_pdl": True} if rows is not None and q.is_cuda and pdl_enabled(q.device) else {}
-    qd, dod, tma = _tile_descriptors("dkv", q, dout, bm)
-    launch_keyed(_DKDV, (b * hk * splits, tiles), (q, k, v, dout, qd, dod, dqd, lse2, delta, dk_part, dv_part, dq_sum),
-                 (sq, sk, h, groups, groups // splits, scale * LOG2E, scale, delta.stride(0), delta.stride(1), *strides,
-                  *dk_part.stride()[:3], *dv_part.stride()[:3], *dq_sum.stride()[:3]),
-                 dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), ATOMIC_DQ=atomic, TMA=tma,
-                      PDL=bool(pdl), num_warps=warps, num_stages=stages, **pdl))
-    if splits > 1 and dkv_into is None and (atomic or split_sum == "kernel"):   # one launch sums the partials
-        _sum_splits(dk_part, dv_part, dk, dv, splits, add=False)
-    if atomic:
-        dq = dq_sum if dq_acc is not None else dq_sum.to(q.dtype)
+    dkv_tma = ("dkv" in tma_kernels() and _tma_fits(q, dout))
+    plan_id = next(_PLAN_IDS)
+    dkv = dict(dkv_key=("dkv", plan_id), dkv_grid=(b * hk * splits, tiles),
+               dkv_scalars=(sq, sk, h, groups, groups // splits, scale * LOG2E, scale, *row_strides, *strides,
+                            *part_strides, *dq_strides),
+               dkv_tma=(_layout(q, bm), _layout(dout, bm)) if dkv_tma else (),
+               dkv_constexprs=dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), ATOMIC_DQ=atomic,
+                                   TMA=dkv_tma, PDL=bool(pdl), num_warps=warps, num_stages=stages, **pdl))
+    sum_splits_launch = splits > 1 and dkv_into is None and bool(atomic or split_sum == "kernel")
+    in_dq = not atomic and splits > 1 and split_sum == "dq"
+    bm, bn, warps, stages = tile_config("DQ" if rows is None else "DQ_RING", q.device, d)
+    dq_tma = "dq" in tma_kernels() and _tma_fits(k, v)
+    grid = (b * h, cdiv(sq, bm))
+    if not in_dq:
+        acc_strides = (*dq_strides, *dq_strides)
+    elif dkv_into is None:
+        acc_strides = (*dk_strides, *dv_strides)
     else:
-        bm, bn, warps, stages = tile_config("DQ" if rows is None else "DQ_RING", q.device, d)
-        kd, vd, tma = _tile_descriptors("dq", k, v, bn)
-        grid = (b * h, cdiv(sq, bm))
-        # split partials: summed into dK/dV (a later ring step: added into the received accumulators) by the
-        # dQ kernel's programs after their dQ (DISTLAB_TRITON_ATTN_SPLIT_SUM=dq, the default: W8 ring rank at
-        # S8192 f+b 0.902 -> 0.854 ms on the H200, ring15) or by their own launch (kernel). With dq a ring
-        # step's wait for the received accumulator comes before the dQ launch instead of after it
-        in_dq = splits > 1 and split_sum == "dq"
-        acc_k, acc_v = (_received(dkv_into, k, v) if dkv_into is not None else (dk, dv)) if in_dq else (dq, dq)
-        rows_per_program = cdiv(cdiv(b * sk * hk, grid[0] * grid[1]), 16) * 16
-        launch_keyed(_DQ, grid, (q, k, v, kd, vd, dout, lse2, delta, dq, dk_part, dv_part, acc_k, acc_v),
-                     (sq, sk, h, h // hk, scale * LOG2E, scale, delta.stride(0), delta.stride(1), *strides,
-                      *dq.stride()[:3], b * sk * hk, rows_per_program, *acc_k.stride()[:3], *acc_v.stride()[:3]),
-                     dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), TMA=tma,
-                          DQ_ADD=dq_acc is not None and dq_add, PDL=bool(pdl), SUM_SPLITS=splits if in_dq else 0,
-                          SUM_ROWS=16, SUM_ADD=dkv_into is not None, num_warps=warps, num_stages=stages, **pdl))
-        if in_dq and dkv_into is not None:
-            return dq, acc_k, acc_v
-    if dkv_into is None:
-        return dq, dk, dv
-    acc_k, acc_v = _received(dkv_into, k, v)   # e.g. the ring's wait for the accumulator it receives
-    if splits > 1:                 # the partials summed straight into the accumulators
-        _sum_splits(dk_part, dv_part, acc_k, acc_v, splits, add=True)
-    else:
-        acc_k.add_(dk)
-        acc_v.add_(dv)
-    return dq, acc_k, acc_v
+        acc_strides = ()   # the received accumulator's, at the call
+    rows_per_program = cdiv(cdiv(b * sk * hk, grid[0] * grid[1]), 16) * 16
+    return _BackwardPlan(
+        splits, dkv_dtype, part_shape, atomic, sum_splits_launch, **dkv, in_dq=in_dq, dq_key=("dq", plan_id),
+        dq_grid=grid, dq_scalars=(sq, sk, h, groups, scale * LOG2E, scale, *row_strides, *strides, *dq_strides,
+                                  b * sk * hk, rows_per_program),
+        acc_strides=acc_strides, dq_tma=(_layout(k, bn), _layout(v, bn)) if dq_tma else (),
+        dq_constexprs=dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), TMA=dq_tma,
+                           DQ_ADD=dq_acc is not None and dq_add, PDL=bool(pdl), SUM_SPLITS=splits if in_dq else 0,
+                           SUM_ROWS=16, SUM_ADD=dkv_into is not None, num_warps=warps, num_stages=stages, **pdl))
 
 
 @functools.lru_cache(maxsize=8)
