@@ -182,7 +182,8 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
         for step in steps:
             with phase("ring.wait"):
                 k_s, v_s = kv.get(step)
-            blocks += [(step, i, rows, k_s[:, cols], v_s[:, cols], blk_causal)
+            whole = slice(0, k_s.shape[1])   # a block of every key takes K/V as they are (a view costs µs)
+            blocks += [(step, i, rows, *((k_s, v_s) if cols == whole else (k_s[:, cols], v_s[:, cols])), blk_causal)
                        for i, (rows, cols, blk_causal) in enumerate(schedule[step])]
         if final is not None and blocks:
             out, lse = _triton_blocks_into(out, lse, final, q, blocks, schedule, scale, later)

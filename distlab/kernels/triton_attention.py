@@ -385,16 +385,19 @@ def flash_forward_blocks(q, blocks, softmax_scale=None, out=None, lse=None, accu
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if scale < 0:   # the kernel takes a row's max before scaling (one FMA per score): keep the scale positive
         q, scale = -q, -scale
-    if out is None:
+    sig = tensor_key   # shape, strides, dtype, pointer alignment: what the plan and Triton's binding read
+    if out is None:    # new out and lse: their strides follow from q's, their pointers are aligned
         if accumulate:
             raise ValueError("accumulate=True needs the running out and lse")
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+        outs = None
+    else:
+        outs = (sig(out), sig(lse))
     fo = final_out if final_out is not None else out
-    sig = tensor_key   # shape, strides, dtype, pointer alignment: what the plan and Triton's binding read
-    key = (sig(q), tuple((lo, hi, sig(kb), sig(vb), c) for lo, hi, kb, vb, c in blocks), scale, sig(out), sig(lse),
-           sig(fo), final_out is not None, tuple(final_rows) if final_rows is not None else None, accumulate,
-           q.device, knobs.generation())
+    key = (sig(q), tuple([(lo, hi, sig(kb), sig(vb), c) for lo, hi, kb, vb, c in blocks]), scale, outs,
+           None if final_out is None else (sig(final_out), final_rows and tuple(final_rows)), accumulate, q.device,
+           knobs.generation())
     plan = _FORWARD_PLANS.get(key)
     if plan is None:
         plan = _forward_plan(q, blocks, scale, out, lse, accumulate, final_out, final_rows)
