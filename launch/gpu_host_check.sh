@@ -6,6 +6,7 @@
 #                                                  # the replayed forward, host_cost, the W=8 ring rank wall/GPU
 #   bash launch/gpu_host_check.sh OUTDIR verify    # no FA4: the kernel checks (bf16) with the cached launch and in
 #                                                  # check mode, host_cost, the Triton ring rank's wall clock
+#                                                  # (and with DISTLAB_TRITON_ATTN_SPLIT_SUM=kernel beside it)
 # With the FA4 carry, part `kernels` goes with call 1 (carry .fa4-a: mkdir -p /opt/fa4 && tar -xJf
 # .fa4-a/ir.tar.xz -C /opt/fa4 && bash launch/gpu_host_check.sh $OUT kernels) and part `timing` with call 2
 # (carry .fa4-b: tar -xJf .fa4-b/rest.tar.xz -C /opt/fa4 && bash launch/gpu_host_check.sh $OUT timing).
@@ -35,6 +36,9 @@ elif [ "$part" = verify ]; then
   LIMIT=80 TAIL=20 run host_cost $py -m distlab.kernels.host_cost --rounds 3 --json "$out/host_cost.json"
   LIMIT=90 TAIL=8 run emulate $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend triton --iters 10 \
       --wall --json "$out/emulate_wall.json"
+  # A/B of a later backward step's dK/dV added by the dQ kernel (default) against two add_ after it
+  LIMIT=60 TAIL=6 run emulate_sum_kernel env DISTLAB_TRITON_ATTN_SPLIT_SUM=kernel $py -m distlab.cp.emulate --world 8 \
+      --seq 32768 --backend triton --iters 10 --wall --json "$out/emulate_wall_sum_kernel.json"
   LIMIT=40 TAIL=4 run infer_bfloat16_eager $py -m distlab.infer --config small --steps 64 --dtype bfloat16 \
       --json "$out/infer_bfloat16_eager.json"
 else

@@ -83,8 +83,9 @@ def check_attention(device, dtype, big=False):
         if h > hk:   # a later ring step: dK/dV added into the float32 accumulators it received (dkv_into)
             received = [0.1 * rand(b, sk, hk, d, dtype=torch.float32, device=device, seed=7 + j) for j in range(2)]
             want = [r.double() + g for r, g in zip(received, grads[1:])]
-            # per kv head: one add; split: the partials summed by the dQ kernel's programs or their own launch
-            for split, split_sum in ((False, "dq"), (True, "dq"), (True, "kernel")):
+            # per kv head and split: added (split: the partials summed) by the dQ kernel's programs, or after
+            # (per kv head: two add_; split: the sum's own launch)
+            for split, split_sum in ((False, "dq"), (False, "kernel"), (True, "dq"), (True, "kernel")):
                 knobs.set(TRITON_ATTN_SPLIT_SUM=split_sum, TRITON_ATTN_DQ_MODE="kernel",
                                   TRITON_ATTN_TMA="fwd")
                 acc = [r.clone() for r in received]

@@ -13,8 +13,9 @@ it into a float32 dQ in place (a ring step). ``DISTLAB_TRITON_ATTN_DQ_MODE``: ``
 matmuls per tile pair), ``atomic`` (the dK/dV kernel adds each tile's dQ share into a float32 buffer with
 pointer atomics: 5 matmuls; 10% slower on the H200) or ``tma-reduce`` (the same with one TMA reduce-add
 per tile: 13% slower). ``DISTLAB_TRITON_ATTN_SPLIT_SUM``: where the per-q-head dK/dV partials are summed into
-dK/dV (a later ring step: into the accumulator it received): ``dq`` (default: by the dQ kernel's programs
-after their dQ, no extra launch) or ``kernel`` (one launch of its own).
+dK/dV, and where a later ring step adds its dK/dV into the accumulator it received: ``dq`` (default: by the
+dQ kernel's programs after their dQ, no extra launch) or ``kernel`` (a launch of its own: the split sum's
+kernel, or two ``add_`` without split groups).
 """
 
 from __future__ import annotations
@@ -294,8 +295,8 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
     three back. Instead of ``dk_out``/``dv_out``, a later ring step passes ``dkv_into``: a callable
     that returns the float32 views dK/dV are *added* to (the accumulator this rank receives for the block),
     called after this step's dK/dV kernel is launched, so the wait for it comes after that compute (and after
-    the dQ kernel too, but for split groups summed by the dQ kernel, ``SPLIT_SUM=dq``); with split groups the
-    partials are summed straight into them (no separate add).
+    the dQ kernel too, but not with ``SPLIT_SUM=dq``, the default, where the dQ kernel's programs add the
+    step's dK/dV, or the sum of its split partials, into them after their dQ: no separate launch).
 
     Host cost (#24): as the forward, everything that follows from shapes, strides, dtypes, alignment, flags
     and knobs — checks, tiles, split groups, grids, integer arguments — is a ``_BackwardPlan`` kept per such
@@ -344,8 +345,9 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
             else (k, v)
         # split partials: summed into dK/dV (a later ring step: added into the received accumulators) by the
         # dQ kernel's programs after their dQ (DISTLAB_TRITON_ATTN_SPLIT_SUM=dq, the default: W8 ring rank at
-        # S8192 f+b 0.902 -> 0.854 ms on the H200, ring15) or by their own launch (kernel). With dq a ring
-        # step's wait for the received accumulator comes before the dQ launch instead of after it
+        # S8192 f+b 0.902 -> 0.854 ms on the H200, ring15) or by their own launch (kernel); a later ring
+        # step's unsplit dK/dV likewise (one "split"; not yet timed on the H200: kernel = two add_ after). With
+        # dq a ring step's wait for the received accumulator comes before the dQ launch instead of after it
         dq_key, acc_strides = plan.dq_key, plan.acc_strides
         if not plan.in_dq:
             acc_k = acc_v = dq
@@ -381,7 +383,7 @@ class _BackwardPlan(NamedTuple):
     dkv_scalars: tuple
     dkv_tma: tuple         # (q's, dO's descriptor layout) or ()
     dkv_constexprs: dict
-    in_dq: bool            # the dQ kernel's programs sum the split partials
+    in_dq: bool            # the dQ kernel's programs sum the split partials (or add dK/dV into dkv_into's)
     dq_key: tuple
     dq_grid: tuple
     dq_scalars: tuple      # the dQ kernel's arguments up to the accumulators' strides
@@ -452,7 +454,9 @@ def _backward_plan(q, k, v, dout, causal, scale, split_groups, rows, dq_acc, dk_
                dkv_constexprs=dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), ATOMIC_DQ=atomic,
                                    TMA=dkv_tma, PDL=bool(pdl), num_warps=warps, num_stages=stages, **pdl))
     sum_splits_launch = splits > 1 and dkv_into is None and bool(atomic or split_sum == "kernel")
-    in_dq = not atomic and splits > 1 and split_sum == "dq"
+    # the dQ kernel's programs sum the split partials into dK/dV, or add a later ring step's dK/dV (one
+    # "split") into the accumulators it received: no launch of their own (SPLIT_SUM=kernel: one)
+    in_dq = not atomic and split_sum == "dq" and (splits > 1 or dkv_into is not None)
     bm, bn, warps, stages = tile_config("DQ" if rows is None else "DQ_RING", q.device, d)
     dq_tma = "dq" in tma_kernels() and _tma_fits(k, v)
     grid = (b * h, cdiv(sq, bm))
