@@ -107,6 +107,37 @@ def test_forward_takes_tma_descriptors_for_launches_with_enough_work():
     assert [tma(*small, "fwd"), tma(*big, "0")] == [True, False]
 
 
+def test_backward_plan_is_kept_per_shape_strides_alignment_and_flags():
+    """The backward's host plan (#24) is found again for a call like an earlier one and made anew when
+    anything Triton or the integer arguments read differs: strides, a pointer's 16-byte alignment, a flag,
+    a knob. Launches skipped (CPU tensors, no interpreter); the plan's numbers are checked by the parity runs."""
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    from distlab.kernels import triton_attention_backward as tab
+
+    base = torch.zeros(1, 65, 4, 32)
+    q, k = base[:, :64], torch.zeros(1, 64, 2, 32)
+    out, lse = torch.zeros_like(q), torch.zeros(1, 4, 64)
+    tab._BACKWARD_PLANS.clear()
+    with knobs.override(TRITON_LAUNCH="skip"):
+        def plans(*args, **kw):
+            tab.flash_backward(*args, **kw)
+            return len(tab._BACKWARD_PLANS)
+
+        assert plans(q, q, k, k, out, lse, True) == 1
+        assert plans(q.clone(), q.clone(), k.clone(), k.clone(), out, lse, True) == 1   # same key: found again
+        assert plans(q, q, k, k, out, lse, False) == 2                                   # a flag
+        shifted = base[:, 1:]                                                            # 4·32 floats on: aligned
+        assert plans(shifted, q, k, k, out, lse, True) == 2
+        odd = torch.zeros(1, 64 * 4 * 32 + 1)[:, 1:].view(1, 64, 4, 32)                # off 16-byte alignment
+        assert plans(odd, q, k, k, out, lse, True) == 3
+        wide = torch.zeros(1, 64, 8, 32)[:, :, :4]                                       # other strides
+        assert plans(wide, q, k, k, out, lse, True) == 4
+        with knobs.override(TRITON_ATTN_SPLIT_GROUPS="1"):                               # a knob
+            assert plans(q, q, k, k, out, lse, True) == 5
+        with pytest.raises(ValueError, match="dk_out and dv_out together"):
+            tab.flash_backward(q, q, k, k, out, lse, True, dk_out=torch.zeros(k.shape))
+
+
 class _FakeCompiled:
     function, packed_metadata = "fn", "meta"
 
