@@ -208,7 +208,8 @@ def _triton_block_backward(dq, dout, q, k, v, back_rows, rows, cols, causal, sca
     computed once per ring backward — no per-step conversions. dK/dV: at step 0 written in float32 into new
     step accumulators (zeros where the block has no keys; a step has at
     most one block); at a later step added into the accumulator ``received`` from the previous rank, whose
-    wait comes after this step's kernels are launched (with split groups, the partials' sum adds into it).
+    wait comes after this step's dK/dV kernel is launched (the dQ kernel's programs then add the step's dK/dV,
+    or the sum of its split partials, into it: ``flash_backward``'s ``dkv_into``).
     ``row_views``: a dict kept for one ring backward, holding the row views of a row range once made (the
     zigzag steps after the first share one range). Returns the step's (dK, dV)."""
     from distlab.kernels.triton_attention_backward import flash_backward
