@@ -378,13 +378,67 @@ def check_merge(device, dtype, big=False):
     fin = torch.isfinite(want_l)
     ok = ~torch.isnan(want_o)
     assert (lse[fin] - want_l[fin]).abs().max() < 1e-5 and rel(out[ok], want_o[ok]) < 1e-5
+    check_merge_blocks(device, dtype, big)
     print("OK merge")
+
+
+def check_merge_blocks(device, dtype, big=False):
+    """``lse_merge_blocks_`` (several blocks in one launch, as a ring of cuDNN/FA4 blocks merges) equals
+    ``merge_into`` one block after another: blocks of all rows and of a tail, rows no block sees, empty and
+    NaN/inf rows; into a running result, into new buffers, and into a final output in the block's dtype."""
+    from distlab.kernels.lse_merge import lse_merge_blocks_, merge_into
+
+    b, s, h, d = (2, 45, 3, 16) if not big else (1, 4096, 32, 128)
+    spans = [(0, s), (s // 3, s), (0, s - 5), (s - s // 2, s)]
+
+    def blocks(seed):
+        out = []
+        for i, (lo, hi) in enumerate(spans):
+            bo = rand(b, hi - lo, h, d, dtype=dtype, device=device, seed=seed + 2 * i)
+            bl = rand(b, h, hi - lo, dtype=torch.float32, device=device, seed=seed + 2 * i + 1) + 2.0 * i
+            bl[:, 1, :3] = float("-inf")   # rows this block has no key for (garbage output)
+            bo[:, :3, 1] = float("nan")
+            out.append((bo, bl, lo, hi))
+        return out
+
+    for n in (1, 2, 4):
+        for has_acc in (True, False):
+            for to_final in (False, True):
+                got_o = rand(b, s, h, d, dtype=torch.float32, device=device, seed=11)
+                got_l = rand(b, h, s, dtype=torch.float32, device=device, seed=12)
+                got_l[:, 0, :4], got_o[:, :4, 0] = float("-inf"), 0.0   # rows that saw nothing yet: 0
+                if has_acc:
+                    got_l[:, 2, 7] = got_o[:, 7, 2] = float("nan")   # a row already NaN stays NaN
+                blks = blocks(20 + n)[:n]
+                if n == 4:
+                    blks[3][1][:, 0, 2] = float("inf")   # an infinite score: that row comes out NaN
+                if n == 1 and has_acc:
+                    blks = [(blks[0][0][:, s - 20:], blks[0][1][:, :, s - 20:], s - 20, s)]   # a tail only
+                want_o, want_l = (got_o.clone(), got_l.clone()) if has_acc else (None, None)
+                for bo, bl, lo, hi in blks:
+                    if want_o is None:
+                        want_o = torch.zeros(b, s, h, d, dtype=torch.float32, device=device)
+                        want_l = torch.full((b, h, s), float("-inf"), device=device)
+                    merge_into(want_o, want_l, bo, bl, slice(lo, hi))
+                final = torch.empty(b, s, h, d, dtype=dtype, device=device) if to_final else None
+                res_o, res_l = lse_merge_blocks_(got_o, got_l, blks, has_acc=has_acc, final=final)
+                assert res_o is (final if to_final else got_o) and res_l is got_l
+                # NaN or +inf LSE alike (the reference keeps +inf where a score was infinite; the kernels NaN)
+                assert torch.equal(torch.isfinite(res_l), torch.isfinite(want_l)), (n, has_acc, to_final)
+                assert torch.equal(torch.isneginf(res_l), torch.isneginf(want_l)), (n, has_acc, to_final)
+                assert torch.equal(torch.isnan(res_o), torch.isnan(want_o)), (n, has_acc, to_final)
+                fin, ok = torch.isfinite(want_l), ~torch.isnan(want_o)
+                tol_o = 1e-5 if res_o.dtype == torch.float32 else 1e-2
+                assert (res_l[fin] - want_l[fin]).abs().max() < 1e-5, (n, has_acc, to_final)
+                assert rel(res_o[ok].float(), want_o[ok]) < tol_o, (n, has_acc, to_final, rel(res_o[ok].float(), want_o[ok]))
 
 
 def check_emulate(device, dtype, big=False):
     """One rank's ring schedule on one device (triton backend) equals the rows of full attention it owns:
     the output, and dQ (which depends on those rows' dO only). On a GPU also replayed as a CUDA graph, and
-    with the accumulating forwards launched as programmatic dependents (``DISTLAB_TRITON_ATTN_PDL=1``)."""
+    with the accumulating forwards launched as programmatic dependents (``DISTLAB_TRITON_ATTN_PDL=1``). A
+    backend that cannot accumulate (``torch`` on CPU, ``sdpa-cudnn`` on a GPU) merges its block results
+    four at a time (``lse_merge_blocks_``): a ring of more than four blocks, so two merges."""
     from distlab.cp.emulate import emulate_rank
     from distlab.kernels.attention import attention_backward, attention_forward
 
@@ -395,14 +449,17 @@ def check_emulate(device, dtype, big=False):
     # 0 | 1 | 2 3 | 4 5 6 7); every step in one launch (CPU, W=3: the causal block + two more). On a GPU every
     # combination; on CPU each layout and end rank once, each grouping at least once (tests/test_ring.py runs
     # the groupings on real gloo ranks)
-    cases = [(layout, rank, mode, n) for layout in ("zigzag", "contiguous") for rank in (0, world - 1)
-             for mode in modes for n in (1, 2, 4)]
+    cases = [(layout, rank, mode, n, "triton", world) for layout in ("zigzag", "contiguous")
+             for rank in (0, world - 1) for mode in modes for n in (1, 2, 4)]
+    cases += [("zigzag", 3, modes[0], 1, "sdpa-cudnn", world), ("contiguous", 7, modes[0], 4, "sdpa-cudnn", world)]
     if not big:
-        cases = [("zigzag", 0, modes[0], (world,)), ("zigzag", world - 1, modes[0], 1),
-                 ("contiguous", 0, modes[0], 2), ("contiguous", world - 1, modes[0], (world,))]
-    for layout, rank, (graphs, pdl), n in cases:
+        one = modes[0]
+        cases = [("zigzag", 0, one, (world,), "triton", world), ("zigzag", world - 1, one, 1, "triton", world),
+                 ("contiguous", 0, one, 2, "triton", world), ("contiguous", world - 1, one, (world,), "triton", world),
+                 ("zigzag", 1, one, 1, "torch", 6), ("contiguous", 5, one, 2, "torch", 6)]
+    for layout, rank, (graphs, pdl), n, backend, w in cases:
         knobs.set(TRITON_ATTN_PDL=pdl)
-        res = emulate_rank(world, seq, h, hk, d, rank, layout, True, "triton", dtype, device,
+        res = emulate_rank(w, seq, h, hk, d, rank, layout, True, backend, dtype, device,
                            keep_output=True, graphs=graphs, iters=1, warmup=int(big), steps_per_launch=n)
         q, k, v = (res[x].double() for x in "qkv")
         rows = res["rows"].to(q.device)
@@ -410,7 +467,7 @@ def check_emulate(device, dtype, big=False):
         dout = torch.zeros_like(q)
         dout[:, rows] = res["dout"].double()
         dq = attention_backward(dout, q, k, v, full, lse, True, backend="torch")[0]
-        case = (layout, rank, graphs, pdl, n)
+        case = (layout, rank, graphs, pdl, n, backend, w)
         assert rel(res["out"], full[:, rows]) < tol(dtype) * 2, (case, rel(res["out"], full[:, rows]))
         assert rel(res["dq"], dq[:, rows]) < tol(dtype) * 4, (case, rel(res["dq"], dq[:, rows]))
     knobs.unset("TRITON_ATTN_PDL")

@@ -158,6 +158,25 @@ def test_ring_with_the_triton_kernels_matches_one_device(world):
         pool.close()
 
 
+def test_ring_merging_block_results_four_at_a_time_matches_one_device():
+    """A backend that cannot accumulate (here ``torch``; cuDNN and FA4 on a GPU) holds its block results back
+    and merges them four at a time in one Triton launch, the last merge writing q's dtype
+    (``lse_merge_blocks_``, run by Triton's CPU interpreter): on W=5 real gloo ranks (five blocks: two
+    merges), both layouts, causal and not, GQA, one and two steps a group."""
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    world = 5
+    pool = ProcessGroupPool(world, env={"TRITON_INTERPRET": "1"})
+    try:
+        for layout, causal, n in (("zigzag", True, 1), ("contiguous", True, 2), ("zigzag", False, 1)):
+            for rank, res in enumerate(pool.run(ring_vs_one_device, 4, 2, causal, layout, seq=16 * world,
+                                                head_dim=16, backend="torch", steps_per_launch=n)):
+                for name, err in res["errors"].items():
+                    assert err < 1e-5, f"rank {rank}: {name} rel err {err:.2e} ({layout} causal={causal} n={n})"
+                assert res["dtypes"] == ["torch.float32"] * 4
+    finally:
+        pool.close()
+
+
 def post_and_compute_order(world_causal, steps_per_launch=1):
     """Record the order of K/V exchange posts and block computes inside one forward."""
     import distlab.cp.ring as ring_mod

@@ -14,7 +14,10 @@ first hop travels behind it) and the later steps go in groups of n, the short on
 up to n K/V blocks beyond the current group are in flight, each forwarded as soon as it arrives
 (``comm.RingExchanger.exchange_after``), and the ``triton`` backend computes a group in one kernel launch
 (``distlab.kernels.triton_attention.flash_forward_blocks``, up to four steps): one accumulate epilogue per group and
-a longer key loop, where the step kernels of a short shard lose most of their time.
+a longer key loop, where the step kernels of a short shard lose most of their time. The other backends
+(cuDNN, FA4: no accumulation in their kernels) hold their block results back and merge four at a time in
+one Triton launch (``lse_merge_blocks_``): the float32 running result is read and written once per four
+blocks, not per block, and the last merge writes q's dtype (no conversion after).
 
 Backward: K/V travel the ring again, and so does a float32 (dK, dV) accumulator for the block being
 visited; each rank adds its contribution to it (computed with the *global* out and lse, see
@@ -40,7 +43,7 @@ import torch
 from distlab import comm
 from distlab.cp.documents import Documents, check_call_everywhere
 from distlab.cp.layout import check_layout, shard_positions
-from distlab.kernels.lse_merge import lse_merge_, merge_attention, merge_into
+from distlab.kernels.lse_merge import MERGE_BLOCKS, lse_merge_, merge_attention, merge_into
 from distlab.profiling import phase
 from distlab.kernels.attention import (attention_backward, attention_forward, available_backends, check_qkv,
                                        resolve_backend, triton_runs_on)
@@ -173,6 +176,8 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
     final = torch.empty_like(q) if backend == "triton" else None   # written by each row's last block
     later = later_blocks(schedule) if final is not None else None
     kv = _KVAhead(ring, (k, v))
+    # other backends: block results held back and merged MERGE_BLOCKS at a time (one launch each)
+    pending = [] if final is None and _merges_in_groups(q, backend) else None
     groups = launch_groups(ring.size, steps_per_launch)
     ahead = max(len(g) for g in groups)
     for steps in groups:
@@ -188,8 +193,42 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
         if final is not None and blocks:
             out, lse = _triton_blocks_into(out, lse, final, q, blocks, schedule, scale, later)
         for _, _, rows, k_blk, v_blk, blk_causal in blocks if final is None else ():
-            out, lse = _block_into(out, lse, q, k_blk, v_blk, rows, blk_causal, scale, backend)
+            if pending is None:
+                out, lse = _block_into(out, lse, q, k_blk, v_blk, rows, blk_causal, scale, backend)
+                continue
+            with phase("ring.block"):
+                o, l = attention_forward(q[:, rows], k_blk, v_blk, blk_causal, scale, backend)
+            pending.append((o if o.stride(-1) == 1 else o.contiguous(), l if l.stride(-1) == 1 else l.contiguous(),
+                            rows.start, rows.stop))
+            if len(pending) == MERGE_BLOCKS:
+                out, lse = _merge_pending(out, lse, pending, q, last=False)
+    if pending is not None:
+        return _merge_pending(out, lse, pending, q, last=True)
     return (final if final is not None else out.to(q.dtype)), lse
+
+
+def _merges_in_groups(q, backend) -> bool:
+    """A backend that cannot accumulate (cuDNN, FA4, ...) merges its block results ``MERGE_BLOCKS`` at a time
+    in one Triton launch (``lse_merge_blocks_``), the last merge writing q's dtype: float32 running
+    results, a power-of-two head_dim, Triton running on q's device (CUDA, or the CPU's interpreter)."""
+    d = q.shape[-1]
+    return backend != "triton" and q.dtype != torch.float64 and not d & (d - 1) and triton_runs_on(q.device)
+
+
+def _merge_pending(out, lse, pending, q, last):
+    """Merge the block results held back (``[(o, lse, lo, hi)]``) into the running (out, lse) in one launch,
+    creating them at the first merge; the last merge writes the output in q's dtype. Empties ``pending``."""
+    from distlab.kernels.lse_merge import lse_merge_blocks_
+
+    has_acc = out is not None
+    final = torch.empty_like(q) if last else None
+    if not has_acc:
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+        out = final if last else torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    with phase("ring.merge"):
+        out, lse = lse_merge_blocks_(out, lse, pending, has_acc=has_acc, final=final)
+    pending.clear()
+    return out, lse
 
 
 def _accumulate(acc, part, index, like, dtype):

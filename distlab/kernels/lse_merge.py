@@ -21,17 +21,15 @@ Shapes follow the attention convention: ``out`` ``(batch, seq, heads, head_dim)`
 ``lse_merge_`` is the same rule in one Triton kernel, for backends that cannot accumulate (cuDNN, flash
 SDPA): a ring step's block result is merged into the float32 running ``(out, lse)`` in place, instead of
 about ten elementwise launches. ``out``/``lse`` may be views of some rows of a larger buffer (a zigzag half
-block). One program per (batch, BLOCK rows, head), head_dim wide. The kernel is defined on first use, so
-this file imports without triton.
+block). ``lse_merge_blocks_`` merges up to four block results in one launch (a ring's steps). The kernels
+(``distlab/kernels/triton_lse_merge.py``) are imported on first use, so this file imports without triton.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from distlab.kernels.launch import CachedLaunch, cdiv, knob, launch_keyed, num_warps
+from distlab.kernels.launch import cdiv, knob, launch_keyed, num_warps
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -72,41 +70,11 @@ def merge_into(out, lse, block_out, block_lse, rows: slice | None = None):
     return out, lse
 
 
-# ------------------------------------------------------------------------------------------------ Triton
-@functools.lru_cache(maxsize=1)
 def _kernel():
-    import triton
-    import triton.language as tl
+    """The Triton launches (``distlab.kernels.triton_lse_merge``), imported on first use."""
+    from distlab.kernels import triton_lse_merge
 
-    @triton.jit
-    def _merge_kernel(O, LSE, BO, BLSE, seq, heads, sob, sos, soh, slb, slh, sbb, sbs, sbh, sblb, sblh,
-                      BLOCK: tl.constexpr, D: tl.constexpr):
-        bh = tl.program_id(1)
-        b, h = bh // heads, bh % heads
-        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        offs_d = tl.arange(0, D)
-        in_rows = rows < seq
-        lse = tl.load(LSE + b * slb + h * slh + rows, mask=in_rows, other=float("-inf"))
-        blse = tl.load(BLSE + b * sblb + h * sblh + rows, mask=in_rows, other=float("-inf"))
-        bad = (lse != lse) | (blse != blse) | (lse == float("inf")) | (blse == float("inf"))   # the inputs' NaN/inf
-        hi = tl.maximum(lse, blse)
-        safe = tl.where(hi == float("-inf"), 0.0, hi)
-        w_old = tl.exp(lse - safe)
-        w_new = tl.exp(blse - safe)
-        total = w_old + w_new
-        new = tl.where(hi == float("-inf"), float("-inf"), safe + tl.log(total))
-        new = tl.where(bad, float("nan"), new)
-        denom = tl.where(total > 0, total, 1.0)
-        o_ptrs = O + b * sob + h * soh + rows[:, None] * sos + offs_d[None, :]
-        o = tl.load(o_ptrs, mask=in_rows[:, None], other=0.0)
-        bo = tl.load(BO + b * sbb + h * sbh + rows[:, None] * sbs + offs_d[None, :], mask=in_rows[:, None], other=0.0)
-        bo = tl.where((w_new > 0)[:, None], bo.to(tl.float32), 0.0)
-        out = (o * (w_old / denom)[:, None]) + bo * (w_new / denom)[:, None]
-        out = tl.where(bad[:, None], float("nan"), out)
-        tl.store(o_ptrs, out, mask=in_rows[:, None])
-        tl.store(LSE + b * slb + h * slh + rows, new, mask=in_rows)
-
-    return triton, CachedLaunch(_merge_kernel)   # bound once per key (host cost, #24)
+    return triton_lse_merge.MERGE, triton_lse_merge.MERGE_BLOCKS
 
 
 def lse_merge_(out, lse, block_out, block_lse):
@@ -120,8 +88,50 @@ def lse_merge_(out, lse, block_out, block_lse):
     if d & (d - 1):
         raise ValueError(f"the Triton merge takes a power-of-two head_dim; got {d}")
     block = knob("MERGE_BLOCK", 32)
-    triton, kernel = _kernel()
+    kernel, _ = _kernel()
     launch_keyed(kernel, (cdiv(s, block), b * h), (out, lse, block_out, block_lse),
                  (s, h, *out.stride()[:3], *lse.stride()[:2], *block_out.stride()[:3], *block_lse.stride()[:2]),
                  dict(BLOCK=block, D=d, num_warps=num_warps(4)))
     return out, lse
+
+
+MERGE_BLOCKS = 4   # block results one ``lse_merge_blocks_`` launch takes
+
+
+def lse_merge_blocks_(out, lse, blocks, has_acc=True, final=None):
+    """Up to ``MERGE_BLOCKS`` block results ``[(block_out, block_lse, lo, hi)]`` — each the attention of rows
+    lo..hi of the shard — merged into the float32 running ``(out, lse)`` in one launch: the running result
+    is read and written once, not once per block (a ring step of a backend that cannot accumulate, cuDNN or
+    FA4). ``has_acc=False``: ``out``/``lse`` hold nothing yet (new buffers; every row is written, 0 and
+    -inf where no block has a key). ``final``: shaped like ``out``, any float dtype: every row's merged
+    result goes there instead (the ring's last merge, in q's dtype: no conversion after); ``out`` is then
+    not written, and not read without ``has_acc``. Returns ``(final or out, lse)``."""
+    b, s, h, d = out.shape
+    if len(blocks) > MERGE_BLOCKS or lse.shape != (b, h, s) or lse.dtype != torch.float32 \
+            or out.dtype != torch.float32 and (has_acc or final is None):
+        raise ValueError(f"merge: at most {MERGE_BLOCKS} blocks into float32 out {tuple(out.shape)} and lse "
+                         f"{(b, h, s)}; got {len(blocks)} blocks, out {out.dtype}, lse {tuple(lse.shape)} {lse.dtype}")
+    for bo, bl, lo, hi in blocks:
+        if not 0 <= lo < hi <= s or bo.shape != (b, hi - lo, h, d) or bl.shape != (b, h, hi - lo) \
+                or bo.stride(-1) != 1 or bl.stride(-1) != 1:
+            raise ValueError(f"merge: a block of rows [{lo}, {hi}) of {s} must be {(b, hi - lo, h, d)} and "
+                             f"{(b, h, hi - lo)}, last dims contiguous; got {tuple(bo.shape)}, {tuple(bl.shape)}")
+    if final is not None and (final.shape != out.shape or final.stride(-1) != 1):
+        raise ValueError(f"merge: final must be {tuple(out.shape)} with a contiguous last dim")
+    if out.stride(-1) != 1 or lse.stride(-1) != 1 or d & (d - 1):
+        raise ValueError(f"merge: contiguous last dims and a power-of-two head_dim; got head_dim {d}")
+    # rows every block leaves alone keep their running result, unless there is none or it moves to final
+    row0, rows_end = (0, s) if final is not None or not has_acc else \
+        (min(lo for *_, lo, _ in blocks), max(hi for *_, hi in blocks))
+    block = knob("MERGE_BLOCK", 32)
+    _, kernel = _kernel()
+    slots = [t for bo, bl, _, _ in blocks for t in (bo, bl)] + [None] * (2 * (MERGE_BLOCKS - len(blocks)))
+    bounds = [x for *_, lo, hi in blocks for x in (lo, hi)] + [0, 0] * (MERGE_BLOCKS - len(blocks))
+    strides = [x for bo, bl, _, _ in blocks for x in (*bo.stride()[:3], *bl.stride()[:2])]
+    strides += [0] * (5 * (MERGE_BLOCKS - len(blocks)))
+    fo = final if final is not None else out
+    launch_keyed(kernel, (cdiv(rows_end - row0, block), b * h), (out, lse, fo, *slots),
+                 (row0, rows_end, h, *bounds, *out.stride()[:3], *lse.stride()[:2], *fo.stride()[:3], *strides),
+                 dict(N=len(blocks), HAS_ACC=has_acc, FINAL=final is not None, BLOCK=block, D=d,
+                      num_warps=num_warps(4)))
+    return fo, lse
