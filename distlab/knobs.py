@@ -46,7 +46,8 @@ KNOBS = {
     "TRITON_ATTN_FMA": Knob("1", "1: the forward's rescale fused into one multiply-add"),
     "TRITON_ATTN_DQ_MODE": Knob("kernel", "how a ring step's dQ reaches the float32 accumulator: kernel, atomic, tma-reduce"),
     "TRITON_ATTN_SPLIT_GROUPS": Knob("auto", "GQA dK/dV split over q-head groups: auto, 0 or 1"),
-    "TRITON_ATTN_SPLIT_SUM": Knob("dq", "where split dK/dV partials are summed: dq (in the dQ kernel) or kernel"),
+    "TRITON_ATTN_SPLIT_SUM": Knob("dq", "where split dK/dV partials are summed, and a later ring step's dK/dV "
+                                        "added to the received accumulator: dq (in the dQ kernel) or kernel"),
     "RING_STEPS_PER_LAUNCH": Knob(None, "the ring studies' steps per launch (1..4, or group sizes such as 1,1,2,4)"),
     # memory-bound kernels (distlab.kernels.launch)
     "KERNEL_WARPS": Knob(None, "warps per program of every memory-bound kernel (default: each kernel's own)"),
@@ -56,6 +57,8 @@ KNOBS = {
     "KERNEL_SWIGLU_EVICT": Knob(None, "1: SwiGLU loads marked evict-first (default: the kernel's own)"),
     "KERNEL_SWIGLU_BLOCK": Knob(None, "columns per program of the SwiGLU kernel (default 2048)"),
     "KERNEL_MERGE_BLOCK": Knob(None, "rows per program of the LSE merge (default 32)"),
+    "RING_MERGE_BLOCKS": Knob("4", "block results a ring forward of cuDNN/FA4 blocks merges per Triton launch (1-4; "
+                                   "0: one lse_merge_ per block, the float32 result converted after)"),
     # grouped GEMM (distlab.kernels.grouped_gemm)
     "GROUPED_GEMM_CONFIG": Knob(None, "BM,BN,BK,warps,stages of the grouped GEMM (default: by shape)"),
     "GROUPED_GEMM_TMA": Knob("1", "1: TMA descriptors for the grouped GEMM's operands (sm90+)"),

@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from distlab import comm
+from distlab import comm, knobs
 from distlab.cp.documents import Documents, check_call_everywhere
 from distlab.cp.layout import check_layout, shard_positions
 from distlab.kernels.lse_merge import MERGE_BLOCKS, lse_merge_, merge_attention, merge_into
@@ -177,7 +177,8 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
     later = later_blocks(schedule) if final is not None else None
     kv = _KVAhead(ring, (k, v))
     # other backends: block results held back and merged MERGE_BLOCKS at a time (one launch each)
-    pending = [] if final is None and _merges_in_groups(q, backend) else None
+    group = _merge_group(q, backend) if final is None else 0
+    pending = [] if group else None
     groups = launch_groups(ring.size, steps_per_launch)
     ahead = max(len(g) for g in groups)
     for steps in groups:
@@ -200,19 +201,25 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
                 o, l = attention_forward(q[:, rows], k_blk, v_blk, blk_causal, scale, backend)
             pending.append((o if o.stride(-1) == 1 else o.contiguous(), l if l.stride(-1) == 1 else l.contiguous(),
                             rows.start, rows.stop))
-            if len(pending) == MERGE_BLOCKS:
+            if len(pending) == group:
                 out, lse = _merge_pending(out, lse, pending, q, last=False)
     if pending is not None:
         return _merge_pending(out, lse, pending, q, last=True)
     return (final if final is not None else out.to(q.dtype)), lse
 
 
-def _merges_in_groups(q, backend) -> bool:
-    """A backend that cannot accumulate (cuDNN, FA4, ...) merges its block results ``MERGE_BLOCKS`` at a time
-    in one Triton launch (``lse_merge_blocks_``), the last merge writing q's dtype: float32 running
-    results, a power-of-two head_dim, Triton running on q's device (CUDA, or the CPU's interpreter)."""
+def _merge_group(q, backend) -> int:
+    """How many block results a backend that cannot accumulate (cuDNN, FA4, ...) merges per Triton launch
+    (``lse_merge_blocks_``, the last merge writing q's dtype): knob ``DISTLAB_RING_MERGE_BLOCKS`` (default
+    ``MERGE_BLOCKS`` = 4), given float32 running results, a power-of-two head_dim and Triton running on q's
+    device (CUDA, or the CPU's interpreter); 0: merge each block as it comes (``_block_into``)."""
     d = q.shape[-1]
-    return backend != "triton" and q.dtype != torch.float64 and not d & (d - 1) and triton_runs_on(q.device)
+    if backend == "triton" or q.dtype == torch.float64 or d & (d - 1) or not triton_runs_on(q.device):
+        return 0
+    n = knobs.get("RING_MERGE_BLOCKS")
+    if not n.isdigit() or int(n) > MERGE_BLOCKS:
+        raise ValueError(f"DISTLAB_RING_MERGE_BLOCKS={n!r}: use 0 to {MERGE_BLOCKS}")
+    return int(n)
 
 
 def _merge_pending(out, lse, pending, q, last):
