@@ -6,7 +6,6 @@ against float64 is ~1e-7; the bar of 1e-5 would catch any wrong mask (a block se
 moves the output by O(1/seq)), a lost LSE term, or a dK/dV accumulator that comes home short one hop.
 """
 
-import os
 import time
 
 import pytest
@@ -114,13 +113,15 @@ def test_ring_float64_is_exact_to_rounding(pools, world, layout):
         assert max(res["errors"].values()) < 1e-12, res["errors"]
 
 
-def _with_env(env, fn, *args, **kwargs):
-    os.environ.update(env)
-    try:
+def _with_knobs(values, fn, *args, **kwargs):
+    """``fn`` on a worker with these knobs in force (``knobs.override``: a worker reads its environment once,
+    at its first knob, so setting ``os.environ`` between cases changed nothing), and what was in force
+    checked from inside."""
+    from distlab import knobs
+
+    with knobs.override(**values):
+        assert all(knobs.get(k) == v for k, v in values.items())
         return fn(*args, **kwargs)
-    finally:
-        for key in env:
-            os.environ.pop(key)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -147,8 +148,8 @@ def test_ring_with_the_triton_kernels_matches_one_device(world):
             case = f"W={world} {layout} causal={causal} dq {dq_mode} split {split} steps/launch {n}"
             # split partials summed by the dQ kernel's programs (the default; kernel_checks.py also checks the
             # separate summing launch, SPLIT_SUM=kernel, against the reference)
-            env = {"DISTLAB_TRITON_ATTN_DQ_MODE": dq_mode, "DISTLAB_TRITON_ATTN_SPLIT_GROUPS": split}
-            for rank, res in enumerate(pool.run(_with_env, env,
+            values = {"TRITON_ATTN_DQ_MODE": dq_mode, "TRITON_ATTN_SPLIT_GROUPS": split}
+            for rank, res in enumerate(pool.run(_with_knobs, values,
                                                 ring_vs_one_device, heads, kv_heads, causal, layout, seq=shard * world,
                                                 head_dim=16, backend="triton", steps_per_launch=n)):
                 for name, err in res["errors"].items():
@@ -167,11 +168,14 @@ def test_ring_merging_block_results_four_at_a_time_matches_one_device():
     world = 5
     pool = ProcessGroupPool(world, env={"TRITON_INTERPRET": "1"})
     try:
-        for layout, causal, n in (("zigzag", True, 1), ("contiguous", True, 2), ("zigzag", False, 1)):
-            for rank, res in enumerate(pool.run(ring_vs_one_device, 4, 2, causal, layout, seq=16 * world,
-                                                head_dim=16, backend="torch", steps_per_launch=n)):
+        # merged 4 + 1 (the default), 3 + 2, or one lse_merge_ per block (0: the schedule before)
+        for layout, causal, n, group in (("zigzag", True, 1, "4"), ("contiguous", True, 2, "4"),
+                                         ("zigzag", False, 1, "4"), ("zigzag", True, 2, "3"), ("zigzag", True, 1, "0")):
+            for rank, res in enumerate(pool.run(_with_knobs, {"RING_MERGE_BLOCKS": group}, ring_vs_one_device, 4, 2,
+                                                causal, layout, seq=16 * world, head_dim=16, backend="torch",
+                                                steps_per_launch=n)):
                 for name, err in res["errors"].items():
-                    assert err < 1e-5, f"rank {rank}: {name} rel err {err:.2e} ({layout} causal={causal} n={n})"
+                    assert err < 1e-5, f"rank {rank}: {name} {err:.2e} ({layout} causal={causal} n={n} {group})"
                 assert res["dtypes"] == ["torch.float32"] * 4
     finally:
         pool.close()
