@@ -153,8 +153,8 @@ def test_bad_moe_configs_refused_on_every_rank(pools, case, message):
 
 
 TRITON_CHECK = r"""
-import os
 import torch
+from distlab import knobs
 from distlab.kernels.grouped_gemm import grouped_mm
 from tests.kernel_checks import poison_allocations, rel
 poison_allocations()                      # every torch.empty is NaN: an unwritten output element fails
@@ -165,8 +165,11 @@ torch.manual_seed(0)
 # output tiles stored in two halves, and dW with TMA loads) and the pointer kernel.
 cases = (([5, 0, 17, 40, 0, 3], 24, 20), ([5, 0, 17, 40, 0, 3], 64, 32), ([300, 0, 17], 64, 96), ([9, 4], 6, 8))
 for tma, persistent, split in (("1", "1", "0"), ("1", "0", "1"), ("0", "1", "0")):
-    os.environ.update(DISTLAB_GROUPED_GEMM_TMA=tma, DISTLAB_GROUPED_GEMM_PERSISTENT=persistent,
-                      DISTLAB_GROUPED_GEMM_SPLIT_EPILOGUE=split, DISTLAB_GROUPED_GEMM_WGRAD_TMA=split)
+    # knobs.set, not os.environ: the environment is read once, at the first knob (the earlier os.environ
+    # updates left every case after the first on the first case's kernels)
+    knobs.set(GROUPED_GEMM_TMA=tma, GROUPED_GEMM_PERSISTENT=persistent, GROUPED_GEMM_SPLIT_EPILOGUE=split,
+              GROUPED_GEMM_WGRAD_TMA=split)
+    assert knobs.get("GROUPED_GEMM_TMA") == tma and knobs.get("GROUPED_GEMM_PERSISTENT") == persistent
     for counts, k, n in cases:
         x = torch.randn(sum(counts), k, requires_grad=True)
         w = torch.randn(len(counts), k, n, requires_grad=True)
