@@ -309,6 +309,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
             kv_pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
         src = (ring.rank - step) % ring.size
         dk_blk = dv_blk = None
+        parts = []   # other backends, a later step: the block's (cols, dK, dV), added once the accumulator is here
         for rows, cols, blk_causal in ring_blocks(src, ring.rank, s, causal, layout):
             if back_rows is not None:   # a later step adds into the received accumulator (then no wait below)
                 dk_blk, dv_blk = _triton_block_backward(dq, dout, q, *kv, back_rows, rows, cols, blk_causal, scale,
@@ -319,14 +320,19 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
                 dq_b, dk_b, dv_b = attention_backward(dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols],
                                                       out[:, rows], lse[:, :, rows], blk_causal, scale, backend)
             dq = _accumulate(dq, dq_b, rows, q, acc)
-            dk_blk = _accumulate(dk_blk, dk_b, cols, k, acc)
-            dv_blk = _accumulate(dv_blk, dv_b, cols, v, acc)
+            if step == 0:   # my own block starts its accumulator
+                dk_blk = _accumulate(dk_blk, dk_b, cols, k, acc)
+                dv_blk = _accumulate(dv_blk, dv_b, cols, v, acc)
+            else:
+                parts.append((cols, dk_b, dv_b))
         if step == 0 or back_rows is not None and dk_blk is not None:   # my own block; or triton added it
             dkv = (dk_blk, dv_blk)
         else:                                # the accumulator for block src, from the previous rank
             dkv = dkv_pending.wait()
-            if dk_blk is not None:
-                dkv = (dkv[0].add_(dk_blk), dkv[1].add_(dv_blk))
+            for cols, dk_b, dv_b in parts:   # added in its dtype: one launch each, no float32 copy first
+                whole = cols == slice(0, k.shape[1])
+                (dkv[0] if whole else dkv[0][:, cols]).add_(dk_b)
+                (dkv[1] if whole else dkv[1][:, cols]).add_(dv_b)
         if ring.size > 1:
             dkv_pending = ring.exchange(dkv, "ring_dkv")
         if kv_pending is not None:
