@@ -4,6 +4,7 @@
 #                                                  # launch modes, the graphed-decode test, graph vs eager decode
 #   bash launch/gpu_host_check.sh OUTDIR timing    # FA4 present (../shared/tools/fa4-carry): its GPU tests with
 #                                                  # the replayed forward, host_cost, the W=8 ring rank wall/GPU
+#                                                  # (and with DISTLAB_RING_MERGE_BLOCKS=0 beside it)
 #   bash launch/gpu_host_check.sh OUTDIR verify    # no FA4: the kernel checks (bf16) with the cached launch and in
 #                                                  # check mode, host_cost, the Triton ring rank's wall clock
 #                                                  # (and with DISTLAB_TRITON_ATTN_SPLIT_SUM=kernel beside it)
@@ -51,6 +52,9 @@ else
       --iters 10 --wall --json "$out/emulate_wall.json"
   LIMIT=150 TAIL=14 run emulate_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 triton \
       --iters 10 --json "$out/emulate_gpu.json"
+  # A/B of the grouped merge (four FA4 block results a launch, the default) against one merge a block
+  LIMIT=90 TAIL=8 run emulate_merge_each env DISTLAB_RING_MERGE_BLOCKS=0 $py -m distlab.cp.emulate --world 8 \
+      --seq 8192 32768 --backend fa4 --iters 10 --wall --json "$out/emulate_wall_merge_each.json"
 fi
 pack_logs
 exit $status
