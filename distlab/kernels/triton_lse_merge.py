@@ -44,10 +44,12 @@ def _merge_kernel(O, LSE, BO, BLSE, seq, heads, sob, sos, soh, slb, slh, sbb, sb
     tl.store(o_ptrs, out, mask=in_rows[:, None])
     tl.store(LSE + b * slb + h * slh + rows, new, mask=in_rows)
 
+
 @triton.jit
 def _block_lse(L, lo, hi, slb, slh, b, h, rows):
     covered = (rows >= lo) & (rows < hi)
     return tl.load(L + b * slb + h * slh + (rows - lo), mask=covered, other=float("-inf"))
+
 
 @triton.jit
 def _block_add(acc, total, B, lse, safe, lo, hi, sbb, sbs, sbh, b, h, rows, offs_d):
@@ -56,6 +58,7 @@ def _block_add(acc, total, B, lse, safe, lo, hi, sbb, sbs, sbh, b, h, rows, offs
     o = tl.load(B + b * sbb + h * sbh + (rows - lo)[:, None] * sbs + offs_d[None, :], mask=covered[:, None],
                 other=0.0)
     return acc + tl.where((w > 0)[:, None], o.to(tl.float32), 0.0) * w[:, None], total + w
+
 
 @triton.jit
 def _merge_blocks_kernel(O, LSE, F, B0, L0, B1, L1, B2, L2, B3, L3, row0, rows_end, heads,
