@@ -14,9 +14,10 @@ Rows: every attention backend present (forward and backward through ``attention_
 the Triton kernel's own launch (``flash_forward``) with distlab's cached launch (``CachedLaunch``, the
 default) and with Triton's plain one (``DISTLAB_TRITON_LAUNCH=plain``); the one-block LSE merge
 (``lse_merge_``; a non-Triton ring merges four blocks a launch, ``lse_merge_blocks_``); bare FA4 calls
-(the wrapper's overhead, #24: within 10 µs); and one W-rank ring step (``--ring-world``; the rank's real ``_ring_forward``/``_ring_backward`` over resident K/V, no exchange:
-block kernels and bookkeeping, per step) for the ``triton`` and ``fa4`` backends — the forward with the
-steps per launch ``ring_attention`` takes by default (``triton``: 4, so 3 launches for 8 steps) and with one.
+(the wrapper's overhead, #24: within 10 µs); and one W-rank ring step (``--ring-world``; the rank's real
+``_ring_forward``/``_ring_backward`` over resident K/V, no exchange: block kernels and bookkeeping, per
+step) for the ``triton`` and ``fa4`` backends — the forward with the steps per launch ``ring_attention``
+takes by default (``triton``: 4, so 3 launches for 8 steps) and with one.
 """
 
 from __future__ import annotations
