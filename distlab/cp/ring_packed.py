@@ -152,7 +152,7 @@ def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
         if fused and blocks[step]:   # this step's dK/dV, summed by the kernels into float32 zeros
             part = (torch.empty(k.shape, dtype=acc, device=k.device), torch.empty(v.shape, dtype=acc, device=v.device))
             if step:   # only the keys the step's blocks see are written, zeroed and added on (step 0: all)
-                seen = [m.seen_columns() for _, _, m in blocks[step] if m.seen_columns() is not None]
+                seen = [c for c in (m.seen_columns() for _, _, m in blocks[step]) if c is not None]
                 span = slice(min(c.start for c in seen), max(c.stop for c in seen)) if seen else slice(0, 0)
             for t in part:
                 t[:, span].zero_()
