@@ -8,10 +8,26 @@
 #                                                   # accumulate (the kernels merging/adding in place: checks, 64k ring),
 #                                                   # placement (kernel profiles of the slowest packed rank per layout,
 #                                                   # and the balanced units deal against documents-first placement)
+#                                                   # or fa4 (FA4's varlen path for masks: its GPU tests, the packed
+#                                                   # ring rank on FA4 blocks against one FA4 call; needs /opt/fa4 from
+#                                                   # ../shared/tools/fa4-carry's two calls on this warm machine)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 part=${2:-all}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+
+if [ "$part" = fa4 ]; then
+  export PYTHONPATH=/opt/fa4:/opt/fa4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+  timeout -s ABRT 200 $py -m pytest -q -m gpu tests/test_fa4_varlen.py -p no:cacheprovider || status=1
+  timeout -s ABRT 120 $py -m distlab.cp.ring --seq 16384 --docs lognormal:mean=2048,seed=0 --backend fa4 --check \
+    --json "$out/ring_docs_w1_fa4.json" || status=1
+  for backend in fa4 triton; do
+    timeout -s ABRT 200 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --layouts zigzag balanced \
+      --backend $backend --rate-means 2048 512 --iters 5 --warmup 1 --json "$out/packed_$backend.json" || status=1
+  done
+  pack_logs
+  exit $status
+fi
 
 if [ "$part" = accumulate ]; then
   timeout -s ABRT 110 $py tests/kernel_checks.py masked --device cuda --dtype bfloat16 --big || status=1

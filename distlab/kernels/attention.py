@@ -22,10 +22,12 @@ Backends (``backend=``):
 - ``triton``: distlab's own FA2-style kernel (``distlab.kernels.triton_attention``): fp16/bf16 on CUDA (fp32/fp16 on
   CPU under ``TRITON_INTERPRET=1``, the tests' path), head_dim a power of two; it can also accumulate into a running
   (out, LSE), which the ring uses to skip its merge launches. Never picked by ``auto`` for dense attention.
-- ``fa4``: FlashAttention-4 (``distlab.kernels.fa4``, the ``fa4`` extra): fp16/bf16 on sm90+ GPUs.
+- ``fa4``: FlashAttention-4 (``distlab.kernels.fa4``, the ``fa4`` extra): fp16/bf16 on sm90+ GPUs; with a mask,
+  FA4's variable-length path where the mask is FA4 sequences (``distlab.kernels.fa4_varlen``), else the masked
+  Triton kernel.
 - ``auto``: the fastest present for the tensors given: FA4 when importable on sm90+, else cuDNN for
   fp16/bf16 on CUDA, then flash; efficient for fp32 on CUDA; ``torch`` on CPU and for float64; the masked
-  Triton kernel for packed documents and windows on CUDA.
+  Triton kernel for packed documents and windows on CUDA (``fa4`` there once timed on the H200).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 from distlab.kernels.launch import triton_runs_on
 
 BACKENDS = ("auto", "torch", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "triton", "fa4")
-MASK_BACKENDS = ("torch", "triton")   # backends that take a KeyMask (documents, windows); SDPA's ops cannot
+MASK_BACKENDS = ("torch", "triton", "fa4")   # backends that take a KeyMask (documents, windows); SDPA's ops cannot
 _SDPA_DTYPES = {
     "sdpa-cudnn": (torch.float16, torch.bfloat16),
     "sdpa-flash": (torch.float16, torch.bfloat16),
@@ -193,9 +195,14 @@ def attention_forward(q, k, v, causal=False, softmax_scale=None, backend="auto",
 
         return flash_forward(q, k, v, causal, scale)
     if backend == "fa4":
-        from distlab.kernels.fa4 import fa4_forward
+        from distlab.kernels.fa4 import fa4_forward, fa4_masked_forward
 
-        return fa4_forward(q, k, v, causal, scale)
+        if mask is None:
+            return fa4_forward(q, k, v, causal, scale)
+        spec = _fa4_varlen(q, mask)
+        if spec is not None:
+            return fa4_masked_forward(q, k, v, spec, scale)
+        return attention_forward(q, k, v, False, scale, _fa4_mask_fallback(q), mask)
     return _sdpa_forward(backend, q, k, v, causal, scale)
 
 
@@ -221,10 +228,28 @@ def attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None
 
         return flash_backward(dout, q, k, v, out, lse, causal, scale)
     if backend == "fa4":
-        from distlab.kernels.fa4 import fa4_backward
+        from distlab.kernels.fa4 import fa4_backward, fa4_masked_backward
 
-        return fa4_backward(dout, q, k, v, out, lse, causal, scale)
+        if mask is None:
+            return fa4_backward(dout, q, k, v, out, lse, causal, scale)
+        spec = _fa4_varlen(q, mask)
+        if spec is not None:
+            return fa4_masked_backward(dout, q, k, v, out, lse, spec, scale)
+        return attention_backward(dout, q, k, v, out, lse, False, scale, _fa4_mask_fallback(q), mask)
     return _sdpa_backward(backend, dout, q, k, v, out, lse, causal, scale)
+
+
+def _fa4_varlen(q, mask):
+    """FA4's sequences for ``mask`` (``distlab.kernels.fa4_varlen``), or None: a batch of more than one pack, or a
+    mask that is not exactly FA4 sequences (a window cutting across a ring block, say)."""
+    from distlab.kernels.fa4_varlen import varlen_spec
+
+    return varlen_spec(mask) if q.shape[0] == 1 else None
+
+
+def _fa4_mask_fallback(q) -> str:
+    """Where ``fa4`` sends a mask FA4's sequences cannot express: the masked Triton kernel, else the reference."""
+    return "triton" if "triton" in available_backends(q.device, q.dtype) else "torch"
 
 
 def attention_reference(q, k, v, causal=False, softmax_scale=None, mask=None):

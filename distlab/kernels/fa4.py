@@ -8,8 +8,11 @@ The contract of every backend: bshd tensors, GQA without repeating K/V (FA4 pack
 head itself), causal or full attention; the forward returns (out, LSE) with the LSE float32
 ``(batch, heads, seq_q)``, and the backward takes the *final* out and LSE, so a ring step calls it on one
 key block with the global LSE. ``flash_attn.cute`` is imported on first use, never at distlab's import.
-Packed documents and windows (``KeyMask``) are not routed here yet: FA4 has varlen and windows, but its
-masks are per-sequence offsets, not distlab's interval masks; ``auto`` keeps the masked Triton kernel for them.
+Packed documents and windows (a ``KeyMask``, batch 1): ``fa4_masked_forward``/``_backward`` call FA4's
+variable-length path with the sequences ``distlab.kernels.fa4_varlen`` compiles from the mask (exactly, or
+not at all: a mask that is not FA4 sequences — a window cutting across a ring block, say — runs on the
+masked Triton kernel; ``attention_forward`` decides). ``auto`` keeps the masked Triton kernel for masks
+until this path has been timed on the H200 (docs/PERF.md).
 
 Host cost (#24): FA4's Python interface spends ~80-120 µs a call (arguments, its compile key, the
 scheduler's choices) in front of a kernel that takes ~25 µs at S2048. ``fa4_forward`` records, for each
@@ -138,3 +141,31 @@ def fa4_backward(dout, q, k, v, out, lse, causal, scale):
                                               dout.contiguous(), lse.contiguous(), softmax_scale=scale,
                                               causal=causal)[:3]
     return dq, dk, dv
+
+
+def fa4_masked_forward(q, k, v, spec, scale):
+    """(out, lse) of batch-1 q, k, v under the mask ``spec`` (a ``fa4_varlen.VarlenSpec``) compiles to; rows
+    that see no key: out 0, LSE −inf."""
+    out, lse, *_ = _interface()._flash_attn_fwd(
+        q[0], k[0], v[0], softmax_scale=scale, return_lse=True, **_varlen_args(spec))
+    out, lse = out.unsqueeze(0), lse.unsqueeze(0)
+    if spec.unseen is not None:   # in no sequence: FA4 left them as allocated
+        out.index_fill_(1, spec.unseen, 0.0)
+        lse.index_fill_(2, spec.unseen, float("-inf"))
+    return out, lse
+
+
+def fa4_masked_backward(dout, q, k, v, out, lse, spec, scale):
+    """(dq, dk, dv) under ``spec`` given the final out and LSE; rows and keys in no sequence get zeros."""
+    q0, k0, v0 = q[0].contiguous(), k[0].contiguous(), v[0].contiguous()
+    dq = torch.zeros_like(q0) if spec.unseen is not None else None
+    dk, dv = (torch.zeros_like(k0), torch.zeros_like(v0)) if spec.keys_left_out else (None, None)
+    dq, dk, dv = _interface()._flash_attn_bwd(
+        q0, k0, v0, out[0].contiguous(), dout[0].contiguous(), lse[0].contiguous(), softmax_scale=scale,
+        dq=dq, dk=dk, dv=dv, **_varlen_args(spec))[:3]
+    return dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
+
+
+def _varlen_args(spec) -> dict:
+    return dict(cu_seqlens_q=spec.cu_q, cu_seqlens_k=spec.cu_k, seqused_q=spec.used_q, seqused_k=spec.used_k,
+                max_seqlen_q=spec.max_q, max_seqlen_k=spec.max_k, causal=spec.causal, window_size_left=spec.window)

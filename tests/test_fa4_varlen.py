@@ -1,0 +1,218 @@
+"""Packed documents and windows on ``backend="fa4"``: the KeyMask → FA4 sequences compiler on every mask the
+CP methods build (CPU), the wrapper's arguments against FA4's varlen semantics (CPU), and FA4 itself against
+the float32 reference (GPU).
+
+    python -m pytest tests/test_fa4_varlen.py
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from distlab.cp.documents import Documents, parse_docs
+from distlab.cp.layout import shard_positions
+from distlab.cp.ring_packed import step_blocks
+from distlab.kernels.attention import attention_reference
+from distlab.kernels.fa4_varlen import spec_key_rows, varlen_spec
+
+PACKS = {   # name: (total, --docs, causal, window)
+    "lognormal": (1536, "lognormal:mean=256,seed=0", True, None),
+    "window": (1536, "lognormal:mean=384,seed=1", True, 40),
+    "one-token documents": (96, "1,3,1,7", True, None),
+    "non-causal": (1536, "300,1,500", False, None),
+    "one sequence": (1536, None, True, None),
+}
+
+
+def _docs(name):
+    total, spec, causal, window = PACKS[name]
+    return Documents.from_args(total, parse_docs(spec, total) if spec else None, causal, window)
+
+
+def _masks(name, world=3):
+    """Every mask the CP methods build on this pack: one device / Ulysses, each layout's ring blocks, and
+    all-gather's local queries against every key."""
+    docs = _docs(name)
+    every = torch.arange(docs.total)
+    yield "one device", docs.mask(every, every)
+    for layout in ("contiguous", "zigzag", "balanced"):
+        positions = [shard_positions(docs.total, world, r, layout, docs.cu_seqlens) for r in range(world)]
+        for r in range(world):
+            for step, blocks in enumerate(step_blocks(docs, positions, r, "cpu")):
+                for a, b, m in blocks:
+                    yield f"{layout} r{r} step {step} rows {a}:{b}", m
+            yield f"{layout} r{r} all-gather", docs.mask(positions[r], every)
+
+
+@pytest.mark.parametrize("name", list(PACKS))
+def test_varlen_spec_gives_every_row_exactly_its_keys(name):
+    """Where a mask compiles to FA4 sequences, FA4's rule (bottom-right causal, window from the diagonal) on
+    those sequences is the mask, entry by entry; the masks that must compile do."""
+    compiled = {}
+    for what, mask in _masks(name):
+        spec = varlen_spec(mask)
+        compiled[what] = spec is not None
+        if spec is None:
+            continue
+        first, stop = spec_key_rows(spec, mask.q_lo.numel())
+        cols = torch.arange(mask.k_pos.numel())
+        fa4_rule = (cols[None, :] >= first[:, None]) & (cols[None, :] < stop[:, None])
+        assert torch.equal(fa4_rule, mask.dense()), what
+        if spec.unseen is not None:
+            assert not mask.dense()[spec.unseen].any(), what
+    assert compiled["one device"]
+    assert all(ok for what, ok in compiled.items() if "all-gather" in what and "contiguous" in what)
+    if PACKS[name][3] is None:   # on these packs, without a window, every ring block is sequences (causal or
+        #                          full); all-gather's balanced queries hold two pieces of one document (their
+        #                          keys overlap: FA4's backward would write the shared dK/dV twice)
+        assert all(ok for what, ok in compiled.items() if "all-gather" not in what), \
+            [w for w, ok in compiled.items() if not ok]
+
+
+def test_varlen_spec_refuses_what_is_not_sequences():
+    """A window cutting across a ring step's earlier keys (rows see a sliding part of the same keys) is neither
+    causal sequences nor full ones: None, and the caller runs the masked Triton kernel."""
+    docs = Documents.from_args(64, None, True, 8)
+    mask = docs.mask(torch.arange(32, 64), torch.arange(0, 32))
+    assert mask.visible_pairs() > 0 and varlen_spec(mask) is None
+    spec = varlen_spec(docs.mask(torch.arange(64), torch.arange(64)))
+    assert spec.causal and spec.window == 8 and spec.cu_q.tolist() == [0, 64]
+
+
+class _FA4VarlenSemantics:
+    """FA4's ``_flash_attn_fwd``/``_flash_attn_bwd`` varlen rule written out in float64 (its interface and
+    ``block_info``: sequence s is rows ``cu_seqlens[s]`` + ``seqused[s]``; causal bottom-right; the window
+    counted back from that diagonal), with NaN wherever FA4 leaves memory as allocated. It checks the
+    arguments the wrapper passes, not FA4: the GPU tests below do that."""
+
+    def __init__(self):
+        self.calls = []
+
+    @staticmethod
+    def _sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+        for s in range(cu_seqlens_q.numel() - 1):
+            qa, ka = int(cu_seqlens_q[s]), int(cu_seqlens_k[s])
+            ql = int(seqused_q[s]) if seqused_q is not None else int(cu_seqlens_q[s + 1]) - qa
+            kl = int(seqused_k[s]) if seqused_k is not None else int(cu_seqlens_k[s + 1]) - ka
+            yield slice(qa, qa + ql), slice(ka, ka + kl)
+
+    @staticmethod
+    def _attend(q, k, v, scale, causal, window_size_left, window_size_right):
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        ql, kl = q.shape[0], k.shape[0]
+        diag = torch.arange(ql)[:, None] + kl - ql
+        j = torch.arange(kl)[None, :]
+        keep = torch.ones(ql, kl, dtype=torch.bool)
+        if causal or window_size_right is not None:
+            keep &= j <= diag + (window_size_right or 0)
+        if window_size_left is not None:
+            keep &= j >= diag - window_size_left
+        scores = scores.masked_fill(~keep, float("-inf"))
+        lse = scores.logsumexp(-1)
+        return torch.einsum("hqk,khd->qhd", (scores - lse[..., None]).exp(), v), lse
+
+    def _flash_attn_fwd(self, q, k, v, softmax_scale, return_lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                        max_seqlen_q, max_seqlen_k, causal, window_size_left, window_size_right=None):
+        self.calls.append(("fwd", seqused_q is not None, seqused_k is not None))
+        assert q.dim() == 3 and cu_seqlens_q.dtype == torch.int32 and return_lse
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((q.shape[1], q.shape[0]), float("nan"), dtype=torch.float32)
+        for qs, ks in self._sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+            assert qs.stop - qs.start <= max_seqlen_q and ks.stop - ks.start <= max_seqlen_k
+            out[qs], lse[:, qs] = self._attend(q[qs], k[ks], v[ks], softmax_scale, causal, window_size_left,
+                                               window_size_right)
+        return out, lse, None
+
+    def _flash_attn_bwd(self, q, k, v, out, dout, lse, softmax_scale, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                        seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, causal, window_size_left,
+                        window_size_right=None):
+        self.calls.append(("bwd", seqused_q is not None, seqused_k is not None))
+        assert lse.shape == (q.shape[1], q.shape[0])
+        dq, dk, dv = (t if t is not None else torch.full_like(like, float("nan")) for t, like in ((dq, q), (dk, k), (dv, v)))
+        for qs, ks in self._sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+            parts = [t.detach().clone().requires_grad_(True) for t in (q[qs], k[ks], v[ks])]
+            o, _ = self._attend(*parts, softmax_scale, causal, window_size_left, window_size_right)
+            o.backward(dout[qs])
+            dq[qs], dk[ks], dv[ks] = (t.grad for t in parts)   # written, not added: FA4's dK/dV per sequence
+        return dq, dk, dv
+
+
+@pytest.mark.parametrize("what", ["one device", "window", "ring block", "all-gather"])
+def test_fa4_masked_wrapper_passes_the_sequences(monkeypatch, what):
+    """``fa4_masked_forward``/``_backward`` against whole-matrix masked attention in float64, with FA4's varlen
+    rule standing in for FA4 (CPU): batch views, LSE (heads, rows), rows and keys in no sequence (out 0, LSE
+    −inf, zero gradients), GQA."""
+    from distlab.kernels import fa4
+
+    fake = _FA4VarlenSemantics()
+    monkeypatch.setattr(fa4, "_interface", lambda: fake)
+    docs = _docs("window" if what == "window" else "lognormal")
+    every = torch.arange(docs.total)
+    pos = [shard_positions(docs.total, 4, r, "zigzag", docs.cu_seqlens) for r in range(4)]
+    q_pos, k_pos = {"one device": (every, every), "window": (every, every), "ring block": (pos[1], pos[0]),
+                    "all-gather": (pos[2], every)}[what]
+    mask = docs.mask(q_pos, k_pos)
+    spec = varlen_spec(mask)
+    assert spec is not None
+    if what == "ring block":
+        assert spec.unseen is not None and spec.keys_left_out   # the case this test is for
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, q_pos.numel(), 4, 16, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(1, k_pos.numel(), 2, 16, dtype=torch.float64, generator=g) for _ in range(2))
+    dout = torch.randn_like(q)
+    scale = 1 / math.sqrt(16)
+    out, lse = fa4.fa4_masked_forward(q, k, v, spec, scale)
+    dq, dk, dv = fa4.fa4_masked_backward(dout, q, k, v, out, lse, spec, scale)
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    want = attention_reference(*full, mask=mask)
+    want.backward(dout)
+    assert out.shape == q.shape and lse.shape == (1, 4, q.shape[1])
+    torch.testing.assert_close(out, want.detach(), rtol=1e-9, atol=1e-9)
+    seen = mask.dense().any(1)
+    assert torch.isneginf(lse[0, :, ~seen]).all() and torch.isfinite(lse[0, :, seen]).all()
+    for got, ref in zip((dq, dk, dv), full):
+        torch.testing.assert_close(got, ref.grad, rtol=1e-9, atol=1e-9)
+    assert [c[0] for c in fake.calls] == ["fwd", "bwd"]
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("what", ["one device", "window", "non-causal", "ring block", "all-gather"])
+def test_fa4_masked_matches_the_float32_reference(what):
+    """FA4's varlen path through ``attention_forward``/``_backward(backend="fa4", mask=...)`` against whole-matrix
+    float32 masked attention: documents, a window, non-causal documents, a ring block (rows and keys in no
+    sequence), all-gather's queries; GQA, head_dim 128, bf16."""
+    from distlab.kernels import fa4
+    from distlab.kernels.attention import attention_backward, attention_forward
+
+    if not fa4.runs_on("cuda", torch.bfloat16):
+        pytest.skip(f"fa4 cannot run here: {fa4.why_not('cuda', torch.bfloat16)}")
+    total = 4096
+    causal, window = what != "non-causal", 300 if what == "window" else None
+    docs = Documents.from_args(total, parse_docs("lognormal:mean=768,seed=2", total), causal, window)
+    every = torch.arange(total)
+    pos = [shard_positions(total, 4, r, "zigzag", docs.cu_seqlens) for r in range(4)]
+    q_pos, k_pos = {"ring block": (pos[1], pos[0]), "all-gather": (pos[2], every)}.get(what, (every, every))
+    mask = docs.mask(q_pos, k_pos, "cuda")
+    assert varlen_spec(mask) is not None
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, q_pos.numel(), 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(1, k_pos.numel(), 2, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    dout = torch.randn_like(q)
+    full = [t.float().requires_grad_(True) for t in (q, k, v)]
+    want = attention_reference(*full, mask=mask)
+    want.backward(dout.float())
+    _, want_lse = attention_forward(*(t.detach() for t in full), backend="torch", mask=mask)
+    out, lse = attention_forward(q, k, v, backend="fa4", mask=mask)
+    grads = attention_backward(dout, q, k, v, out, lse, backend="fa4", mask=mask)
+    rel = lambda a, b: ((a.float() - b).abs().max() / b.abs().max()).item()  # noqa: E731
+    seen = mask.dense().any(1)
+    assert rel(out, want.detach()) < 2e-2
+    assert (lse[:, :, seen] - want_lse[:, :, seen]).abs().max() < 2e-2 and torch.isneginf(lse[:, :, ~seen]).all()
+    for got, ref in zip(grads, (t.grad for t in full)):
+        assert got.shape == ref.shape and rel(got, ref) < 3e-2
