@@ -6,8 +6,8 @@
 #   bash launch/gpu_packed_check.sh OUTDIR [PART]   # logs and JSON into OUTDIR; PART: all (default),
 #                                                   # fulltiles (the masked kernel with/without its fast path) or
 #                                                   # accumulate (the kernels merging/adding in place: checks, 64k ring),
-#                                                   # placement (kernel profiles of the slowest packed rank per layout,
-#                                                   # and the balanced units deal against documents-first placement)
+#                                                   # placement (every candidate of the balanced layout timed, with
+#                                                   # the kernel profile of the balanced layout's slowest rank)
 #                                                   # or fa4 (FA4's varlen path for masks: its GPU tests, the packed
 #                                                   # ring rank on FA4 blocks against one FA4 call; needs /opt/fa4 from
 #                                                   # ../shared/tools/fa4-carry's two calls on this warm machine)
@@ -40,35 +40,12 @@ fi
 if [ "$part" = placement ]; then   # the slowest rank's kernels per layout; the units deal against balanced
   DISTLAB_TRITON_LAUNCH=check timeout -s ABRT 150 $py tests/kernel_checks.py masked --device cuda --dtype bfloat16 \
     --big || status=1   # the masked kernels' cached launch, checked against Triton's own binding
-  timeout -s ABRT 240 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --layouts zigzag balanced --profile \
-    --rate-means --iters 5 --warmup 1 --json "$out/packed_profile.json" || status=1
-  timeout -s ABRT 150 $py - "$out/placement.json" <<'PY' || status=1
-import json, sys, torch
-from distlab.cp.documents import Documents, parse_docs
-from distlab.cp.emulate_packed import measure, one_call, print_summary, rank_schedule
-from distlab.cp.layout import shard_positions, units_positions
-from distlab.profiling import kernel_summary
-args = type("A", (), {"iters": 5, "warmup": 1})()
-dev, seq, world = torch.device("cuda"), 65536, 8
-docs = Documents.from_args(seq, parse_docs("lognormal:mean=2048,seed=0", seq), True, None)
-g = torch.Generator().manual_seed(0)
-q, k, v, do = (torch.randn(1, seq, h, 128, generator=g).to(dev, torch.bfloat16) for h in (32, 8, 8, 32))
-one = measure(dict(zip(("fwd", "fwd_bwd"), one_call(q, k, v, do, docs, "triton"))), args, dev)
-res = {"one_call": one}
-for name, pos in (("units", units_positions(seq, world, docs.cu_seqlens)),
-                  ("balanced", [shard_positions(seq, world, r, "balanced", docs.cu_seqlens) for r in range(world)])):
-    ranks = [measure(dict(zip(("fwd", "fwd_bwd"), rank_schedule(q, k, v, do, docs, pos, r, "triton"))), args, dev)
-             for r in range(world)]
-    work = [docs.work(p) for p in pos]
-    eff = {f"{kd}_{c[:-2]}": one[kd][c] / (world * max(r[kd][c] for r in ranks)) for kd in ("fwd", "fwd_bwd") for c in ("wall_s", "gpu_s")}
-    worst = max(range(world), key=lambda r: ranks[r]["fwd_bwd"]["wall_s"])
-    print(name, "imbalance", round(max(work) / (sum(work) / world), 3), {x: round(y * 100, 1) for x, y in eff.items()},
-          "ranks f+b ms", [round(r["fwd_bwd"]["wall_s"] * 1e3, 2) for r in ranks])
-    prof = kernel_summary(rank_schedule(q, k, v, do, docs, pos, worst, "triton")[1], dev)
-    print_summary(prof, f"{name} r{worst} fwd+bwd")
-    res[name] = {"ranks": ranks, "efficiency": eff, "work": work, "profile": prof}
-json.dump(res, open(sys.argv[1], "w"), indent=1)
-PY
+  # every candidate of the balanced layout, timed against each other beside its tile bound and block count (the
+  # CPU's figures): which criterion should pick among them (docs/PERF.md, #23)
+  timeout -s ABRT 420 $py -m distlab.cp.emulate_packed --world 8 --seq 32768 65536 --layouts zigzag balanced units \
+    docs-first:0.5 docs-first:0.25 docs-first:0.125 docs-first:0 --profile balanced --rate-means --iters 5 --warmup 1 \
+    --json "$out/placement.json" || status=1
+  pack_logs
   exit $status
 fi
 

@@ -318,13 +318,28 @@ def test_packed_emulator_runs_and_writes_json(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "distlab.cp.emulate_packed", "--device", "cpu", "--seq", "512",
                            "--world", "4", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--iters", "1",
                            "--warmup", "0", "--docs", "lognormal:mean=64,seed=0", "--rate-means", "64",
+                           "--layouts", "contiguous", "zigzag", "balanced", "units", "docs-first:0",
                            "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert [r["layout"] for r in result["rows"]] == ["contiguous", "zigzag", "balanced"]
+    assert [r["layout"] for r in result["rows"]] == ["contiguous", "zigzag", "balanced", "units", "docs-first:0"]
     balanced = result["rows"][2]
     assert balanced["imbalance"] < 1.05 and set(balanced["efficiency"]) == {"fwd_wall", "fwd_gpu", "fwd_bwd_wall",
                                                                          "fwd_bwd_gpu"}
+    for row in result["rows"]:   # every rank visits at least its share of the one call's tiles
+        tiles = row["tiles"]
+        assert all(0 < b <= 1 for b in tiles["bound"].values()) and tiles["most_blocks"] >= 1
+        assert sum(r["fwd"] for r in tiles["ranks"]) >= tiles["one_call"]["fwd"]
+
+
+def test_visited_tiles_of_one_causal_sequence():
+    """Forward: query tile i (128 rows) of a causal 1024-token sequence visits key tiles 0..2i+1 (64 keys each);
+    backward: dQ's 64-row tiles visit i+1 key tiles, dK/dV's key tile j the 64-row tiles j..15."""
+    from distlab.cp.emulate_packed import visited_tiles
+
+    every = torch.arange(1024)
+    tiles = visited_tiles(document_mask(every, every, None, True), 128)
+    assert tiles == {"fwd": sum(2 * i + 2 for i in range(8)), "bwd": 2 * sum(i + 1 for i in range(16))}
 
 
 FUSED_QKV_VIEWS = """
@@ -364,7 +379,7 @@ def test_masked_kernel_tile_ranges_are_tight_for_partial_tiles():
     not fill (a ring block's last tile): its padding once turned into "from key 0" (an int64-max fill value
     wrapped through a double), so a 5-row block of a late document looped over every key of the step."""
     pytest.importorskip("triton")
-    from distlab.kernels.triton_masked_attention import full_key_ranges, key_ranges, query_ranges
+    from distlab.kernels.masks import full_key_ranges, key_ranges, query_ranges
 
     rows, keys = torch.arange(200, 205), torch.arange(300)
     mask = document_mask(rows, keys, torch.tensor([0, 50, 300]), True, None, 300)

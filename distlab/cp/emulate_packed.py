@@ -13,6 +13,14 @@ same kernel. Forward and forward+backward, each timed two ways: "GPU" (launches 
 what the kernels take) and "wall" (plain back-to-back calls, launch latency included), the headline.
 Then the kernel alone on one call over packs of shorter and shorter documents: TFLOP/s counted on visible
 pairs stays level when the tiles a mask removes cost nothing.
+
+Beside the clocks, on any machine, the tiles: what the masked Triton kernel visits with its H200 tiles
+(forward: key tiles of 128×64 per query tile; backward: dQ's key tiles plus dK/dV's query tiles, 64×64),
+counted from the same tile tables the kernel uses, for each rank's blocks and for the one call. ``tile
+bound`` = one call's tiles / (W · the busiest rank's): the efficiency a rank could reach if a tile cost the
+same everywhere (no launch, merge or partial-wave cost) — the ceiling a layout sets before any clock runs;
+``blocks``: the most forward launches a rank makes (a block each; the backward two). ``--layouts`` also takes
+the balanced layout's candidates (``units``, ``docs-first:0.25``, ...) to time them against each other.
 """
 
 from __future__ import annotations
@@ -53,6 +61,60 @@ def rank_schedule(q, k, v, dout, docs, positions, rank, backend):
     return fwd, fwd_bwd
 
 
+def visited_tiles(mask, head_dim: int) -> dict:
+    """{"fwd", "bwd"}: the tiles the masked Triton kernel visits under ``mask`` with its H200 tile sizes, per head
+    (module doc; the tables are ``distlab.kernels.masks``', kept in the mask's memo)."""
+    from distlab.kernels.masks import key_ranges, query_ranges
+
+    def count(begin, end, size):
+        return int(((end - begin).clamp_min(0) + size - 1).div(size, rounding_mode="floor").sum())
+
+    (fm, fn), (bm, bn) = H200_TILES["fwd" if head_dim <= 128 else "fwd_big"], H200_TILES["bwd"]
+    seq_k = mask.k_pos.numel()
+    return {"fwd": count(*key_ranges(mask, fm), fn),
+            "bwd": count(*key_ranges(mask, bm), bn) + count(*query_ranges(mask, seq_k, bn), bm)}
+
+
+H200_TILES = {"fwd": (128, 64), "fwd_big": (64, 64), "bwd": (64, 64)}   # triton_masked_attention._tiles on CUDA
+
+
+def tile_row(docs, positions, head_dim: int) -> dict:
+    """Each rank's visited tiles over its ring blocks, the one call's, and the bound they set (module doc)."""
+    every = torch.arange(docs.total)
+    one = visited_tiles(docs.mask(every, every), head_dim)
+    ranks = []
+    for rank in range(len(positions)):
+        tiles = {"fwd": 0, "bwd": 0, "blocks": 0}   # blocks: the rank's forward launches (two each backward)
+        for blocks in step_blocks(docs, positions, rank, "cpu"):
+            for _, _, mask in blocks:
+                tiles["blocks"] += 1
+                for kind, n in visited_tiles(mask, head_dim).items():
+                    tiles[kind] += n
+        ranks.append(tiles)
+    world = len(positions)
+    bound = {kind: one[kind] / (world * max(r[kind] for r in ranks)) for kind in ("fwd", "bwd")}
+    return {"one_call": one, "ranks": ranks, "bound": bound, "most_blocks": max(r["blocks"] for r in ranks)}
+
+
+PLACEMENTS = ("units", "docs-first:H")   # the balanced layout's candidates, as extra --layouts (module doc)
+
+
+def placement_positions(layout: str, docs, world: int) -> list[torch.Tensor]:
+    """Per rank, the positions of ``layout``: a CP layout, or one of the balanced layout's candidates — ``units``
+    (the units deal) or ``docs-first:H`` (``documents_first`` with a heavy threshold H) — to time them apart."""
+    from distlab.cp.layout import documents_first, units_positions
+
+    if layout == "units":
+        return units_positions(docs.total, world, docs.cu_seqlens)
+    if layout.startswith("docs-first:"):
+        pos = documents_first(docs.total, world, docs.cu_seqlens, float(layout.partition(":")[2]))
+        if any(p.numel() != docs.total // world for p in pos):
+            raise ValueError(f"--layouts {layout}: this threshold does not place this pack (a rank over- or under-"
+                             "filled; the balanced layout skips it too)")
+        return pos
+    return [shard_positions(docs.total, world, r, layout, docs.cu_seqlens) for r in range(world)]
+
+
 def one_call(q, k, v, dout, docs, backend):
     pos = torch.arange(docs.total)
     mask = docs.mask(pos, pos, q.device)
@@ -85,7 +147,8 @@ def main(argv=None):
     p.add_argument("--world", type=positive_int, default=8)
     p.add_argument("--seq", type=positive_int, nargs="+", default=None, help="default 32768 65536 (GPU), 1024 (CPU)")
     p.add_argument("--docs", default="lognormal:mean=2048,seed=0", help="the pack (as the CP studies' --docs)")
-    p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag", "balanced"])
+    p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag", "balanced"],
+                   help="CP layouts, and the balanced layout's candidates: units, docs-first:H (e.g. docs-first:0.25)")
     p.add_argument("--heads", type=positive_int, default=32)
     p.add_argument("--kv-heads", type=positive_int, default=8)
     p.add_argument("--head-dim", type=positive_int, default=128)
@@ -106,8 +169,8 @@ def main(argv=None):
               "backend": backend, "device": torch.cuda.get_device_name() if gpu else "cpu", "rows": [], "rates": []}
     print(f"a ring rank's packed schedule vs one call, W={a.world}, {a.heads} q / {a.kv_heads} kv heads, "
           f"head_dim {a.head_dim}, {str(dtype)[6:]}, backend {backend}, {result['device']}")
-    print(f"{'seq':>6} {'layout':<11} {'imbal.':>6}  {'fwd wall':>9} {'f+b wall':>9}   {'fwd GPU':>8} {'f+b GPU':>8}"
-          f"   {'rank f/fb ms (wall)':>20}")
+    print(f"{'seq':>6} {'layout':<16} {'imbal.':>6}  {'fwd wall':>9} {'f+b wall':>9}   {'fwd GPU':>8} {'f+b GPU':>8}"
+          f"   {'tile bound f/b':>14} {'blocks':>6}   {'rank f/fb ms (wall)':>20}")
     for seq in seqs:
         docs = Documents.from_args(seq, parse_docs(a.docs, seq), True, None)
         g = torch.Generator(device="cpu").manual_seed(0)
@@ -115,20 +178,28 @@ def main(argv=None):
                          for h in (a.heads, a.kv_heads, a.kv_heads, a.heads))
         one = measure(dict(zip(("fwd", "fwd_bwd"), one_call(q, k, v, dout, docs, backend))), a, device)
         for layout in a.layouts:
-            positions = [shard_positions(seq, a.world, r, layout, docs.cu_seqlens) for r in range(a.world)]
+            try:
+                positions = placement_positions(layout, docs, a.world)
+            except ValueError as e:
+                if layout in ("contiguous", "zigzag", "balanced"):
+                    raise
+                print(f"{seq:>6} {layout:<16} skipped: {e}")
+                continue
             work = [docs.work(pos) for pos in positions]
             ranks = [measure(dict(zip(("fwd", "fwd_bwd"), rank_schedule(q, k, v, dout, docs, positions, r, backend))),
                              a, device) for r in range(a.world)]
             row = {"seq": seq, "layout": layout, "docs": describe(docs), "imbalance": max(work) / (sum(work) / a.world),
-                   "one_call": one, "ranks": ranks, "efficiency": {}}
+                   "one_call": one, "ranks": ranks, "efficiency": {}, "tiles": tile_row(docs, positions, a.head_dim)}
             for kind in ("fwd", "fwd_bwd"):
                 for clock in ("wall_s", "gpu_s"):
                     slowest = max(r[kind][clock] for r in ranks)
                     row["efficiency"][f"{kind}_{clock[:-2]}"] = one[kind][clock] / (a.world * slowest)
             e = row["efficiency"]
             worst = max(range(a.world), key=lambda r: ranks[r]["fwd_bwd"]["wall_s"])
-            print(f"{seq:>6} {layout:<11} {row['imbalance']:>6.3f}  {e['fwd_wall'] * 100:>8.1f}% {e['fwd_bwd_wall'] * 100:>8.1f}%"
+            print(f"{seq:>6} {layout:<16} {row['imbalance']:>6.3f}  {e['fwd_wall'] * 100:>8.1f}% {e['fwd_bwd_wall'] * 100:>8.1f}%"
                   f"   {e['fwd_gpu'] * 100:>7.1f}% {e['fwd_bwd_gpu'] * 100:>7.1f}%   "
+                  f"{row['tiles']['bound']['fwd'] * 100:>6.1f}/{row['tiles']['bound']['bwd'] * 100:>5.1f}% "
+                  f"{row['tiles']['most_blocks']:>6}   "
                   f"r{worst} {ranks[worst]['fwd']['wall_s'] * 1e3:.2f} / {ranks[worst]['fwd_bwd']['wall_s'] * 1e3:.2f}")
             if gpu and a.profile is not None and (not a.profile or layout in a.profile):
                 row["profile"] = kernel_summary(rank_schedule(q, k, v, dout, docs, positions, worst, backend)[1], device)

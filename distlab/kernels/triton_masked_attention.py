@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from distlab.kernels.launch import CachedLaunch, cdiv, launch_keyed
-from distlab.kernels.masks import KeyMask
+from distlab.kernels.masks import KeyMask, full_key_ranges, full_query_ranges, key_ranges, query_ranges
 
 LOG2E = 1.4426950408889634
 
@@ -231,24 +231,6 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, KPOS, KB, KE, FB, FE, scale,
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=in_q[:, None])
 
 
-def key_ranges(mask, block_m: int):
-    """Per query tile, the key rows [begin, end) its rows can see (int32, on the mask's device); computed
-    once per mask and tile size (a ring reuses its step masks every iteration)."""
-    key = ("key_ranges", block_m)
-    if key not in mask.memo:
-        mask.memo[key] = _tile_key_ranges(mask, block_m, every=False)
-    return mask.memo[key]
-
-
-def full_key_ranges(mask, block_m: int):
-    """Per query tile, the key rows [begin, end) that *every* row of the tile sees (empty when one of its rows
-    sees nothing): key tiles inside it run without the mask (the bulk of a causal or document block)."""
-    key = ("full_key_ranges", block_m)
-    if key not in mask.memo:
-        mask.memo[key] = _tile_key_ranges(mask, block_m, every=True)
-    return mask.memo[key]
-
-
 def seen_keys(mask):
     """``(cols, sub)``: the slice of key rows some query of ``mask`` sees and the mask of those keys alone, or
     ``(None, mask)`` when that is every key (or none); once per mask. A packed ring block's rows see a few of
@@ -263,67 +245,10 @@ def seen_keys(mask):
     return mask.memo["seen_keys"]
 
 
-def _tile_key_ranges(mask, block_m: int, every: bool):
-    """The union (``every`` False) or the intersection (True) of the key intervals of each tile's rows, as key
-    rows. A row that sees nothing drops out of a union and empties an intersection; padding rows do neither."""
-    n = mask.q_lo.shape[0]
-    tiles = (n + block_m - 1) // block_m
-    pad = tiles * block_m - n
-    seeing = mask.q_lo < mask.q_hi
-    big = 2 ** 62   # past every position; int64's max would not do: pad's fill value goes through a double and
-    #                 wraps to int64's min (every partial tile's key range then started at key 0)
-    lo = torch.where(seeing, mask.q_lo, torch.full_like(mask.q_lo, big))
-    hi = torch.where(seeing, mask.q_hi, torch.full_like(mask.q_hi, -big))
-    lo = torch.nn.functional.pad(lo, (0, pad), value=-big if every else big).view(tiles, block_m)
-    hi = torch.nn.functional.pad(hi, (0, pad), value=big if every else -big).view(tiles, block_m)
-    lo, hi = (lo.amax(1), hi.amin(1)) if every else (lo.amin(1), hi.amax(1))
-    begin = torch.searchsorted(mask.k_pos, lo)
-    end = torch.searchsorted(mask.k_pos, hi)
-    end = torch.where(end > begin, end, begin)            # a tile that sees nothing loops zero times
-    return begin.to(torch.int32), end.to(torch.int32)
-
-
 def _full_tiles() -> bool:
     from distlab import knobs
 
     return knobs.get("TRITON_MASKED_FULL_TILES") != "0"
-
-
-def query_ranges(mask, seq_k: int, block_n: int):
-    """Per key tile, the query rows [begin, end) that can see it: one range when the rows' intervals ascend
-    (every layout's shard); else every row. Computed once per mask and tile size."""
-    key = ("query_ranges", seq_k, block_n)
-    if key not in mask.memo:
-        mask.memo[key] = _tile_query_ranges(mask, seq_k, block_n, every=False)
-    return mask.memo[key]
-
-
-def full_query_ranges(mask, seq_k: int, block_n: int):
-    """Per key tile, the query rows [begin, end) that see every key of it (rows' intervals ascending; else
-    none): the dK/dV kernel runs them without the mask."""
-    key = ("full_query_ranges", seq_k, block_n)
-    if key not in mask.memo:
-        mask.memo[key] = _tile_query_ranges(mask, seq_k, block_n, every=True)
-    return mask.memo[key]
-
-
-def _tile_query_ranges(mask, seq_k: int, block_n: int, every: bool):
-    """Rows that see some key of each key tile (``every`` False) or all of them (True)."""
-    tiles = (seq_k + block_n - 1) // block_n
-    lo, hi = mask.q_lo, mask.q_hi
-    monotone = lo.numel() < 2 or bool(((lo[1:] >= lo[:-1]) & (hi[1:] >= hi[:-1])).all())
-    if not monotone:
-        ends = torch.tensor([0, 0 if every else lo.numel()], dtype=torch.int32, device=lo.device)
-        return ends[0].expand(tiles).contiguous(), ends[1].expand(tiles).contiguous()
-    pad = tiles * block_n - seq_k
-    kpos = torch.nn.functional.pad(mask.k_pos, (0, pad), value=int(mask.k_pos[-1])).view(tiles, block_n)
-    kmin, kmax = kpos[:, 0].contiguous(), kpos[:, -1].contiguous()
-    # rows whose interval ends past the tile's first (some) or last (every) key, and starts at or before
-    # its last (some) or first (every) key
-    begin = torch.searchsorted(hi, kmax if every else kmin, right=True)
-    end = torch.searchsorted(lo, kmin if every else kmax, right=True)
-    end = torch.where(end > begin, end, begin)
-    return begin.to(torch.int32), end.to(torch.int32)
 
 
 def _check(q, k, v, mask):
