@@ -3,6 +3,7 @@ kernel; and the masked kernel's rate on visible pairs.
 
     python -m distlab.cp.emulate_packed --world 8 --seq 32768 65536 --json packed.json          # GPU
     python -m distlab.cp.emulate_packed --device cpu --seq 1024 --heads 4 --kv-heads 2 --head-dim 16 --iters 1
+    python -m distlab.cp.emulate_packed --tiles-only --layouts zigzag balanced units docs-first:0.25    # any machine
 
 For each sequence length and layout, every rank's ring schedule runs with the K/V of all its steps already
 on the device (``distlab.cp.ring_packed``'s own code with the exchanges removed: what is left is the masked
@@ -142,6 +143,30 @@ def measure(fns, args, device):
                    "wall_s": time_wall(fn, args.iters, args.warmup, device)} for name, fn in fns.items()}
 
 
+def tiles_only(a) -> dict:
+    """``--tiles-only``: each layout's pair imbalance, tile bound and block count, no tensor and no clock (any
+    machine, seconds)."""
+    result = {"world": a.world, "head_dim": a.head_dim, "docs": a.docs, "rows": []}
+    print(f"tiles the masked kernel visits (H200 tiles), W={a.world}, head_dim {a.head_dim}, --docs {a.docs}")
+    print(f"{'seq':>6} {'layout':<16} {'imbal.':>6}   {'tile bound f/b':>14} {'blocks':>6}")
+    for seq in a.seq or [32768, 65536]:
+        docs = Documents.from_args(seq, parse_docs(a.docs, seq), True, None)
+        for layout in a.layouts:
+            try:
+                positions = placement_positions(layout, docs, a.world)
+            except ValueError as e:
+                print(f"{seq:>6} {layout:<16} skipped: {e}")
+                continue
+            work = [docs.work(pos) for pos in positions]
+            row = {"seq": seq, "layout": layout, "imbalance": max(work) / (sum(work) / a.world),
+                   "tiles": tile_row(docs, positions, a.head_dim)}
+            bound = row["tiles"]["bound"]
+            print(f"{seq:>6} {layout:<16} {row['imbalance']:>6.3f}   {bound['fwd'] * 100:>6.1f}/{bound['bwd'] * 100:>5.1f}% "
+                  f"{row['tiles']['most_blocks']:>6}")
+            result["rows"].append(row)
+    return result
+
+
 def main(argv=None):
     p = StudyParser(prog="python -m distlab.cp.emulate_packed", description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=positive_int, default=8)
@@ -158,8 +183,14 @@ def main(argv=None):
                         "given (none: every layout)")
     p.add_argument("--rate-means", type=positive_int, nargs="*", default=None,
                    help="mean document lengths for the kernel-rate table (default 32768 8192 2048 512)")
+    p.add_argument("--tiles-only", action="store_true", help="only the tile bound and block counts (no clocks)")
     add_common_args(p, iters=10, warmup=3, dtypes=("bfloat16", "float16", "float32"))
     a = p.parse_args(argv)
+    if a.tiles_only:
+        result = tiles_only(a)
+        if a.json:
+            write_json(a.json, result)
+        return
     device = resolve_device(a.device)
     gpu = device.type == "cuda"
     dtype = DTYPES[a.dtype or ("bfloat16" if gpu else "float32")]
