@@ -389,3 +389,25 @@ def test_masked_kernel_tile_ranges_are_tight_for_partial_tiles():
         assert fb.tolist()[-1] == 50 and fe.tolist()[-1] == (205 if block_m == 4 else 201), (block_m, fb, fe)
     qb, qe = query_ranges(mask, 300, 64)   # key tiles 0 (keys 0..63) .. 4: rows see keys 50..204
     assert qb.tolist() == [0, 0, 0, 0, 5] and qe.tolist() == [5, 5, 5, 5, 5]
+
+
+def test_cached_plan_builds_once_per_pack_and_key():
+    """A CP method's masks and blocks are built once per (method, pack, key) and kept for the next layer or
+    step on the same pack; another pack, window or key builds anew; the cache keeps the last PLAN_CACHE_SIZE."""
+    from distlab.cp import documents
+
+    built = []
+
+    def plan(docs, *key):
+        return documents.cached_plan("test", docs, *key, build=lambda: built.append(key) or object())
+
+    a = Documents.from_args(64, torch.tensor([0, 10, 64]), True, None)
+    first = plan(a, 4, 0)
+    assert plan(Documents.from_args(64, [0, 10, 64], True, None), 4, 0) is first and len(built) == 1
+    plan(Documents.from_args(64, [0, 11, 64], True, None), 4, 0)
+    plan(Documents.from_args(64, [0, 10, 64], True, 5), 4, 0)
+    plan(a, 4, 1)
+    assert len(built) == 4
+    for i in range(documents.PLAN_CACHE_SIZE):
+        plan(a, 8, i)
+    assert plan(a, 4, 0) is not first and len(built) == 5 + documents.PLAN_CACHE_SIZE

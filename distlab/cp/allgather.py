@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from distlab import comm
-from distlab.cp.documents import Documents, check_call_everywhere
+from distlab.cp.documents import Documents, cached_plan, check_call_everywhere
 from distlab.cp.layout import check_layout, shard_positions
 from distlab.kernels.attention import attention_backward, attention_forward, check_qkv, resolve_backend
 from distlab.profiling import phase
@@ -134,6 +134,17 @@ class _AllGatherAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
+def _gathered_mask(docs, world, rank, layout, device):
+    """(mask, order): this rank's queries against every key, and the permutation that puts the gathered keys
+    (in rank order) in position order and back (None when they already are)."""
+    positions = [shard_positions(docs.total, world, r, layout, docs.cu_seqlens) for r in range(world)]
+    keys, order = torch.cat(positions), None   # the gathered keys' positions, in rank order
+    if bool((keys[1:] < keys[:-1]).any()):
+        sort = torch.argsort(keys)
+        order, keys = (sort.to(device), torch.argsort(sort).to(device)), keys[sort]
+    return docs.mask(positions[rank], keys, device), order
+
+
 def allgather_attention(q, k, v, group=None, causal=False, layout="contiguous", backend="auto", softmax_scale=None,
                         cu_seqlens=None, window=None, chunks=None, return_lse=False):
     """Attention over the whole sequence from this rank's shards (``distlab.cp.layout.shard_sequence`` with
@@ -154,15 +165,10 @@ def allgather_attention(q, k, v, group=None, causal=False, layout="contiguous", 
     chunks = chunks if chunks is not None else (2 if k.shape[2] % 2 == 0 else 1)
     if not isinstance(chunks, int) or chunks < 1 or k.shape[2] % chunks:
         raise ValueError(f"chunks={chunks!r} must be a positive divisor of the kv heads ({k.shape[2]})")
-    positions = [shard_positions(total, world, r, layout, docs.cu_seqlens) for r in range(world)]
     # causal (local queries against all keys: the diagonal is offset) and documents need the positions' mask;
     # full attention does not care in which order the gathered keys come
-    keys = torch.cat(positions)                     # the gathered keys' positions, in rank order
-    order = None
-    if (causal or docs.masked) and bool((keys[1:] < keys[:-1]).any()):
-        sort = torch.argsort(keys)                  # gathered keys are put in position order (and back)
-        order, keys = (sort.to(q.device), torch.argsort(sort).to(q.device)), keys[sort]
-    mask = docs.mask(positions[rank], keys, q.device) if causal or docs.masked else None
+    mask, order = (None, None) if not (causal or docs.masked) else cached_plan(
+        "allgather", docs, world, rank, layout, q.device, build=lambda: _gathered_mask(docs, world, rank, layout, q.device))
     backend = resolve_backend(backend, q.device, q.dtype, masked=mask is not None)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out, lse = _AllGatherAttention.apply(q, k, v, group, world, mask, scale, backend, chunks, order)

@@ -12,6 +12,7 @@ same rule holds whatever layout put the tokens where.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 
@@ -56,6 +57,26 @@ class Documents:
 
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
+
+PLAN_CACHE_SIZE = 32
+_PLANS: collections.OrderedDict = collections.OrderedDict()
+
+
+def cached_plan(what: str, docs: Documents, *key, build):
+    """``build()``, once per method ``what``, pack and ``key`` (world, rank, layout, device, ...): the masks and
+    block lists a CP method derives from a pack cost milliseconds of host time (64k tokens, W=8: ~12 ms for
+    a ring rank's blocks), and every layer of a model, every step on the same pack, asks again. The last
+    ``PLAN_CACHE_SIZE`` plans are kept; a kept mask keeps its kernels' tile tables (``KeyMask.memo``) too."""
+    cu = None if docs.cu_seqlens is None else tuple(docs.cu_seqlens.tolist())
+    k = (what, docs.total, docs.causal, docs.window, cu, *key)
+    plan = _PLANS.get(k)
+    if plan is None:
+        plan = _PLANS[k] = build()
+        while len(_PLANS) > PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
+    else:
+        _PLANS.move_to_end(k)
+    return plan
 
 
 def check_call_everywhere(what: str, group, q, k, v, causal=False, layout="contiguous", cu_seqlens=None,

@@ -41,7 +41,7 @@ import math
 import torch
 
 from distlab import comm, knobs
-from distlab.cp.documents import Documents, check_call_everywhere
+from distlab.cp.documents import Documents, cached_plan, check_call_everywhere
 from distlab.cp.layout import check_layout, shard_positions
 from distlab.kernels.lse_merge import MERGE_BLOCKS, lse_merge_, merge_attention, merge_into
 from distlab.profiling import phase
@@ -449,8 +449,11 @@ def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backe
         backend = check_ring_inputs(q, k, v, ring.size, causal, layout, backend, masked=True)
         from distlab.cp.ring_packed import PackedRingAttention, step_blocks
 
-        positions = [shard_positions(total, ring.size, r, layout, docs.cu_seqlens) for r in range(ring.size)]
-        blocks = step_blocks(docs, positions, ring.rank, q.device)
+        def build():
+            positions = [shard_positions(total, ring.size, r, layout, docs.cu_seqlens) for r in range(ring.size)]
+            return step_blocks(docs, positions, ring.rank, q.device)
+
+        blocks = cached_plan("ring", docs, ring.size, ring.rank, layout, q.device, build=build)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         out, lse = PackedRingAttention.apply(q, k, v, ring, blocks, scale, backend)
         return (out, lse) if return_lse else out

@@ -26,7 +26,7 @@ import math
 import torch
 
 from distlab import comm
-from distlab.cp.documents import Documents, check_call_everywhere
+from distlab.cp.documents import Documents, cached_plan, check_call_everywhere
 from distlab.cp.layout import check_layout, shard_positions
 from distlab.kernels.attention import attention, check_qkv, resolve_backend
 from distlab.profiling import phase
@@ -67,6 +67,14 @@ def to_sequence_shards(out, group):
     return comm.all_to_all(out, group, scatter_dim=1, gather_dim=2)
 
 
+def _sequence_mask(docs, world, layout, device):
+    """(mask, order): the whole sequence's mask, and the permutation that puts the gathered sequence (every
+    rank's positions, in rank order) in position order (None when it already is)."""
+    pos = torch.cat([shard_positions(docs.total, world, r, layout, docs.cu_seqlens) for r in range(world)])
+    order = torch.argsort(pos).to(device) if bool((pos[1:] < pos[:-1]).any()) else None
+    return docs.mask(torch.arange(docs.total), torch.arange(docs.total), device), order
+
+
 def ulysses_attention(q, k, v, group=None, causal=False, backend="auto", softmax_scale=None, layout="contiguous",
                       cu_seqlens=None, window=None):
     """Attention over the whole sequence, given this rank's shards (differentiable).
@@ -82,11 +90,9 @@ def ulysses_attention(q, k, v, group=None, causal=False, backend="auto", softmax
     masked = docs.masked or (causal and layout != "contiguous")
     backend = check_ulysses_inputs(q, k, v, world, backend, masked=masked)
     mask = order = None
-    if masked:   # the gathered sequence holds every rank's positions, in rank order: put it in position order
-        pos = torch.cat([shard_positions(docs.total, world, r, layout, docs.cu_seqlens) for r in range(world)])
-        if bool((pos[1:] < pos[:-1]).any()):
-            order = torch.argsort(pos).to(q.device)
-        mask = docs.mask(torch.arange(docs.total), torch.arange(docs.total), q.device)
+    if masked:
+        mask, order = cached_plan("ulysses", docs, world, layout, q.device,
+                                  build=lambda: _sequence_mask(docs, world, layout, q.device))
     with phase("ulysses.all_to_all"):
         qh, kh, vh = to_head_shards(q, k, v, group)
     if order is not None:
