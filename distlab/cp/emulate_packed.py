@@ -65,18 +65,15 @@ def rank_schedule(q, k, v, dout, docs, positions, rank, backend):
 def visited_tiles(mask, head_dim: int) -> dict:
     """{"fwd", "bwd"}: the tiles the masked Triton kernel visits under ``mask`` with its H200 tile sizes, per head
     (module doc; the tables are ``distlab.kernels.masks``', kept in the mask's memo)."""
-    from distlab.kernels.masks import key_ranges, query_ranges
+    from distlab.kernels.masks import key_ranges, masked_tiles, query_ranges
 
     def count(begin, end, size):
         return int(((end - begin).clamp_min(0) + size - 1).div(size, rounding_mode="floor").sum())
 
-    (fm, fn), (bm, bn) = H200_TILES["fwd" if head_dim <= 128 else "fwd_big"], H200_TILES["bwd"]
+    (fm, fn, *_), (bm, bn, *_) = (masked_tiles(torch.device("cuda"), head_dim, kind) for kind in ("fwd", "bwd"))
     seq_k = mask.k_pos.numel()
     return {"fwd": count(*key_ranges(mask, fm), fn),
             "bwd": count(*key_ranges(mask, bm), bn) + count(*query_ranges(mask, seq_k, bn), bm)}
-
-
-H200_TILES = {"fwd": (128, 64), "fwd_big": (64, 64), "bwd": (64, 64)}   # triton_masked_attention._tiles on CUDA
 
 
 def tile_row(docs, positions, head_dim: int) -> dict:
@@ -95,9 +92,6 @@ def tile_row(docs, positions, head_dim: int) -> dict:
     world = len(positions)
     bound = {kind: one[kind] / (world * max(r[kind] for r in ranks)) for kind in ("fwd", "bwd")}
     return {"one_call": one, "ranks": ranks, "bound": bound, "most_blocks": max(r["blocks"] for r in ranks)}
-
-
-PLACEMENTS = ("units", "docs-first:H")   # the balanced layout's candidates, as extra --layouts (module doc)
 
 
 def placement_positions(layout: str, docs, world: int) -> list[torch.Tensor]:

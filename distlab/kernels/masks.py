@@ -137,6 +137,17 @@ def document_mask(q_pos, k_pos, cu_seqlens=None, causal=False, window=None, tota
 # What a tiled kernel visits under a mask: per query tile its key rows, per key tile its query rows (the
 # masked Triton kernel's loops; ``distlab.cp.emulate_packed`` counts the tiles a ring rank visits with them).
 
+def masked_tiles(device: torch.device, d: int, kind: str = "fwd") -> tuple[int, int, int, int]:
+    """The masked Triton kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages) for head_dim ``d`` on ``device``: the
+    backward holds more tiles, so smaller ones (at 128 x 64 and 3 stages its dK/dV kernel asked for 246 KiB of
+    shared memory; the H200 has 227)."""
+    if device.type != "cuda":
+        return 16, 16, 4, 1
+    if kind == "fwd":
+        return (128, 64, 8, 3) if d <= 128 else (64, 64, 8, 2)
+    return (64, 64, 8, 2) if d <= 128 else (32, 32, 4, 1)
+
+
 def key_ranges(mask, block_m: int):
     """Per query tile, the key rows [begin, end) its rows can see (int32, on the mask's device); computed
     once per mask and tile size (a ring reuses its step masks every iteration)."""

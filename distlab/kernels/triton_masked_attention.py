@@ -27,19 +27,10 @@ import triton
 import triton.language as tl
 
 from distlab.kernels.launch import CachedLaunch, cdiv, launch_keyed
-from distlab.kernels.masks import KeyMask, full_key_ranges, full_query_ranges, key_ranges, query_ranges
+from distlab.kernels.masks import (KeyMask, full_key_ranges, full_query_ranges, key_ranges, masked_tiles,
+                                   query_ranges)
 
 LOG2E = 1.4426950408889634
-
-
-def _tiles(device, d, kind="fwd"):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): the backward holds more tiles, so smaller ones (at 128 x 64
-    and 3 stages its dK/dV kernel asked for 246 KiB of shared memory; the H200 has 227)."""
-    if device.type != "cuda":
-        return 16, 16, 4, 1
-    if kind == "fwd":
-        return (128, 64, 8, 3) if d <= 128 else (64, 64, 8, 2)
-    return (64, 64, 8, 2) if d <= 128 else (32, 32, 4, 1)
 
 
 @triton.jit
@@ -276,7 +267,7 @@ def masked_forward(q, k, v, mask, scale, out=None, lse=None, accumulate=False, o
     if k.stride() != v.stride():   # the kernel walks K and V with one set of strides (a fused QKV's views differ)
         k, v = k.contiguous(), v.contiguous()
     b, sq, h, d = q.shape
-    bm, bn, warps, stages = _tiles(q.device, d)
+    bm, bn, warps, stages = masked_tiles(q.device, d)
     if out is None:
         if accumulate:
             raise ValueError("accumulate=True needs the running out and lse")
@@ -318,7 +309,7 @@ def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None
     _check(q, k, v, mask)
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    bm, bn, warps, stages = _tiles(q.device, d, "bwd")
+    bm, bn, warps, stages = masked_tiles(q.device, d, "bwd")
     q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))   # Q and dO share strides in the kernels
     lse, delta = rows if rows is not None else masked_backward_rows(dout, out, lse)
     if lse.stride() != delta.stride() or lse.stride(-1) != 1 or lse.shape != (b, h, sq):
