@@ -308,6 +308,49 @@ def test_methods_with_the_masked_triton_kernel(case):
         pool.close()
 
 
+def triton_ring_blocks_vs_torch(case, layout):
+    """One process, Triton's interpreter: every rank's packed ring schedule (``ring_packed``'s own forward and
+    backward over resident K/V) with rows cut into many blocks (gap 1: steps of one block, whose kernel
+    writes its keys' dK/dV, and of several, added into a zero fill), triton against torch. Returns the worst
+    relative error and each rank's blocks per step."""
+    from distlab.cp.emulate import ResidentRing
+    from distlab.cp.ring_packed import _backward, _forward, step_blocks
+
+    cu, causal, window = CASES[case]
+    docs = Documents.from_args(T, torch.tensor(cu), causal, window)
+    q, k, v, dout = (t[:1].float() for t in _inputs(4, 2, head_dim=16))
+    world, worst, counts = 3, 0.0, []
+    pos = [shard_positions(T, world, r, layout, docs.cu_seqlens) for r in range(world)]
+    for r in range(world):
+        blocks = step_blocks(docs, pos, r, "cpu", gap=1)
+        counts.append([len(s) for s in blocks])
+        kv = [(k[:, pos[(r - s) % world]].contiguous(), v[:, pos[(r - s) % world]].contiguous()) for s in range(world)]
+        qr, dr = q[:, pos[r]].contiguous(), dout[:, pos[r]].contiguous()
+        got = {}
+        for backend in ("torch", "triton"):
+            out, lse = _forward(qr, *kv[0], ResidentRing(world, r, kv), blocks, None, backend)
+            got[backend] = (out, *_backward(dr, qr, *kv[0], out, lse, ResidentRing(world, r, kv), blocks, None, backend))
+        worst = max(worst, *(rel_err(a, b) for a, b in zip(got["triton"], got["torch"])))
+    return worst, counts
+
+
+def test_triton_ring_steps_of_one_and_of_several_blocks():
+    """The fused packed ring's backward: a step's only block writes its keys' dK/dV (no zero fill), a step of
+    several adds into zeros; both equal the torch backend's sums (Triton's interpreter, float32)."""
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    from distlab.testing import ProcessGroupPool
+
+    pool = ProcessGroupPool(1, env={"TRITON_INTERPRET": "1"})
+    try:
+        for case, layout in (("window_in_doc", "balanced"), ("full_in_docs", "zigzag")):
+            [(worst, counts)] = pool.run(triton_ring_blocks_vs_torch, case, layout, timeout_s=400)
+            steps = [n for rank in counts for n in rank[1:]]
+            assert 1 in steps and max(steps) >= 2, counts   # both kinds of step are exercised
+            assert worst < 2e-5, (case, layout, worst)
+    finally:
+        pool.close()
+
+
 def test_packed_emulator_runs_and_writes_json(tmp_path):
     """The packed emulator's CPU code path (the GPU figures are in docs/PERF.md)."""
     import json

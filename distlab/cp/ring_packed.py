@@ -149,18 +149,24 @@ def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
         with phase("ring.exchange"):
             kv_pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
         part, span = None, slice(None)
-        if fused and blocks[step]:   # this step's dK/dV, summed by the kernels into float32 zeros
+        if fused and blocks[step]:   # this step's dK/dV, written or summed by the kernels in float32
             part = (torch.empty(k.shape, dtype=acc, device=k.device), torch.empty(v.shape, dtype=acc, device=v.device))
-            if step:   # only the keys the step's blocks see are written, zeroed and added on (step 0: all)
-                seen = [c for c in (m.seen_columns() for _, _, m in blocks[step]) if c is not None]
-                span = slice(min(c.start for c in seen), max(c.stop for c in seen)) if seen else slice(0, 0)
-            for t in part:
-                t[:, span].zero_()
+            # only the keys the step's blocks see are written and added on; step 0's part becomes the
+            # accumulator of my K/V, so there every key (each row sees its own key: the span is all of them)
+            seen = [c for c in (m.seen_columns() for _, _, m in blocks[step]) if c is not None]
+            span = slice(min(c.start for c in seen), max(c.stop for c in seen)) if seen else slice(0, 0)
+            whole = (span.start, span.stop) == (0, k.shape[1])
+            only = len(blocks[step]) == 1 and (step > 0 or whole)   # a step's only block writes its keys: no fill
+            if step == 0:
+                span = slice(None)
+            if not only:
+                for t in part:
+                    t[:, span].zero_()
             for a, b, mask in blocks[step]:
                 with phase("ring.block_backward"):
                     masked_backward(dout[:, a:b], q[:, a:b], kv[0], kv[1], None, None, mask, block_scale,
                                     rows=(back_rows[0][:, :, a:b], back_rows[1][:, :, a:b]), dq_acc=dq[:, a:b],
-                                    dk_acc=part[0], dv_acc=part[1])
+                                    dk_acc=part[0], dv_acc=part[1], dkv_add=not only)
         elif not fused:
             for a, b, mask in blocks[step]:
                 with phase("ring.block_backward"):

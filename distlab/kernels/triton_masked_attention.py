@@ -299,13 +299,16 @@ def masked_forward(q, k, v, mask, scale, out=None, lse=None, accumulate=False, o
     return (final_out if order is not None else out), lse
 
 
-def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None, dk_acc=None, dv_acc=None):
+def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None, dk_acc=None, dv_acc=None,
+                    dkv_add=True):
     """(dq, dk, dv) given the final out and lse (as every backend; see ``distlab.kernels.attention``).
 
     A packed ring step passes ``rows = masked_backward_rows(dout, out, lse)`` of these query rows (computed
     once for the shard; then ``out``/``lse`` are not read) and float32 accumulators ``dq_acc`` (q's shape)
     and ``dk_acc``/``dv_acc`` (k's shape), last dims contiguous, that the kernels *add* their gradients into
-    — no per-step sums, conversions or row statistics; it gets the accumulators back."""
+    — no per-step sums, conversions or row statistics; it gets the accumulators back. ``dkv_add=False``: the
+    dK/dV kernel *writes* the gradients of the keys some row sees (``seen_keys``) instead of adding them (a
+    step's only block: its accumulator needs no zero fill first)."""
     _check(q, k, v, mask)
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -335,7 +338,8 @@ def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None
     qfb, qfe = full_query_ranges(mask, sk, bn)
     launch_keyed(_DKV, (cdiv(sk, bn), b * hk), (q, k, v, dout, lse, delta, dk, dv, lo, hi, kpos, qb, qe, qfb, qfe),
                  (scale, *q.stride()[:3], *k.stride()[:3], *lse.stride()[:2], *dk.stride()[:3], sq, sk, h, hk, h // hk),
-                 dict(BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), ADD=add, num_warps=warps, num_stages=stages))
+                 dict(BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), ADD=add and dkv_add, num_warps=warps,
+                      num_stages=stages))
     kb, ke = key_ranges(mask, bm)
     fb, fe = full_key_ranges(mask, bm)
     launch_keyed(_DQ, (cdiv(sq, bm), b * h), (q, k, v, dout, lse, delta, dq, lo, hi, kpos, kb, ke, fb, fe),
