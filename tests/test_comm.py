@@ -83,7 +83,7 @@ def test_comm_log_counts_calls_and_ring_algorithm_bytes(pools, world):
 
 
 def ring_rotation():
-    r, n = comm.group_rank(), comm.group_size()
+    r = comm.group_rank()
     ring = comm.RingExchanger()
     a, b = torch.full((3,), float(r)), torch.full((2, 2), 10.0 * r)
     with comm.CommLog() as log:

@@ -226,7 +226,6 @@ def test_causal_contiguous_skips_masked_blocks(pools):
 # layouts
 # ------------------------------------------------------------------------------------------------------
 def layout_roundtrip(layout):
-    rank, world = comm.group_rank(), comm.group_size()
     x = torch.arange(2 * 24 * 3, dtype=torch.float64).view(2, 24, 3)
     local = shard_sequence(x, None, layout)
     back = gather_sequence(local, None, layout)

@@ -55,7 +55,7 @@ def capacity_keep(experts_flat, num_experts, capacity):
 
 def dispatch(x, experts, weights, num_experts, group=None, capacity_factor=None):
     """x (T, H), experts/weights (T, k) -> (rows (R, H) grouped by local expert, DispatchState)."""
-    p, rank = comm.group_size(group), comm.group_rank(group)
+    p = comm.group_size(group)
     if num_experts % p:
         raise ValueError(f"{num_experts} experts cannot be split over {p} expert-parallel ranks")
     t, k = experts.shape
