@@ -34,14 +34,13 @@ ROW_GAP = 256   # rows that see nothing between two runs, below which the runs a
 def row_runs(mask, gap: int = ROW_GAP) -> list[tuple[int, int]]:
     """The runs [a, b) of query rows that see some key of ``mask`` (runs closer than ``gap`` joined)."""
     k = mask.k_pos if mask.k_sorted else mask.k_pos.sort().values
-    seen = ((torch.searchsorted(k, mask.q_hi) - torch.searchsorted(k, mask.q_lo)) > 0).nonzero().squeeze(1).tolist()
-    runs = []
-    for r in seen:
-        if runs and r - runs[-1][1] < gap:
-            runs[-1][1] = r + 1
-        else:
-            runs.append([r, r + 1])
-    return [(a, b) for a, b in runs]
+    seen = ((torch.searchsorted(k, mask.q_hi) - torch.searchsorted(k, mask.q_lo)) > 0).nonzero().squeeze(1)
+    if not seen.numel():
+        return []
+    cut = ((seen[1:] - seen[:-1]) > gap).nonzero().squeeze(1)    # a run ends where gap rows or more see nothing
+    starts = torch.cat([seen[:1], seen[cut + 1]]).tolist()
+    stops = (torch.cat([seen[cut], seen[-1:]]) + 1).tolist()
+    return list(zip(starts, stops))
 
 
 class StepBlocks(list):
