@@ -167,8 +167,10 @@ def allgather_attention(q, k, v, group=None, causal=False, layout="contiguous", 
         raise ValueError(f"chunks={chunks!r} must be a positive divisor of the kv heads ({k.shape[2]})")
     # causal (local queries against all keys: the diagonal is offset) and documents need the positions' mask;
     # full attention does not care in which order the gathered keys come
-    mask, order = (None, None) if not (causal or docs.masked) else cached_plan(
-        "allgather", docs, world, rank, layout, q.device, build=lambda: _gathered_mask(docs, world, rank, layout, q.device))
+    mask, order = None, None
+    if causal or docs.masked:
+        mask, order = cached_plan("allgather", docs, world, rank, layout, q.device,
+                                  build=lambda: _gathered_mask(docs, world, rank, layout, q.device))
     backend = resolve_backend(backend, q.device, q.dtype, masked=mask is not None)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out, lse = _AllGatherAttention.apply(q, k, v, group, world, mask, scale, backend, chunks, order)

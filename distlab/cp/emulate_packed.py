@@ -155,8 +155,8 @@ def tiles_only(a) -> dict:
             row = {"seq": seq, "layout": layout, "imbalance": max(work) / (sum(work) / a.world),
                    "tiles": tile_row(docs, positions, a.head_dim)}
             bound = row["tiles"]["bound"]
-            print(f"{seq:>6} {layout:<16} {row['imbalance']:>6.3f}   {bound['fwd'] * 100:>6.1f}/{bound['bwd'] * 100:>5.1f}% "
-                  f"{row['tiles']['most_blocks']:>6}")
+            print(f"{seq:>6} {layout:<16} {row['imbalance']:>6.3f}   {bound['fwd'] * 100:>6.1f}/"
+                  f"{bound['bwd'] * 100:>5.1f}% {row['tiles']['most_blocks']:>6}")
             result["rows"].append(row)
     return result
 

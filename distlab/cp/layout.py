@@ -18,7 +18,8 @@ partial tiles; ``python -m distlab.cp.emulate_packed --tiles-only`` counts them)
 deal: the sequence cut into m equal units per rank (2, 4, 8 or 16), dealt heaviest first to the rank with
 the least work that has room (``balanced_units``). Either way a rank's tokens are kept in position order;
 the length must divide by 2W. Whole documents matter on the GPU: a ring step's block of a few rows of a
-split document is a launch that barely fills the GPU (H200, 64k lognormal pack: docs/PERF.md). Without ``cu_seqlens`` it is zigzag (one document cut over all ranks).
+split document is a launch that barely fills the GPU (H200, 64k lognormal pack: docs/PERF.md). Without
+``cu_seqlens`` it is zigzag (one document cut over all ranks).
 
 USP (a Ulysses group of U ranks inside each ring position, ``ulysses_group=``): the sequence is first cut
 for the ring group as above, then each ring shard is cut into U contiguous pieces, piece u to Ulysses

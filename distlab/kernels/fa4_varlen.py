@@ -104,7 +104,8 @@ def _spec(starts, ends, ka, kb, causal, window, sees, n, n_k) -> VarlenSpec:
     tiles_k = bool((ka[1:] == kb[:-1]).all()) and int(ka[0]) == 0 and int(kb[-1]) == n_k
     i32 = torch.int32
     unseen = (~sees).nonzero().squeeze(1)
-    return VarlenSpec(cu_q=torch.cat([qa, torch.tensor([n])]).to(i32), cu_k=torch.cat([ka, torch.tensor([n_k])]).to(i32),
+    return VarlenSpec(cu_q=torch.cat([qa, torch.tensor([n])]).to(i32),
+                      cu_k=torch.cat([ka, torch.tensor([n_k])]).to(i32),
                       used_q=None if tiles_q else (qb - qa).to(i32), used_k=None if tiles_k else (kb - ka).to(i32),
                       max_q=int((qb - qa).max()), max_k=int((kb - ka).max()), causal=causal, window=window,
                       unseen=unseen if unseen.numel() else None, keys_left_out=not tiles_k)
