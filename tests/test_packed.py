@@ -375,6 +375,15 @@ def test_packed_emulator_runs_and_writes_json(tmp_path):
         assert sum(r["fwd"] for r in tiles["ranks"]) >= tiles["one_call"]["fwd"]
 
 
+def test_packed_emulator_refuses_unknown_layouts_before_any_clock():
+    from distlab.cp.emulate_packed import check_layout_names
+
+    check_layout_names(["contiguous", "zigzag", "balanced", "units", "docs-first:0.25", "docs-first:0"])
+    for bad in ("nope", "docs-first:x", "docs-first:2", "docs-first:"):
+        with pytest.raises(ValueError, match="--layouts"):
+            check_layout_names(["zigzag", bad])
+
+
 def test_visited_tiles_of_one_causal_sequence():
     """Forward: query tile i (128 rows) of a causal 1024-token sequence visits key tiles 0..2i+1 (64 keys each);
     backward: dQ's 64-row tiles visit i+1 key tiles, dK/dV's key tile j the 64-row tiles j..15."""

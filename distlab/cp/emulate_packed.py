@@ -94,6 +94,28 @@ def tile_row(docs, positions, head_dim: int) -> dict:
     return {"one_call": one, "ranks": ranks, "bound": bound, "most_blocks": max(r["blocks"] for r in ranks)}
 
 
+def _heavy(layout: str) -> float:
+    try:
+        heavy = float(layout.partition(":")[2])
+    except ValueError:
+        heavy = -1.0
+    if not 0 <= heavy <= 1:
+        raise ValueError(f"--layouts {layout}: give docs-first:H with H a fraction in [0, 1], e.g. docs-first:0.25")
+    return heavy
+
+
+def check_layout_names(layouts) -> None:
+    """A ValueError for a ``--layouts`` name that is neither a CP layout nor a balanced candidate (before any
+    clock runs)."""
+    from distlab.cp.layout import LAYOUTS
+
+    for layout in layouts:
+        if layout.startswith("docs-first:"):
+            _heavy(layout)
+        elif layout not in (*LAYOUTS, "units"):
+            raise ValueError(f"--layouts {layout}: choose from {', '.join(LAYOUTS)}, units, docs-first:H")
+
+
 def placement_positions(layout: str, docs, world: int) -> list[torch.Tensor]:
     """Per rank, the positions of ``layout``: a CP layout, or one of the balanced layout's candidates — ``units``
     (the units deal) or ``docs-first:H`` (``documents_first`` with a heavy threshold H) — to time them apart."""
@@ -102,7 +124,7 @@ def placement_positions(layout: str, docs, world: int) -> list[torch.Tensor]:
     if layout == "units":
         return units_positions(docs.total, world, docs.cu_seqlens)
     if layout.startswith("docs-first:"):
-        pos = documents_first(docs.total, world, docs.cu_seqlens, float(layout.partition(":")[2]))
+        pos = documents_first(docs.total, world, docs.cu_seqlens, _heavy(layout))
         if any(p.numel() != docs.total // world for p in pos):
             raise ValueError(f"--layouts {layout}: this threshold does not place this pack (a rank over- or under-"
                              "filled; the balanced layout skips it too)")
@@ -149,6 +171,8 @@ def tiles_only(a) -> dict:
             try:
                 positions = placement_positions(layout, docs, a.world)
             except ValueError as e:
+                if "does not place this pack" not in str(e):
+                    raise
                 print(f"{seq:>6} {layout:<16} skipped: {e}")
                 continue
             work = [docs.work(pos) for pos in positions]
@@ -180,6 +204,7 @@ def main(argv=None):
     p.add_argument("--tiles-only", action="store_true", help="only the tile bound and block counts (no clocks)")
     add_common_args(p, iters=10, warmup=3, dtypes=("bfloat16", "float16", "float32"))
     a = p.parse_args(argv)
+    check_layout_names(a.layouts)
     if a.tiles_only:
         result = tiles_only(a)
         if a.json:
@@ -206,7 +231,7 @@ def main(argv=None):
             try:
                 positions = placement_positions(layout, docs, a.world)
             except ValueError as e:
-                if layout in ("contiguous", "zigzag", "balanced"):
+                if "does not place this pack" not in str(e):
                     raise
                 print(f"{seq:>6} {layout:<16} skipped: {e}")
                 continue
