@@ -132,6 +132,21 @@ def placement_positions(layout: str, docs, world: int) -> list[torch.Tensor]:
     return [shard_positions(docs.total, world, r, layout, docs.cu_seqlens) for r in range(world)]
 
 
+def placed_layouts(layouts, docs, world):
+    """(layout, positions, pair imbalance) for each ``--layouts`` name that places this pack (a ``docs-first``
+    threshold that does not is said and skipped)."""
+    for layout in layouts:
+        try:
+            positions = placement_positions(layout, docs, world)
+        except ValueError as e:
+            if "does not place this pack" not in str(e):
+                raise
+            print(f"{docs.total:>6} {layout:<16} skipped: {e}")
+            continue
+        work = [docs.work(pos) for pos in positions]
+        yield layout, positions, max(work) / (sum(work) / world)
+
+
 def one_call(q, k, v, dout, docs, backend):
     pos = torch.arange(docs.total)
     mask = docs.mask(pos, pos, q.device)
@@ -167,17 +182,8 @@ def tiles_only(a) -> dict:
     print(f"{'seq':>6} {'layout':<16} {'imbal.':>6}   {'tile bound f/b':>14} {'blocks':>6}")
     for seq in a.seq or [32768, 65536]:
         docs = Documents.from_args(seq, parse_docs(a.docs, seq), True, None)
-        for layout in a.layouts:
-            try:
-                positions = placement_positions(layout, docs, a.world)
-            except ValueError as e:
-                if "does not place this pack" not in str(e):
-                    raise
-                print(f"{seq:>6} {layout:<16} skipped: {e}")
-                continue
-            work = [docs.work(pos) for pos in positions]
-            row = {"seq": seq, "layout": layout, "imbalance": max(work) / (sum(work) / a.world),
-                   "tiles": tile_row(docs, positions, a.head_dim)}
+        for layout, positions, imbalance in placed_layouts(a.layouts, docs, a.world):
+            row = {"seq": seq, "layout": layout, "imbalance": imbalance, "tiles": tile_row(docs, positions, a.head_dim)}
             bound = row["tiles"]["bound"]
             print(f"{seq:>6} {layout:<16} {row['imbalance']:>6.3f}   {bound['fwd'] * 100:>6.1f}/"
                   f"{bound['bwd'] * 100:>5.1f}% {row['tiles']['most_blocks']:>6}")
@@ -227,19 +233,11 @@ def main(argv=None):
         q, k, v, dout = (torch.randn(1, seq, h, a.head_dim, generator=g).to(device, dtype)
                          for h in (a.heads, a.kv_heads, a.kv_heads, a.heads))
         one = measure(dict(zip(("fwd", "fwd_bwd"), one_call(q, k, v, dout, docs, backend))), a, device)
-        for layout in a.layouts:
-            try:
-                positions = placement_positions(layout, docs, a.world)
-            except ValueError as e:
-                if "does not place this pack" not in str(e):
-                    raise
-                print(f"{seq:>6} {layout:<16} skipped: {e}")
-                continue
-            work = [docs.work(pos) for pos in positions]
+        for layout, positions, imbalance in placed_layouts(a.layouts, docs, a.world):
             ranks = [measure(dict(zip(("fwd", "fwd_bwd"), rank_schedule(q, k, v, dout, docs, positions, r, backend))),
                              a, device) for r in range(a.world)]
-            row = {"seq": seq, "layout": layout, "docs": describe(docs), "imbalance": max(work) / (sum(work) / a.world),
-                   "one_call": one, "ranks": ranks, "efficiency": {}, "tiles": tile_row(docs, positions, a.head_dim)}
+            row = {"seq": seq, "layout": layout, "docs": describe(docs), "imbalance": imbalance, "one_call": one,
+                   "ranks": ranks, "efficiency": {}, "tiles": tile_row(docs, positions, a.head_dim)}
             for kind in ("fwd", "fwd_bwd"):
                 for clock in ("wall_s", "gpu_s"):
                     slowest = max(r[kind][clock] for r in ranks)
