@@ -5,6 +5,8 @@
 #   bash launch/gpu_host_check.sh OUTDIR timing    # FA4 present (../shared/tools/fa4-carry): its GPU tests with
 #                                                  # the replayed forward, host_cost, the W=8 ring rank wall/GPU
 #                                                  # (and with DISTLAB_RING_MERGE_BLOCKS=0 beside it)
+#   bash launch/gpu_host_check.sh OUTDIR first     # no FA4: bf16 real-size kernel checks, host_cost, the Triton
+#                                                  # ring rank's wall clock, the packed 64k rank (logs unpacked)
 #   bash launch/gpu_host_check.sh OUTDIR verify    # no FA4: the kernel checks (bf16) with the cached launch and in
 #                                                  # check mode, host_cost, the Triton ring rank's wall clock
 #                                                  # (and with DISTLAB_TRITON_ATTN_SPLIT_SUM=kernel beside it)
@@ -29,6 +31,16 @@ if [ "$part" = kernels ]; then
           $flag --json "$out/infer_${dt}_$mode.json"
     done
   done
+elif [ "$part" = first ]; then   # no FA4: real-size checks of what changed on the CPU, then the headline clocks;
+  # each log straight into OUTDIR (no archive), so a run cut at the device's limit still returns what it wrote
+  LIMIT=240 TAIL=12 run checks $py tests/kernel_checks.py attention accumulate merge masked emulate --device cuda \
+      --dtype bfloat16 --big
+  LIMIT=80 TAIL=20 run host_cost $py -m distlab.kernels.host_cost --rounds 3 --json "$out/host_cost.json"
+  LIMIT=90 TAIL=8 run emulate $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend triton --iters 10 \
+      --wall --json "$out/emulate_wall.json"
+  LIMIT=150 TAIL=16 run packed $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --layouts zigzag balanced \
+      units --backend triton --rate-means --iters 5 --warmup 1 --json "$out/packed_triton.json"
+  exit $status
 elif [ "$part" = verify ]; then
   LIMIT=270 run checks_cached $py tests/kernel_checks.py attention accumulate merge emulate --device cuda \
       --dtype bfloat16 --big
