@@ -7,6 +7,8 @@
 #                                                  # (and with DISTLAB_RING_MERGE_BLOCKS=0 beside it)
 #   bash launch/gpu_host_check.sh OUTDIR first     # no FA4: bf16 real-size kernel checks, host_cost, the Triton
 #                                                  # ring rank's wall clock, the packed 64k rank (logs unpacked)
+#   bash launch/gpu_host_check.sh OUTDIR fa4       # FA4 present: its GPU tests, the ring rank and the packed 64k
+#                                                  # rank on FA4 blocks, host_cost (logs unpacked)
 #   bash launch/gpu_host_check.sh OUTDIR verify    # no FA4: the kernel checks (bf16) with the cached launch and in
 #                                                  # check mode, host_cost, the Triton ring rank's wall clock
 #                                                  # (and with DISTLAB_TRITON_ATTN_SPLIT_SUM=kernel beside it)
@@ -40,6 +42,16 @@ elif [ "$part" = first ]; then   # no FA4: real-size checks of what changed on t
       --wall --json "$out/emulate_wall.json"
   LIMIT=150 TAIL=16 run packed $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --layouts zigzag balanced \
       units --backend triton --rate-means --iters 5 --warmup 1 --json "$out/packed_triton.json"
+  exit $status
+elif [ "$part" = fa4 ]; then   # FA4 present: its GPU tests (bshd and varlen), the W=8 ring rank on FA4 blocks (wall),
+  # host_cost's FA4 rows, the packed 64k rank on FA4 blocks; logs straight into OUTDIR as in part first
+  LIMIT=200 TAIL=8 run fa4_tests $py -m pytest -q -m gpu tests/test_attention_kernels.py tests/test_fa4_varlen.py \
+      -k "fa4 or varlen" -p no:cacheprovider
+  LIMIT=130 TAIL=10 run emulate_fa4 $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 triton \
+      --iters 10 --wall --json "$out/emulate_fa4_wall.json"
+  LIMIT=80 TAIL=20 run host_cost_fa4 $py -m distlab.kernels.host_cost --rounds 3 --json "$out/host_cost_fa4.json"
+  LIMIT=170 TAIL=10 run packed_fa4 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --layouts zigzag \
+      balanced --backend fa4 --rate-means 2048 512 --iters 5 --warmup 1 --json "$out/packed_fa4.json"
   exit $status
 elif [ "$part" = verify ]; then
   LIMIT=270 run checks_cached $py tests/kernel_checks.py attention accumulate merge emulate --device cuda \
