@@ -257,7 +257,8 @@ def main(argv=None):
               f"(wall); {describe(docs)}")
     seq = max(seqs)
     means = a.rate_means if a.rate_means is not None else ([32768, 8192, 2048, 512] if gpu else [512, 64])
-    print(f"\nthe masked kernel alone, seq {seq}: TFLOP/s on visible pairs (4·pairs·h·d fwd, 2.5x that bwd)")
+    if means:
+        print(f"\nthe masked kernel alone, seq {seq}: TFLOP/s on visible pairs (4·pairs·h·d fwd, 2.5x that bwd)")
     g = torch.Generator(device="cpu").manual_seed(1)
     q, k, v, dout = (torch.randn(1, seq, h, a.head_dim, generator=g).to(device, dtype)
                      for h in (a.heads, a.kv_heads, a.kv_heads, a.heads))
