@@ -57,8 +57,9 @@ KNOBS = {
     "KERNEL_SWIGLU_EVICT": Knob(None, "1: SwiGLU loads marked evict-first (default: the kernel's own)"),
     "KERNEL_SWIGLU_BLOCK": Knob(None, "columns per program of the SwiGLU kernel (default 2048)"),
     "KERNEL_MERGE_BLOCK": Knob(None, "rows per program of the LSE merge (default 32)"),
-    "RING_MERGE_BLOCKS": Knob("4", "block results a ring forward of cuDNN/FA4 blocks merges per Triton launch (1-4; "
-                                   "0: one lse_merge_ per block, the float32 result converted after)"),
+    "RING_MERGE_BLOCKS": Knob("0", "block results a ring forward of cuDNN/FA4 blocks merges per Triton launch (1-4; "
+                                   "0, the default until it passes its bf16 check on a GPU: one lse_merge_ per "
+                                   "block, the float32 result converted after)"),
     # grouped GEMM (distlab.kernels.grouped_gemm)
     "GROUPED_GEMM_CONFIG": Knob(None, "BM,BN,BK,warps,stages of the grouped GEMM (default: by shape)"),
     "GROUPED_GEMM_TMA": Knob("1", "1: TMA descriptors for the grouped GEMM's operands (sm90+)"),
