@@ -44,14 +44,14 @@ elif [ "$part" = first ]; then   # no FA4: real-size checks of what changed on t
       units --backend triton --rate-means --iters 5 --warmup 1 --json "$out/packed_triton.json"
   exit $status
 elif [ "$part" = fa4 ]; then   # FA4 present: its GPU tests (bshd and varlen), the W=8 ring rank on FA4 blocks (wall),
-  # host_cost's FA4 rows, the packed 64k rank on FA4 blocks; logs straight into OUTDIR as in part first
-  LIMIT=200 TAIL=8 run fa4_tests $py -m pytest -q -m gpu tests/test_attention_kernels.py tests/test_fa4_varlen.py \
+  # the packed 64k rank on FA4 blocks, host_cost's FA4 rows; logs straight into OUTDIR as in part first
+  LIMIT=180 TAIL=8 run fa4_tests $py -m pytest -q -m gpu tests/test_attention_kernels.py tests/test_fa4_varlen.py \
       -k "fa4 or varlen" -p no:cacheprovider
-  LIMIT=130 TAIL=10 run emulate_fa4 $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 triton \
+  LIMIT=120 TAIL=10 run emulate_fa4 $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 triton \
       --iters 10 --wall --json "$out/emulate_fa4_wall.json"
-  LIMIT=80 TAIL=20 run host_cost_fa4 $py -m distlab.kernels.host_cost --rounds 3 --json "$out/host_cost_fa4.json"
-  LIMIT=170 TAIL=10 run packed_fa4 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --layouts zigzag \
+  LIMIT=150 TAIL=10 run packed_fa4 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --layouts zigzag \
       balanced --backend fa4 --rate-means 2048 512 --iters 5 --warmup 1 --json "$out/packed_fa4.json"
+  LIMIT=60 TAIL=20 run host_cost_fa4 $py -m distlab.kernels.host_cost --rounds 2 --json "$out/host_cost_fa4.json"
   exit $status
 elif [ "$part" = verify ]; then
   LIMIT=270 run checks_cached $py tests/kernel_checks.py attention accumulate merge emulate --device cuda \
