@@ -8,6 +8,7 @@
 #                                                   # accumulate (the kernels merging/adding in place: checks, 64k ring),
 #                                                   # placement (every candidate of the balanced layout timed, with
 #                                                   # the kernel profile of the balanced layout's slowest rank)
+#                                                   # order (the masked forward's tile order, rows vs lpt)
 #                                                   # or fa4 (FA4's varlen path for masks: its GPU tests, the packed
 #                                                   # ring rank on FA4 blocks against one FA4 call; needs /opt/fa4 from
 #                                                   # ../shared/tools/fa4-carry's two calls on this warm machine)
@@ -24,6 +25,16 @@ if [ "$part" = fa4 ]; then
   for backend in fa4 triton; do
     timeout -s ABRT 200 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --layouts zigzag balanced \
       --backend $backend --rate-means 2048 512 --iters 5 --warmup 1 --json "$out/packed_$backend.json" || status=1
+  done
+  pack_logs
+  exit $status
+fi
+
+if [ "$part" = order ]; then   # A/B: the masked forward's query tiles in row order vs longest first (lpt)
+  for order in rows lpt; do
+    DISTLAB_TRITON_MASKED_ORDER=$order timeout -s ABRT 150 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 \
+      --layouts zigzag balanced units --backend triton --rate-means 2048 --iters 5 --warmup 1 \
+      --json "$out/order_$order.json" || status=1
   done
   pack_logs
   exit $status

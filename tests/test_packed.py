@@ -351,6 +351,50 @@ def test_triton_ring_steps_of_one_and_of_several_blocks():
         pool.close()
 
 
+def triton_ring_forward_orders(case, layout):
+    """One process, Triton's interpreter: every rank's packed ring forward (blocks of one and of several
+    runs, accumulated, each row written at its last block) with the masked kernel's query tiles in row order
+    and longest first (``DISTLAB_TRITON_MASKED_ORDER=lpt``). Returns whether every output and LSE is
+    bitwise equal between the two orders, and the worst relative error against the torch backend."""
+    from distlab import knobs
+    from distlab.cp.emulate import ResidentRing
+    from distlab.cp.ring_packed import _forward, step_blocks
+
+    cu, causal, window = CASES[case]
+    docs = Documents.from_args(T, torch.tensor(cu), causal, window)
+    q, k, v, _ = (t[:1].float() for t in _inputs(4, 2, head_dim=16))
+    world, same, worst = 3, True, 0.0
+    pos = [shard_positions(T, world, r, layout, docs.cu_seqlens) for r in range(world)]
+    for r in range(world):
+        blocks = step_blocks(docs, pos, r, "cpu", gap=1)
+        kv = [(k[:, pos[(r - s) % world]].contiguous(), v[:, pos[(r - s) % world]].contiguous()) for s in range(world)]
+        qr = q[:, pos[r]].contiguous()
+        want = _forward(qr, *kv[0], ResidentRing(world, r, kv), blocks, None, "torch")
+        got = {}
+        for order in ("rows", "lpt"):
+            with knobs.override(TRITON_MASKED_ORDER=order):
+                got[order] = _forward(qr, *kv[0], ResidentRing(world, r, kv), blocks, None, "triton")
+        same = same and all(torch.equal(a, b) for a, b in zip(got["rows"], got["lpt"]))
+        finite = torch.isfinite(want[1])
+        worst = max(worst, rel_err(got["lpt"][0], want[0]), rel_err(got["lpt"][1][finite], want[1][finite]))
+    return same, worst
+
+
+def test_masked_forward_longest_tiles_first_is_the_same_computation():
+    """``DISTLAB_TRITON_MASKED_ORDER=lpt`` only changes which program the GPU starts first: the packed ring's
+    forward gives bit-identical results in both orders, equal to the torch backend (Triton's interpreter)."""
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    from distlab.testing import ProcessGroupPool
+
+    pool = ProcessGroupPool(1, env={"TRITON_INTERPRET": "1"})
+    try:
+        for case, layout in (("window_in_doc", "balanced"), ("full_in_docs", "zigzag")):
+            [(same, worst)] = pool.run(triton_ring_forward_orders, case, layout, timeout_s=400)
+            assert same and worst < 2e-5, (case, layout, same, worst)
+    finally:
+        pool.close()
+
+
 def test_packed_emulator_runs_and_writes_json(tmp_path):
     """The packed emulator's CPU code path (the GPU figures are in docs/PERF.md)."""
     import json

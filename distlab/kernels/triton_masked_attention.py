@@ -45,13 +45,19 @@ def _key_tile(K, V, KPOS, base, cols, end, sks, dims, lo, hi):
 
 
 @triton.jit(do_not_specialize=["number"])   # a block's number: no recompiles for 1 or multiples of 16
-def _fwd(Q, K, V, O, LSE, LO, HI, KPOS, KB, KE, FB, FE, FO, FIRST, LAST, scale,
+def _fwd(Q, K, V, O, LSE, LO, HI, KPOS, KB, KE, FB, FE, FO, FIRST, LAST, TILES, scale,
          sqb, sqs, sqh, skb, sks, skh, sob, sos, soh, slb, slh, sfb, sfs, sfh, seq_q, heads, groups, number,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, FULL: tl.constexpr,
-         ACCUMULATE: tl.constexpr, ORDERED: tl.constexpr):
+         ACCUMULATE: tl.constexpr, ORDERED: tl.constexpr, LPT: tl.constexpr):
     """ORDERED (a packed ring's block ``number``): a row whose FIRST block this is reads no running result
-    (it starts there), one whose LAST block this is is written to FO in FO's dtype instead of to O."""
-    tile, bh = tl.program_id(0), tl.program_id(1)
+    (it starts there), one whose LAST block this is is written to FO in FO's dtype instead of to O.
+    LPT: the grid is (batch · heads, query tiles) and program (x, y) takes query tile TILES[y] — the tiles
+    sorted by their key range, longest first — so the GPU, which starts programs x fastest, starts the
+    longest tile of every head first and fills the end with short ones (longest processing time first)."""
+    if LPT:
+        bh, tile = tl.program_id(0), tl.load(TILES + tl.program_id(1))
+    else:
+        tile, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // heads, bh % heads
     hk = h // groups
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -242,6 +248,27 @@ def _full_tiles() -> bool:
     return knobs.get("TRITON_MASKED_FULL_TILES") != "0"
 
 
+def _tile_order() -> str:
+    """Knob ``DISTLAB_TRITON_MASKED_ORDER``: ``rows`` (default: query tiles in row order, head by head) or
+    ``lpt`` (longest key range first, every head's; not yet timed on a GPU: ``gpu_packed_check.sh order``)."""
+    from distlab import knobs
+
+    order = knobs.get("TRITON_MASKED_ORDER")
+    if order not in ("rows", "lpt"):
+        raise ValueError(f"DISTLAB_TRITON_MASKED_ORDER={order!r}: use rows or lpt")
+    return order
+
+
+def longest_first(mask, block_m: int) -> torch.Tensor:
+    """The query tiles of ``mask`` ordered by the length of their key range, longest first (int32, on the
+    mask's device; kept in the mask's memo)."""
+    key = ("longest_first", block_m)
+    if key not in mask.memo:
+        kb, ke = key_ranges(mask, block_m)
+        mask.memo[key] = torch.argsort(ke - kb, descending=True, stable=True).to(torch.int32)
+    return mask.memo[key]
+
+
 def _check(q, k, v, mask):
     if not mask.k_sorted:
         raise ValueError("the triton masked kernel needs ascending key positions (sort the keys first)")
@@ -289,13 +316,15 @@ def masked_forward(q, k, v, mask, scale, out=None, lse=None, accumulate=False, o
     kb, ke = key_ranges(mask, bm)
     fb, fe = full_key_ranges(mask, bm)
     lo, hi, kpos = mask.q_lo.contiguous(), mask.q_hi.contiguous(), mask.k_pos.contiguous()
-    grid = (cdiv(sq, bm), b * h)
+    lpt = _tile_order() == "lpt"
+    tiles = longest_first(mask, bm) if lpt else None
+    grid = (b * h, cdiv(sq, bm)) if lpt else (cdiv(sq, bm), b * h)
     launch_keyed(_FWD, grid, (q, k, v, out, lse, lo, hi, kpos, kb, ke, fb, fe, final_out if order else None, first,
-                              last),
+                              last, tiles),
                  (scale, *q.stride()[:3], *k.stride()[:3], *out.stride()[:3], *lse.stride()[:2], *fo_strides, sq, h,
                   h // k.shape[2], number),
                  dict(BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), ACCUMULATE=accumulate,
-                      ORDERED=order is not None, num_warps=warps, num_stages=stages))
+                      ORDERED=order is not None, LPT=lpt, num_warps=warps, num_stages=stages))
     return (final_out if order is not None else out), lse
 
 
