@@ -41,8 +41,9 @@ KNOBS = {
     "TRITON_ATTN_PDL": Knob("0", "1: accumulating forwards launched as programmatic dependents (sm90+)"),
     "FUSED_CE_TRITON": Knob("auto", "fused linear CE's chunk step in Triton (distlab.kernels.triton_ce): auto "
                                     "(CUDA, bf16/fp16, grads_in_input_dtype), 1 always, 0 never"),
-    "TRITON_MASKED_ORDER": Knob("rows", "lpt: the masked forward starts its query tiles longest key range first, "
-                                        "every head's (rows: row order, head by head)"),
+    "TRITON_MASKED_ORDER": Knob("auto", "the masked forward's query tiles: lpt (longest key range first, every "
+                                        "head's), rows (row order, head by head), auto (lpt for an accumulated "
+                                        "ring block, rows for a whole call)"),
     "TRITON_MASKED_FULL_TILES": Knob("1", "0: the masked attention kernel masks every key tile (no unmasked "
                                           "fast path for tiles every row sees whole)"),
     "TRITON_ATTN_FMA": Knob("1", "1: the forward's rescale fused into one multiply-add"),
@@ -59,9 +60,8 @@ KNOBS = {
     "KERNEL_SWIGLU_EVICT": Knob(None, "1: SwiGLU loads marked evict-first (default: the kernel's own)"),
     "KERNEL_SWIGLU_BLOCK": Knob(None, "columns per program of the SwiGLU kernel (default 2048)"),
     "KERNEL_MERGE_BLOCK": Knob(None, "rows per program of the LSE merge (default 32)"),
-    "RING_MERGE_BLOCKS": Knob("0", "block results a ring forward of cuDNN/FA4 blocks merges per Triton launch (1-4; "
-                                   "0, the default until it passes its bf16 check on a GPU: one lse_merge_ per "
-                                   "block, the float32 result converted after)"),
+    "RING_MERGE_BLOCKS": Knob("4", "block results a ring forward of cuDNN/FA4 blocks merges per Triton launch (1-4; "
+                                   "0: one lse_merge_ per block, the float32 result converted after)"),
     # grouped GEMM (distlab.kernels.grouped_gemm)
     "GROUPED_GEMM_CONFIG": Knob(None, "BM,BN,BK,warps,stages of the grouped GEMM (default: by shape)"),
     "GROUPED_GEMM_TMA": Knob("1", "1: TMA descriptors for the grouped GEMM's operands (sm90+)"),

@@ -381,8 +381,9 @@ def triton_ring_forward_orders(case, layout):
 
 
 def test_masked_forward_longest_tiles_first_is_the_same_computation():
-    """``DISTLAB_TRITON_MASKED_ORDER=lpt`` only changes which program the GPU starts first: the packed ring's
-    forward gives bit-identical results in both orders, equal to the torch backend (Triton's interpreter)."""
+    """``DISTLAB_TRITON_MASKED_ORDER`` (lpt, the default for ring blocks) only changes which program the GPU
+    starts first: the packed ring's forward gives bit-identical results in both orders, equal to the torch
+    backend (Triton's interpreter)."""
     pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
     from distlab.testing import ProcessGroupPool
 

@@ -168,7 +168,7 @@ def test_ring_merging_block_results_four_at_a_time_matches_one_device():
     world = 5
     pool = ProcessGroupPool(world, env={"TRITON_INTERPRET": "1"})
     try:
-        # merged 4 + 1, 3 + 2, or one lse_merge_ per block (0, the default until the grouped merge passes on a GPU)
+        # merged 4 + 1 (the default), 3 + 2, or one lse_merge_ per block (0: the schedule before)
         for layout, causal, n, group in (("zigzag", True, 1, "4"), ("contiguous", True, 2, "4"),
                                          ("zigzag", False, 1, "4"), ("zigzag", True, 2, "3"), ("zigzag", True, 1, "0")):
             for rank, res in enumerate(pool.run(_with_knobs, {"RING_MERGE_BLOCKS": group}, ring_vs_one_device, 4, 2,

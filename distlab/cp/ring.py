@@ -15,10 +15,9 @@ up to n K/V blocks beyond the current group are in flight, each forwarded as soo
 (``comm.RingExchanger.exchange_after``), and the ``triton`` backend computes a group in one kernel launch
 (``distlab.kernels.triton_attention.flash_forward_blocks``, up to four steps): one accumulate epilogue per group and
 a longer key loop, where the step kernels of a short shard lose most of their time. The other backends
-(cuDNN, FA4: no accumulation in their kernels) merge each block result into a float32 running result
-(one Triton launch, ``lse_merge_``); with ``DISTLAB_RING_MERGE_BLOCKS=4`` they hold them back and merge four
-at a time (``lse_merge_blocks_``: the running result read and written once per four blocks, the last merge
-in q's dtype), off by default until it passes its bf16 check on a GPU (``_merge_group``).
+(cuDNN, FA4: no accumulation in their kernels) hold their block results back and merge four at a time in
+one Triton launch (``lse_merge_blocks_``): the float32 running result is read and written once per four
+blocks, not per block, and the last merge writes q's dtype (no conversion after).
 
 Backward: K/V travel the ring again, and so does a float32 (dK, dV) accumulator for the block being
 visited; each rank adds its contribution to it (computed with the *global* out and lse, see
@@ -210,12 +209,9 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
 
 def _merge_group(q, backend) -> int:
     """How many block results a backend that cannot accumulate (cuDNN, FA4, ...) merges per Triton launch
-    (``lse_merge_blocks_``, the last merge writing q's dtype): knob ``DISTLAB_RING_MERGE_BLOCKS`` (1 to
+    (``lse_merge_blocks_``, the last merge writing q's dtype): knob ``DISTLAB_RING_MERGE_BLOCKS`` (default
     ``MERGE_BLOCKS`` = 4), given float32 running results, a power-of-two head_dim and Triton running on q's
-    device (CUDA, or the CPU's interpreter); 0, the default: merge each block as it comes (``_block_into``).
-    The grouped merge passes on the CPU's interpreter but failed its real-size bf16 check on the H200
-    (2026-12-05: several blocks into a running result, written to a bf16 final; ``launch/merge_diag.py``
-    finds where): off until it passes there."""
+    device (CUDA, or the CPU's interpreter); 0: merge each block as it comes (``_block_into``)."""
     d = q.shape[-1]
     if backend == "triton" or q.dtype == torch.float64 or d & (d - 1) or not triton_runs_on(q.device):
         return 0

@@ -42,6 +42,7 @@ def _merge_kernel(O, LSE, BO, BLSE, seq, heads, sob, sos, soh, slb, slh, sbb, sb
     out = (o * (w_old / denom)[:, None]) + bo * (w_new / denom)[:, None]
     out = tl.where(bad[:, None], float("nan"), out)
     tl.store(o_ptrs, out, mask=in_rows[:, None])
+    tl.debug_barrier()   # every warp read its rows' old LSE (each holds them all) before any is overwritten
     tl.store(LSE + b * slb + h * slh + rows, new, mask=in_rows)
 
 
@@ -108,6 +109,7 @@ def _merge_blocks_kernel(O, LSE, F, B0, L0, B1, L1, B2, L2, B3, L3, row0, rows_e
                  mask=in_rows[:, None])
     else:
         tl.store(o_ptrs, out, mask=in_rows[:, None])
+    tl.debug_barrier()   # every warp read its rows' old LSE (each holds them all) before any is overwritten
     tl.store(LSE + b * slb + h * slh + rows, new, mask=in_rows)
 
 

@@ -248,15 +248,18 @@ def _full_tiles() -> bool:
     return knobs.get("TRITON_MASKED_FULL_TILES") != "0"
 
 
-def _tile_order() -> str:
-    """Knob ``DISTLAB_TRITON_MASKED_ORDER``: ``rows`` (default: query tiles in row order, head by head) or
-    ``lpt`` (longest key range first, every head's; not yet timed on a GPU: ``gpu_packed_check.sh order``)."""
+def _longest_first(accumulate: bool) -> bool:
+    """Knob ``DISTLAB_TRITON_MASKED_ORDER``: ``rows`` (query tiles in row order, head by head), ``lpt``
+    (longest key range first, every head's) or ``auto`` (the default: lpt for a block accumulated into a
+    running result, i.e. a ring step's; rows for a whole call). H200, 64k pack, W=8 (docs/PERF.md): lpt cut
+    the ring ranks' forward 4–10% (balanced 1.21 → 1.11 ms) and slowed the one call 6% (6.21 → 6.59 ms:
+    its many waves already fill the GPU, and every head's tile at once shares less K/V in L2)."""
     from distlab import knobs
 
     order = knobs.get("TRITON_MASKED_ORDER")
-    if order not in ("rows", "lpt"):
-        raise ValueError(f"DISTLAB_TRITON_MASKED_ORDER={order!r}: use rows or lpt")
-    return order
+    if order not in ("rows", "lpt", "auto"):
+        raise ValueError(f"DISTLAB_TRITON_MASKED_ORDER={order!r}: use rows, lpt or auto")
+    return order == "lpt" or (order == "auto" and accumulate)
 
 
 def longest_first(mask, block_m: int) -> torch.Tensor:
@@ -316,7 +319,7 @@ def masked_forward(q, k, v, mask, scale, out=None, lse=None, accumulate=False, o
     kb, ke = key_ranges(mask, bm)
     fb, fe = full_key_ranges(mask, bm)
     lo, hi, kpos = mask.q_lo.contiguous(), mask.q_hi.contiguous(), mask.k_pos.contiguous()
-    lpt = _tile_order() == "lpt"
+    lpt = _longest_first(accumulate)
     tiles = longest_first(mask, bm) if lpt else None
     grid = (b * h, cdiv(sq, bm)) if lpt else (cdiv(sq, bm), b * h)
     launch_keyed(_FWD, grid, (q, k, v, out, lse, lo, hi, kpos, kb, ke, fb, fe, final_out if order else None, first,
