@@ -1,7 +1,9 @@
-"""GPU diagnosis of ``lse_merge_blocks_`` against ``merge_into`` (kernel_checks' merge failed on the H200 in
-bf16 with n=2, has_acc, final): every combination, cached and plain launch, where the largest error sits.
+"""Where ``lse_merge_blocks_`` departs from ``merge_into`` on a GPU: every block count, with and without a
+running result and a separate final buffer, bf16 and float32, cached and plain launches; per case the
+largest error, where it sits and which rows exceed 5% (2026-12-05, H200: every running result written to a
+separate final failed, 0.4 rel, until a barrier went before the kernels' LSE store; see docs/PERF.md).
 
-    python3 launch/merge_diag.py
+    python3 launch/merge_diag.py            # GPU (or the CPU with TRITON_INTERPRET=1 and a short sequence: 64)
 """
 import sys
 
