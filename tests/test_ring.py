@@ -337,3 +337,20 @@ def test_auto_picks_the_ring_block_backend_by_shard_length():
     assert pick_ring_backend("auto", "fa4", 512, ["fa4", "torch"]) == "fa4"
     assert pick_ring_backend("auto", "sdpa-cudnn", 512, present) == "sdpa-cudnn"
     assert pick_ring_backend("auto", "torch", 512, ["torch"]) == "torch"
+
+
+def test_auto_under_a_mask_picks_fa4_and_the_packed_ring_keeps_triton_for_balanced():
+    """``auto`` with documents or a window: FA4's varlen path where present (H200: 3.3x the masked Triton
+    kernel on a 64k pack), else the masked Triton kernel on CUDA, else torch's loop; a packed ring in the
+    balanced layout keeps the Triton kernel (faster there, docs/PERF.md); an explicit choice is kept."""
+    from distlab.cp.ring import pick_packed_ring_backend
+    from distlab.kernels.attention import masked_auto
+
+    assert masked_auto(["fa4", "triton", "torch"], "cuda") == "fa4"
+    assert masked_auto(["triton", "torch"], "cuda") == "triton"
+    assert masked_auto(["triton", "torch"], "cpu") == "torch"
+    present = ["fa4", "triton", "torch"]
+    assert pick_packed_ring_backend("auto", "fa4", "balanced", present) == "triton"
+    assert pick_packed_ring_backend("auto", "fa4", "zigzag", present) == "fa4"
+    assert pick_packed_ring_backend("fa4", "fa4", "balanced", present) == "fa4"
+    assert pick_packed_ring_backend("auto", "fa4", "balanced", ["fa4", "torch"]) == "fa4"

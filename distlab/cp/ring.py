@@ -411,7 +411,7 @@ def check_ring_inputs(q, k, v, world: int, causal: bool, layout: str, backend: s
         raise ValueError(f"world size must be >= 1; got {world}")
     resolved = resolve_backend(backend, q.device, q.dtype, masked=masked)
     if masked:
-        return resolved
+        return pick_packed_ring_backend(backend, resolved, layout, available_backends(q.device, q.dtype))
     return pick_ring_backend(backend, resolved, q.shape[1], available_backends(q.device, q.dtype))
 
 
@@ -425,6 +425,16 @@ def pick_ring_backend(backend: str, resolved: str, shard: int, present) -> str:
     """The ring's block backend: what ``auto`` resolved to (the fastest single call), except ``triton`` for
     shards of at most ``RING_TRITON_MAX_SHARD`` tokens when FA4 was picked and Triton is present."""
     if backend == "auto" and resolved == "fa4" and "triton" in present and shard <= RING_TRITON_MAX_SHARD:
+        return "triton"
+    return resolved
+
+
+def pick_packed_ring_backend(backend: str, resolved: str, layout: str, present) -> str:
+    """A packed ring's block backend: what ``auto`` resolved to under a mask (FA4 where importable), except
+    the masked Triton kernel for the ``balanced`` layout, whose cut documents FA4's varlen path cannot take
+    (H200, 64k pack, W=8, f+b: balanced on FA4 7.26 ms a rank against 6.24 on Triton; zigzag on FA4 2.98
+    against 7.27, docs/PERF.md). An explicit choice is kept."""
+    if backend == "auto" and resolved == "fa4" and layout == "balanced" and "triton" in present:
         return "triton"
     return resolved
 

@@ -27,7 +27,8 @@ Backends (``backend=``):
   Triton kernel.
 - ``auto``: the fastest present for the tensors given: FA4 when importable on sm90+, else cuDNN for
   fp16/bf16 on CUDA, then flash; efficient for fp32 on CUDA; ``torch`` on CPU and for float64; the masked
-  Triton kernel for packed documents and windows on CUDA (``fa4`` there once timed on the H200).
+  Triton kernel for packed documents and windows on CUDA, FA4's varlen path there when importable
+  (``masked_auto``; a packed ring in the balanced layout keeps the Triton kernel, ``distlab.cp.ring``).
 """
 
 from __future__ import annotations
@@ -137,6 +138,18 @@ def resolve_backend(backend: str, device: torch.device | str, dtype: torch.dtype
     return _resolve(backend, torch.device(device), dtype, masked, os.environ.get("TRITON_INTERPRET"))
 
 
+def masked_auto(present, device_type: str) -> str:
+    """``auto`` under a mask: FA4's variable-length path where importable (H200, a 64k pack of lognormal
+    documents: 2.64 / 9.99 ms fwd / fwd+bwd against the masked Triton kernel's 6.21 / 32.92, docs/PERF.md;
+    masks FA4 cannot express run on the masked Triton kernel), else the masked Triton kernel on CUDA (it
+    skips what the mask removes), else the first present (torch's loop, the reference)."""
+    if "fa4" in present:
+        return "fa4"
+    if "triton" in present and device_type == "cuda":
+        return "triton"
+    return next(n for n in present if n != "triton")
+
+
 @functools.lru_cache(maxsize=256)
 def _resolve(backend, device, dtype, masked, _interpret) -> str:
     present = available_backends(device, dtype)
@@ -146,9 +159,7 @@ def _resolve(backend, device, dtype, masked, _interpret) -> str:
             raise ValueError(f"attention backend {backend!r} cannot express packed documents or windows; "
                              f"backends that can: {', '.join(MASK_BACKENDS)} (or auto)")
     if backend == "auto":
-        if masked and "triton" in present and torch.device(device).type == "cuda":
-            return "triton"   # the masked Triton kernel skips what the mask removes; torch's loop is a reference
-        return next(n for n in present if n != "triton")
+        return masked_auto(present, torch.device(device).type) if masked else next(n for n in present if n != "triton")
     if backend not in present:
         if backend == "fa4":
             from distlab.kernels import fa4

@@ -11,8 +11,8 @@ key block with the global LSE. ``flash_attn.cute`` is imported on first use, nev
 Packed documents and windows (a ``KeyMask``, batch 1): ``fa4_masked_forward``/``_backward`` call FA4's
 variable-length path with the sequences ``distlab.kernels.fa4_varlen`` compiles from the mask (exactly, or
 not at all: a mask that is not FA4 sequences — a window cutting across a ring block, say — runs on the
-masked Triton kernel; ``attention_forward`` decides). ``auto`` keeps the masked Triton kernel for masks
-until this path has been timed on the H200 (docs/PERF.md).
+masked Triton kernel; ``attention_forward`` decides). ``auto`` takes this path for masks (H200, a 64k pack:
+3.3x the masked Triton kernel's fwd+bwd, docs/PERF.md), except a packed ring in the balanced layout.
 
 Host cost (#24): FA4's Python interface spends ~80-120 µs a call (arguments, its compile key, the
 scheduler's choices) in front of a kernel that takes ~25 µs at S2048. ``fa4_forward`` records, for each
