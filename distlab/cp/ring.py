@@ -431,9 +431,9 @@ def pick_ring_backend(backend: str, resolved: str, shard: int, present) -> str:
 
 def pick_packed_ring_backend(backend: str, resolved: str, layout: str, present) -> str:
     """A packed ring's block backend: what ``auto`` resolved to under a mask (FA4 where importable), except
-    the masked Triton kernel for the ``balanced`` layout, whose cut documents FA4's varlen path cannot take
-    (H200, 64k pack, W=8, f+b: balanced on FA4 7.26 ms a rank against 6.24 on Triton; zigzag on FA4 2.98
-    against 7.27, docs/PERF.md). An explicit choice is kept."""
+    the masked Triton kernel for the ``balanced`` layout, whose ranks run many small blocks, each an FA4
+    varlen call through its interface (H200, 64k pack, W=8, f+b: balanced on FA4 7.26 ms a rank against 6.24
+    on Triton; zigzag on FA4 2.98 against 7.27, docs/PERF.md). An explicit choice is kept."""
     if backend == "auto" and resolved == "fa4" and layout == "balanced" and "triton" in present:
         return "triton"
     return resolved
