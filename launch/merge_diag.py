@@ -10,7 +10,7 @@ import sys
 import torch
 
 from distlab import knobs
-from distlab.kernels.lse_merge import lse_merge_blocks_, merge_into
+from distlab.kernels.lse_merge import lse_merge_blocks_, merge_blocks_reference
 
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"   # cpu: TRITON_INTERPRET=1
@@ -27,12 +27,7 @@ def run(b, s, h, d, dtype, n, has_acc, to_final, spans, poison):
         blks.append((rand(b, hi - lo, h, d, dtype=dtype, seed=40 + 2 * i),
                      rand(b, h, hi - lo, dtype=torch.float32, seed=41 + 2 * i) + 2.0 * i, lo, hi))
     got_o, got_l = rand(b, s, h, d, dtype=torch.float32, seed=11), rand(b, h, s, dtype=torch.float32, seed=12)
-    want_o, want_l = (got_o.clone(), got_l.clone()) if has_acc else (None, None)
-    for bo, bl, lo, hi in blks:
-        if want_o is None:
-            want_o = torch.zeros(b, s, h, d, dtype=torch.float32, device=DEV)
-            want_l = torch.full((b, h, s), float("-inf"), device=DEV)
-        merge_into(want_o, want_l, bo, bl, slice(lo, hi))
+    want_o, want_l = merge_blocks_reference(got_o if has_acc else None, got_l, blks, (b, s, h, d))
     final = torch.full((b, s, h, d), poison, dtype=dtype, device=DEV) if to_final else None
     res_o, res_l = lse_merge_blocks_(got_o, got_l, blks, has_acc=has_acc, final=final)
     torch.cuda.synchronize() if DEV == "cuda" else None

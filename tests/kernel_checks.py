@@ -386,7 +386,7 @@ def check_merge_blocks(device, dtype, big=False):
     """``lse_merge_blocks_`` (several blocks in one launch, as a ring of cuDNN/FA4 blocks merges) equals
     ``merge_into`` one block after another: blocks of all rows and of a tail, rows no block sees, empty and
     NaN/inf rows; into a running result, into new buffers, and into a final output in the block's dtype."""
-    from distlab.kernels.lse_merge import lse_merge_blocks_, merge_into
+    from distlab.kernels.lse_merge import lse_merge_blocks_, merge_blocks_reference
 
     b, s, h, d = (2, 45, 3, 16) if not big else (1, 4096, 32, 128)
     spans = [(0, s), (s // 3, s), (0, s - 5), (s - s // 2, s)]
@@ -414,12 +414,7 @@ def check_merge_blocks(device, dtype, big=False):
                     blks[3][1][:, 0, 2] = float("inf")   # an infinite score: that row comes out NaN
                 if n == 1 and has_acc:
                     blks = [(blks[0][0][:, s - 20:], blks[0][1][:, :, s - 20:], s - 20, s)]   # a tail only
-                want_o, want_l = (got_o.clone(), got_l.clone()) if has_acc else (None, None)
-                for bo, bl, lo, hi in blks:
-                    if want_o is None:
-                        want_o = torch.zeros(b, s, h, d, dtype=torch.float32, device=device)
-                        want_l = torch.full((b, h, s), float("-inf"), device=device)
-                    merge_into(want_o, want_l, bo, bl, slice(lo, hi))
+                want_o, want_l = merge_blocks_reference(got_o if has_acc else None, got_l, blks, (b, s, h, d))
                 final = torch.empty(b, s, h, d, dtype=dtype, device=device) if to_final else None
                 res_o, res_l = lse_merge_blocks_(got_o, got_l, blks, has_acc=has_acc, final=final)
                 assert res_o is (final if to_final else got_o) and res_l is got_l

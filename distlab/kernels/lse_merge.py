@@ -70,6 +70,22 @@ def merge_into(out, lse, block_out, block_lse, rows: slice | None = None):
     return out, lse
 
 
+def merge_blocks_reference(out, lse, blocks, shape):
+    """What ``lse_merge_blocks_`` computes, in plain PyTorch: the block results ``[(block_out, block_lse, lo,
+    hi)]`` merged one after another (``merge_into``) into copies of the running ``(out, lse)``, or, when
+    ``out`` is None, into a new float32 result of ``shape`` (0 and −inf where no block has a key). Returns
+    ``(out, lse)``; the inputs are not changed."""
+    if out is None:
+        b, s, h, _ = shape
+        out = torch.zeros(shape, dtype=torch.float32, device=blocks[0][0].device)
+        lse = torch.full((b, h, s), float("-inf"), device=blocks[0][0].device)
+    else:
+        out, lse = out.clone(), lse.clone()
+    for bo, bl, lo, hi in blocks:
+        merge_into(out, lse, bo, bl, slice(lo, hi))
+    return out, lse
+
+
 def _kernel():
     """The Triton launches (``distlab.kernels.triton_lse_merge``), imported on first use."""
     from distlab.kernels import triton_lse_merge
