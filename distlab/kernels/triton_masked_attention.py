@@ -11,7 +11,8 @@ kernel loops over it alone — tiles outside every document and window are never
 follows the visible pairs. Inside the range a score is kept iff ``lo <= k_pos < hi``; key tiles that every
 row of the query tile sees whole (``full_key_ranges``: most of a causal or document block) skip the mask,
 its loads and its guards, as FlashAttention's full blocks do; dK/dV likewise for the query tiles that see
-a key tile whole (``full_query_ranges``). Knob ``DISTLAB_TRITON_MASKED_FULL_TILES=0`` turns it off.
+a key tile whole (``full_query_ranges``). Knob ``DISTLAB_TRITON_MASKED_FULL_TILES=0`` turns it off. A ring
+block's forward starts its query tiles longest key range first (``DISTLAB_TRITON_MASKED_ORDER``).
 
 Backward (FA2): ``delta = rowsum(dO·O)``; dK/dV per (key tile, kv head) over the q heads of its group and
 the query tiles that can see the key tile (rows' ``lo``/``hi`` ascend with the row, so they are one range;
@@ -252,7 +253,7 @@ def _longest_first(accumulate: bool) -> bool:
     """Knob ``DISTLAB_TRITON_MASKED_ORDER``: ``rows`` (query tiles in row order, head by head), ``lpt``
     (longest key range first, every head's) or ``auto`` (the default: lpt for a block accumulated into a
     running result, i.e. a ring step's; rows for a whole call). H200, 64k pack, W=8 (docs/PERF.md): lpt cut
-    the ring ranks' forward 4–10% (balanced 1.21 → 1.11 ms) and slowed the one call 6% (6.21 → 6.59 ms:
+    the ring ranks' forward 4–10% (balanced's slowest 1.26 → 1.15 ms) and slowed the one call 6% (6.21 → 6.59 ms:
     its many waves already fill the GPU, and every head's tile at once shares less K/V in L2)."""
     from distlab import knobs
 
