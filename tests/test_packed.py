@@ -396,6 +396,17 @@ def test_masked_forward_longest_tiles_first_is_the_same_computation():
         pool.close()
 
 
+def test_masked_tile_order_knob_refuses_an_unknown_value():
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    from distlab import knobs
+    from distlab.kernels.triton_masked_attention import _longest_first
+
+    with knobs.override(TRITON_MASKED_ORDER="longest"), pytest.raises(ValueError, match="rows, lpt or auto"):
+        _longest_first(True)
+    with knobs.override(TRITON_MASKED_ORDER="auto"):
+        assert _longest_first(True) and not _longest_first(False)
+
+
 def test_packed_emulator_runs_and_writes_json(tmp_path):
     """The packed emulator's CPU code path (the GPU figures are in docs/PERF.md)."""
     import json
