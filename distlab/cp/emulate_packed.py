@@ -191,6 +191,27 @@ def tiles_only(a) -> dict:
     return result
 
 
+def kernel_rates(a, seq, means, device, dtype, backend) -> list:
+    """The masked kernel alone on one pack of ``seq`` tokens per mean document length: TFLOP/s on visible pairs."""
+    print(f"\nthe masked kernel alone, seq {seq}: TFLOP/s on visible pairs (4·pairs·h·d fwd, 2.5x that bwd)")
+    g = torch.Generator(device="cpu").manual_seed(1)
+    q, k, v, dout = (torch.randn(1, seq, h, a.head_dim, generator=g).to(device, dtype)
+                     for h in (a.heads, a.kv_heads, a.kv_heads, a.heads))
+    rates = []
+    for mean in means:
+        spec = "" if mean >= seq else f"lognormal:mean={mean},seed=0"
+        docs = Documents.from_args(seq, parse_docs(spec, seq) if spec else torch.tensor([0, seq]), True, None)
+        pairs = docs.work(torch.arange(seq))
+        t = measure(dict(zip(("fwd", "fwd_bwd"), one_call(q, k, v, dout, docs, backend))), a, device)
+        flops = 4 * pairs * a.heads * a.head_dim
+        rate = {"pairs": pairs, "mean_doc": mean, "fwd_tflops": flops / t["fwd"]["gpu_s"] / 1e12,
+                "fwd_bwd_tflops": 3.5 * flops / t["fwd_bwd"]["gpu_s"] / 1e12, "times": t}
+        rates.append(rate)
+        print(f"  mean doc {mean:>6}: {pairs / 1e6:>9.1f} M pairs  fwd {rate['fwd_tflops']:>6.1f}  "
+              f"fwd+bwd {rate['fwd_bwd_tflops']:>6.1f} TFLOP/s (GPU)")
+    return rates
+
+
 def main(argv=None):
     p = StudyParser(prog="python -m distlab.cp.emulate_packed", description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=positive_int, default=8)
@@ -255,24 +276,9 @@ def main(argv=None):
             result["rows"].append(row)
         print(f"{'':>6} one call: fwd {one['fwd']['wall_s'] * 1e3:.2f} ms, fwd+bwd {one['fwd_bwd']['wall_s'] * 1e3:.2f} ms "
               f"(wall); {describe(docs)}")
-    seq = max(seqs)
     means = a.rate_means if a.rate_means is not None else ([32768, 8192, 2048, 512] if gpu else [512, 64])
     if means:
-        print(f"\nthe masked kernel alone, seq {seq}: TFLOP/s on visible pairs (4·pairs·h·d fwd, 2.5x that bwd)")
-    g = torch.Generator(device="cpu").manual_seed(1)
-    q, k, v, dout = (torch.randn(1, seq, h, a.head_dim, generator=g).to(device, dtype)
-                     for h in (a.heads, a.kv_heads, a.kv_heads, a.heads))
-    for mean in means:
-        spec = "" if mean >= seq else f"lognormal:mean={mean},seed=0"
-        docs = Documents.from_args(seq, parse_docs(spec, seq) if spec else torch.tensor([0, seq]), True, None)
-        pairs = docs.work(torch.arange(seq))
-        t = measure(dict(zip(("fwd", "fwd_bwd"), one_call(q, k, v, dout, docs, backend))), a, device)
-        flops = 4 * pairs * a.heads * a.head_dim
-        rate = {"pairs": pairs, "mean_doc": mean, "fwd_tflops": flops / t["fwd"]["gpu_s"] / 1e12,
-                "fwd_bwd_tflops": 3.5 * flops / t["fwd_bwd"]["gpu_s"] / 1e12, "times": t}
-        result["rates"].append(rate)
-        print(f"  mean doc {mean:>6}: {pairs / 1e6:>9.1f} M pairs  fwd {rate['fwd_tflops']:>6.1f}  "
-              f"fwd+bwd {rate['fwd_bwd_tflops']:>6.1f} TFLOP/s (GPU)")
+        result["rates"] = kernel_rates(a, max(seqs), means, device, dtype, backend)
     if a.json:
         write_json(a.json, result)
 
