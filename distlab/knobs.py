@@ -41,9 +41,11 @@ KNOBS = {
     "TRITON_ATTN_PDL": Knob("0", "1: accumulating forwards launched as programmatic dependents (sm90+)"),
     "FUSED_CE_TRITON": Knob("auto", "fused linear CE's chunk step in Triton (distlab.kernels.triton_ce): auto "
                                     "(CUDA, bf16/fp16, grads_in_input_dtype), 1 always, 0 never"),
-    "TRITON_MASKED_ORDER": Knob("auto", "the masked forward's query tiles: lpt (longest key range first, every "
+    "TRITON_MASKED_ORDER": Knob("auto", "the masked kernels' tiles: lpt (longest key / query range first, every "
                                         "head's), rows (row order, head by head), auto (lpt for an accumulated "
                                         "ring block, rows for a whole call)"),
+    "PACKED_DQ_STREAM": Knob("1", "1: a packed Triton ring's backward runs its dQ kernels on a second CUDA stream "
+                                  "beside the dK/dV ones; 0: one stream"),
     "TRITON_MASKED_FULL_TILES": Knob("1", "0: the masked attention kernel masks every key tile (no unmasked "
                                           "fast path for tiles every row sees whole)"),
     "TRITON_ATTN_FMA": Knob("1", "1: the forward's rescale fused into one multiply-add"),

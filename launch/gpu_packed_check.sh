@@ -8,7 +8,9 @@
 #                                                   # accumulate (the kernels merging/adding in place: checks, 64k ring),
 #                                                   # placement (every candidate of the balanced layout timed, with
 #                                                   # the kernel profile of the balanced layout's slowest rank)
-#                                                   # order (the masked forward's tile order, rows vs lpt)
+#                                                   # order (the masked forward's tile order, rows vs lpt),
+#                                                   # backward (the packed ring's backward: tile order and dQ
+#                                                   # on a second stream, A/B, with the GPU checks of both)
 #                                                   # or fa4 (FA4's varlen path for masks: its GPU tests, the packed
 #                                                   # ring rank on FA4 blocks against one FA4 call; needs /opt/fa4 from
 #                                                   # ../shared/tools/fa4-carry's two calls on this warm machine)
@@ -35,6 +37,23 @@ if [ "$part" = order ]; then   # A/B: the masked forward's query tiles in row or
     DISTLAB_TRITON_MASKED_ORDER=$order timeout -s ABRT 150 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 \
       --layouts zigzag balanced units --backend triton --rate-means 2048 --iters 5 --warmup 1 \
       --json "$out/order_$order.json" || status=1
+  done
+  pack_logs
+  exit $status
+fi
+
+if [ "$part" = backward ]; then   # the packed ring's backward: longest tiles first, dQ on its own stream
+  timeout -s ABRT 200 $py tests/kernel_checks.py masked packed_ring --device cuda --dtype bfloat16 --big \
+    2>&1 | tee "$out/checks.log" || status=1
+  # A/B, each run every layout: both kernels in row order on one stream (rows, 0); longest first on one stream
+  # (auto, 0); longest first with dQ on its own stream (auto, 1: the defaults), with the slowest balanced rank's
+  # kernel profile
+  for ab in rows,0 auto,0 auto,1; do
+    order=${ab%,*} stream=${ab#*,}
+    DISTLAB_TRITON_MASKED_ORDER=$order DISTLAB_PACKED_DQ_STREAM=$stream timeout -s ABRT 150 $py \
+      -m distlab.cp.emulate_packed --world 8 --seq 65536 --layouts zigzag balanced units --backend triton \
+      --rate-means --iters 5 --warmup 1 $([ "$ab" = auto,1 ] && echo --profile balanced) \
+      --json "$out/backward_${order}_$stream.json" 2>&1 | tee "$out/backward_${order}_$stream.log" || status=1
   done
   pack_logs
   exit $status

@@ -548,9 +548,49 @@ def check_masked(device, dtype, big=False):
     print("OK masked")
 
 
+def check_packed_ring(device, dtype, big=False):
+    """Every rank's packed ring schedule (``distlab.cp.ring_packed``'s own forward and backward, all K/V
+    resident: ``distlab.cp.emulate.ResidentRing``) on the ``triton`` backend — kernels merging and adding in
+    place, ring blocks longest tiles first, on CUDA dQ on its own stream — against the float64 torch backend,
+    zigzag and balanced; and with the dQ stream off, bit for bit the same (a missing stream sync would show)."""
+    from distlab.cp.documents import Documents, parse_docs
+    from distlab.cp.emulate import ResidentRing
+    from distlab.cp.layout import shard_positions
+    from distlab.cp.ring_packed import _backward, _forward, step_blocks
+
+    t, d, h, hk, world = (96, 16, 4, 2, 3) if not big else (16384, 128, 32, 8, 8)
+    docs = Documents.from_args(t, parse_docs(f"lognormal:mean={t // 6},seed=0", t), True, None)
+    q, do = (rand(1, t, h, d, dtype=dtype, device=device, seed=s) for s in (1, 2))
+    k, v = (rand(1, t, hk, d, dtype=dtype, device=device, seed=s) for s in (3, 4))
+
+    def schedule(backend, r, pos, blocks, cast):
+        kv = [tuple(cast(x[:, pos[(r - s) % world].to(device)]).contiguous() for x in (k, v)) for s in range(world)]
+        qr, dr = (cast(x[:, pos[r].to(device)]).contiguous() for x in (q, do))
+        out, lse = _forward(qr, *kv[0], ResidentRing(world, r, kv), blocks, None, backend)
+        return (out, lse, *_backward(dr, qr, *kv[0], out, lse, ResidentRing(world, r, kv), blocks, None, backend))
+
+    for layout in ("zigzag", "balanced"):
+        pos = [shard_positions(t, world, r, layout, docs.cu_seqlens) for r in range(world)]
+        for r in range(world):
+            blocks = step_blocks(docs, pos, r, device)
+            want = schedule("torch", r, pos, blocks, lambda x: x.double())
+            got = {}
+            for flag in ("1", "0"):
+                with knobs.override(PACKED_DQ_STREAM=flag):
+                    got[flag] = schedule("triton", r, pos, blocks, lambda x: x)
+            for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got["1"], want):
+                if name == "lse":
+                    finite = torch.isfinite(w)
+                    assert torch.equal(torch.isinf(g), torch.isinf(w)), (layout, r, "rows without keys")
+                    g, w = g[finite], w[finite]
+                assert rel(g, w) < tol(dtype) * (1 if name in ("out", "lse") else 4), (layout, r, name, rel(g, w))
+            assert all(torch.equal(a, b) for a, b in zip(got["1"], got["0"])), (layout, r, "dQ stream on vs off")
+    print("OK packed_ring")
+
+
 CHECKS = {"attention": check_attention, "accumulate": check_attention_accumulate, "rmsnorm": check_rmsnorm,
           "rope": check_rope, "swiglu": check_swiglu, "merge": check_merge, "emulate": check_emulate,
-          "masked": check_masked}
+          "masked": check_masked, "packed_ring": check_packed_ring}
 
 
 def main(argv=None):

@@ -407,6 +407,19 @@ def test_masked_tile_order_knob_refuses_an_unknown_value():
         assert _longest_first(True) and not _longest_first(False)
 
 
+def test_packed_dq_stream_knob():
+    """``DISTLAB_PACKED_DQ_STREAM``: an unknown value is refused; on the CPU there is no second stream (the
+    GPU half, dQ on its own stream bit for bit equal to one stream: ``tests/kernel_checks.py packed_ring``)."""
+    from distlab import knobs
+    from distlab.cp.ring_packed import dq_stream
+
+    with knobs.override(PACKED_DQ_STREAM="yes"), pytest.raises(ValueError, match="use 1"):
+        dq_stream(torch.device("cpu"))
+    for flag in ("0", "1"):
+        with knobs.override(PACKED_DQ_STREAM=flag):
+            assert dq_stream(torch.device("cpu")) is None
+
+
 def test_packed_emulator_runs_and_writes_json(tmp_path):
     """The packed emulator's CPU code path (the GPU figures are in docs/PERF.md)."""
     import json

@@ -13,7 +13,7 @@ import torch
 from distlab import knobs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-NAMES = ["attention", "accumulate", "rmsnorm", "rope", "swiglu", "merge", "masked", "emulate"]
+NAMES = ["attention", "accumulate", "rmsnorm", "rope", "swiglu", "merge", "masked", "packed_ring", "emulate"]
 
 
 def test_kernels_in_the_interpreter():

@@ -139,11 +139,13 @@ def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
     # the triton backend adds each block's dQ and dK/dV into float32 accumulators inside its kernels, from
     # the backward rows (final LSE, rowsum(dO·O)) computed once for the shard
     fused = acc == torch.float32 and backend == "triton"   # backend: concrete (ring_attention resolved it)
+    side = None
     if fused:
         from distlab.kernels.triton_masked_attention import masked_backward, masked_backward_rows
 
         back_rows = masked_backward_rows(dout, out, lse)
         block_scale = scale if scale is not None else q.shape[-1] ** -0.5
+        side = dq_stream(q.device)
     for step in range(ring.size):
         with phase("ring.exchange"):
             kv_pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
@@ -165,7 +167,10 @@ def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
                 with phase("ring.block_backward"):
                     masked_backward(dout[:, a:b], q[:, a:b], kv[0], kv[1], None, None, mask, block_scale,
                                     rows=(back_rows[0][:, :, a:b], back_rows[1][:, :, a:b]), dq_acc=dq[:, a:b],
-                                    dk_acc=part[0], dv_acc=part[1], dkv_add=not only)
+                                    dk_acc=part[0], dv_acc=part[1], dkv_add=not only, dq_stream=side)
+            if side is not None:   # this step's K/V are read there too: not reused before its dQ kernels ran
+                for t in kv:
+                    t.record_stream(side)
         elif not fused:
             for a, b, mask in blocks[step]:
                 with phase("ring.block_backward"):
@@ -187,7 +192,29 @@ def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
             kv = tuple(kv_pending.wait())
     if dkv_pending is not None:
         dkv = tuple(dkv_pending.wait())
+    if side is not None:
+        torch.cuda.current_stream(q.device).wait_stream(side)
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+_DQ_STREAMS: dict = {}
+
+
+def dq_stream(device):
+    """The CUDA stream a packed ring's backward runs its dQ kernels on, beside the dK/dV kernels of the same
+    and later steps (knob ``DISTLAB_PACKED_DQ_STREAM``, default 1; None on the CPU or with 0). dQ stays on the
+    rank; dK/dV travel on to the next rank: only they are on the ring's critical path, and the two kernels'
+    partial last waves overlap instead of leaving SMs idle at each launch's end (docs/PERF.md)."""
+    from distlab import knobs
+
+    flag = knobs.get("PACKED_DQ_STREAM")
+    if flag not in ("0", "1"):
+        raise ValueError(f"DISTLAB_PACKED_DQ_STREAM={flag!r}: use 1 (dQ on a second stream) or 0")
+    if device.type != "cuda" or flag == "0":
+        return None
+    if device not in _DQ_STREAMS:
+        _DQ_STREAMS[device] = torch.cuda.Stream(device)
+    return _DQ_STREAMS[device]
 
 
 class PackedRingAttention(torch.autograd.Function):

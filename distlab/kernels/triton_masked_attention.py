@@ -12,7 +12,7 @@ follows the visible pairs. Inside the range a score is kept iff ``lo <= k_pos < 
 row of the query tile sees whole (``full_key_ranges``: most of a causal or document block) skip the mask,
 its loads and its guards, as FlashAttention's full blocks do; dK/dV likewise for the query tiles that see
 a key tile whole (``full_query_ranges``). Knob ``DISTLAB_TRITON_MASKED_FULL_TILES=0`` turns it off. A ring
-block's forward starts its query tiles longest key range first (``DISTLAB_TRITON_MASKED_ORDER``).
+block starts its tiles longest range first, forward and backward (``DISTLAB_TRITON_MASKED_ORDER``).
 
 Backward (FA2): ``delta = rowsum(dO·O)``; dK/dV per (key tile, kv head) over the q heads of its group and
 the query tiles that can see the key tile (rows' ``lo``/``hi`` ascend with the row, so they are one range;
@@ -22,6 +22,8 @@ under ``TRITON_INTERPRET=1``; head_dim a power of two.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -125,11 +127,16 @@ def _fwd(Q, K, V, O, LSE, LO, HI, KPOS, KB, KE, FB, FE, FO, FIRST, LAST, TILES, 
 
 
 @triton.jit
-def _bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, KPOS, QB, QE, FB, FE, scale,
+def _bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, KPOS, QB, QE, FB, FE, TILES, scale,
              sqb, sqs, sqh, skb, sks, skh, srb, srh, sdb, sds, sdh, seq_q, seq_k, heads, kv_heads, groups,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, FULL: tl.constexpr,
-             ADD: tl.constexpr):
-    tile, bhk = tl.program_id(0), tl.program_id(1)
+             ADD: tl.constexpr, LPT: tl.constexpr):
+    """LPT: program (x, y) takes key tile TILES[y] of (batch, kv head) x — the key tiles sorted by their query
+    range, longest first, as the forward's."""
+    if LPT:
+        bhk, tile = tl.program_id(0), tl.load(TILES + tl.program_id(1))
+    else:
+        tile, bhk = tl.program_id(0), tl.program_id(1)
     b, hk = bhk // kv_heads, bhk % kv_heads
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, D)
@@ -184,11 +191,14 @@ def _bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, KPOS, QB, QE, FB, FE, scal
 
 
 @triton.jit
-def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, KPOS, KB, KE, FB, FE, scale,
+def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, KPOS, KB, KE, FB, FE, TILES, scale,
             sqb, sqs, sqh, skb, sks, skh, srb, srh, sdb, sds, sdh, seq_q, heads, groups,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, FULL: tl.constexpr,
-            ADD: tl.constexpr):
-    tile, bh = tl.program_id(0), tl.program_id(1)
+            ADD: tl.constexpr, LPT: tl.constexpr):
+    if LPT:   # as the forward's: query tile TILES[y] of (batch, head) x, longest key range first
+        bh, tile = tl.program_id(0), tl.load(TILES + tl.program_id(1))
+    else:
+        tile, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // heads, bh % heads
     hk = h // groups
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -250,9 +260,10 @@ def _full_tiles() -> bool:
 
 
 def _longest_first(accumulate: bool) -> bool:
-    """Knob ``DISTLAB_TRITON_MASKED_ORDER``: ``rows`` (query tiles in row order, head by head), ``lpt``
-    (longest key range first, every head's) or ``auto`` (the default: lpt for a block accumulated into a
-    running result, i.e. a ring step's; rows for a whole call). H200, 64k pack, W=8 (docs/PERF.md): lpt cut
+    """Knob ``DISTLAB_TRITON_MASKED_ORDER``: ``rows`` (tiles in row order, head by head), ``lpt`` (longest
+    first, every head's: the forward's and dQ's query tiles by key range, dK/dV's key tiles by query range) or
+    ``auto`` (the default: lpt for a block accumulated into a running result, i.e. a ring step's, forward and
+    backward; rows for a whole call). H200, 64k pack, W=8 (docs/PERF.md): the forward's lpt cut
     the ring ranks' forward 4–10% (balanced's slowest 1.26 → 1.15 ms) and slowed the one call 6% (6.21 → 6.59 ms:
     its many waves already fill the GPU, and every head's tile at once shares less K/V in L2)."""
     from distlab import knobs
@@ -270,6 +281,16 @@ def longest_first(mask, block_m: int) -> torch.Tensor:
     if key not in mask.memo:
         kb, ke = key_ranges(mask, block_m)
         mask.memo[key] = torch.argsort(ke - kb, descending=True, stable=True).to(torch.int32)
+    return mask.memo[key]
+
+
+def longest_query_range_first(mask, seq_k: int, block_n: int) -> torch.Tensor:
+    """The key tiles of ``mask`` ordered by the length of their query range, longest first (the dK/dV grid's
+    order; int32, kept in the mask's memo)."""
+    key = ("longest_query_range_first", seq_k, block_n)
+    if key not in mask.memo:
+        qb, qe = query_ranges(mask, seq_k, block_n)
+        mask.memo[key] = torch.argsort(qe - qb, descending=True, stable=True).to(torch.int32)
     return mask.memo[key]
 
 
@@ -333,7 +354,7 @@ def masked_forward(q, k, v, mask, scale, out=None, lse=None, accumulate=False, o
 
 
 def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None, dk_acc=None, dv_acc=None,
-                    dkv_add=True):
+                    dkv_add=True, dq_stream=None):
     """(dq, dk, dv) given the final out and lse (as every backend; see ``distlab.kernels.attention``).
 
     A packed ring step passes ``rows = masked_backward_rows(dout, out, lse)`` of these query rows (computed
@@ -341,7 +362,9 @@ def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None
     and ``dk_acc``/``dv_acc`` (k's shape), last dims contiguous, that the kernels *add* their gradients into
     — no per-step sums, conversions or row statistics; it gets the accumulators back. ``dkv_add=False``: the
     dK/dV kernel *writes* the gradients of the keys some row sees (``seen_keys``) instead of adding them (a
-    step's only block: its accumulator needs no zero fill first)."""
+    step's only block: its accumulator needs no zero fill first). ``dq_stream`` (a CUDA stream): the dQ kernel
+    runs there, after the work queued so far on the current stream, beside the dK/dV kernel and the next
+    ones; the caller syncs back before reading dQ and keeps the inputs alive until then."""
     _check(q, k, v, mask)
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -369,15 +392,24 @@ def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None
     lo, hi, kpos = mask.q_lo.contiguous(), mask.q_hi.contiguous(), mask.k_pos.contiguous()
     qb, qe = query_ranges(mask, sk, bn)
     qfb, qfe = full_query_ranges(mask, sk, bn)
-    launch_keyed(_DKV, (cdiv(sk, bn), b * hk), (q, k, v, dout, lse, delta, dk, dv, lo, hi, kpos, qb, qe, qfb, qfe),
+    lpt = _longest_first(add)
+    tiles = longest_query_range_first(mask, sk, bn) if lpt else None
+    launch_keyed(_DKV, (b * hk, cdiv(sk, bn)) if lpt else (cdiv(sk, bn), b * hk),
+                 (q, k, v, dout, lse, delta, dk, dv, lo, hi, kpos, qb, qe, qfb, qfe, tiles),
                  (scale, *q.stride()[:3], *k.stride()[:3], *lse.stride()[:2], *dk.stride()[:3], sq, sk, h, hk, h // hk),
-                 dict(BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), ADD=add and dkv_add, num_warps=warps,
+                 dict(BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), ADD=add and dkv_add, LPT=lpt, num_warps=warps,
                       num_stages=stages))
     kb, ke = key_ranges(mask, bm)
     fb, fe = full_key_ranges(mask, bm)
-    launch_keyed(_DQ, (cdiv(sq, bm), b * h), (q, k, v, dout, lse, delta, dq, lo, hi, kpos, kb, ke, fb, fe),
-                 (scale, *q.stride()[:3], *k.stride()[:3], *lse.stride()[:2], *dq.stride()[:3], sq, h, h // hk),
-                 dict(BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), ADD=add, num_warps=warps, num_stages=stages))
+    tiles = longest_first(mask, bm) if lpt else None
+    if dq_stream is not None:   # dQ beside dK/dV (a packed ring's backward): after what this stream queued so far
+        dq_stream.wait_stream(torch.cuda.current_stream(q.device))
+    with torch.cuda.stream(dq_stream) if dq_stream is not None else contextlib.nullcontext():
+        launch_keyed(_DQ, (b * h, cdiv(sq, bm)) if lpt else (cdiv(sq, bm), b * h),
+                     (q, k, v, dout, lse, delta, dq, lo, hi, kpos, kb, ke, fb, fe, tiles),
+                     (scale, *q.stride()[:3], *k.stride()[:3], *lse.stride()[:2], *dq.stride()[:3], sq, h, h // hk),
+                     dict(BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), ADD=add, LPT=lpt, num_warps=warps,
+                          num_stages=stages))
     return dq, dk, dv
 
 
