@@ -9,6 +9,8 @@
 #                                                  # ring rank's wall clock, the packed 64k rank (logs unpacked)
 #   bash launch/gpu_host_check.sh OUTDIR fa4       # FA4 present: its GPU tests, the ring rank and the packed 64k
 #                                                  # rank on FA4 blocks, host_cost (logs unpacked)
+#   bash launch/gpu_host_check.sh OUTDIR fa4ring   # FA4 present: the W=8 ring rank on FA4 blocks against Triton's,
+#                                                  # wall and GPU, and the FA4 rank's kernel timeline at S32768
 #   bash launch/gpu_host_check.sh OUTDIR verify    # no FA4: the kernel checks (bf16) with the cached launch and in
 #                                                  # check mode, host_cost, the Triton ring rank's wall clock
 #                                                  # (and with DISTLAB_TRITON_ATTN_SPLIT_SUM=kernel beside it)
@@ -52,6 +54,15 @@ elif [ "$part" = fa4 ]; then   # FA4 present: its GPU tests (bshd and varlen), t
   LIMIT=150 TAIL=10 run packed_fa4 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --layouts zigzag \
       balanced --backend fa4 --rate-means 2048 512 --iters 5 --warmup 1 --json "$out/packed_fa4.json"
   LIMIT=60 TAIL=20 run host_cost_fa4 $py -m distlab.kernels.host_cost --rounds 2 --json "$out/host_cost_fa4.json"
+  exit $status
+elif [ "$part" = fa4ring ]; then   # FA4 present: #24's headline, the W=8 zigzag ring rank on FA4 blocks, wall and
+  # GPU, against the Triton one; one forward and one backward of the FA4 rank at S32768 kernel by kernel
+  LIMIT=120 TAIL=10 run emulate_fa4 $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 triton \
+      --iters 10 --wall --json "$out/emulate_fa4_wall.json"
+  LIMIT=120 TAIL=10 run emulate_fa4_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 triton \
+      --iters 10 --json "$out/emulate_fa4_gpu.json"
+  LIMIT=90 TAIL=80 run emulate_fa4_timeline $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
+      --iters 5 --timeline --json "$out/emulate_fa4_timeline.json"
   exit $status
 elif [ "$part" = verify ]; then
   LIMIT=270 run checks_cached $py tests/kernel_checks.py attention accumulate merge emulate --device cuda \
