@@ -45,15 +45,16 @@ fi
 if [ "$part" = backward ]; then   # the packed ring's backward: longest tiles first, dQ on its own stream
   timeout -s ABRT 200 $py tests/kernel_checks.py masked packed_ring --device cuda --dtype bfloat16 --big \
     2>&1 | tee "$out/checks.log" || status=1
-  # A/B, each run every layout: both kernels in row order on one stream (rows, 0); longest first on one stream
-  # (auto, 0); longest first with dQ on its own stream (auto, 1: the defaults), with the slowest balanced rank's
-  # kernel profile
-  for ab in rows,0 auto,0 auto,1; do
-    order=${ab%,*} stream=${ab#*,}
-    DISTLAB_TRITON_MASKED_ORDER=$order DISTLAB_PACKED_DQ_STREAM=$stream timeout -s ABRT 150 $py \
+  # A/B, each run every layout, ring blocks' tiles longest first (auto): the backward on one stream, on two (dQ
+  # on its own), on four (the default: each step's dK/dV on one of two in turn, the accumulators on a fourth),
+  # the last with the slowest balanced rank's kernel profile. BWD_ORDERS="rows,1 auto,1 auto,2 auto,4" adds
+  # the row order (2026-12-05b: rows,1 / auto,1 / auto,2 measured; docs/PERF.md)
+  for ab in ${BWD_ORDERS:-auto,2 auto,4}; do
+    order=${ab%,*} streams=${ab#*,}
+    DISTLAB_TRITON_MASKED_ORDER=$order DISTLAB_PACKED_BWD_STREAMS=$streams timeout -s ABRT 150 $py \
       -m distlab.cp.emulate_packed --world 8 --seq 65536 --layouts zigzag balanced units --backend triton \
-      --rate-means --iters 5 --warmup 1 $([ "$ab" = auto,1 ] && echo --profile balanced) \
-      --json "$out/backward_${order}_$stream.json" 2>&1 | tee "$out/backward_${order}_$stream.log" || status=1
+      --rate-means --iters 5 --warmup 1 $([ "$ab" = auto,4 ] && echo --profile balanced) \
+      --json "$out/backward_${order}_$streams.json" 2>&1 | tee "$out/backward_${order}_$streams.log" || status=1
   done
   pack_logs
   exit $status

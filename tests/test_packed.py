@@ -396,6 +396,52 @@ def test_masked_forward_longest_tiles_first_is_the_same_computation():
         pool.close()
 
 
+def triton_ring_forward_accumulators(case, layout):
+    """One process, Triton's interpreter: every rank's packed ring forward with one running result and with two
+    (``DISTLAB_PACKED_FWD_STREAMS=2``: the later steps' blocks into their own, merged at the end; on the CPU
+    in order). Returns the worst relative error of each against the torch backend, and how many ranks had
+    rows to merge."""
+    from distlab import knobs
+    from distlab.cp.emulate import ResidentRing
+    from distlab.cp.ring_packed import _forward, step_blocks
+
+    cu, causal, window = CASES[case]
+    docs = Documents.from_args(T, torch.tensor(cu), causal, window)
+    q, k, v, _ = (t[:1].float() for t in _inputs(4, 2, head_dim=16))
+    world, worst, merged = 3, {"1": 0.0, "2": 0.0}, 0
+    pos = [shard_positions(T, world, r, layout, docs.cu_seqlens) for r in range(world)]
+    for r in range(world):
+        blocks = step_blocks(docs, pos, r, "cpu", gap=1)
+        merged += bool(blocks.side_runs)
+        kv = [(k[:, pos[(r - s) % world]].contiguous(), v[:, pos[(r - s) % world]].contiguous()) for s in range(world)]
+        qr = q[:, pos[r]].contiguous()
+        want = _forward(qr, *kv[0], ResidentRing(world, r, kv), blocks, None, "torch")
+        finite = torch.isfinite(want[1])
+        for flag in worst:
+            with knobs.override(PACKED_FWD_STREAMS=flag):
+                out, lse = _forward(qr, *kv[0], ResidentRing(world, r, kv), blocks, None, "triton")
+            assert torch.equal(torch.isinf(lse), torch.isinf(want[1])), (case, layout, r, flag)
+            worst[flag] = max(worst[flag], rel_err(out, want[0]), rel_err(lse[finite], want[1][finite]))
+    return worst, merged
+
+
+def test_triton_ring_two_forward_accumulators():
+    """The packed ring's forward on two streams (the default on CUDA): my own step's blocks and the later
+    steps' each into a running result, the rows both cover merged at the end — equal to the torch backend
+    and to one running result (Triton's interpreter, float32, in order on the CPU)."""
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    from distlab.testing import ProcessGroupPool
+
+    pool = ProcessGroupPool(1, env={"TRITON_INTERPRET": "1"})
+    try:
+        for case, layout in (("window_in_doc", "balanced"), ("full_in_docs", "zigzag"), ("one_doc", "contiguous")):
+            [(worst, merged)] = pool.run(triton_ring_forward_accumulators, case, layout, timeout_s=400)
+            assert merged >= 1, (case, layout)   # some rank had rows to merge
+            assert max(worst.values()) < 2e-5, (case, layout, worst)
+    finally:
+        pool.close()
+
+
 def test_masked_tile_order_knob_refuses_an_unknown_value():
     pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
     from distlab import knobs
@@ -407,17 +453,24 @@ def test_masked_tile_order_knob_refuses_an_unknown_value():
         assert _longest_first(True) and not _longest_first(False)
 
 
-def test_packed_dq_stream_knob():
-    """``DISTLAB_PACKED_DQ_STREAM``: an unknown value is refused; on the CPU there is no second stream (the
-    GPU half, dQ on its own stream bit for bit equal to one stream: ``tests/kernel_checks.py packed_ring``)."""
+def test_packed_stream_knobs():
+    """``DISTLAB_PACKED_BWD_STREAMS`` / ``_FWD_STREAMS``: an unknown value is refused; on the CPU the backward
+    runs on the caller's stream in every mode (the GPU half, ``tests/kernel_checks.py packed_ring``: the
+    backward on four streams, two and one bit for bit equal; the forward's two running results, merged, on
+    the CPU too: ``test_triton_ring_two_forward_accumulators``)."""
     from distlab import knobs
-    from distlab.cp.ring_packed import dq_stream
+    from distlab.cp.ring_packed import BackwardStreams
 
-    with knobs.override(PACKED_DQ_STREAM="yes"), pytest.raises(ValueError, match="use 1"):
-        dq_stream(torch.device("cpu"))
-    for flag in ("0", "1"):
-        with knobs.override(PACKED_DQ_STREAM=flag):
-            assert dq_stream(torch.device("cpu")) is None
+    from distlab.cp.ring_packed import forward_streams
+
+    with knobs.override(PACKED_BWD_STREAMS="3"), pytest.raises(ValueError, match="use 1, 2 or 4"):
+        BackwardStreams(torch.device("cpu"))
+    with knobs.override(PACKED_FWD_STREAMS="4"), pytest.raises(ValueError, match="use 2"):
+        forward_streams()
+    for flag in ("1", "2", "4"):
+        with knobs.override(PACKED_BWD_STREAMS=flag):
+            plan = BackwardStreams(torch.device("cpu"))
+            assert plan.main is None and plan.dq is None and plan.chain is None and plan.dkv_stream(1) is None
 
 
 def test_packed_emulator_runs_and_writes_json(tmp_path):

@@ -22,9 +22,11 @@ positions each layout assigns (``distlab.cp.layout.shard_positions``), the same 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from distlab.kernels.lse_merge import lse_merge_, merge_into
+from distlab.kernels.lse_merge import lse_merge_, lse_merge_blocks_, merge_into
 from distlab.profiling import phase
 from distlab.kernels.attention import attention_backward, attention_forward
 
@@ -48,11 +50,19 @@ class StepBlocks(list):
     the shard, the number (in the order the forward runs them) of the first and the last block whose rows
     cover it, −1 for none (int32, on the device); ``untouched``: the rows no block covers (their output is
     0, their LSE −inf). The ``triton`` forward starts a row at its first block (no running result to read)
-    and writes it in q's dtype at its last (no float32 copy to convert after)."""
+    and writes it in q's dtype at its last (no float32 copy to convert after). For its two streams
+    (``forward_streams``): ``side_runs``, the row ranges the later steps' blocks cover ([] when my own
+    step's blocks do not cover them all: one stream then); ``first_side``, each row's first block of a later
+    step; ``last_main``, ``last`` with −2 (never) on those rows, which each stream leaves in its float32
+    running result (``never``: −2 everywhere, the side stream's) for the merge at the end."""
 
     first: torch.Tensor
     last: torch.Tensor
     untouched: torch.Tensor
+    side_runs: list
+    first_side: torch.Tensor
+    last_main: torch.Tensor
+    never: torch.Tensor
 
 
 def step_blocks(docs, positions, rank, device, gap: int = ROW_GAP) -> StepBlocks:
@@ -75,7 +85,37 @@ def step_blocks(docs, positions, rank, device, gap: int = ROW_GAP) -> StepBlocks
         steps.append([(a, b, blk.to(device)) for a, b, blk in blocks])
     steps.first, steps.last = first.to(device), last.to(device)
     steps.untouched = (first < 0).nonzero().squeeze(1).to(device)
+    # two forward streams (``_forward``): the later steps' blocks beside my own step's, each into its own
+    # running result, merged at the end over the rows the later steps cover (``side_runs``)
+    mine = len(steps[0]) if steps else 0
+    first_side = torch.full((rows,), -1, dtype=torch.int32)
+    number, runs = mine, []
+    for blocks in steps[1:]:
+        for a, b, _ in blocks:
+            first_side[a:b] = torch.where(first_side[a:b] < 0, number, first_side[a:b])
+            number += 1
+            runs.append((a, b))
+    covered = torch.zeros(rows, dtype=torch.bool)
+    for a, b, _ in steps[0] if steps else []:
+        covered[a:b] = True
+    side = first_side >= 0
+    # my own step's blocks must cover every row a later step does (each row sees its own key: they do)
+    steps.side_runs = _union(runs) if runs and bool(covered[side].all()) else []
+    steps.first_side = first_side.to(device)
+    steps.last_main = torch.where(side, -2, last).to(device)   # rows a later step covers: merged at the end
+    steps.never = torch.full((rows,), -2, dtype=torch.int32, device=device)
     return steps
+
+
+def _union(runs):
+    """The row ranges ``[(a, b)]`` joined where they overlap or touch, in order."""
+    out = []
+    for a, b in sorted(runs):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 def block_into(out, lse, q, k, v, a, b, mask, scale, backend):
@@ -113,23 +153,71 @@ def _forward(q, k, v, ring, blocks, scale, backend):
     else:
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(lse_shape, float("-inf"), dtype=acc, device=q.device)
+    two = fused and bool(blocks.side_runs) and forward_streams() == 2
+    side = _side_stream(q.device) if two and q.is_cuda else None   # on the CPU: the same work, in order
+    on_side = (lambda: torch.cuda.stream(side)) if side is not None else contextlib.nullcontext
+    if two:   # the later steps' blocks into their own running result, on their own stream
+        out2, lse2 = torch.empty_like(out), torch.empty_like(lse)
+    if side is not None:
+        main = torch.cuda.current_stream(q.device)
+        side.wait_event(main.record_event())
+        for t in (q, k, v, out, lse, out2, lse2, final):
+            t.record_stream(side)
     kv, number = (k, v), 0
     for step in range(ring.size):
-        with phase("ring.exchange"):
-            pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
-        for a, b, mask in blocks[step]:
-            with phase("ring.block"):
-                if fused:
-                    masked_forward(q[:, a:b], kv[0], kv[1], mask, block_scale, out[:, a:b], lse[:, :, a:b],
-                                   accumulate=True, order=(blocks.first[a:b], blocks.last[a:b], number),
-                                   final_out=final[:, a:b])
-                else:
-                    block_into(out, lse, q, kv[0], kv[1], a, b, mask, scale, backend)
-            number += 1
+        later = two and step > 0
+        with on_side() if later else contextlib.nullcontext():
+            with phase("ring.exchange"):
+                pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
+            for a, b, mask in blocks[step]:
+                with phase("ring.block"):
+                    if fused:
+                        o, l, last = (out2, lse2, blocks.never) if later else \
+                            (out, lse, blocks.last_main if two else blocks.last)
+                        first = blocks.first_side if later else blocks.first
+                        masked_forward(q[:, a:b], kv[0], kv[1], mask, block_scale, o[:, a:b], l[:, :, a:b],
+                                       accumulate=True, order=(first[a:b], last[a:b], number), final_out=final[:, a:b])
+                    else:
+                        block_into(out, lse, q, kv[0], kv[1], a, b, mask, scale, backend)
+                number += 1
         if pending is not None:
-            with phase("ring.wait"):
+            # the next step's K/V: with two streams the side stream waits for them, not mine (busy computing)
+            with phase("ring.wait"), on_side() if two else contextlib.nullcontext():
                 kv = tuple(pending.wait())
+                if side is not None:
+                    for t in kv:
+                        t.record_stream(side)
+    if two:   # rows a later step covers: my step's running result and theirs, merged into final
+        if side is not None:
+            main.wait_stream(side)
+        for a, b in blocks.side_runs:
+            lse_merge_blocks_(out[:, a:b], lse[:, :, a:b], [(out2[:, a:b], lse2[:, :, a:b], 0, b - a)],
+                              has_acc=True, final=final[:, a:b])
     return (final if fused else out.to(q.dtype)), lse
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def forward_streams() -> int:
+    """Knob ``DISTLAB_PACKED_FWD_STREAMS``: 2 (the default) — a packed Triton ring's forward runs its later
+    steps' blocks beside its own step's, on a second CUDA stream, each into its own float32 running result,
+    in order; the rows the later steps cover are merged at the end (one ``lse_merge_blocks_`` launch per run
+    of them, written in q's dtype), and the side stream, not mine, waits for the later steps' K/V, so my own
+    step's block runs from the start (docs/PERF.md). On the CPU the same work runs in order. 1: one stream,
+    one running result."""
+    from distlab import knobs
+
+    flag = knobs.get("PACKED_FWD_STREAMS")
+    if flag not in ("1", "2"):
+        raise ValueError(f"DISTLAB_PACKED_FWD_STREAMS={flag!r}: use 2 (the later steps on a second stream) or 1")
+    return int(flag)
+
+
+def _side_stream(device):
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
@@ -139,17 +227,16 @@ def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
     # the triton backend adds each block's dQ and dK/dV into float32 accumulators inside its kernels, from
     # the backward rows (final LSE, rowsum(dO·O)) computed once for the shard
     fused = acc == torch.float32 and backend == "triton"   # backend: concrete (ring_attention resolved it)
-    side = None
+    plan = BackwardStreams(q.device if fused else torch.device("cpu"))
     if fused:
         from distlab.kernels.triton_masked_attention import masked_backward, masked_backward_rows
 
         back_rows = masked_backward_rows(dout, out, lse)
         block_scale = scale if scale is not None else q.shape[-1] ** -0.5
-        side = dq_stream(q.device)
     for step in range(ring.size):
         with phase("ring.exchange"):
             kv_pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
-        part, span = None, slice(None)
+        part, span, done = None, slice(None), None
         if fused and blocks[step]:   # this step's dK/dV, written or summed by the kernels in float32
             part = (torch.empty(k.shape, dtype=acc, device=k.device), torch.empty(v.shape, dtype=acc, device=v.device))
             # only the keys the step's blocks see are written and added on; step 0's part becomes the
@@ -160,17 +247,18 @@ def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
             only = len(blocks[step]) == 1 and (step > 0 or whole)   # a step's only block writes its keys: no fill
             if step == 0:
                 span = slice(None)
-            if not only:
-                for t in part:
-                    t[:, span].zero_()
-            for a, b, mask in blocks[step]:
-                with phase("ring.block_backward"):
-                    masked_backward(dout[:, a:b], q[:, a:b], kv[0], kv[1], None, None, mask, block_scale,
-                                    rows=(back_rows[0][:, :, a:b], back_rows[1][:, :, a:b]), dq_acc=dq[:, a:b],
-                                    dk_acc=part[0], dv_acc=part[1], dkv_add=not only, dq_stream=side)
-            if side is not None:   # this step's K/V are read there too: not reused before its dQ kernels ran
-                for t in kv:
-                    t.record_stream(side)
+            kernels = plan.dkv_stream(step)
+            plan.ready((*kv, *part), kernels)   # this step's K/V are here: its kernels may start
+            with plan.on(kernels):
+                if not only:
+                    for t in part:
+                        t[:, span].zero_()
+                for a, b, mask in blocks[step]:
+                    with phase("ring.block_backward"):
+                        masked_backward(dout[:, a:b], q[:, a:b], kv[0], kv[1], None, None, mask, block_scale,
+                                        rows=(back_rows[0][:, :, a:b], back_rows[1][:, :, a:b]), dq_acc=dq[:, a:b],
+                                        dk_acc=part[0], dv_acc=part[1], dkv_add=not only, dq_stream=plan.dq)
+            done = plan.done(kernels)
         elif not fused:
             for a, b, mask in blocks[step]:
                 with phase("ring.block_backward"):
@@ -178,43 +266,97 @@ def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
                                                           lse[:, :, a:b], False, scale, backend, mask=mask)
                 dq[:, a:b] += dq_b
                 part = (dk_b.to(acc), dv_b.to(acc)) if part is None else (part[0].add_(dk_b), part[1].add_(dv_b))
-        if step == 0:      # the accumulator of my own K/V starts here
-            dkv = part if part is not None else tuple(torch.zeros(k.shape, dtype=acc, device=k.device)
-                                                      for _ in range(2))
-        else:              # the accumulator of rank src's K/V, from the previous rank: add mine
-            dkv = tuple(dkv_pending.wait())
-            if part is not None:
-                dkv[0][:, span].add_(part[0][:, span])
-                dkv[1][:, span].add_(part[1][:, span])
-        if ring.size > 1:
-            dkv_pending = ring.exchange(dkv, "ring_dkv")
+        with plan.on(plan.chain, after=done):   # the travelling accumulators: off the kernels' streams
+            if step == 0:      # the accumulator of my own K/V starts here
+                dkv = part if part is not None else tuple(torch.zeros(k.shape, dtype=acc, device=k.device)
+                                                          for _ in range(2))
+            else:              # the accumulator of rank src's K/V, from the previous rank: add mine
+                dkv = tuple(dkv_pending.wait())
+                if part is not None:
+                    dkv[0][:, span].add_(part[0][:, span])
+                    dkv[1][:, span].add_(part[1][:, span])
+            if ring.size > 1:
+                dkv_pending = ring.exchange(dkv, "ring_dkv")
         if kv_pending is not None:
             kv = tuple(kv_pending.wait())
-    if dkv_pending is not None:
-        dkv = tuple(dkv_pending.wait())
-    if side is not None:
-        torch.cuda.current_stream(q.device).wait_stream(side)
+    with plan.on(plan.chain):
+        if dkv_pending is not None:
+            dkv = tuple(dkv_pending.wait())
+    plan.join()
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
-_DQ_STREAMS: dict = {}
+class BackwardStreams:
+    """The CUDA streams of a packed Triton ring's backward (knob ``DISTLAB_PACKED_BWD_STREAMS``):
 
+    - ``1``: everything on the caller's stream, in order;
+    - ``2``: the dQ kernels on a second stream beside the dK/dV kernels — dQ stays on the rank, only dK/dV
+      travel on to the next rank, and the two kernels' partial last waves overlap;
+    - ``4`` (default): besides, each step's dK/dV kernels on one of two streams in turn (a step's kernels
+      overlap the previous step's: a balanced pack's rank has a large block and several small ones), and the
+      travelling dK/dV accumulators — receive, add this rank's part, send on — on a fourth stream that
+      waits for each step's kernels, so the caller's stream only posts the K/V exchanges and never waits
+      for a kernel or for another rank.
 
-def dq_stream(device):
-    """The CUDA stream a packed ring's backward runs its dQ kernels on, beside the dK/dV kernels of the same
-    and later steps (knob ``DISTLAB_PACKED_DQ_STREAM``, default 1; None on the CPU or with 0). dQ stays on the
-    rank; dK/dV travel on to the next rank: only they are on the ring's critical path, and the two kernels'
-    partial last waves overlap instead of leaving SMs idle at each launch's end (docs/PERF.md)."""
-    from distlab import knobs
+    A kernel stream starts a step's work after an event the caller's stream records once that step's K/V
+    are there, and every tensor it reads is marked as used by it (``record_stream``: not reused before it
+    ran); ``join`` makes the caller's stream wait for them all at the end. On the CPU, or for the other
+    backends, everything runs in order on the caller's stream and these methods do nothing."""
 
-    flag = knobs.get("PACKED_DQ_STREAM")
-    if flag not in ("0", "1"):
-        raise ValueError(f"DISTLAB_PACKED_DQ_STREAM={flag!r}: use 1 (dQ on a second stream) or 0")
-    if device.type != "cuda" or flag == "0":
-        return None
-    if device not in _DQ_STREAMS:
-        _DQ_STREAMS[device] = torch.cuda.Stream(device)
-    return _DQ_STREAMS[device]
+    _pool: dict = {}
+
+    def __init__(self, device):
+        from distlab import knobs
+
+        flag = knobs.get("PACKED_BWD_STREAMS")
+        if flag not in ("1", "2", "4"):
+            raise ValueError(f"DISTLAB_PACKED_BWD_STREAMS={flag!r}: use 1, 2 or 4")
+        self.main = self.dq = self.chain = None
+        self.kernels = (None, None)
+        if device.type != "cuda" or flag == "1":
+            return
+        if device not in self._pool:
+            self._pool[device] = [torch.cuda.Stream(device) for _ in range(4)]
+        pool = self._pool[device]
+        self.main, self.dq = torch.cuda.current_stream(device), pool[0]
+        if flag == "4":
+            self.kernels, self.chain = (pool[1], pool[2]), pool[3]
+
+    def dkv_stream(self, step):
+        """The stream of step ``step``'s dK/dV kernels (None: the caller's)."""
+        return self.kernels[step % 2]
+
+    def ready(self, tensors, kernels):
+        """The dQ stream and ``kernels`` wait for what the caller's stream has queued so far (this step's K/V,
+        its dK/dV parts allocated); ``tensors`` are marked as used there and on the accumulators' stream."""
+        if self.main is None:
+            return
+        event = self.main.record_event()
+        for stream in (self.dq, kernels, self.chain):   # the accumulators' stream adds the parts
+            if stream is not None:
+                if stream is not self.chain:
+                    stream.wait_event(event)
+                for t in tensors:
+                    t.record_stream(stream)
+
+    def done(self, kernels):
+        """An event after this step's dK/dV kernels for the accumulators' stream (None: no stream to order)."""
+        return kernels.record_event() if kernels is not None and self.chain is not None else None
+
+    def on(self, stream, after=None):
+        """A context that runs on ``stream`` (None: the caller's) once the event ``after`` has happened."""
+        if stream is None:
+            return contextlib.nullcontext()
+        if after is not None:
+            stream.wait_event(after)
+        return torch.cuda.stream(stream)
+
+    def join(self):
+        """The caller's stream waits for every stream used (at the end of the backward)."""
+        if self.main is not None:
+            for stream in (self.dq, *self.kernels, self.chain):
+                if stream is not None:
+                    self.main.wait_stream(stream)
 
 
 class PackedRingAttention(torch.autograd.Function):
