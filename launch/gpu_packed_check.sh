@@ -9,8 +9,8 @@
 #                                                   # placement (every candidate of the balanced layout timed, with
 #                                                   # the kernel profile of the balanced layout's slowest rank)
 #                                                   # order (the masked forward's tile order, rows vs lpt),
-#                                                   # backward (the packed ring's backward: tile order and dQ
-#                                                   # on a second stream, A/B, with the GPU checks of both)
+#                                                   # backward (the packed ring's streams, forward and
+#                                                   # backward, A/B, with the GPU checks of every mode)
 #                                                   # or fa4 (FA4's varlen path for masks: its GPU tests, the packed
 #                                                   # ring rank on FA4 blocks against one FA4 call; needs /opt/fa4 from
 #                                                   # ../shared/tools/fa4-carry's two calls on this warm machine)
@@ -42,19 +42,20 @@ if [ "$part" = order ]; then   # A/B: the masked forward's query tiles in row or
   exit $status
 fi
 
-if [ "$part" = backward ]; then   # the packed ring's backward: longest tiles first, dQ on its own stream
+if [ "$part" = backward ]; then   # the packed ring's streams: forward 1 or 2, backward 1, 2 or 4 (A/B)
   timeout -s ABRT 200 $py tests/kernel_checks.py masked packed_ring --device cuda --dtype bfloat16 --big \
     2>&1 | tee "$out/checks.log" || status=1
-  # A/B, each run every layout, ring blocks' tiles longest first (auto): the backward on one stream, on two (dQ
-  # on its own), on four (the default: each step's dK/dV on one of two in turn, the accumulators on a fourth),
-  # the last with the slowest balanced rank's kernel profile. BWD_ORDERS="rows,1 auto,1 auto,2 auto,4" adds
-  # the row order (2026-12-05b: rows,1 / auto,1 / auto,2 measured; docs/PERF.md)
-  for ab in ${BWD_ORDERS:-auto,2 auto,4}; do
-    order=${ab%,*} streams=${ab#*,}
-    DISTLAB_TRITON_MASKED_ORDER=$order DISTLAB_PACKED_BWD_STREAMS=$streams timeout -s ABRT 150 $py \
-      -m distlab.cp.emulate_packed --world 8 --seq 65536 --layouts zigzag balanced units --backend triton \
-      --rate-means --iters 5 --warmup 1 $([ "$ab" = auto,4 ] && echo --profile balanced) \
-      --json "$out/backward_${order}_$streams.json" 2>&1 | tee "$out/backward_${order}_$streams.log" || status=1
+  # ring blocks' tiles longest first (auto); each pair "fwd,bwd" a run of zigzag and balanced, the defaults
+  # (2,4) last with units and the slowest balanced rank's kernel profile. 2026-12-05b measured the backward
+  # alone (one forward stream): tiles in row order / longest first on one stream / dQ on its own (docs/PERF.md)
+  for ab in ${STREAMS:-1,2 2,2 1,4 2,4}; do
+    fwd=${ab%,*} bwd=${ab#*,}
+    layouts="zigzag balanced" extra=""
+    [ "$ab" = 2,4 ] && layouts="zigzag balanced units" extra="--profile balanced"
+    DISTLAB_PACKED_FWD_STREAMS=$fwd DISTLAB_PACKED_BWD_STREAMS=$bwd timeout -s ABRT 150 $py \
+      -m distlab.cp.emulate_packed --world 8 --seq 65536 --layouts $layouts --backend triton --rate-means \
+      --iters 5 --warmup 1 $extra --json "$out/streams_${fwd}_$bwd.json" 2>&1 | tee "$out/streams_${fwd}_$bwd.log" \
+      || status=1
   done
   pack_logs
   exit $status
