@@ -44,11 +44,11 @@ KNOBS = {
     "TRITON_MASKED_ORDER": Knob("auto", "the masked kernels' tiles: lpt (longest key / query range first, every "
                                         "head's), rows (row order, head by head), auto (lpt for an accumulated "
                                         "ring block, rows for a whole call)"),
-    "PACKED_FWD_STREAMS": Knob("2", "CUDA streams of a packed Triton ring's forward: 2 (the later steps' blocks "
-                                    "beside my own step's, merged at the end) or 1"),
-    "PACKED_BWD_STREAMS": Knob("4", "CUDA streams of a packed Triton ring's backward: 1 (one), 2 (dQ kernels on "
+    "PACKED_FWD_STREAMS": Knob("1", "CUDA streams of a packed Triton ring's forward: 1, or 2 (the later steps' "
+                                    "blocks beside my own step's, merged at the end; not yet run on a GPU)"),
+    "PACKED_BWD_STREAMS": Knob("2", "CUDA streams of a packed Triton ring's backward: 1 (one), 2 (dQ kernels on "
                                     "their own), 4 (also each step's dK/dV kernels on one of two in turn, and the "
-                                    "travelling dK/dV accumulators on a fourth)"),
+                                    "travelling dK/dV accumulators on a fourth; not yet run on a GPU)"),
     "TRITON_MASKED_FULL_TILES": Knob("1", "0: the masked attention kernel masks every key tile (no unmasked "
                                           "fast path for tiles every row sees whole)"),
     "TRITON_ATTN_FMA": Knob("1", "1: the forward's rescale fused into one multiply-add"),

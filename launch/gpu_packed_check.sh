@@ -45,9 +45,9 @@ fi
 if [ "$part" = backward ]; then   # the packed ring's streams: forward 1 or 2, backward 1, 2 or 4 (A/B)
   timeout -s ABRT 200 $py tests/kernel_checks.py masked packed_ring --device cuda --dtype bfloat16 --big \
     2>&1 | tee "$out/checks.log" || status=1
-  # ring blocks' tiles longest first (auto); each pair "fwd,bwd" a run of zigzag and balanced, the defaults
-  # (2,4) last with units and the slowest balanced rank's kernel profile. 2026-12-05b measured the backward
-  # alone (one forward stream): tiles in row order / longest first on one stream / dQ on its own (docs/PERF.md)
+  # ring blocks' tiles longest first (auto); each pair "fwd,bwd" a run of zigzag and balanced: the defaults
+  # (1,2: 2026-12-05b, docs/PERF.md), then the modes not yet run on a GPU, the last (2,4) with units and the
+  # slowest balanced rank's kernel profile
   for ab in ${STREAMS:-1,2 2,2 1,4 2,4}; do
     fwd=${ab%,*} bwd=${ab#*,}
     layouts="zigzag balanced" extra=""

@@ -426,9 +426,9 @@ def triton_ring_forward_accumulators(case, layout):
 
 
 def test_triton_ring_two_forward_accumulators():
-    """The packed ring's forward on two streams (the default on CUDA): my own step's blocks and the later
-    steps' each into a running result, the rows both cover merged at the end — equal to the torch backend
-    and to one running result (Triton's interpreter, float32, in order on the CPU)."""
+    """The packed ring's forward on two streams (``DISTLAB_PACKED_FWD_STREAMS=2``): my own step's blocks and
+    the later steps' each into a running result, the rows both cover merged at the end — equal to the torch
+    backend, as one running result is (Triton's interpreter, float32, in order on the CPU)."""
     pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
     from distlab.testing import ProcessGroupPool
 

@@ -200,12 +200,13 @@ _SIDE_STREAMS: dict = {}
 
 
 def forward_streams() -> int:
-    """Knob ``DISTLAB_PACKED_FWD_STREAMS``: 2 (the default) — a packed Triton ring's forward runs its later
-    steps' blocks beside its own step's, on a second CUDA stream, each into its own float32 running result,
-    in order; the rows the later steps cover are merged at the end (one ``lse_merge_blocks_`` launch per run
-    of them, written in q's dtype), and the side stream, not mine, waits for the later steps' K/V, so my own
-    step's block runs from the start (docs/PERF.md). On the CPU the same work runs in order. 1: one stream,
-    one running result."""
+    """Knob ``DISTLAB_PACKED_FWD_STREAMS``: 1 (the default) — a packed Triton ring's forward runs its blocks in
+    order on one stream into one running result; 2 — it runs its later steps' blocks beside its own step's,
+    on a second CUDA stream, each into its own float32 running result, in order; the rows the later steps
+    cover are merged at the end (one ``lse_merge_blocks_`` launch per run of them, written in q's dtype),
+    and the side stream, not mine, waits for the later steps' K/V, so my own step's block runs from the
+    start. On the CPU the same work runs in order (tested there); not yet run on a GPU: ``bash
+    launch/gpu_packed_check.sh OUT backward`` checks it against the float64 torch backend and times it."""
     from distlab import knobs
 
     flag = knobs.get("PACKED_FWD_STREAMS")
@@ -290,18 +291,20 @@ class BackwardStreams:
     """The CUDA streams of a packed Triton ring's backward (knob ``DISTLAB_PACKED_BWD_STREAMS``):
 
     - ``1``: everything on the caller's stream, in order;
-    - ``2``: the dQ kernels on a second stream beside the dK/dV kernels — dQ stays on the rank, only dK/dV
-      travel on to the next rank, and the two kernels' partial last waves overlap;
-    - ``4`` (default): besides, each step's dK/dV kernels on one of two streams in turn (a step's kernels
-      overlap the previous step's: a balanced pack's rank has a large block and several small ones), and the
-      travelling dK/dV accumulators — receive, add this rank's part, send on — on a fourth stream that
-      waits for each step's kernels, so the caller's stream only posts the K/V exchanges and never waits
-      for a kernel or for another rank.
+    - ``2`` (the default): each dQ kernel on a second stream, after its step's dK/dV kernel and beside the
+      next steps' — dQ stays on the rank, only dK/dV travel on to the next rank, and the kernels' partial
+      last waves overlap (H200, a balanced 64k pack at W=8: f+b 69.9% → 76.9% of one call, docs/PERF.md);
+    - ``4``: besides, each step's dK/dV kernels on one of two streams in turn (a step's kernels overlap the
+      previous step's: a balanced pack's rank has a large block and several small ones), and the travelling
+      dK/dV accumulators — receive, add this rank's part, send on — on a fourth stream that waits for each
+      step's kernels, so the caller's stream only posts the K/V exchanges and never waits for a kernel or
+      for another rank. Not yet run on a GPU: ``bash launch/gpu_packed_check.sh OUT backward`` checks it
+      bit for bit against 1 and 2 and times it.
 
     A kernel stream starts a step's work after an event the caller's stream records once that step's K/V
-    are there, and every tensor it reads is marked as used by it (``record_stream``: not reused before it
-    ran); ``join`` makes the caller's stream wait for them all at the end. On the CPU, or for the other
-    backends, everything runs in order on the caller's stream and these methods do nothing."""
+    are there, and every tensor a stream reads is marked as used by it (``record_stream``: not reused
+    before it ran); ``join`` makes the caller's stream wait for them all at the end. On the CPU, or for the
+    other backends, everything runs in order on the caller's stream and these methods do nothing."""
 
     _pool: dict = {}
 
@@ -327,15 +330,15 @@ class BackwardStreams:
         return self.kernels[step % 2]
 
     def ready(self, tensors, kernels):
-        """The dQ stream and ``kernels`` wait for what the caller's stream has queued so far (this step's K/V,
-        its dK/dV parts allocated); ``tensors`` are marked as used there and on the accumulators' stream."""
+        """``kernels`` waits for what the caller's stream has queued so far (this step's K/V, its dK/dV parts
+        allocated; the dQ stream waits for the kernels' stream in ``masked_backward``); ``tensors`` are marked
+        as used on every stream that reads them."""
         if self.main is None:
             return
-        event = self.main.record_event()
+        if kernels is not None:
+            kernels.wait_event(self.main.record_event())
         for stream in (self.dq, kernels, self.chain):   # the accumulators' stream adds the parts
             if stream is not None:
-                if stream is not self.chain:
-                    stream.wait_event(event)
                 for t in tensors:
                     t.record_stream(stream)
 

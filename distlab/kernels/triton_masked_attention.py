@@ -363,8 +363,9 @@ def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None
     — no per-step sums, conversions or row statistics; it gets the accumulators back. ``dkv_add=False``: the
     dK/dV kernel *writes* the gradients of the keys some row sees (``seen_keys``) instead of adding them (a
     step's only block: its accumulator needs no zero fill first). ``dq_stream`` (a CUDA stream): the dQ kernel
-    is launched there, beside the dK/dV kernel (``distlab.cp.ring_packed.BackwardStreams``); the caller has
-    made that stream wait for the inputs, marks them as used by it, and waits for it before reading dQ."""
+    is launched there, after what the current stream holds so far (this dK/dV kernel included), beside the
+    dK/dV kernels that follow (``distlab.cp.ring_packed.BackwardStreams``); the caller marks the inputs as
+    used by that stream and waits for it before reading dQ."""
     _check(q, k, v, mask)
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -402,6 +403,8 @@ def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None
     kb, ke = key_ranges(mask, bm)
     fb, fe = full_key_ranges(mask, bm)
     tiles = longest_first(mask, bm) if lpt else None
+    if dq_stream is not None:   # after what the current stream holds so far, this dK/dV kernel included
+        dq_stream.wait_stream(torch.cuda.current_stream(q.device))
     with torch.cuda.stream(dq_stream) if dq_stream is not None else contextlib.nullcontext():
         launch_keyed(_DQ, (b * h, cdiv(sq, bm)) if lpt else (cdiv(sq, bm), b * h),
                      (q, k, v, dout, lse, delta, dq, lo, hi, kpos, kb, ke, fb, fe, tiles),
