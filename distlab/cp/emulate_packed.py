@@ -254,6 +254,7 @@ def main(argv=None):
         q, k, v, dout = (torch.randn(1, seq, h, a.head_dim, generator=g).to(device, dtype)
                          for h in (a.heads, a.kv_heads, a.kv_heads, a.heads))
         one = measure(dict(zip(("fwd", "fwd_bwd"), one_call(q, k, v, dout, docs, backend))), a, device)
+        profiles = []
         for layout, positions, imbalance in placed_layouts(a.layouts, docs, a.world):
             ranks = [measure(dict(zip(("fwd", "fwd_bwd"), rank_schedule(q, k, v, dout, docs, positions, r, backend))),
                              a, device) for r in range(a.world)]
@@ -271,9 +272,12 @@ def main(argv=None):
                   f"{row['tiles']['most_blocks']:>6}   "
                   f"r{worst} {ranks[worst]['fwd']['wall_s'] * 1e3:.2f} / {ranks[worst]['fwd_bwd']['wall_s'] * 1e3:.2f}")
             if gpu and a.profile is not None and (not a.profile or layout in a.profile):
-                row["profile"] = kernel_summary(rank_schedule(q, k, v, dout, docs, positions, worst, backend)[1], device)
-                print_summary(row["profile"], f"r{worst} fwd+bwd")
+                profiles.append((row, positions, worst))
             result["rows"].append(row)
+        # after every clock of this length: a layout timed right after the profiler ran read 13 points low
+        for row, positions, worst in profiles:
+            row["profile"] = kernel_summary(rank_schedule(q, k, v, dout, docs, positions, worst, backend)[1], device)
+            print_summary(row["profile"], f"{row['layout']} r{worst} fwd+bwd")
         print(f"{'':>6} one call: fwd {one['fwd']['wall_s'] * 1e3:.2f} ms, fwd+bwd {one['fwd_bwd']['wall_s'] * 1e3:.2f} ms "
               f"(wall); {describe(docs)}")
     means = a.rate_means if a.rate_means is not None else ([32768, 8192, 2048, 512] if gpu else [512, 64])
