@@ -277,20 +277,19 @@ def _longest_first(accumulate: bool) -> bool:
 def longest_first(mask, block_m: int) -> torch.Tensor:
     """The query tiles of ``mask`` ordered by the length of their key range, longest first (int32, on the
     mask's device; kept in the mask's memo)."""
-    key = ("longest_first", block_m)
-    if key not in mask.memo:
-        kb, ke = key_ranges(mask, block_m)
-        mask.memo[key] = torch.argsort(ke - kb, descending=True, stable=True).to(torch.int32)
-    return mask.memo[key]
+    return _by_length(mask, ("longest_first", block_m), lambda: key_ranges(mask, block_m))
 
 
 def longest_query_range_first(mask, seq_k: int, block_n: int) -> torch.Tensor:
     """The key tiles of ``mask`` ordered by the length of their query range, longest first (the dK/dV grid's
-    order; int32, kept in the mask's memo)."""
-    key = ("longest_query_range_first", seq_k, block_n)
+    order; as ``longest_first``)."""
+    return _by_length(mask, ("longest_query_range_first", seq_k, block_n), lambda: query_ranges(mask, seq_k, block_n))
+
+
+def _by_length(mask, key, ranges):
     if key not in mask.memo:
-        qb, qe = query_ranges(mask, seq_k, block_n)
-        mask.memo[key] = torch.argsort(qe - qb, descending=True, stable=True).to(torch.int32)
+        begin, end = ranges()
+        mask.memo[key] = torch.argsort(end - begin, descending=True, stable=True).to(torch.int32)
     return mask.memo[key]
 
 
