@@ -404,6 +404,8 @@ def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None
     tiles = longest_first(mask, bm) if lpt else None
     if dq_stream is not None:   # after what the current stream holds so far, this dK/dV kernel included
         dq_stream.wait_stream(torch.cuda.current_stream(q.device))
+        for t in (q, k, v, dout):   # copies made above (non-contiguous inputs) are freed when this returns
+            t.record_stream(dq_stream)
     with torch.cuda.stream(dq_stream) if dq_stream is not None else contextlib.nullcontext():
         launch_keyed(_DQ, (b * h, cdiv(sq, bm)) if lpt else (cdiv(sq, bm), b * h),
                      (q, k, v, dout, lse, delta, dq, lo, hi, kpos, kb, ke, fb, fe, tiles),
