@@ -399,36 +399,47 @@ def test_masked_forward_longest_tiles_first_is_the_same_computation():
 def triton_ring_forward_accumulators(case, layout):
     """One process, Triton's interpreter: every rank's packed ring forward with one running result and with two
     (``DISTLAB_PACKED_FWD_STREAMS=2``: the later steps' blocks into their own, merged at the end; on the CPU
-    in order). Returns the worst relative error of each against the torch backend, and how many ranks had
+    in order), then the fused backward from that forward's out and LSE. The rank's output and dQ rows against
+    the one-device float64 reference; its dK/dV (a resident ring's accumulators come back as sent) and LSE
+    against the torch backend's schedule. Returns the worst relative error per mode, and how many ranks had
     rows to merge."""
     from distlab import knobs
     from distlab.cp.emulate import ResidentRing
-    from distlab.cp.ring_packed import _forward, step_blocks
+    from distlab.cp.ring_packed import _backward, _forward, step_blocks
 
     cu, causal, window = CASES[case]
     docs = Documents.from_args(T, torch.tensor(cu), causal, window)
-    q, k, v, _ = (t[:1].float() for t in _inputs(4, 2, head_dim=16))
+    q, k, v, dout = (t[:1] for t in _inputs(4, 2, head_dim=16))
+    want_out, want_dq, _, _ = reference(q, k, v, dout, cu, causal, window)
+    q, k, v, dout = (t.float() for t in (q, k, v, dout))
     world, worst, merged = 3, {"1": 0.0, "2": 0.0}, 0
     pos = [shard_positions(T, world, r, layout, docs.cu_seqlens) for r in range(world)]
     for r in range(world):
         blocks = step_blocks(docs, pos, r, "cpu", gap=1)
         merged += bool(blocks.side_runs)
         kv = [(k[:, pos[(r - s) % world]].contiguous(), v[:, pos[(r - s) % world]].contiguous()) for s in range(world)]
-        qr = q[:, pos[r]].contiguous()
-        want = _forward(qr, *kv[0], ResidentRing(world, r, kv), blocks, None, "torch")
+        qr, dr = q[:, pos[r]].contiguous(), dout[:, pos[r]].contiguous()
+
+        def schedule(backend):
+            out, lse = _forward(qr, *kv[0], ResidentRing(world, r, kv), blocks, None, backend)
+            return (out, lse, *_backward(dr, qr, *kv[0], out, lse, ResidentRing(world, r, kv), blocks, None, backend))
+
+        want = schedule("torch")
         finite = torch.isfinite(want[1])
         for flag in worst:
             with knobs.override(PACKED_FWD_STREAMS=flag):
-                out, lse = _forward(qr, *kv[0], ResidentRing(world, r, kv), blocks, None, "triton")
+                out, lse, dq, dk, dv = schedule("triton")
             assert torch.equal(torch.isinf(lse), torch.isinf(want[1])), (case, layout, r, flag)
-            worst[flag] = max(worst[flag], rel_err(out, want[0]), rel_err(lse[finite], want[1][finite]))
+            worst[flag] = max(worst[flag], rel_err(out, want_out[:, pos[r]]), rel_err(dq, want_dq[:, pos[r]]),
+                              rel_err(lse[finite], want[1][finite]), rel_err(dk, want[3]), rel_err(dv, want[4]))
     return worst, merged
 
 
 def test_triton_ring_two_forward_accumulators():
     """The packed ring's forward on two streams (``DISTLAB_PACKED_FWD_STREAMS=2``): my own step's blocks and
-    the later steps' each into a running result, the rows both cover merged at the end — equal to the torch
-    backend, as one running result is (Triton's interpreter, float32, in order on the CPU)."""
+    the later steps' each into a running result, the rows both cover merged at the end — its output and the
+    backward's gradients from it equal one device (float64 reference), as with one running result (Triton's
+    interpreter, float32, in order on the CPU)."""
     pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
     from distlab.testing import ProcessGroupPool
 
