@@ -47,11 +47,11 @@ if [ "$part" = backward ]; then   # the packed ring's streams: forward 1 or 2, b
     2>&1 | tee "$out/checks.log" || status=1
   # ring blocks' tiles longest first (auto); each pair "fwd,bwd" a run of zigzag and balanced: the defaults
   # (1,2: 2026-12-05b, docs/PERF.md), then the modes not yet run on a GPU, the last (2,4) with units and the
-  # slowest balanced rank's kernel profile
+  # slowest balanced rank's kernel profile and timeline (its streams' kernels overlapping)
   for ab in ${STREAMS:-1,2 2,2 1,4 2,4}; do
     fwd=${ab%,*} bwd=${ab#*,}
     layouts="zigzag balanced" extra=""
-    [ "$ab" = 2,4 ] && layouts="zigzag balanced units" extra="--profile balanced"
+    [ "$ab" = 2,4 ] && layouts="zigzag balanced units" extra="--profile balanced --timeline balanced"
     DISTLAB_PACKED_FWD_STREAMS=$fwd DISTLAB_PACKED_BWD_STREAMS=$bwd timeout -s ABRT 150 $py \
       -m distlab.cp.emulate_packed --world 8 --seq 65536 --layouts $layouts --backend triton --rate-means \
       --iters 5 --warmup 1 $extra --json "$out/streams_${fwd}_$bwd.json" 2>&1 | tee "$out/streams_${fwd}_$bwd.log" \

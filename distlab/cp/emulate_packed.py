@@ -226,6 +226,10 @@ def main(argv=None):
     p.add_argument("--profile", nargs="*", default=None, metavar="LAYOUT",
                    help="also list the kernels of the slowest rank's forward+backward (torch.profiler), per layout "
                         "given (none: every layout)")
+    p.add_argument("--timeline", nargs="*", default=None, metavar="LAYOUT",
+                   help="also print each kernel of the slowest rank's forward+backward with its start and the GPU's "
+                        "idle gap before it (distlab.profiling.timeline; kernels of several streams overlap), per "
+                        "layout given (none: every layout)")
     p.add_argument("--rate-means", type=positive_int, nargs="*", default=None,
                    help="mean document lengths for the kernel-rate table (default 32768 8192 2048 512)")
     p.add_argument("--tiles-only", action="store_true", help="only the tile bound and block counts (no clocks)")
@@ -271,13 +275,23 @@ def main(argv=None):
                   f"{row['tiles']['bound']['fwd'] * 100:>6.1f}/{row['tiles']['bound']['bwd'] * 100:>5.1f}% "
                   f"{row['tiles']['most_blocks']:>6}   "
                   f"r{worst} {ranks[worst]['fwd']['wall_s'] * 1e3:.2f} / {ranks[worst]['fwd_bwd']['wall_s'] * 1e3:.2f}")
-            if gpu and a.profile is not None and (not a.profile or layout in a.profile):
-                profiles.append((row, positions, worst))
+            wanted = [(kind, names) for kind, names in (("profile", a.profile), ("timeline", a.timeline))
+                      if gpu and names is not None and (not names or layout in names)]
+            profiles += [(kind, row, positions, worst) for kind, _ in wanted]
             result["rows"].append(row)
         # after every clock of this length: a layout timed right after the profiler ran read 13 points low
-        for row, positions, worst in profiles:
-            row["profile"] = kernel_summary(rank_schedule(q, k, v, dout, docs, positions, worst, backend)[1], device)
-            print_summary(row["profile"], f"{row['layout']} r{worst} fwd+bwd")
+        for kind, row, positions, worst in profiles:
+            fn = rank_schedule(q, k, v, dout, docs, positions, worst, backend)[1]
+            title = f"{row['layout']} r{worst} fwd+bwd"
+            if kind == "profile":
+                row["profile"] = kernel_summary(fn, device)
+                print_summary(row["profile"], title)
+            else:
+                from distlab.profiling.timeline import format_timeline, kernel_timeline, summarize
+
+                timeline = kernel_timeline(fn)
+                row["timeline"] = {"kernels": timeline, **summarize(timeline)}
+                print(format_timeline(timeline, title))
         print(f"{'':>6} one call: fwd {one['fwd']['wall_s'] * 1e3:.2f} ms, fwd+bwd {one['fwd_bwd']['wall_s'] * 1e3:.2f} ms "
               f"(wall); {describe(docs)}")
     means = a.rate_means if a.rate_means is not None else ([32768, 8192, 2048, 512] if gpu else [512, 64])
