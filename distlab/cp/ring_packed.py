@@ -249,7 +249,7 @@ def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
             if step == 0:
                 span = slice(None)
             kernels = plan.dkv_stream(step)
-            plan.ready((*kv, *part), kernels)   # this step's K/V are here: its kernels may start
+            plan.ready(kv, part, kernels)   # this step's K/V are here: its kernels may start
             with plan.on(kernels):
                 if not only:
                     for t in part:
@@ -329,15 +329,15 @@ class BackwardStreams:
         """The stream of step ``step``'s dK/dV kernels (None: the caller's)."""
         return self.kernels[step % 2]
 
-    def ready(self, tensors, kernels):
+    def ready(self, kv, parts, kernels):
         """``kernels`` waits for what the caller's stream has queued so far (this step's K/V, its dK/dV parts
-        allocated; the dQ stream waits for the kernels' stream in ``masked_backward``); ``tensors`` are marked
-        as used on every stream that reads them."""
+        allocated; the dQ stream waits for the kernels' stream in ``masked_backward``); the K/V are marked as
+        used by the kernel streams, the parts by the dK/dV kernels' and the accumulators' streams."""
         if self.main is None:
             return
         if kernels is not None:
             kernels.wait_event(self.main.record_event())
-        for stream in (self.dq, kernels, self.chain):   # the accumulators' stream adds the parts
+        for stream, tensors in ((self.dq, kv), (kernels, (*kv, *parts)), (self.chain, parts)):
             if stream is not None:
                 for t in tensors:
                     t.record_stream(stream)
