@@ -154,7 +154,7 @@ def _forward(q, k, v, ring, blocks, scale, backend):
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(lse_shape, float("-inf"), dtype=acc, device=q.device)
     two = fused and bool(blocks.side_runs) and forward_streams() == 2
-    side = _side_stream(q.device) if two and q.is_cuda else None   # on the CPU: the same work, in order
+    side = side_streams(q.device)[0] if two and q.is_cuda else None   # on the CPU: the same work, in order
     on_side = (lambda: torch.cuda.stream(side)) if side is not None else contextlib.nullcontext
     if two:   # the later steps' blocks into their own running result, on their own stream
         out2, lse2 = torch.empty_like(out), torch.empty_like(lse)
@@ -199,6 +199,14 @@ def _forward(q, k, v, ring, blocks, scale, backend):
 _SIDE_STREAMS: dict = {}
 
 
+def side_streams(device) -> list:
+    """The four CUDA streams a packed ring's forward and backward run beside the caller's (made once per
+    device; the forward's later steps take the first, as the backward's dQ kernels do: they never overlap)."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = [torch.cuda.Stream(device) for _ in range(4)]
+    return _SIDE_STREAMS[device]
+
+
 def forward_streams() -> int:
     """Knob ``DISTLAB_PACKED_FWD_STREAMS``: 1 (the default) — a packed Triton ring's forward runs its blocks in
     order on one stream into one running result; 2 — it runs its later steps' blocks beside its own step's,
@@ -213,12 +221,6 @@ def forward_streams() -> int:
     if flag not in ("1", "2"):
         raise ValueError(f"DISTLAB_PACKED_FWD_STREAMS={flag!r}: use 2 (the later steps on a second stream) or 1")
     return int(flag)
-
-
-def _side_stream(device):
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
 
 
 def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
@@ -306,8 +308,6 @@ class BackwardStreams:
     before it ran); ``join`` makes the caller's stream wait for them all at the end. On the CPU, or for the
     other backends, everything runs in order on the caller's stream and these methods do nothing."""
 
-    _pool: dict = {}
-
     def __init__(self, device):
         from distlab import knobs
 
@@ -318,9 +318,7 @@ class BackwardStreams:
         self.kernels = (None, None)
         if device.type != "cuda" or flag == "1":
             return
-        if device not in self._pool:
-            self._pool[device] = [torch.cuda.Stream(device) for _ in range(4)]
-        pool = self._pool[device]
+        pool = side_streams(device)
         self.main, self.dq = torch.cuda.current_stream(device), pool[0]
         if flag == "4":
             self.kernels, self.chain = (pool[1], pool[2]), pool[3]
