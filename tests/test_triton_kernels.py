@@ -134,6 +134,16 @@ def test_backward_plan_is_kept_per_shape_strides_alignment_and_flags():
         assert plans(wide, q, k, k, out, lse, True) == 4
         with knobs.override(TRITON_ATTN_SPLIT_GROUPS="1"):                               # a knob
             assert plans(q, q, k, k, out, lse, True) == 5
+        # a ring backward's BackwardSteps: the query side's key worked out once, the same key as without it
+        steps = tab.BackwardSteps()
+        for t, causal in ((q, True), (q, False), (wide, True), (odd, True)):
+            n = plans(t, q, k, k, out, lse, causal)
+            assert plans(t, q, k, k, out, lse, causal, steps=steps) == n
+            assert plans(t, q, k.clone(), k.clone(), out, lse, causal, steps=steps) == n
+        assert len(steps._query_sides) == 3
+        assert plans(q[:, :32], q[:, :32], k[:, :32], k[:, :32], out[:, :32], lse[..., :32], True, steps=steps) == n + 1
+        lent = steps.buffers((2, 3), q.device)
+        assert lent is steps.buffers((2, 3), q.device) and lent[0] is not lent[1]
         with pytest.raises(ValueError, match="dk_out and dv_out together"):
             tab.flash_backward(q, q, k, k, out, lse, True, dk_out=torch.zeros(k.shape))
 

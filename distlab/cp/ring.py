@@ -253,7 +253,8 @@ def _accumulate(acc, part, index, like, dtype):
     return acc
 
 
-def _triton_block_backward(dq, dout, q, k, v, back_rows, rows, cols, causal, scale, received=None, row_views=None):
+def _triton_block_backward(dq, dout, q, k, v, back_rows, rows, cols, causal, scale, received=None, row_views=None,
+                           steps=None):
     """The ``triton`` backend's block backward: dQ added into the float32 ``dq`` inside its kernel (written at
     step 0, whose block covers every row, so ``dq`` starts unfilled), the backward rows (delta, exp2 LSE)
     computed once per ring backward — no per-step conversions. dK/dV: at step 0 written in float32 into new
@@ -262,7 +263,8 @@ def _triton_block_backward(dq, dout, q, k, v, back_rows, rows, cols, causal, sca
     wait comes after this step's dK/dV kernel is launched (the dQ kernel's programs then add the step's dK/dV,
     or the sum of its split partials, into it: ``flash_backward``'s ``dkv_into``).
     ``row_views``: a dict kept for one ring backward, holding the row views of a row range once made (the
-    zigzag steps after the first share one range). Returns the step's (dK, dV)."""
+    zigzag steps after the first share one range); ``steps``: the ``BackwardSteps`` of one ring backward (the
+    query side's plan key once, the later steps' dK/dV buffers lent). Returns the step's (dK, dV)."""
     from distlab.kernels.triton_attention_backward import flash_backward
 
     all_rows, all_cols = rows == slice(0, q.shape[1]), cols == slice(0, k.shape[1])
@@ -286,7 +288,7 @@ def _triton_block_backward(dq, dout, q, k, v, back_rows, rows, cols, causal, sca
         dk_blk, dv_blk = (new(k_shape, dtype=torch.float32, device=k.device) for _ in range(2))
         with phase("ring.block_backward"):
             flash_backward(dout, q, k, v, None, None, causal, scale, dk_out=dk_blk if all_cols else dk_blk[:, cols],
-                           dv_out=dv_blk if all_cols else dv_blk[:, cols], dq_add=False, **common)
+                           dv_out=dv_blk if all_cols else dv_blk[:, cols], dq_add=False, steps=steps, **common)
         return dk_blk, dv_blk
     got = []
 
@@ -296,18 +298,18 @@ def _triton_block_backward(dq, dout, q, k, v, back_rows, rows, cols, causal, sca
         return (got[0], got[1]) if all_cols else (got[0][:, cols], got[1][:, cols])
 
     with phase("ring.block_backward"):
-        flash_backward(dout, q, k, v, None, None, causal, scale, dkv_into=into, **common)
+        flash_backward(dout, q, k, v, None, None, causal, scale, dkv_into=into, steps=steps, **common)
     return got[0], got[1]
 
 
 def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend):
     s = q.shape[1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dq, kv, dkv_pending, back_rows, row_views = None, (k, v), None, None, {}
+    dq, kv, dkv_pending, back_rows, row_views, steps = None, (k, v), None, None, {}, None
     if backend == "triton":
-        from distlab.kernels.triton_attention_backward import backward_rows
+        from distlab.kernels.triton_attention_backward import BackwardSteps, backward_rows
 
-        back_rows = backward_rows(dout, out, lse)
+        back_rows, steps = backward_rows(dout, out, lse), BackwardSteps()
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)   # written by step 0's dQ kernel
     for step in range(ring.size):
         with phase("ring.exchange"):
@@ -318,7 +320,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
         for rows, cols, blk_causal in ring_blocks(src, ring.rank, s, causal, layout):
             if back_rows is not None:   # a later step adds into the received accumulator (then no wait below)
                 dk_blk, dv_blk = _triton_block_backward(dq, dout, q, *kv, back_rows, rows, cols, blk_causal, scale,
-                                                        received=dkv_pending, row_views=row_views)
+                                                        received=dkv_pending, row_views=row_views, steps=steps)
                 dkv_pending = None
                 continue
             with phase("ring.block_backward"):

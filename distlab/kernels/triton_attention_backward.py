@@ -279,8 +279,45 @@ def backward_rows(dout, out, lse):
     return delta, lse2
 
 
+class BackwardSteps:
+    """What the ``flash_backward`` calls of one ring backward share (#24, host cost): every step takes the same
+    q, dout, backward rows and dQ accumulator (or the same views of them) against a new K/V block. Kept by the
+    caller for those calls, it works out the query side's part of the plan key once per set of those tensors
+    (by identity: it holds them, so no other tensor can take their ids), and lends a later step the float32
+    dK/dV partials it writes, the same two buffers every step: each step's kernels read them before the next
+    step's dK/dV kernel writes them (stream order; under PDL that kernel stores only after its
+    ``gdc_wait``)."""
+
+    def __init__(self):
+        self._query_sides: dict = {}
+        self._buffers: dict = {}
+
+    def query_side(self, q, dout, rows, dq_acc):
+        """``(q, dout, key)``: q and dout with a contiguous last dim, and their, the rows' and dq_acc's key."""
+        ident = (id(q), id(dout), rows is None or (id(rows[0]), id(rows[1])), id(dq_acc))
+        got = self._query_sides.get(ident)
+        if got is None:
+            qc, doutc = _last_contiguous(q, dout)
+            key = (tensor_key(qc), tensor_key(doutc), rows is None or (tensor_key(rows[0]), tensor_key(rows[1])),
+                   tensor_key(dq_acc))
+            got = self._query_sides[ident] = (qc, doutc, key, (q, dout, rows, dq_acc))   # the last: kept alive
+        return got[0], got[1], got[2]
+
+    def buffers(self, shape, device):
+        """Two float32 tensors of ``shape``, the same ones on every call."""
+        got = self._buffers.get(shape)
+        if got is None:
+            got = self._buffers[shape] = tuple(torch.empty(shape, dtype=torch.float32, device=device)
+                                               for _ in range(2))
+        return got
+
+
+def _new_float32_pair(shape, device):
+    return tuple(torch.empty(shape, dtype=torch.float32, device=device) for _ in range(2))
+
+
 def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, split_groups=None, rows=None,
-                   dq_acc=None, dk_out=None, dv_out=None, dkv_into=None, dq_add=True):
+                   dq_acc=None, dk_out=None, dv_out=None, dkv_into=None, dq_add=True, steps=None):
     """``(dq, dk, dv)`` in the inputs' dtype, from the final ``out`` and float32 ``lse``.
 
     ``split_groups``: with GQA, one dK/dV program per *q* head (float32 partial sums added up after) instead
@@ -300,12 +337,19 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
 
     Host cost (#24): as the forward, everything that follows from shapes, strides, dtypes, alignment, flags
     and knobs — checks, tiles, split groups, grids, integer arguments — is a ``_BackwardPlan`` kept per such
-    key; a known key allocates, and calls the two compiled kernels' launchers."""
-    q, k, v, dout = _last_contiguous(q, k, v, dout)
+    key; a known key allocates, and calls the two compiled kernels' launchers. ``steps``: a ``BackwardSteps``
+    the calls of one ring backward share (the query side's key once; the partials' buffers lent)."""
+    if steps is not None:
+        q, dout, q_side = steps.query_side(q, dout, rows, dq_acc)
+        k, v = _last_contiguous(k, v)
+    else:
+        q, k, v, dout = _last_contiguous(q, k, v, dout)
+        q_side = (tensor_key(q), tensor_key(dout), rows is None or (tensor_key(rows[0]), tensor_key(rows[1])),
+                  tensor_key(dq_acc))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     sig = tensor_key   # shape, strides, dtype, pointer alignment
-    key = (sig(q), sig(k), sig(v), sig(dout), rows is None or (sig(rows[0]), sig(rows[1])), sig(dq_acc), sig(dk_out),
-           sig(dv_out), dkv_into is not None, dq_add, causal, scale, split_groups, q.device, knobs.generation())
+    key = (q_side, sig(k), sig(v), sig(dk_out), sig(dv_out), dkv_into is not None, dq_add, causal, scale,
+           split_groups, q.device, knobs.generation())
     plan = _BACKWARD_PLANS.get(key)
     if plan is None:
         plan = _backward_plan(q, k, v, dout, causal, scale, split_groups, rows, dq_acc, dk_out, dv_out, dkv_into,
@@ -316,13 +360,15 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
     delta, lse2 = rows if rows is not None else backward_rows(dout, out, lse)
     device = q.device
     dq = dq_acc if dq_acc is not None else torch.empty(q.shape, dtype=q.dtype, device=device)
-    dk = dk_out if dk_out is not None or plan.dkv_dtype is None else torch.empty(k.shape, dtype=plan.dkv_dtype,
-                                                                                device=device)
-    dv = dv_out if dv_out is not None or plan.dkv_dtype is None else torch.empty(v.shape, dtype=plan.dkv_dtype,
-                                                                                device=device)
+    if dk_out is not None or plan.dkv_dtype is None:
+        dk, dv = dk_out, dv_out
+    elif steps is not None and dkv_into is not None:   # a later step's float32 dK/dV, added into its accumulator
+        dk, dv = steps.buffers(k.shape, device)
+    else:
+        dk = torch.empty(k.shape, dtype=plan.dkv_dtype, device=device)
+        dv = torch.empty(v.shape, dtype=plan.dkv_dtype, device=device)
     if plan.splits > 1:   # float32 partial sums per q head, added up below
-        dk_part = torch.empty(plan.part_shape, dtype=torch.float32, device=device)
-        dv_part = torch.empty(plan.part_shape, dtype=torch.float32, device=device)
+        dk_part, dv_part = (steps.buffers if steps is not None else _new_float32_pair)(plan.part_shape, device)
     else:
         dk_part, dv_part = dk, dv
     if not plan.atomic:
