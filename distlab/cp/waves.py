@@ -1,0 +1,296 @@
+"""A wave model of the masked Triton kernels on a GPU: where a packed ring rank loses against one call (#23).
+
+    python -m distlab.cp.waves --world 8 --seq 65536 --layouts zigzag balanced units      # any machine, seconds
+    python -m distlab.cp.waves --seq 65536 --sms 132 --overhead 1.5 --json waves.json
+
+The tile bound (``distlab.cp.emulate_packed --tiles-only``) counts the tiles a rank visits against one call's,
+as if a tile cost the same everywhere. What it leaves out is how the tiles reach the GPU: a launch is a grid of
+programs (a query tile of one head, or a key tile of one kv head), each looping over its tiles, started in
+grid order on the SMs as they free up; a launch ends with its last program, so a rank's short launches end in
+partial waves that one long call hides. This module replays that: each kernel's programs, their loop lengths
+counted from the same tile tables the kernels use (``distlab.kernels.masks``), list-scheduled in the order
+the GPU starts them onto ``--sms`` SMs (``--per-sm``: how many programs of a kind an SM holds at once),
+with a kernel waiting for the kernels its stream (or an event) puts before it. A program costs ``--overhead`` tiles (loading its rows, the epilogue) plus one per tile; the backward's
+tiles are weighted 4 : 3 (dK/dV's four matmuls a tile against dQ's three) and scaled so one call's
+backward/forward ratio is the measured one (``--bwd-ratio``, H200 2026-12-05: 26.59 / 6.13 ms).
+
+Rank schedules (the ring's own blocks, ``distlab.cp.ring_packed.step_blocks``), each against one call in
+grid order, are listed in ``chain``. Efficiency = one call's time / (W · the slowest rank's), forward and
+forward+backward (one call's backward scaled to ``--bwd-ratio`` times its forward).
+
+The defaults are fitted to the H200 (2026-12-05, ``docs/perf/h200_2026-12-05b``: 64k pack, W=8, zigzag /
+balanced / units, GPU clock, schedules rows, lpt, lpt+dq, fwd and f+b, 18 figures): a kernel starts 30 µs
+after the one it waits for (``--gap-us``: launch, ramp up and down), a program costs 1.5 tiles more than its
+loop (``--overhead``), one program an SM at a time, forward or backward (``--per-sm 1 1``); a forward tile
+takes 2.0 µs (``--tile-us``: the one call's 6.13 ms). RMS error 2.3 points, worst +4.9 (a grid of
+gap 10-50 µs, overhead 0.5-3, one or two backward programs an SM; docs/PERF.md has the table). A model: it
+ranks schedules and layouts before a GPU times them; the clocks decide.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from distlab.bench import StudyParser, positive_int, run_study, write_json
+from distlab.cp.documents import Documents, parse_docs
+from distlab.kernels.masks import key_ranges, query_ranges
+
+FWD_TILE, BWD_TILE = (128, 64), (64, 64)   # the masked kernel's H200 tiles (``masked_tiles``, head_dim <= 128)
+DKV_WEIGHT, DQ_WEIGHT = 4.0, 3.0           # matmuls per tile: dK/dV's four, dQ's three
+SCHEDULES = ("rows", "lpt", "lpt+dq", "fwd2+bwd4", "grouped", "no barrier")
+
+
+@dataclass
+class Kernel:
+    """One launch: its programs' costs in the order the GPU starts them, the share of an SM each takes
+    (2: a whole SM, 1: half), and the kernels (indices in the launch list) that must end before it starts."""
+    name: str
+    costs: list
+    units: int = 2
+    after: tuple = ()
+    end: float = field(default=0.0, compare=False)
+
+
+def simulate(kernels, sms: int = 132, gap: float = 0.0, capacity: int = 2) -> float:
+    """List-schedule ``kernels`` (in launch order) on ``sms`` SMs of ``capacity`` units each; return when the last
+    program ends (and set each kernel's ``end``). A kernel starts once those in ``after`` have ended; the
+    programs of started kernels are dispatched earliest launch first — a launch whose next program finds no
+    room holds back the launches after it, as the GPU's block scheduler does — each to an SM with room
+    (half-used SMs first, so whole ones stay free for programs that need them). ``gap``: the time from a
+    kernel's last wait ending to its first program (launch latency and ramp; a kernel with no wait starts at 0)."""
+    n = len(kernels)
+    waiting = [set(k.after) for k in kernels]
+    dependents = [[] for _ in kernels]
+    for i, k in enumerate(kernels):
+        for j in k.after:
+            dependents[j].append(i)
+    free, room = [capacity] * sms, {u: set() for u in range(1, capacity + 1)}
+    room[capacity] = set(range(sms))
+    left, nxt, ready, running = [len(k.costs) for k in kernels], [0] * n, [], []
+    now, ended = 0.0, 0
+
+    def start(i):
+        nonlocal ended
+        if kernels[i].costs:
+            if kernels[i].after and gap > 0:   # its first program after the gap
+                heapq.heappush(running, (now + gap, -1, i))
+            else:
+                bisect.insort(ready, i)
+            return
+        kernels[i].end, ended = now, ended + 1   # nothing to run: it ends as it starts
+        for d in dependents[i]:
+            waiting[d].discard(i)
+            if not waiting[d]:
+                start(d)
+
+    def take(units):
+        for have in range(units, capacity + 1):
+            if room[have]:
+                sm = room[have].pop()
+                free[sm] = have - units
+                if free[sm]:
+                    room[free[sm]].add(sm)
+                return sm
+        return None
+
+    for i, k in enumerate(kernels):
+        if not k.after:
+            start(i)
+    while True:
+        while ready:
+            i = ready[0]
+            sm = take(kernels[i].units)
+            if sm is None:
+                break
+            heapq.heappush(running, (now + kernels[i].costs[nxt[i]], sm, i))
+            nxt[i] += 1
+            if nxt[i] == len(kernels[i].costs):
+                ready.pop(0)
+        if not running:
+            break
+        now, sm, i = heapq.heappop(running)
+        if sm < 0:   # kernel i's gap is over
+            bisect.insort(ready, i)
+            continue
+        if free[sm]:
+            room[free[sm]].discard(sm)
+        free[sm] += kernels[i].units
+        room[free[sm]].add(sm)
+        left[i] -= 1
+        if left[i] == 0:
+            kernels[i].end, ended = now, ended + 1
+            for d in dependents[i]:
+                waiting[d].discard(i)
+                if not waiting[d]:
+                    start(d)
+    if ended < n:
+        raise ValueError("kernels wait on each other in a cycle")
+    return max((k.end for k in kernels), default=0.0)
+
+
+def _tiles(begin, end, size):
+    return ((end - begin).clamp_min(0) + size - 1).div(size, rounding_mode="floor")
+
+
+def _order(lengths, heads: int, lpt: bool) -> list:
+    """Per-program tile counts in start order: grid (tiles, heads) in row order, head by head; or (heads,
+    tiles) with the tiles sorted longest first (stable), every head of a tile before the next tile."""
+    n = lengths.tolist()
+    if lpt:
+        order = torch.argsort(lengths, descending=True, stable=True).tolist()
+        return [n[t] for t in order for _ in range(heads)]
+    return n * heads
+
+
+def block_costs(mask, heads: int, kv_heads: int, lpt: bool, ring_block: bool, overhead: float) -> dict:
+    """{"fwd", "dkv", "dq"}: the program costs, in tiles, of one masked block's three kernels in start order
+    (``ring_block``: its dK/dV covers only the keys some row sees, as ``masked_backward`` with accumulators)."""
+    from distlab.kernels.triton_masked_attention import seen_keys
+
+    groups = heads // kv_heads
+    kb, ke = key_ranges(mask, FWD_TILE[0])
+    sub = seen_keys(mask)[1] if ring_block else mask
+    qb, qe = query_ranges(sub, sub.k_pos.numel(), BWD_TILE[1])
+    bkb, bke = key_ranges(mask, BWD_TILE[0])
+    return {"fwd": [overhead + n for n in _order(_tiles(kb, ke, FWD_TILE[1]), heads, lpt)],
+            "dkv": [overhead + DKV_WEIGHT * groups * n for n in _order(_tiles(qb, qe, BWD_TILE[0]), kv_heads, lpt)],
+            "dq": [overhead + DQ_WEIGHT * n for n in _order(_tiles(bkb, bke, BWD_TILE[1]), heads, lpt)]}
+
+
+class _Streams:
+    """Kernels queued on streams: each waits for the one before it on its stream and for any ``waits``."""
+
+    def __init__(self):
+        self.kernels, self.last = [], {}
+
+    def launch(self, stream, name, costs, units, waits=()):
+        after = tuple(i for i in (self.last.get(stream), *waits) if i is not None)
+        self.kernels.append(Kernel(name, costs, units, after))
+        self.last[stream] = len(self.kernels) - 1
+        return self.last[stream]
+
+
+def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, units=(2, 1)) -> list:
+    """Kernels of a rank's (or one call's) blocks — ``(step, block_costs)`` in step order — on the streams of
+    ``schedule`` (``SCHEDULES``): ``rows``/``lpt``, one stream; ``lpt+dq``, each dQ on a second stream after
+    its dK/dV (``DISTLAB_PACKED_BWD_STREAMS=2``); ``fwd2+bwd4``, the forward's later steps on a second stream
+    beside step 0's (``PACKED_FWD_STREAMS=2``) and each step's dK/dV on one of two streams in turn
+    (``PACKED_BWD_STREAMS=4``); ``grouped`` (not built: what a kernel taking several blocks a launch would
+    give), step 0's forward blocks, then one forward launch for the later steps and one dK/dV and one dQ
+    launch for all blocks, each longest first; ``no barrier``, no kernel waits for another. A backward program's cost is
+    scaled by ``bwd_scale``; ``units``: the SM units a forward and a backward program take."""
+    if schedule == "grouped":   # hypothetical: step 0's forward, then one launch for the rest and one per kind
+        first = [Kernel("fwd", b["fwd"], units[0]) for step, b in blocks if step == 0]
+        later = sorted((c for step, b in blocks if step > 0 for c in b["fwd"]), reverse=True)
+        kernels = first + ([Kernel("fwd", later, units[0])] if later else [])
+        if backward:
+            kernels += [Kernel(name, sorted((bwd_scale * c for _, b in blocks for c in b[name]), reverse=True),
+                               units[1]) for name in ("dkv", "dq")]
+        for i in range(1, len(kernels)):
+            kernels[i].after = (i - 1,)
+        return kernels
+    if schedule == "no barrier":
+        return [Kernel(name, [c * (1.0 if name == "fwd" else bwd_scale) for c in b[name]], units[name != "fwd"])
+                for name in (("fwd", "dkv", "dq") if backward else ("fwd",)) for _, b in blocks]
+    q = _Streams()
+    two_fwd = schedule == "fwd2+bwd4"
+    for step, b in blocks:
+        q.launch("fwd side" if two_fwd and step > 0 else "main", "fwd", b["fwd"], units[0])
+    if not backward:
+        return q.kernels
+    if two_fwd and "fwd side" in q.last:   # the merge of the two running results waits for both
+        q.launch("main", "merge", [], units[0], (q.last["fwd side"],))
+    last_dkv = q.last["main"]
+    for step, b in blocks:
+        dkv = [bwd_scale * c for c in b["dkv"]]
+        dq = [bwd_scale * c for c in b["dq"]]
+        if schedule in ("rows", "lpt"):
+            q.launch("main", "dkv", dkv, units[1])
+            q.launch("main", "dq", dq, units[1])
+            continue
+        stream = f"dkv {step % 2}" if two_fwd else "main"
+        at = q.launch(stream, "dkv", dkv, units[1], (last_dkv,) if stream not in q.last else ())
+        q.launch("dq", "dq", dq, units[1], (at,))
+    return q.kernels
+
+
+def per_sm_units(fwd_per_sm: int, bwd_per_sm: int) -> tuple:
+    """(SM capacity, units of a forward program, units of a backward program) for programs that fit
+    ``fwd_per_sm`` / ``bwd_per_sm`` at a time on one SM."""
+    capacity = math.lcm(fwd_per_sm, bwd_per_sm)
+    return capacity, capacity // fwd_per_sm, capacity // bwd_per_sm
+
+
+def layout_row(docs, positions, heads, kv_heads, sms, overhead, bwd_ratio, gap_us=0.0, tile_us=2.0,
+               per_sm=(1, 1)) -> dict:
+    """Model efficiencies of one layout's slowest rank against one call, per schedule: {schedule: {"fwd",
+    "fb"}, "one_call_fwd_ms"}, one call's backward scaled to ``bwd_ratio`` times its forward; ``gap_us``
+    between a kernel and the one it waits for, ``tile_us`` a forward tile's time; ``per_sm``: forward and
+    backward programs an SM holds at once."""
+    from distlab.cp.ring_packed import step_blocks
+
+    every = torch.arange(docs.total)
+    one = block_costs(docs.mask(every, every), heads, kv_heads, False, False, overhead)
+    capacity, *units = per_sm_units(*per_sm)
+    t_fwd = simulate(chain([(0, one)], "rows", backward=False, units=units), sms, 0.0, capacity)
+    gap = gap_us / tile_us
+    scale = bwd_ratio * t_fwd / (simulate(chain([(0, one)], "rows", units=units), sms, 0.0, capacity) - t_fwd)
+    one_fb = simulate(chain([(0, one)], "rows", scale, units=units), sms, gap, capacity)
+    world, row = len(positions), {"one_call_fwd_ms": t_fwd * tile_us / 1e3}
+    masks = [[(step, mask) for step, blocks in enumerate(step_blocks(docs, positions, rank, "cpu"))
+              for _, _, mask in blocks] for rank in range(world)]
+    for schedule in SCHEDULES:
+        lpt = schedule != "rows"
+        f_max = fb_max = 0.0
+        for rank_masks in masks:
+            blocks = [(step, block_costs(m, heads, kv_heads, lpt, True, overhead)) for step, m in rank_masks]
+            f_max = max(f_max, simulate(chain(blocks, schedule, backward=False, units=units), sms, gap, capacity))
+            fb_max = max(fb_max, simulate(chain(blocks, schedule, scale, units=units), sms, gap, capacity))
+        row[schedule] = {"fwd": t_fwd / (world * f_max), "fb": one_fb / (world * fb_max)}
+    return row
+
+
+def main(argv=None):
+    p = StudyParser(prog="python -m distlab.cp.waves", description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=positive_int, default=8)
+    p.add_argument("--seq", type=positive_int, nargs="+", default=[65536])
+    p.add_argument("--layouts", nargs="+", default=["zigzag", "balanced", "units"])
+    p.add_argument("--docs", default="lognormal:mean=2048,seed=0")
+    p.add_argument("--heads", type=positive_int, default=32)
+    p.add_argument("--kv-heads", type=positive_int, default=8)
+    p.add_argument("--sms", type=positive_int, default=132, help="SMs (H200: 132)")
+    p.add_argument("--overhead", type=float, default=1.5, help="a program's fixed cost, in tiles")
+    p.add_argument("--bwd-ratio", type=float, default=26.59 / 6.13, help="one call's backward / forward time")
+    p.add_argument("--gap-us", type=float, default=30.0, help="from a kernel's wait ending to its first program, µs")
+    p.add_argument("--per-sm", type=positive_int, nargs=2, default=[1, 1], metavar=("FWD", "BWD"),
+                   help="forward and backward programs an SM holds at once")
+    p.add_argument("--tile-us", type=float, default=2.0, help="a forward tile's time on one SM, µs (H200: the 64k "
+                   "pack's one call, 6.13 ms, over its 3067.5 modelled tiles)")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    from distlab.cp.emulate_packed import placed_layouts
+
+    print(f"wave model, W={a.world}, {a.heads} q / {a.kv_heads} kv heads, {a.sms} SMs, program overhead "
+          f"{a.overhead} tiles, --docs {a.docs}: slowest rank vs one call, fwd / f+b")
+    print(f"{'seq':>6} {'layout':<10} " + " ".join(f"{s:>14}" for s in SCHEDULES) + "   one call fwd ms")
+    rows = []
+    for seq in a.seq:
+        docs = Documents.from_args(seq, parse_docs(a.docs, seq), True, None)
+        for layout, positions, imbalance in placed_layouts(a.layouts, docs, a.world):
+            row = layout_row(docs, positions, a.heads, a.kv_heads, a.sms, a.overhead, a.bwd_ratio, a.gap_us,
+                             a.tile_us, tuple(a.per_sm))
+            print(f"{seq:>6} {layout:<10} " + " ".join(f"{row[s]['fwd'] * 100:>6.1f}/{row[s]['fb'] * 100:>5.1f}%"
+                                                    for s in SCHEDULES) + f"   {row['one_call_fwd_ms']:.2f}", flush=True)
+            rows.append({"seq": seq, "layout": layout, "imbalance": imbalance, "model": row})
+    if a.json:
+        write_json(a.json, {"args": vars(a), "rows": rows})
+    return rows
+
+
+if __name__ == "__main__":
+    run_study(main)

@@ -1,0 +1,75 @@
+"""The wave model of the masked kernels (``distlab.cp.waves``): its list scheduler on cases worked by hand, and
+a ring of one rank that must equal one call exactly."""
+
+import pytest
+import torch
+
+from distlab.cp.waves import Kernel, block_costs, chain, layout_row, per_sm_units, simulate
+
+
+def test_equal_programs_take_whole_waves():
+    assert simulate([Kernel("k", [1.0] * 10)], sms=4) == 3.0        # 4 + 4 + 2
+    assert simulate([Kernel("k", [1.0] * 10, units=1)], sms=4) == 2.0   # two a SM: 8 + 2
+    assert simulate([Kernel("k", [])], sms=4) == 0.0
+
+
+def test_a_kernel_waits_for_the_kernels_before_it_and_its_gap():
+    a, b = Kernel("a", [1.0] * 5), Kernel("b", [2.0] * 3, after=(0,))
+    assert simulate([a, b], sms=4) == 2.0 + 2.0 and (a.end, b.end) == (2.0, 4.0)
+    assert simulate([Kernel("a", [1.0] * 5), Kernel("b", [2.0] * 3, after=(0,))], sms=4, gap=0.5) == 4.5
+    # independent: b's programs fill the SMs a leaves free, and the partial waves overlap
+    assert simulate([Kernel("a", [1.0] * 5), Kernel("b", [2.0] * 3)], sms=4) == 3.0
+    with pytest.raises(ValueError, match="cycle"):
+        simulate([Kernel("a", [1.0], after=(1,)), Kernel("b", [1.0], after=(0,))], sms=2)
+
+
+def test_longest_first_shortens_the_last_wave():
+    assert simulate([Kernel("k", [1, 1, 1, 1, 4])], sms=2) == 6.0
+    assert simulate([Kernel("k", [4, 1, 1, 1, 1])], sms=2) == 4.0
+
+
+def test_a_launch_that_finds_no_room_holds_back_the_launches_after_it():
+    # one SM: a holds half of it for 5; b needs all of it, so c (half) waits behind b rather than beside a
+    ks = [Kernel("a", [5.0], units=1), Kernel("b", [1.0]), Kernel("c", [1.0], units=1)]
+    assert simulate(ks, sms=1) == 7.0 and ks[2].end == 7.0
+
+
+def test_streams_of_each_schedule():
+    cost = {"fwd": [1.0], "dkv": [1.0], "dq": [1.0]}
+    blocks = [(0, cost), (1, cost), (2, cost)]
+    one = chain(blocks, "lpt")
+    assert [k.name for k in one] == ["fwd"] * 3 + ["dkv", "dq"] * 3
+    assert [k.after for k in one] == [(), (0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)]
+    dq = chain(blocks, "lpt+dq")   # dQ after its dK/dV and the dQ before; dK/dV after the dK/dV before
+    assert [k.after for k in dq][3:] == [(2,), (3,), (3,), (4, 5), (5,), (6, 7)]
+    both = chain(blocks, "fwd2+bwd4")   # forward steps 1, 2 beside step 0; a merge; dK/dV on two streams in turn
+    assert [k.name for k in both][:4] == ["fwd", "fwd", "fwd", "merge"]
+    assert [k.after for k in both] == [(), (), (1,), (0, 2), (3,), (4,), (3,), (5, 6), (4,), (7, 8)]
+    assert all(not k.after for k in chain(blocks, "no barrier"))
+    assert per_sm_units(1, 2) == (2, 2, 1) and per_sm_units(2, 3) == (6, 3, 2)
+
+
+def test_one_rank_is_one_call():
+    """At W=1 the rank runs the one call's kernels (its dK/dV over the keys its rows see: all of them), so the
+    one-stream row-order schedule is exactly 100%; a pack, a window, GQA."""
+    from distlab.cp.documents import Documents
+
+    docs = Documents.from_args(2048, torch.tensor([0, 700, 1500, 2048]), True, 300)
+    row = layout_row(docs, [torch.arange(2048)], 8, 2, 16, 1.5, 4.0, gap_us=5.0, tile_us=1.0, per_sm=(1, 2))
+    assert row["rows"]["fwd"] == pytest.approx(1.0) and row["rows"]["fb"] == pytest.approx(1.0)
+    costs = block_costs(docs.mask(torch.arange(2048), torch.arange(2048)), 8, 2, False, False, 0.0)
+    assert len(costs["fwd"]) == 8 * 16 and len(costs["dkv"]) == 2 * 32 and len(costs["dq"]) == 8 * 32
+
+
+def test_the_study_ranks_layouts(capsys):
+    from distlab.cp.waves import main
+
+    rows = main(["--world", "4", "--seq", "8192", "--layouts", "zigzag", "balanced", "--heads", "4",
+                 "--kv-heads", "2", "--sms", "16", "--docs", "lognormal:mean=1024,seed=0"])
+    out = capsys.readouterr().out
+    assert "balanced" in out and len(rows) == 2
+    for r in rows:
+        for schedule, eff in ((s, e) for s, e in r["model"].items() if s != "one_call_fwd_ms"):
+            assert 0.1 < eff["fwd"] <= 1.05 and 0.1 < eff["fb"] <= 1.05, (r["layout"], schedule, eff)
+    zigzag, balanced = (r["model"]["lpt+dq"]["fb"] for r in rows)
+    assert balanced > zigzag   # a pack's zigzag ranks are out of balance (pairs), balanced's are not
