@@ -10,7 +10,7 @@
 #   bash launch/gpu_host_check.sh OUTDIR fa4       # FA4 present: its GPU tests, the ring rank and the packed 64k
 #                                                  # rank on FA4 blocks, host_cost (logs unpacked)
 #   bash launch/gpu_host_check.sh OUTDIR fa4ring   # FA4 present: the W=8 ring rank on FA4 blocks against Triton's,
-#                                                  # wall and GPU, and the FA4 rank's kernel timeline at S32768
+#                                                  # wall and GPU, the FA4 rank's kernel timeline at S32768, host_cost
 #   bash launch/gpu_host_check.sh OUTDIR verify    # no FA4: the kernel checks (bf16) with the cached launch and in
 #                                                  # check mode, host_cost, the Triton ring rank's wall clock
 #                                                  # (and with DISTLAB_TRITON_ATTN_SPLIT_SUM=kernel beside it)
@@ -63,6 +63,8 @@ elif [ "$part" = fa4ring ]; then   # FA4 present: #24's headline, the W=8 zigzag
       --iters 10 --json "$out/emulate_fa4_gpu.json"
   LIMIT=90 TAIL=80 run emulate_fa4_timeline $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
       --iters 5 --timeline --json "$out/emulate_fa4_timeline.json"
+  # host time a ring step (backward: one BackwardSteps a ring backward since 2026-12-05), FA4's rows beside
+  LIMIT=80 TAIL=20 run host_cost $py -m distlab.kernels.host_cost --rounds 3 --json "$out/host_cost.json"
   exit $status
 elif [ "$part" = verify ]; then
   LIMIT=270 run checks_cached $py tests/kernel_checks.py attention accumulate merge emulate --device cuda \

@@ -61,13 +61,25 @@ def test_one_rank_is_one_call():
     assert len(costs["fwd"]) == 8 * 16 and len(costs["dkv"]) == 2 * 32 and len(costs["dq"]) == 8 * 32
 
 
-def test_the_study_ranks_layouts(capsys):
+def test_the_study_ranks_layouts(capsys, tmp_path):
+    import json
+
     from distlab.cp.waves import main
 
+    timed = tmp_path / "timed.json"   # an emulate_packed JSON's shape: one layout timed under lpt+dq
+    timed.write_text(json.dumps({"rows": [{"seq": 8192, "layout": "balanced",
+                                           "efficiency": {"fwd_gpu": 0.5, "fwd_bwd_gpu": 0.6}}]}))
     rows = main(["--world", "4", "--seq", "8192", "--layouts", "zigzag", "balanced", "--heads", "4",
-                 "--kv-heads", "2", "--sms", "16", "--docs", "lognormal:mean=1024,seed=0"])
+                 "--kv-heads", "2", "--sms", "16", "--docs", "lognormal:mean=1024,seed=0",
+                 "--measured", f"{timed}:lpt+dq"])
     out = capsys.readouterr().out
-    assert "balanced" in out and len(rows) == 2
+    assert "balanced" in out and len(rows) == 2 and "measured lpt+dq: 50.0/60.0%" in out
+    assert rows[1]["measured"] == {"lpt+dq": {"fwd": 0.5, "fb": 0.6}} and "measured" not in rows[0]
+    model = rows[1]["model"]["lpt+dq"]
+    rms = ((model["fwd"] - 0.5) ** 2 / 2 + (model["fb"] - 0.6) ** 2 / 2) ** 0.5
+    assert f"against 2 measured figures: RMS {rms * 100:.1f} points" in out
+    with pytest.raises(ValueError, match="name a schedule"):
+        main(["--seq", "8192", "--measured", f"{timed}:fast"])
     for r in rows:
         for schedule, eff in ((s, e) for s, e in r["model"].items() if s != "one_call_fwd_ms"):
             assert 0.1 < eff["fwd"] <= 1.05 and 0.1 < eff["fb"] <= 1.05, (r["layout"], schedule, eff)

@@ -1,7 +1,7 @@
 """A wave model of the masked Triton kernels on a GPU: where a packed ring rank loses against one call (#23).
 
     python -m distlab.cp.waves --world 8 --seq 65536 --layouts zigzag balanced units      # any machine, seconds
-    python -m distlab.cp.waves --seq 65536 --sms 132 --overhead 1.5 --json waves.json
+    python -m distlab.cp.waves --measured docs/perf/h200_2026-12-05b/backward_{rows_1:rows,auto_1:lpt,auto_2:lpt+dq}.json
 
 The tile bound (``distlab.cp.emulate_packed --tiles-only``) counts the tiles a rank visits against one call's,
 as if a tile cost the same everywhere. What it leaves out is how the tiles reach the GPU: a launch is a grid of
@@ -271,14 +271,18 @@ def main(argv=None):
                    help="forward and backward programs an SM holds at once")
     p.add_argument("--tile-us", type=float, default=2.0, help="a forward tile's time on one SM, µs (H200: the 64k "
                    "pack's one call, 6.13 ms, over its 3067.5 modelled tiles)")
+    p.add_argument("--measured", nargs="+", default=[], metavar="JSON:SCHEDULE",
+                   help="``distlab.cp.emulate_packed`` JSON timed under a schedule (e.g. docs/perf/h200_2026-12-05b/"
+                        "backward_auto_2.json:lpt+dq): its GPU efficiencies beside the model's, and the RMS error")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    measured = _read_measured(a.measured)
     from distlab.cp.emulate_packed import placed_layouts
 
     print(f"wave model, W={a.world}, {a.heads} q / {a.kv_heads} kv heads, {a.sms} SMs, program overhead "
           f"{a.overhead} tiles, --docs {a.docs}: slowest rank vs one call, fwd / f+b")
     print(f"{'seq':>6} {'layout':<10} " + " ".join(f"{s:>14}" for s in SCHEDULES) + "   one call fwd ms")
-    rows = []
+    rows, errors = [], []
     for seq in a.seq:
         docs = Documents.from_args(seq, parse_docs(a.docs, seq), True, None)
         for layout, positions, imbalance in placed_layouts(a.layouts, docs, a.world):
@@ -287,9 +291,34 @@ def main(argv=None):
             print(f"{seq:>6} {layout:<10} " + " ".join(f"{row[s]['fwd'] * 100:>6.1f}/{row[s]['fb'] * 100:>5.1f}%"
                                                     for s in SCHEDULES) + f"   {row['one_call_fwd_ms']:.2f}", flush=True)
             rows.append({"seq": seq, "layout": layout, "imbalance": imbalance, "model": row})
+            for schedule, fwd, fb in measured.get((seq, layout), []):
+                rows[-1].setdefault("measured", {})[schedule] = {"fwd": fwd, "fb": fb}
+                errors += [row[schedule]["fwd"] - fwd, row[schedule]["fb"] - fb]
+                print(f"{'':>6} {'':<10} measured {schedule}: {fwd * 100:.1f}/{fb * 100:.1f}% (model "
+                      f"{(row[schedule]['fwd'] - fwd) * 100:+.1f}/{(row[schedule]['fb'] - fb) * 100:+.1f})")
+    if errors:
+        rms = math.sqrt(sum(e * e for e in errors) / len(errors))
+        print(f"model against {len(errors)} measured figures: RMS {rms * 100:.1f} points, worst "
+              f"{max(errors, key=abs) * 100:+.1f}")
     if a.json:
         write_json(a.json, {"args": vars(a), "rows": rows})
     return rows
+
+
+def _read_measured(specs) -> dict:
+    """{(seq, layout): [(schedule, fwd, f+b)]}: GPU efficiencies from ``emulate_packed`` JSON files."""
+    import json
+
+    found = {}
+    for spec in specs:
+        path, _, schedule = spec.rpartition(":")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"--measured {spec}: name a schedule after the colon ({', '.join(SCHEDULES)})")
+        with open(path) as f:
+            for r in json.load(f)["rows"]:
+                e = r["efficiency"]
+                found.setdefault((r["seq"], r["layout"]), []).append((schedule, e["fwd_gpu"], e["fwd_bwd_gpu"]))
+    return found
 
 
 if __name__ == "__main__":
