@@ -21,7 +21,6 @@ shared experts, a RoPE type other than default / llama3, ...) is refused with a 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
