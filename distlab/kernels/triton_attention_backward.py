@@ -298,22 +298,26 @@ class BackwardSteps:
         got = self._query_sides.get(ident)
         if got is None:
             qc, doutc = _last_contiguous(q, dout)
-            key = (tensor_key(qc), tensor_key(doutc), rows is None or (tensor_key(rows[0]), tensor_key(rows[1])),
-                   tensor_key(dq_acc))
-            got = self._query_sides[ident] = (qc, doutc, key, (q, dout, rows, dq_acc))   # the last: kept alive
+            got = self._query_sides[ident] = (qc, doutc, _query_key(qc, doutc, rows, dq_acc),
+                                              (q, dout, rows, dq_acc))   # the last: kept alive
         return got[0], got[1], got[2]
 
     def buffers(self, shape, device):
         """Two float32 tensors of ``shape``, the same ones on every call."""
         got = self._buffers.get(shape)
         if got is None:
-            got = self._buffers[shape] = tuple(torch.empty(shape, dtype=torch.float32, device=device)
-                                               for _ in range(2))
+            got = self._buffers[shape] = _new_float32_pair(shape, device)
         return got
 
 
 def _new_float32_pair(shape, device):
     return tuple(torch.empty(shape, dtype=torch.float32, device=device) for _ in range(2))
+
+
+def _query_key(q, dout, rows, dq_acc):
+    """The query side's part of a backward plan key: what the plan reads of q, dO, the backward rows, dQ."""
+    return (tensor_key(q), tensor_key(dout), rows is None or (tensor_key(rows[0]), tensor_key(rows[1])),
+            tensor_key(dq_acc))
 
 
 def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, split_groups=None, rows=None,
@@ -344,8 +348,7 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
         k, v = _last_contiguous(k, v)
     else:
         q, k, v, dout = _last_contiguous(q, k, v, dout)
-        q_side = (tensor_key(q), tensor_key(dout), rows is None or (tensor_key(rows[0]), tensor_key(rows[1])),
-                  tensor_key(dq_acc))
+        q_side = _query_key(q, dout, rows, dq_acc)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     sig = tensor_key   # shape, strides, dtype, pointer alignment
     key = (q_side, sig(k), sig(v), sig(dk_out), sig(dv_out), dkv_into is not None, dq_add, causal, scale,
