@@ -46,6 +46,11 @@ def test_streams_of_each_schedule():
     assert [k.name for k in both][:4] == ["fwd", "fwd", "fwd", "merge"]
     assert [k.after for k in both] == [(), (), (1,), (0, 2), (3,), (4,), (3,), (5, 6), (4,), (7, 8)]
     assert all(not k.after for k in chain(blocks, "no barrier"))
+    # the later steps' dQ in one launch, queued when the last step's K/V arrive (before step 2's dK/dV), after
+    # the caller's stream (its dK/dV so far) and the dQ stream (step 0's dQ)
+    once = chain(blocks, "dq once", later_dq=[5.0], world=3)
+    assert [k.name for k in once][3:] == ["dkv", "dq", "dkv", "dq once", "dkv"]
+    assert [k.after for k in once][3:] == [(2,), (3,), (3,), (4, 5), (5,)]
     assert per_sm_units(1, 2) == (2, 2, 1) and per_sm_units(2, 3) == (6, 3, 2)
 
 

@@ -42,7 +42,7 @@ from distlab.kernels.masks import key_ranges, query_ranges
 
 FWD_TILE, BWD_TILE = (128, 64), (64, 64)   # the masked kernel's H200 tiles (``masked_tiles``, head_dim <= 128)
 DKV_WEIGHT, DQ_WEIGHT = 4.0, 3.0           # matmuls per tile: dK/dV's four, dQ's three
-SCHEDULES = ("rows", "lpt", "lpt+dq", "fwd2+bwd4", "grouped", "no barrier")
+SCHEDULES = ("rows", "lpt", "lpt+dq", "dq once", "fwd2+bwd4", "fwd2+bwd4 once", "grouped", "no barrier")
 
 
 @dataclass
@@ -175,15 +175,20 @@ class _Streams:
         return self.last[stream]
 
 
-def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, units=(2, 1)) -> list:
+def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, units=(2, 1), later_dq=None,
+          world=None) -> list:
     """Kernels of a rank's (or one call's) blocks — ``(step, block_costs)`` in step order — on the streams of
     ``schedule`` (``SCHEDULES``): ``rows``/``lpt``, one stream; ``lpt+dq``, each dQ on a second stream after
-    its dK/dV (``DISTLAB_PACKED_BWD_STREAMS=2``); ``fwd2+bwd4``, the forward's later steps on a second stream
-    beside step 0's (``PACKED_FWD_STREAMS=2``) and each step's dK/dV on one of two streams in turn
-    (``PACKED_BWD_STREAMS=4``); ``grouped`` (not built: what a kernel taking several blocks a launch would
-    give), step 0's forward blocks, then one forward launch for the later steps and one dK/dV and one dQ
-    launch for all blocks, each longest first; ``no barrier``, no kernel waits for another. A backward program's cost is
-    scaled by ``bwd_scale``; ``units``: the SM units a forward and a backward program take."""
+    its dK/dV (``DISTLAB_PACKED_BWD_STREAMS=2``, the default); ``fwd2+bwd4``, the forward's later steps on a
+    second stream beside step 0's (``PACKED_FWD_STREAMS=2``) and each step's dK/dV on one of two streams in
+    turn (``PACKED_BWD_STREAMS=4``); ``... once`` (written, tested on the CPU, dropped on this model's word:
+    docs/PERF.md): the later steps' dQ in one launch over their keys gathered in position order (program costs
+    ``later_dq``, from ``later_steps_mask``), queued on the dQ stream when the last step's K/V arrive (step
+    ``world`` − 1, after what the caller's stream holds by then); ``grouped`` (not built: what a kernel taking several
+    blocks a launch would give), step 0's forward blocks, then one forward launch for the later steps and
+    one dK/dV and one dQ launch for all blocks, each longest first; ``no barrier``, no kernel waits for
+    another. A backward program's cost is scaled by ``bwd_scale``; ``units``: the SM units a forward and a
+    backward program take."""
     if schedule == "grouped":   # hypothetical: step 0's forward, then one launch for the rest and one per kind
         first = [Kernel("fwd", b["fwd"], units[0]) for step, b in blocks if step == 0]
         later = sorted((c for step, b in blocks if step > 0 for c in b["fwd"]), reverse=True)
@@ -198,25 +203,47 @@ def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, 
         return [Kernel(name, [c * (1.0 if name == "fwd" else bwd_scale) for c in b[name]], units[name != "fwd"])
                 for name in (("fwd", "dkv", "dq") if backward else ("fwd",)) for _, b in blocks]
     q = _Streams()
-    two_fwd = schedule == "fwd2+bwd4"
+    two = schedule.startswith("fwd2+bwd4")
+    once = schedule.endswith("once") and later_dq is not None
     for step, b in blocks:
-        q.launch("fwd side" if two_fwd and step > 0 else "main", "fwd", b["fwd"], units[0])
+        q.launch("fwd side" if two and step > 0 else "main", "fwd", b["fwd"], units[0])
     if not backward:
         return q.kernels
-    if two_fwd and "fwd side" in q.last:   # the merge of the two running results waits for both
+    if two and "fwd side" in q.last:   # the merge of the two running results waits for both
         q.launch("main", "merge", [], units[0], (q.last["fwd side"],))
     last_dkv = q.last["main"]
-    for step, b in blocks:
+    last_step = (world if world is not None else max(step for step, _ in blocks) + 1) - 1
+    for step, b in blocks + [(last_step + 1, None)]:
+        if once and step >= last_step:   # the last K/V are here: the later steps' dQ, after the main stream
+            q.launch("dq", "dq once", [bwd_scale * c for c in later_dq], units[1], (q.last["main"],))
+            once = False
+        if b is None:
+            break
         dkv = [bwd_scale * c for c in b["dkv"]]
         dq = [bwd_scale * c for c in b["dq"]]
         if schedule in ("rows", "lpt"):
             q.launch("main", "dkv", dkv, units[1])
             q.launch("main", "dq", dq, units[1])
             continue
-        stream = f"dkv {step % 2}" if two_fwd else "main"
+        stream = f"dkv {step % 2}" if two else "main"
         at = q.launch(stream, "dkv", dkv, units[1], (last_dkv,) if stream not in q.last else ())
-        q.launch("dq", "dq", dq, units[1], (at,))
+        if not (schedule.endswith("once") and later_dq is not None and step > 0):
+            q.launch("dq", "dq", dq, units[1], (at,))
     return q.kernels
+
+
+def later_steps_mask(docs, positions, rank):
+    """The mask of a rank's rows against every later step's keys gathered in position order, over the one run
+    of rows that sees any of them (``... once``: the later steps' dQ in one launch), or None."""
+    from distlab.cp.ring_packed import row_runs
+
+    world = len(positions)
+    if world == 1:
+        return None
+    keys = torch.cat([positions[(rank - step) % world] for step in range(1, world)]).sort().values
+    mask = docs.mask(positions[rank], keys)
+    runs = row_runs(mask, positions[rank].numel())
+    return mask.rows(*runs[0]) if runs else None
 
 
 def per_sm_units(fwd_per_sm: int, bwd_per_sm: int) -> tuple:
@@ -227,13 +254,14 @@ def per_sm_units(fwd_per_sm: int, bwd_per_sm: int) -> tuple:
 
 
 def layout_row(docs, positions, heads, kv_heads, sms, overhead, bwd_ratio, gap_us=0.0, tile_us=2.0,
-               per_sm=(1, 1)) -> dict:
+               per_sm=(1, 1), row_gap=None) -> dict:
     """Model efficiencies of one layout's slowest rank against one call, per schedule: {schedule: {"fwd",
     "fb"}, "one_call_fwd_ms"}, one call's backward scaled to ``bwd_ratio`` times its forward; ``gap_us``
     between a kernel and the one it waits for, ``tile_us`` a forward tile's time; ``per_sm``: forward and
-    backward programs an SM holds at once."""
-    from distlab.cp.ring_packed import step_blocks
+    backward programs an SM holds at once; ``row_gap``: ``step_blocks``' (None: the ring's own)."""
+    from distlab.cp.ring_packed import ROW_GAP, step_blocks
 
+    row_gap = ROW_GAP if row_gap is None else row_gap
     every = torch.arange(docs.total)
     one = block_costs(docs.mask(every, every), heads, kv_heads, False, False, overhead)
     capacity, *units = per_sm_units(*per_sm)
@@ -242,15 +270,20 @@ def layout_row(docs, positions, heads, kv_heads, sms, overhead, bwd_ratio, gap_u
     scale = bwd_ratio * t_fwd / (simulate(chain([(0, one)], "rows", units=units), sms, 0.0, capacity) - t_fwd)
     one_fb = simulate(chain([(0, one)], "rows", scale, units=units), sms, gap, capacity)
     world, row = len(positions), {"one_call_fwd_ms": t_fwd * tile_us / 1e3}
-    masks = [[(step, mask) for step, blocks in enumerate(step_blocks(docs, positions, rank, "cpu"))
+    masks = [[(step, mask) for step, blocks in enumerate(step_blocks(docs, positions, rank, "cpu", row_gap))
               for _, _, mask in blocks] for rank in range(world)]
+    later_masks = [later_steps_mask(docs, positions, rank) for rank in range(world)]
     for schedule in SCHEDULES:
         lpt = schedule != "rows"
         f_max = fb_max = 0.0
-        for rank_masks in masks:
+        for rank, rank_masks in enumerate(masks):
             blocks = [(step, block_costs(m, heads, kv_heads, lpt, True, overhead)) for step, m in rank_masks]
+            later = None
+            if schedule.endswith("once") and later_masks[rank] is not None:
+                later = block_costs(later_masks[rank], heads, kv_heads, lpt, True, overhead)["dq"]
             f_max = max(f_max, simulate(chain(blocks, schedule, backward=False, units=units), sms, gap, capacity))
-            fb_max = max(fb_max, simulate(chain(blocks, schedule, scale, units=units), sms, gap, capacity))
+            fb_max = max(fb_max, simulate(chain(blocks, schedule, scale, units=units, later_dq=later, world=world),
+                                          sms, gap, capacity))
         row[schedule] = {"fwd": t_fwd / (world * f_max), "fb": one_fb / (world * fb_max)}
     return row
 
@@ -271,6 +304,8 @@ def main(argv=None):
                    help="forward and backward programs an SM holds at once")
     p.add_argument("--tile-us", type=float, default=2.0, help="a forward tile's time on one SM, µs (H200: the 64k "
                    "pack's one call, 6.13 ms, over its 3067.5 modelled tiles)")
+    p.add_argument("--row-gap", type=int, default=None, help="rows that see nothing between two runs of a step, "
+                   "below which they are one block (default: the ring's ROW_GAP; the shard length: a launch a step)")
     p.add_argument("--measured", nargs="+", default=[], metavar="JSON:SCHEDULE",
                    help="``distlab.cp.emulate_packed`` JSON timed under a schedule (e.g. docs/perf/h200_2026-12-05b/"
                         "backward_auto_2.json:lpt+dq): its GPU efficiencies beside the model's, and the RMS error")
@@ -287,7 +322,7 @@ def main(argv=None):
         docs = Documents.from_args(seq, parse_docs(a.docs, seq), True, None)
         for layout, positions, imbalance in placed_layouts(a.layouts, docs, a.world):
             row = layout_row(docs, positions, a.heads, a.kv_heads, a.sms, a.overhead, a.bwd_ratio, a.gap_us,
-                             a.tile_us, tuple(a.per_sm))
+                             a.tile_us, tuple(a.per_sm), a.row_gap)
             print(f"{seq:>6} {layout:<10} " + " ".join(f"{row[s]['fwd'] * 100:>6.1f}/{row[s]['fb'] * 100:>5.1f}%"
                                                     for s in SCHEDULES) + f"   {row['one_call_fwd_ms']:.2f}", flush=True)
             rows.append({"seq": seq, "layout": layout, "imbalance": imbalance, "model": row})
