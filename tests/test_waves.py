@@ -51,6 +51,12 @@ def test_streams_of_each_schedule():
     once = chain(blocks, "dq once", later_dq=[5.0], world=3)
     assert [k.name for k in once][3:] == ["dkv", "dq", "dkv", "dq once", "dkv"]
     assert [k.after for k in once][3:] == [(2,), (3,), (3,), (4, 5), (5,)]
+    # the forward's step groups (W=3: 0 | 1 2) one launch each, longest programs first; then lpt+dq
+    groups = chain([(0, cost), (1, cost), (2, {"fwd": [1.0, 3.0], "dkv": [1.0], "dq": [1.0]})], "fwd groups",
+                   world=3)
+    assert [k.name for k in groups] == ["fwd", "fwd", "dkv", "dq", "dkv", "dq", "dkv", "dq"]
+    assert groups[1].costs == [3.0, 1.0, 1.0] and [k.after for k in groups] == [(), (0,), (1,), (2,), (2,), (3, 4),
+                                                                               (4,), (5, 6)]
     assert per_sm_units(1, 2) == (2, 2, 1) and per_sm_units(2, 3) == (6, 3, 2)
 
 

@@ -42,7 +42,8 @@ from distlab.kernels.masks import key_ranges, query_ranges
 
 FWD_TILE, BWD_TILE = (128, 64), (64, 64)   # the masked kernel's H200 tiles (``masked_tiles``, head_dim <= 128)
 DKV_WEIGHT, DQ_WEIGHT = 4.0, 3.0           # matmuls per tile: dK/dV's four, dQ's three
-SCHEDULES = ("rows", "lpt", "lpt+dq", "dq once", "fwd2+bwd4", "fwd2+bwd4 once", "grouped", "no barrier")
+SCHEDULES = ("rows", "lpt", "lpt+dq", "dq once", "fwd2+bwd4", "fwd2+bwd4 once", "fwd groups", "grouped",
+             "no barrier")
 
 
 @dataclass
@@ -184,11 +185,31 @@ def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, 
     turn (``PACKED_BWD_STREAMS=4``); ``... once`` (written, tested on the CPU, dropped on this model's word:
     docs/PERF.md): the later steps' dQ in one launch over their keys gathered in position order (program costs
     ``later_dq``, from ``later_steps_mask``), queued on the dQ stream when the last step's K/V arrive (step
-    ``world`` − 1, after what the caller's stream holds by then); ``grouped`` (not built: what a kernel taking several
+    ``world`` − 1, after what the caller's stream holds by then); ``fwd groups`` (not built): each forward
+    step group of the unpacked Triton ring (``launch_groups(W, 4)``: 0 | 1 2 3 | 4 5 6 7) in one launch, the
+    backward as ``lpt+dq``; ``grouped`` (not built: what a kernel taking several
     blocks a launch would give), step 0's forward blocks, then one forward launch for the later steps and
     one dK/dV and one dQ launch for all blocks, each longest first; ``no barrier``, no kernel waits for
     another. A backward program's cost is scaled by ``bwd_scale``; ``units``: the SM units a forward and a
     backward program take."""
+    if schedule == "fwd groups":   # hypothetical: each step group's forward blocks in one launch, then lpt+dq
+        from distlab.cp.ring import launch_groups
+
+        steps = world if world is not None else max(step for step, _ in blocks) + 1
+        grouped = []
+        for group in launch_groups(steps, 4):
+            mine = [b for step, b in blocks if step in group]
+            if mine:
+                grouped.append((group.start, {"fwd": sorted((c for b in mine for c in b["fwd"]), reverse=True),
+                                              "dkv": [], "dq": []}))
+        kernels = chain(grouped, "lpt", backward=False, units=units)
+        if backward:   # the backward as lpt+dq, after the last forward launch
+            rest = chain(blocks, "lpt+dq", bwd_scale, units=units)[len(blocks):]
+            shift = len(kernels) - len(blocks)
+            for k in rest:
+                k.after = tuple(i + shift for i in k.after)
+            kernels += rest
+        return kernels
     if schedule == "grouped":   # hypothetical: step 0's forward, then one launch for the rest and one per kind
         first = [Kernel("fwd", b["fwd"], units[0]) for step, b in blocks if step == 0]
         later = sorted((c for step, b in blocks if step > 0 for c in b["fwd"]), reverse=True)
@@ -281,7 +302,8 @@ def layout_row(docs, positions, heads, kv_heads, sms, overhead, bwd_ratio, gap_u
             later = None
             if schedule.endswith("once") and later_masks[rank] is not None:
                 later = block_costs(later_masks[rank], heads, kv_heads, lpt, True, overhead)["dq"]
-            f_max = max(f_max, simulate(chain(blocks, schedule, backward=False, units=units), sms, gap, capacity))
+            f_max = max(f_max, simulate(chain(blocks, schedule, backward=False, units=units, world=world), sms, gap,
+                                        capacity))
             fb_max = max(fb_max, simulate(chain(blocks, schedule, scale, units=units, later_dq=later, world=world),
                                           sms, gap, capacity))
         row[schedule] = {"fwd": t_fwd / (world * f_max), "fb": one_fb / (world * fb_max)}
