@@ -57,6 +57,10 @@ if [ "$part" = backward ]; then   # the packed ring's streams: forward 1 or 2, b
       --iters 5 --warmup 1 $extra --json "$out/streams_${fwd}_$bwd.json" 2>&1 | tee "$out/streams_${fwd}_$bwd.log" \
       || status=1
   done
+  # the wave model (docs/PERF.md, fitted on 2026-12-05b) beside what this run measured: 1,2 is its lpt+dq,
+  # 2,4 its fwd2+bwd4 (predicted 82.7% balanced, 82.8% units)
+  $py -m distlab.cp.waves --measured "$out/streams_1_2.json:lpt+dq" "$out/streams_2_4.json:fwd2+bwd4" \
+    --json "$out/waves_vs_measured.json" 2>&1 | tee "$out/waves_vs_measured.log" || status=1
   pack_logs
   exit $status
 fi
