@@ -96,3 +96,16 @@ def test_the_study_ranks_layouts(capsys, tmp_path):
             assert 0.1 < eff["fwd"] <= 1.05 and 0.1 < eff["fb"] <= 1.05, (r["layout"], schedule, eff)
     zigzag, balanced = (r["model"]["lpt+dq"]["fb"] for r in rows)
     assert balanced > zigzag   # a pack's zigzag ranks are out of balance (pairs), balanced's are not
+
+
+def test_the_model_needs_no_triton():
+    """``python -m distlab.cp.waves`` runs on any machine: nothing it imports needs triton."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "from distlab.cp.waves import main\n"
+            "main(['--world', '2', '--seq', '2048', '--heads', '2', '--kv-heads', '1', '--sms', '4', '--layouts',"
+            " 'zigzag'])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "zigzag" in proc.stdout, proc.stderr[-2000:]

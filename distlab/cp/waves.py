@@ -48,8 +48,8 @@ SCHEDULES = ("rows", "lpt", "lpt+dq", "dq once", "fwd2+bwd4", "fwd2+bwd4 once", 
 
 @dataclass
 class Kernel:
-    """One launch: its programs' costs in the order the GPU starts them, the share of an SM each takes
-    (2: a whole SM, 1: half), and the kernels (indices in the launch list) that must end before it starts."""
+    """One launch: its programs' costs in the order the GPU starts them, the units of an SM's capacity each
+    takes (``per_sm_units``), and the kernels (indices in the launch list) that must end before it starts."""
     name: str
     costs: list
     units: int = 2
@@ -61,8 +61,8 @@ def simulate(kernels, sms: int = 132, gap: float = 0.0, capacity: int = 2) -> fl
     """List-schedule ``kernels`` (in launch order) on ``sms`` SMs of ``capacity`` units each; return when the last
     program ends (and set each kernel's ``end``). A kernel starts once those in ``after`` have ended; the
     programs of started kernels are dispatched earliest launch first — a launch whose next program finds no
-    room holds back the launches after it, as the GPU's block scheduler does — each to an SM with room
-    (half-used SMs first, so whole ones stay free for programs that need them). ``gap``: the time from a
+    room holds back the launches after it, as the GPU's block scheduler does — each to the fullest SM with
+    room (so empty ones stay free for programs that need a whole SM). ``gap``: the time from a
     kernel's last wait ending to its first program (launch latency and ramp; a kernel with no wait starts at 0)."""
     n = len(kernels)
     waiting = [set(k.after) for k in kernels]
@@ -151,7 +151,7 @@ def _order(lengths, heads: int, lpt: bool) -> list:
 def block_costs(mask, heads: int, kv_heads: int, lpt: bool, ring_block: bool, overhead: float) -> dict:
     """{"fwd", "dkv", "dq"}: the program costs, in tiles, of one masked block's three kernels in start order
     (``ring_block``: its dK/dV covers only the keys some row sees, as ``masked_backward`` with accumulators)."""
-    from distlab.kernels.triton_masked_attention import seen_keys
+    from distlab.kernels.masks import seen_keys
 
     groups = heads // kv_heads
     kb, ke = key_ranges(mask, FWD_TILE[0])

@@ -221,3 +221,17 @@ def _tile_query_ranges(mask, seq_k: int, block_n: int, every: bool):
     end = torch.searchsorted(lo, kmin if every else kmax, right=True)
     end = torch.where(end > begin, end, begin)
     return begin.to(torch.int32), end.to(torch.int32)
+
+
+def seen_keys(mask):
+    """``(cols, sub)``: the slice of key rows some query of ``mask`` sees and the mask of those keys alone, or
+    ``(None, mask)`` when that is every key (or none); once per mask. A packed ring block's rows see a few of
+    the other rank's keys: its dK/dV grid then covers those tiles only (the others held no work, but loaded
+    K/V and loaded and stored the float32 dK/dV accumulators)."""
+    if "seen_keys" not in mask.memo:
+        cols = mask.seen_columns()
+        if cols is None or (cols.start, cols.stop) == (0, mask.k_pos.shape[0]):
+            mask.memo["seen_keys"] = (None, mask)
+        else:
+            mask.memo["seen_keys"] = (cols, KeyMask(mask.q_lo, mask.q_hi, mask.k_pos[cols], True))
+    return mask.memo["seen_keys"]

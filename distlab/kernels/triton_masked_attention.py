@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from distlab.kernels.launch import CachedLaunch, cdiv, launch_keyed
-from distlab.kernels.masks import (KeyMask, full_key_ranges, full_query_ranges, key_ranges, masked_tiles,
-                                   query_ranges)
+from distlab.kernels.masks import (full_key_ranges, full_query_ranges, key_ranges, masked_tiles, query_ranges,
+                                   seen_keys)
 
 LOG2E = 1.4426950408889634
 
@@ -237,20 +237,6 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, KPOS, KB, KE, FB, FE, TILES, sc
     if ADD:   # a ring step: added into the float32 dQ of the shard
         dq += tl.load(dq_ptrs, mask=in_q[:, None], other=0.0)
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=in_q[:, None])
-
-
-def seen_keys(mask):
-    """``(cols, sub)``: the slice of key rows some query of ``mask`` sees and the mask of those keys alone, or
-    ``(None, mask)`` when that is every key (or none); once per mask. A packed ring block's rows see a few of
-    the other rank's keys: its dK/dV grid then covers those tiles only (the others held no work, but loaded
-    K/V and loaded and stored the float32 dK/dV accumulators)."""
-    if "seen_keys" not in mask.memo:
-        cols = mask.seen_columns()
-        if cols is None or (cols.start, cols.stop) == (0, mask.k_pos.shape[0]):
-            mask.memo["seen_keys"] = (None, mask)
-        else:
-            mask.memo["seen_keys"] = (cols, KeyMask(mask.q_lo, mask.q_hi, mask.k_pos[cols], True))
-    return mask.memo["seen_keys"]
 
 
 def _full_tiles() -> bool:
