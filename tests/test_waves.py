@@ -23,6 +23,16 @@ def test_a_kernel_waits_for_the_kernels_before_it_and_its_gap():
         simulate([Kernel("a", [1.0], after=(1,)), Kernel("b", [1.0], after=(0,))], sms=2)
 
 
+def test_a_programmatic_dependent_starts_early_and_waits_before_its_epilogue():
+    # one program an SM, two SMs: a's last program runs 1..4; b (one program) starts beside it at 1 under
+    # PDL, ends its loop at 2 and holds its SM until a ends (4); as a plain launch it runs 4..5 (+ the gap)
+    a = [1.0, 1.0, 3.0]
+    assert simulate([Kernel("a", a, 1), Kernel("b", [1.0], 1, after=(0,))], sms=2, capacity=1, gap=0.5) == 5.5
+    ks = [Kernel("a", a, 1), Kernel("b", [1.0], 1, pdl=(0,)), Kernel("c", [1.0], 1, pdl=(1,))]
+    assert simulate(ks, sms=2, capacity=1, gap=0.5) == 5.0 and [k.end for k in ks] == [4.0, 4.0, 5.0]
+    # c follows b: it starts once b's one program is placed, but finds no SM free until a ends
+
+
 def test_longest_first_shortens_the_last_wave():
     assert simulate([Kernel("k", [1, 1, 1, 1, 4])], sms=2) == 6.0
     assert simulate([Kernel("k", [4, 1, 1, 1, 1])], sms=2) == 4.0
@@ -46,6 +56,9 @@ def test_streams_of_each_schedule():
     assert [k.name for k in both][:4] == ["fwd", "fwd", "fwd", "merge"]
     assert [k.after for k in both] == [(), (), (1,), (0, 2), (3,), (4,), (3,), (5, 6), (4,), (7, 8)]
     assert all(not k.after for k in chain(blocks, "no barrier"))
+    pdl = chain(blocks, "lpt+dq pdl")   # each kernel follows the one before it on its stream; events stay waits
+    assert [k.pdl for k in pdl] == [(), (0,), (1,), (2,), (), (3,), (4,), (5,), (6,)]
+    assert [k.after for k in pdl] == [(), (), (), (), (3,), (), (5,), (), (7,)]
     # the later steps' dQ in one launch, queued when the last step's K/V arrive (before step 2's dK/dV), after
     # the caller's stream (its dK/dV so far) and the dQ stream (step 0's dQ)
     once = chain(blocks, "dq once", later_dq=[5.0], world=3)

@@ -42,51 +42,83 @@ from distlab.kernels.masks import key_ranges, query_ranges
 
 FWD_TILE, BWD_TILE = (128, 64), (64, 64)   # the masked kernel's H200 tiles (``masked_tiles``, head_dim <= 128)
 DKV_WEIGHT, DQ_WEIGHT = 4.0, 3.0           # matmuls per tile: dK/dV's four, dQ's three
-SCHEDULES = ("rows", "lpt", "lpt+dq", "dq once", "fwd2+bwd4", "fwd2+bwd4 once", "fwd groups", "grouped",
+SCHEDULES = ("rows", "lpt", "lpt+dq", "dq once", "fwd2+bwd4", "lpt+dq pdl", "fwd2+bwd4 pdl", "fwd groups", "grouped",
              "no barrier")
 
 
 @dataclass
 class Kernel:
     """One launch: its programs' costs in the order the GPU starts them, the units of an SM's capacity each
-    takes (``per_sm_units``), and the kernels (indices in the launch list) that must end before it starts."""
+    takes (``per_sm_units``), the kernels (indices in the launch list) that must end before it starts, and
+    ``pdl``: the kernel before it on its stream when it is a programmatic dependent launch — that one need
+    only have started all its programs (no gap then), and a program of this one whose loop ends before it
+    has ended holds its SM until it has (it waits at ``gdc_wait`` before its epilogue)."""
     name: str
     costs: list
     units: int = 2
     after: tuple = ()
+    pdl: tuple = ()
     end: float = field(default=0.0, compare=False)
 
 
 def simulate(kernels, sms: int = 132, gap: float = 0.0, capacity: int = 2) -> float:
     """List-schedule ``kernels`` (in launch order) on ``sms`` SMs of ``capacity`` units each; return when the last
-    program ends (and set each kernel's ``end``). A kernel starts once those in ``after`` have ended; the
-    programs of started kernels are dispatched earliest launch first — a launch whose next program finds no
-    room holds back the launches after it, as the GPU's block scheduler does — each to the fullest SM with
-    room (so empty ones stay free for programs that need a whole SM). ``gap``: the time from a
-    kernel's last wait ending to its first program (launch latency and ramp; a kernel with no wait starts at 0)."""
+    program ends (and set each kernel's ``end``). A kernel starts once those in ``after`` have ended and those
+    in ``pdl`` have started all their programs; the programs of started kernels are dispatched earliest
+    launch first — a launch whose next program finds no room holds back the launches after it, as the GPU's
+    block scheduler does — each to the fullest SM with room (so empty ones stay free for programs that need
+    a whole SM). ``gap``: the time from a kernel's last wait ending to its first program (launch latency and
+    ramp; none for a kernel with no wait, or one launched early by ``pdl``)."""
     n = len(kernels)
-    waiting = [set(k.after) for k in kernels]
-    dependents = [[] for _ in kernels]
+    to_start = [set(k.after) | set(k.pdl) for k in kernels]   # what must happen before a kernel starts
+    to_end = [set(k.pdl) for k in kernels]                    # its programs end only after these have
+    on_dispatch, on_end, on_pdl_end = ([[] for _ in kernels] for _ in range(3))
     for i, k in enumerate(kernels):
         for j in k.after:
-            dependents[j].append(i)
+            on_end[j].append(i)
+        for j in k.pdl:
+            on_dispatch[j].append(i)
+            on_pdl_end[j].append(i)
     free, room = [capacity] * sms, {u: set() for u in range(1, capacity + 1)}
     room[capacity] = set(range(sms))
-    left, nxt, ready, running = [len(k.costs) for k in kernels], [0] * n, [], []
+    left, nxt, ready, running, parked = [len(k.costs) for k in kernels], [0] * n, [], [], {}
     now, ended = 0.0, 0
 
     def start(i):
+        if not kernels[i].costs:   # nothing to run: it ends as it starts
+            dispatched(i)
+            end(i)
+        elif kernels[i].after and gap > 0 and not kernels[i].pdl:   # its first program after the gap
+            heapq.heappush(running, (now + gap, -1, i))
+        else:
+            bisect.insort(ready, i)
+
+    def dispatched(i):
+        for d in on_dispatch[i]:
+            to_start[d].discard(i)
+            if not to_start[d]:
+                start(d)
+
+    def release(sm, units):
+        if free[sm]:
+            room[free[sm]].discard(sm)
+        free[sm] += units
+        room[free[sm]].add(sm)
+
+    def end(i):
         nonlocal ended
-        if kernels[i].costs:
-            if kernels[i].after and gap > 0:   # its first program after the gap
-                heapq.heappush(running, (now + gap, -1, i))
-            else:
-                bisect.insort(ready, i)
-            return
-        kernels[i].end, ended = now, ended + 1   # nothing to run: it ends as it starts
-        for d in dependents[i]:
-            waiting[d].discard(i)
-            if not waiting[d]:
+        kernels[i].end, ended = now, ended + 1
+        for d in on_pdl_end[i]:   # its parked programs end once the kernel it follows has
+            to_end[d].discard(i)
+            if not to_end[d] and d in parked:
+                for sm in parked.pop(d):
+                    release(sm, kernels[d].units)
+                    left[d] -= 1
+                if left[d] == 0:
+                    end(d)
+        for d in on_end[i]:
+            to_start[d].discard(i)
+            if not to_start[d]:
                 start(d)
 
     def take(units):
@@ -100,7 +132,7 @@ def simulate(kernels, sms: int = 132, gap: float = 0.0, capacity: int = 2) -> fl
         return None
 
     for i, k in enumerate(kernels):
-        if not k.after:
+        if not k.after and not k.pdl:
             start(i)
     while True:
         while ready:
@@ -112,23 +144,20 @@ def simulate(kernels, sms: int = 132, gap: float = 0.0, capacity: int = 2) -> fl
             nxt[i] += 1
             if nxt[i] == len(kernels[i].costs):
                 ready.pop(0)
+                dispatched(i)
         if not running:
             break
         now, sm, i = heapq.heappop(running)
         if sm < 0:   # kernel i's gap is over
             bisect.insort(ready, i)
             continue
-        if free[sm]:
-            room[free[sm]].discard(sm)
-        free[sm] += kernels[i].units
-        room[free[sm]].add(sm)
+        if to_end[i]:   # waits for the kernel it follows, holding its SM
+            parked.setdefault(i, []).append(sm)
+            continue
+        release(sm, kernels[i].units)
         left[i] -= 1
         if left[i] == 0:
-            kernels[i].end, ended = now, ended + 1
-            for d in dependents[i]:
-                waiting[d].discard(i)
-                if not waiting[d]:
-                    start(d)
+            end(i)
     if ended < n:
         raise ValueError("kernels wait on each other in a cycle")
     return max((k.end for k in kernels), default=0.0)
@@ -164,14 +193,17 @@ def block_costs(mask, heads: int, kv_heads: int, lpt: bool, ring_block: bool, ov
 
 
 class _Streams:
-    """Kernels queued on streams: each waits for the one before it on its stream and for any ``waits``."""
+    """Kernels queued on streams: each waits for the one before it on its stream (``pdl``: as its programmatic
+    dependent) and for any ``waits`` (events: whole kernels)."""
 
-    def __init__(self):
-        self.kernels, self.last = [], {}
+    def __init__(self, pdl=False):
+        self.kernels, self.last, self.pdl = [], {}, pdl
 
     def launch(self, stream, name, costs, units, waits=()):
-        after = tuple(i for i in (self.last.get(stream), *waits) if i is not None)
-        self.kernels.append(Kernel(name, costs, units, after))
+        before = self.last.get(stream)
+        follows = (before,) if self.pdl and before is not None and costs and self.kernels[before].costs else ()
+        after = tuple(i for i in (None if follows else before, *waits) if i is not None)
+        self.kernels.append(Kernel(name, costs, units, after, follows))
         self.last[stream] = len(self.kernels) - 1
         return self.last[stream]
 
@@ -185,7 +217,10 @@ def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, 
     turn (``PACKED_BWD_STREAMS=4``); ``... once`` (written, tested on the CPU, dropped on this model's word:
     docs/PERF.md): the later steps' dQ in one launch over their keys gathered in position order (program costs
     ``later_dq``, from ``later_steps_mask``), queued on the dQ stream when the last step's K/V arrive (step
-    ``world`` − 1, after what the caller's stream holds by then); ``fwd groups`` (not built): each forward
+    ``world`` − 1, after what the caller's stream holds by then); ``... pdl`` (not built; a bound, since the
+    whole fitted gap goes, not only the launch latency PDL hides): every kernel a programmatic dependent of
+    the one before it on its stream (``Kernel.pdl``), as the unpacked Triton ring's kernels can be
+    (``DISTLAB_TRITON_ATTN_PDL=1``); ``fwd groups`` (not built): each forward
     step group of the unpacked Triton ring (``launch_groups(W, 4)``: 0 | 1 2 3 | 4 5 6 7) in one launch, the
     backward as ``lpt+dq``; ``grouped`` (not built: what a kernel taking several
     blocks a launch would give), step 0's forward blocks, then one forward launch for the later steps and
@@ -223,7 +258,9 @@ def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, 
     if schedule == "no barrier":
         return [Kernel(name, [c * (1.0 if name == "fwd" else bwd_scale) for c in b[name]], units[name != "fwd"])
                 for name in (("fwd", "dkv", "dq") if backward else ("fwd",)) for _, b in blocks]
-    q = _Streams()
+    pdl = schedule.endswith(" pdl")
+    schedule = schedule.removesuffix(" pdl")
+    q = _Streams(pdl)
     two = schedule.startswith("fwd2+bwd4")
     once = schedule.endswith("once") and later_dq is not None
     for step, b in blocks:
