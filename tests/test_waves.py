@@ -122,3 +122,15 @@ def test_the_model_needs_no_triton():
             " 'zigzag'])")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "zigzag" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_several_packs_give_each_layout_its_spread(capsys):
+    from distlab.cp.waves import SCHEDULES, main
+
+    rows = main(["--world", "2", "--seq", "4096", "--heads", "2", "--kv-heads", "1", "--sms", "8", "--layouts",
+                 "zigzag", "--docs", "lognormal:mean=512,seed=0", "lognormal:mean=512,seed=1"])
+    out = capsys.readouterr().out
+    assert [r["docs"] for r in rows] == ["lognormal:mean=512,seed=0", "lognormal:mean=512,seed=1"]
+    fb = sorted(r["model"]["lpt+dq"]["fb"] * 100 for r in rows)
+    assert "over 2 packs, f+b median [min, max]: " in out
+    assert f"lpt+dq {sum(fb) / 2:.1f} [{fb[0]:.1f}, {fb[1]:.1f}]" in out and all(s in out for s in SCHEDULES)

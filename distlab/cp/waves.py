@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from distlab.bench import StudyParser, positive_int, run_study, write_json
-from distlab.cp.documents import Documents, parse_docs
+from distlab.cp.documents import Documents, describe, parse_docs
 from distlab.kernels.masks import key_ranges, query_ranges
 
 FWD_TILE, BWD_TILE = (128, 64), (64, 64)   # the masked kernel's H200 tiles (``masked_tiles``, head_dim <= 128)
@@ -352,7 +352,8 @@ def main(argv=None):
     p.add_argument("--world", type=positive_int, default=8)
     p.add_argument("--seq", type=positive_int, nargs="+", default=[65536])
     p.add_argument("--layouts", nargs="+", default=["zigzag", "balanced", "units"])
-    p.add_argument("--docs", default="lognormal:mean=2048,seed=0")
+    p.add_argument("--docs", nargs="+", default=["lognormal:mean=2048,seed=0"],
+                   help="one pack or several (e.g. lognormal:mean=2048,seed={0..9}: then each layout's spread)")
     p.add_argument("--heads", type=positive_int, default=32)
     p.add_argument("--kv-heads", type=positive_int, default=8)
     p.add_argument("--sms", type=positive_int, default=132, help="SMs (H200: 132)")
@@ -367,25 +368,28 @@ def main(argv=None):
                    "below which they are one block (default: the ring's ROW_GAP; the shard length: a launch a step)")
     p.add_argument("--measured", nargs="+", default=[], metavar="JSON:SCHEDULE",
                    help="``distlab.cp.emulate_packed`` JSON timed under a schedule (e.g. docs/perf/h200_2026-12-05b/"
-                        "backward_auto_2.json:lpt+dq): its GPU efficiencies beside the model's, and the RMS error")
+                        "backward_auto_2.json:lpt+dq): its GPU efficiencies beside the model's (first --docs), and "
+                        "the RMS error")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     measured = _read_measured(a.measured)
     from distlab.cp.emulate_packed import placed_layouts
 
     print(f"wave model, W={a.world}, {a.heads} q / {a.kv_heads} kv heads, {a.sms} SMs, program overhead "
-          f"{a.overhead} tiles, --docs {a.docs}: slowest rank vs one call, fwd / f+b")
+          f"{a.overhead} tiles: slowest rank vs one call, fwd / f+b")
     print(f"{'seq':>6} {'layout':<10} " + " ".join(f"{s:>14}" for s in SCHEDULES) + "   one call fwd ms")
     rows, errors = [], []
-    for seq in a.seq:
-        docs = Documents.from_args(seq, parse_docs(a.docs, seq), True, None)
+    for seq, spec in ((seq, spec) for spec in a.docs for seq in a.seq):
+        docs = Documents.from_args(seq, parse_docs(spec, seq), True, None)
+        if len(a.docs) > 1:
+            print(f"--docs {spec}: {describe(docs)}")
         for layout, positions, imbalance in placed_layouts(a.layouts, docs, a.world):
             row = layout_row(docs, positions, a.heads, a.kv_heads, a.sms, a.overhead, a.bwd_ratio, a.gap_us,
                              a.tile_us, tuple(a.per_sm), a.row_gap)
             print(f"{seq:>6} {layout:<10} " + " ".join(f"{row[s]['fwd'] * 100:>6.1f}/{row[s]['fb'] * 100:>5.1f}%"
                                                     for s in SCHEDULES) + f"   {row['one_call_fwd_ms']:.2f}", flush=True)
-            rows.append({"seq": seq, "layout": layout, "imbalance": imbalance, "model": row})
-            for schedule, fwd, fb in measured.get((seq, layout), []):
+            rows.append({"seq": seq, "docs": spec, "layout": layout, "imbalance": imbalance, "model": row})
+            for schedule, fwd, fb in measured.get((seq, layout), []) if spec == a.docs[0] else []:
                 rows[-1].setdefault("measured", {})[schedule] = {"fwd": fwd, "fb": fb}
                 errors += [row[schedule]["fwd"] - fwd, row[schedule]["fb"] - fb]
                 print(f"{'':>6} {'':<10} measured {schedule}: {fwd * 100:.1f}/{fb * 100:.1f}% (model "
@@ -394,9 +398,25 @@ def main(argv=None):
         rms = math.sqrt(sum(e * e for e in errors) / len(errors))
         print(f"model against {len(errors)} measured figures: RMS {rms * 100:.1f} points, worst "
               f"{max(errors, key=abs) * 100:+.1f}")
+    spread = _spread(rows) if len(a.docs) > 1 else {}
+    for (seq, layout), by_schedule in spread.items():
+        print(f"{seq:>6} {layout:<10} over {len(a.docs)} packs, f+b median [min, max]: " +
+              ", ".join(f"{s} {m * 100:.1f} [{lo * 100:.1f}, {hi * 100:.1f}]" for s, (m, lo, hi) in by_schedule.items()))
     if a.json:
-        write_json(a.json, {"args": vars(a), "rows": rows})
+        write_json(a.json, {"args": vars(a), "rows": rows,
+                            "spread": [{"seq": k[0], "layout": k[1], "fb": v} for k, v in spread.items()]})
     return rows
+
+
+def _spread(rows) -> dict:
+    """{(seq, layout): {schedule: (median, min, max) of f+b over the packs}}."""
+    import statistics
+
+    out = {}
+    for r in rows:
+        for schedule in SCHEDULES:
+            out.setdefault((r["seq"], r["layout"]), {}).setdefault(schedule, []).append(r["model"][schedule]["fb"])
+    return {k: {s: (statistics.median(v), min(v), max(v)) for s, v in by.items()} for k, by in out.items()}
 
 
 def _read_measured(specs) -> dict:
