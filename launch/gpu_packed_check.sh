@@ -61,6 +61,17 @@ if [ "$part" = backward ]; then   # the packed ring's streams: forward 1 or 2, b
   # 2,4 its fwd2+bwd4 (predicted 82.7% balanced, 82.8% units)
   $py -m distlab.cp.waves --measured "$out/streams_1_2.json:lpt+dq" "$out/streams_2_4.json:fwd2+bwd4" \
     --json "$out/waves_vs_measured.json" 2>&1 | tee "$out/waves_vs_measured.log" || status=1
+  # a second pack (seed 3; the model: balanced 82.5% / 89.1%), the default streams and 2,4, no kernel rates
+  for ab in 1,2 2,4; do
+    fwd=${ab%,*} bwd=${ab#*,}
+    DISTLAB_PACKED_FWD_STREAMS=$fwd DISTLAB_PACKED_BWD_STREAMS=$bwd timeout -s ABRT 120 $py \
+      -m distlab.cp.emulate_packed --world 8 --seq 65536 --docs lognormal:mean=2048,seed=3 --layouts balanced \
+      units --backend triton --iters 5 --warmup 1 --json "$out/seed3_${fwd}_$bwd.json" 2>&1 \
+      | tee "$out/seed3_${fwd}_$bwd.log" || status=1
+  done
+  $py -m distlab.cp.waves --docs lognormal:mean=2048,seed=3 --layouts balanced units --measured \
+    "$out/seed3_1_2.json:lpt+dq" "$out/seed3_2_4.json:fwd2+bwd4" --json "$out/waves_vs_measured_seed3.json" 2>&1 \
+    | tee "$out/waves_vs_measured_seed3.log" || status=1
   pack_logs
   exit $status
 fi
