@@ -2,6 +2,7 @@
 
     python -m distlab.cp.waves --world 8 --seq 65536 --layouts zigzag balanced units      # any machine, seconds
     python -m distlab.cp.waves --measured docs/perf/h200_2026-12-05b/backward_{rows_1:rows,auto_1:lpt,auto_2:lpt+dq}.json
+    python -m distlab.cp.waves --docs lognormal:mean=2048,seed={0..9} --layouts balanced units   # ten packs' spread
 
 The tile bound (``distlab.cp.emulate_packed --tiles-only``) counts the tiles a rank visits against one call's,
 as if a tile cost the same everywhere. What it leaves out is how the tiles reach the GPU: a launch is a grid of
@@ -10,9 +11,10 @@ grid order on the SMs as they free up; a launch ends with its last program, so a
 partial waves that one long call hides. This module replays that: each kernel's programs, their loop lengths
 counted from the same tile tables the kernels use (``distlab.kernels.masks``), list-scheduled in the order
 the GPU starts them onto ``--sms`` SMs (``--per-sm``: how many programs of a kind an SM holds at once),
-with a kernel waiting for the kernels its stream (or an event) puts before it. A program costs ``--overhead`` tiles (loading its rows, the epilogue) plus one per tile; the backward's
-tiles are weighted 4 : 3 (dK/dV's four matmuls a tile against dQ's three) and scaled so one call's
-backward/forward ratio is the measured one (``--bwd-ratio``, H200 2026-12-05: 26.59 / 6.13 ms).
+with a kernel waiting for the kernels its stream (or an event) puts before it. A program costs
+``--overhead`` tiles (loading its rows, the epilogue) plus one per tile; the backward's tiles are weighted
+4 : 3 (dK/dV's four matmuls a tile against dQ's three) and scaled so one call's backward/forward ratio is
+the measured one (``--bwd-ratio``, H200 2026-12-05: 26.59 / 6.13 ms).
 
 Rank schedules (the ring's own blocks, ``distlab.cp.ring_packed.step_blocks``), each against one call in
 grid order, are listed in ``chain``. Efficiency = one call's time / (W · the slowest rank's), forward and
