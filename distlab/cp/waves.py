@@ -46,6 +46,7 @@ FWD_TILE, BWD_TILE = (128, 64), (64, 64)   # the masked kernel's H200 tiles (``m
 DKV_WEIGHT, DQ_WEIGHT = 4.0, 3.0           # matmuls per tile: dK/dV's four, dQ's three
 SCHEDULES = ("rows", "lpt", "lpt+dq", "dq once", "fwd2+bwd4", "lpt+dq pdl", "fwd2+bwd4 pdl", "fwd groups", "grouped",
              "no barrier")
+COLUMNS = SCHEDULES + ("all-gather",)   # and all-gather CP's compute on the same layout (``layout_row``)
 
 
 @dataclass
@@ -346,6 +347,19 @@ def layout_row(docs, positions, heads, kv_heads, sms, overhead, bwd_ratio, gap_u
             fb_max = max(fb_max, simulate(chain(blocks, schedule, scale, units=units, later_dq=later, world=world),
                                           sms, gap, capacity))
         row[schedule] = {"fwd": t_fwd / (world * f_max), "fb": one_fb / (world * fb_max)}
+    # all-gather CP on the same layout (``distlab.cp.allgather``): each rank's rows against every key in position
+    # order, in two kv-head groups (its default), one launch per kernel and group, one stream; its gather and
+    # reduce-scatter are not counted (they travel behind the other group's compute)
+    chunks = 2 if kv_heads % 2 == 0 else 1
+    keys = torch.cat(list(positions)).sort().values
+    f_max = fb_max = 0.0
+    for rank in range(world):
+        b = block_costs(docs.mask(positions[rank], keys), heads // chunks, kv_heads // chunks, False, False, overhead)
+        f_max = max(f_max, simulate(chain([(c, b) for c in range(chunks)], "rows", backward=False, units=units), sms,
+                                    gap, capacity))
+        fb_max = max(fb_max, simulate(chain([(c, b) for c in range(chunks)], "rows", scale, units=units), sms, gap,
+                                      capacity))
+    row["all-gather"] = {"fwd": t_fwd / (world * f_max), "fb": one_fb / (world * fb_max)}
     return row
 
 
@@ -379,7 +393,7 @@ def main(argv=None):
 
     print(f"wave model, W={a.world}, {a.heads} q / {a.kv_heads} kv heads, {a.sms} SMs, program overhead "
           f"{a.overhead} tiles: slowest rank vs one call, fwd / f+b")
-    print(f"{'seq':>6} {'layout':<10} " + " ".join(f"{s:>14}" for s in SCHEDULES) + "   one call fwd ms")
+    print(f"{'seq':>6} {'layout':<10} " + " ".join(f"{s:>14}" for s in COLUMNS) + "   one call fwd ms")
     rows, errors = [], []
     for seq, spec in ((seq, spec) for spec in a.docs for seq in a.seq):
         docs = Documents.from_args(seq, parse_docs(spec, seq), True, None)
@@ -389,7 +403,7 @@ def main(argv=None):
             row = layout_row(docs, positions, a.heads, a.kv_heads, a.sms, a.overhead, a.bwd_ratio, a.gap_us,
                              a.tile_us, tuple(a.per_sm), a.row_gap)
             print(f"{seq:>6} {layout:<10} " + " ".join(f"{row[s]['fwd'] * 100:>6.1f}/{row[s]['fb'] * 100:>5.1f}%"
-                                                    for s in SCHEDULES) + f"   {row['one_call_fwd_ms']:.2f}", flush=True)
+                                                    for s in COLUMNS) + f"   {row['one_call_fwd_ms']:.2f}", flush=True)
             rows.append({"seq": seq, "docs": spec, "layout": layout, "imbalance": imbalance, "model": row})
             for schedule, fwd, fb in measured.get((seq, layout), []) if spec == a.docs[0] else []:
                 rows[-1].setdefault("measured", {})[schedule] = {"fwd": fwd, "fb": fb}
@@ -416,7 +430,7 @@ def _spread(rows) -> dict:
 
     out = {}
     for r in rows:
-        for schedule in SCHEDULES:
+        for schedule in COLUMNS:
             out.setdefault((r["seq"], r["layout"]), {}).setdefault(schedule, []).append(r["model"][schedule]["fb"])
     return {k: {s: (statistics.median(v), min(v), max(v)) for s, v in by.items()} for k, by in out.items()}
 
