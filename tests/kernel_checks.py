@@ -470,9 +470,10 @@ def check_emulate(device, dtype, big=False):
 
 
 def check_masked(device, dtype, big=False):
-    """The masked Triton attention (documents, windows, a ring block's positions, rows that see nothing)
-    against the torch backend's masked loop, forward and backward, GQA; the float64 torch result is the
-    reference. Also: a query tile whose rows see no key writes out 0 and LSE -inf."""
+    """The masked Triton attention (documents, windows, a ring block's positions, rows that see nothing, a
+    query tile straddling two far documents) against the torch backend's masked loop, forward and backward,
+    GQA; the float64 torch result is the reference. Also: a query tile whose rows see no key writes out 0
+    and LSE -inf."""
     from distlab.kernels.attention import attention_backward, attention_forward
     from distlab.kernels.masks import document_mask
 
@@ -484,7 +485,11 @@ def check_masked(device, dtype, big=False):
         (torch.arange(t), torch.arange(t), False, None),
         (torch.cat([torch.arange(t // 4), torch.arange(3 * t // 4, t)]), torch.arange(t // 4, t // 2), True, None),
         (torch.arange(t // 2), torch.arange(t // 2, t), True, None),
-        (torch.arange(t // 3), torch.arange(t), True, None)]   # rows that see some keys only: dK/dV on those
+        (torch.arange(t // 3), torch.arange(t), True, None),   # rows that see some keys only: dK/dV on those
+        # all-gather's rows of a balanced rank: two documents far apart, a query tile straddling them, whose keys
+        # in between no row sees (``key_gaps``: skipped)
+        (torch.cat([torch.arange(24), torch.arange(80, t)]) if not big else
+         torch.cat([torch.arange(1000), torch.arange(6000, t)]), torch.arange(t), True, None)]
     for i, (qp, kp, causal, window) in enumerate(cases):
         mask = document_mask(qp, kp, cu, causal, window, t).to(device)
         q = rand(2, len(qp), h, d, dtype=dtype, device=device, seed=i)

@@ -559,6 +559,37 @@ def test_masked_kernel_takes_a_fused_qkv_view():
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stdout + proc.stderr[-3000:]
 
 
+SKIPPED_GAP_IS_EXACT = """
+import torch
+from distlab.kernels import masks, triton_masked_attention as tma
+from distlab.kernels.masks import document_mask
+torch.manual_seed(0)
+h, kv, d = 4, 2, 16
+rows = torch.cat([torch.arange(24), torch.arange(80, 96)])   # a 16-row tile straddles two far documents
+mask = document_mask(rows, torch.arange(96), torch.tensor([0, 1, 31, 31, 71, 96]), True, None, 96)
+q, do = torch.randn(1, 40, h, d), torch.randn(1, 40, h, d)
+k, v = torch.randn(1, 96, kv, d), torch.randn(1, 96, kv, d)
+def run():
+    out, lse = tma.masked_forward(q, k, v, mask, d ** -0.5)
+    return (out, lse, *tma.masked_backward(do, q, k, v, out, lse, mask, d ** -0.5))
+skipping = run()
+assert masks.key_tiles(mask, 16, 16).tolist() == [1, 4, 2]
+# the same kernels told there is no gap: they loop over every key between the two documents
+tma.key_gaps = lambda m, bm, bn: (masks.key_ranges(m, bm)[1],) * 2
+whole = run()
+print("OK" if all(torch.equal(a, b) for a, b in zip(skipping, whole)) else "DIFFERENT")
+"""
+
+
+def test_skipping_a_tiles_gap_changes_no_bit():
+    """The keys a tile skips (``key_gaps``) are keys none of its rows sees, so the forward, dQ and dK/dV are
+    bit for bit those of the kernels looping over every key of the tile's range (Triton's interpreter)."""
+    from distlab.testing import run_in_triton_interpreter
+
+    proc = run_in_triton_interpreter(SKIPPED_GAP_IS_EXACT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stdout + proc.stderr[-3000:]
+
+
 def test_masked_kernel_tile_ranges_are_tight_for_partial_tiles():
     """The key range a query tile loops over is the union of its rows' intervals, also for a tile the rows do
     not fill (a ring block's last tile): its padding once turned into "from key 0" (an int64-max fill value
@@ -574,6 +605,40 @@ def test_masked_kernel_tile_ranges_are_tight_for_partial_tiles():
         assert fb.tolist()[-1] == 50 and fe.tolist()[-1] == (205 if block_m == 4 else 201), (block_m, fb, fe)
     qb, qe = query_ranges(mask, 300, 64)   # key tiles 0 (keys 0..63) .. 4: rows see keys 50..204
     assert qb.tolist() == [0, 0, 0, 0, 5] and qe.tolist() == [5, 5, 5, 5, 5]
+
+
+def test_a_query_tile_skips_the_keys_between_two_far_documents():
+    """``key_gaps``: the widest run of keys inside a tile's key range that no row of the tile sees (at least a
+    key tile long) — all-gather's rows of a balanced rank, whose tile ends one document and starts another far
+    off — is skipped, exactly: no row sees a key in it, every seen key lies outside it. On random packs of
+    documents, windows and row subsets, against the mask itself."""
+    from distlab.kernels.masks import key_gaps, key_ranges, key_tiles
+
+    cu = torch.tensor([0, 1, 31, 31, 71, 96])
+    mask = document_mask(torch.cat([torch.arange(24), torch.arange(80, 96)]), torch.arange(96), cu, True, None, 96)
+    (kb, ke), (gb, ge) = key_ranges(mask, 16), key_gaps(mask, 16, 16)
+    assert (kb.tolist(), ke.tolist(), gb.tolist(), ge.tolist()) == ([0, 1, 71], [16, 88, 96], [16, 33, 96],
+                                                                    [16, 65, 96])
+    assert key_tiles(mask, 16, 16).tolist() == [1, 2 + 2, 2]   # tile 1 sees keys 1..23, 71..87: tiles 33, 49 skipped
+    assert key_gaps(mask, 16, 64)[0].tolist() == [16, 88, 96]  # a gap shorter than a key tile is kept
+    g, gaps = torch.Generator().manual_seed(0), 0
+    for trial in range(40):
+        total = int(torch.randint(64, 400, (1,), generator=g))
+        cuts = torch.randint(1, total, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).unique()
+        cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([total])])
+        rows = torch.randperm(total, generator=g)[:int(torch.randint(1, total, (1,), generator=g))].sort().values
+        window = None if trial % 3 else int(torch.randint(0, 50, (1,), generator=g))
+        mask = document_mask(rows, torch.arange(total), cu, True, window, total)
+        for bm, bn in ((16, 16), (32, 8)):
+            (kb, ke), (gb, ge) = key_ranges(mask, bm), key_gaps(mask, bm, bn)
+            assert bool(((kb <= gb) & (gb <= ge) & (ge <= ke)).all())
+            for t in range((rows.numel() + bm - 1) // bm):
+                lo, hi = mask.q_lo[t * bm:(t + 1) * bm], mask.q_hi[t * bm:(t + 1) * bm]
+                seen = ((mask.k_pos[None, :] >= lo[:, None]) & (mask.k_pos[None, :] < hi[:, None])).any(0)
+                assert not seen[gb[t]:ge[t]].any(), (trial, t)
+                assert ge[t] == gb[t] or (ge[t] - gb[t]) % bn == 0 and (gb[t] - kb[t]) % bn == 0
+                gaps += int(ge[t] > gb[t])
+    assert gaps >= 10   # the packs above have tiles to skip in (15 with this seed)
 
 
 def test_cached_plan_builds_once_per_pack_and_key():

@@ -65,15 +65,15 @@ def rank_schedule(q, k, v, dout, docs, positions, rank, backend):
 def visited_tiles(mask, head_dim: int) -> dict:
     """{"fwd", "bwd"}: the tiles the masked Triton kernel visits under ``mask`` with its H200 tile sizes, per head
     (module doc; the tables are ``distlab.kernels.masks``', kept in the mask's memo)."""
-    from distlab.kernels.masks import key_ranges, masked_tiles, query_ranges
+    from distlab.kernels.masks import key_tiles, masked_tiles, query_ranges
 
     def count(begin, end, size):
         return int(((end - begin).clamp_min(0) + size - 1).div(size, rounding_mode="floor").sum())
 
     (fm, fn, *_), (bm, bn, *_) = (masked_tiles(torch.device("cuda"), head_dim, kind) for kind in ("fwd", "bwd"))
     seq_k = mask.k_pos.numel()
-    return {"fwd": count(*key_ranges(mask, fm), fn),
-            "bwd": count(*key_ranges(mask, bm), bn) + count(*query_ranges(mask, seq_k, bn), bm)}
+    return {"fwd": int(key_tiles(mask, fm, fn).sum()),
+            "bwd": int(key_tiles(mask, bm, bn).sum()) + count(*query_ranges(mask, seq_k, bn), bm)}
 
 
 def tile_row(docs, positions, head_dim: int) -> dict:

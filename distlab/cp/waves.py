@@ -40,7 +40,7 @@ import torch
 
 from distlab.bench import StudyParser, positive_int, run_study, write_json
 from distlab.cp.documents import Documents, describe, parse_docs
-from distlab.kernels.masks import key_ranges, query_ranges
+from distlab.kernels.masks import key_tiles, query_ranges
 
 FWD_TILE, BWD_TILE = (128, 64), (64, 64)   # the masked kernel's H200 tiles (``masked_tiles``, head_dim <= 128)
 DKV_WEIGHT, DQ_WEIGHT = 4.0, 3.0           # matmuls per tile: dK/dV's four, dQ's three
@@ -186,13 +186,11 @@ def block_costs(mask, heads: int, kv_heads: int, lpt: bool, ring_block: bool, ov
     from distlab.kernels.masks import seen_keys
 
     groups = heads // kv_heads
-    kb, ke = key_ranges(mask, FWD_TILE[0])
     sub = seen_keys(mask)[1] if ring_block else mask
     qb, qe = query_ranges(sub, sub.k_pos.numel(), BWD_TILE[1])
-    bkb, bke = key_ranges(mask, BWD_TILE[0])
-    return {"fwd": [overhead + n for n in _order(_tiles(kb, ke, FWD_TILE[1]), heads, lpt)],
+    return {"fwd": [overhead + n for n in _order(key_tiles(mask, *FWD_TILE), heads, lpt)],
             "dkv": [overhead + DKV_WEIGHT * groups * n for n in _order(_tiles(qb, qe, BWD_TILE[0]), kv_heads, lpt)],
-            "dq": [overhead + DQ_WEIGHT * n for n in _order(_tiles(bkb, bke, BWD_TILE[1]), heads, lpt)]}
+            "dq": [overhead + DQ_WEIGHT * n for n in _order(key_tiles(mask, *BWD_TILE), heads, lpt)]}
 
 
 class _Streams:

@@ -186,6 +186,53 @@ def _tile_key_ranges(mask, block_m: int, every: bool):
     return begin.to(torch.int32), end.to(torch.int32)
 
 
+def key_gaps(mask, block_m: int, block_n: int):
+    """Per query tile, the key tiles [gap_begin, gap_end) to skip: the whole tiles of ``block_n`` keys, on the
+    grid the tile's loop walks from its range's begin, inside the widest run of keys that no row of the tile
+    sees (none: gap_begin = gap_end = the range's end). The kernels loop over the tiles starting in
+    [begin, gap_begin) and [gap_end, end): the tiles they visit are the ones they visited before, less the
+    skipped ones, whose keys add nothing — so the results are bit for bit the same. A tile whose rows end one
+    document and start another far off — a rank holding documents from all over a gathered sequence
+    (all-gather CP, the balanced layout) — would otherwise visit every key between them. The run: every row
+    up to some row j ends before it, every row after j starts past it."""
+    key = ("key_gaps", block_m, block_n)
+    if key not in mask.memo:
+        mask.memo[key] = _tile_key_gaps(mask, block_m, block_n)
+    return mask.memo[key]
+
+
+def key_tiles(mask, block_m: int, block_n: int) -> torch.Tensor:
+    """Per query tile, the key tiles of ``block_n`` the kernels visit: its key range less its gap."""
+    (begin, end), (gap_begin, gap_end) = key_ranges(mask, block_m), key_gaps(mask, block_m, block_n)
+    return (gap_begin - begin + block_n - 1) // block_n + (end - gap_end + block_n - 1) // block_n
+
+
+def _tile_key_gaps(mask, block_m: int, block_n: int):
+    n = mask.q_lo.shape[0]
+    tiles = (n + block_m - 1) // block_m
+    pad = tiles * block_m - n
+    big = 2 ** 62
+    seeing = mask.q_lo < mask.q_hi
+    lo = torch.where(seeing, mask.q_lo, torch.full_like(mask.q_lo, big))
+    hi = torch.where(seeing, mask.q_hi, torch.full_like(mask.q_hi, -big))
+    lo = torch.nn.functional.pad(lo, (0, pad), value=big).view(tiles, block_m)
+    hi = torch.nn.functional.pad(hi, (0, pad), value=-big).view(tiles, block_m)
+    ends = hi.cummax(1).values                                   # the furthest end of rows 0..j
+    starts = lo.flip(1).cummin(1).values.flip(1)                 # the nearest start of rows j..
+    starts = torch.cat([starts[:, 1:], torch.full_like(starts[:, :1], big)], 1)   # ... of rows j+1..
+    gap_begin = torch.searchsorted(mask.k_pos, ends.contiguous())
+    gap_end = torch.searchsorted(mask.k_pos, starts.contiguous())
+    width = torch.where((ends > -big) & (starts < big), gap_end - gap_begin, torch.zeros_like(gap_end))
+    best = width.argmax(1, keepdim=True)
+    begin, end = (t.to(gap_begin.dtype) for t in key_ranges(mask, block_m))
+    # whole tiles of the loop's grid inside the run: from the first tile start at or past its begin to the
+    # last tile start whose tile ends by its end
+    first = begin + (gap_begin.gather(1, best).squeeze(1) - begin + block_n - 1) // block_n * block_n
+    last = begin + (gap_end.gather(1, best).squeeze(1) - begin) // block_n * block_n
+    keep = (width.gather(1, best).squeeze(1) > 0) & (last > first)
+    return torch.where(keep, first, end).to(torch.int32), torch.where(keep, last, end).to(torch.int32)
+
+
 def query_ranges(mask, seq_k: int, block_n: int):
     """Per key tile, the query rows [begin, end) that can see it: one range when the rows' intervals ascend
     (every layout's shard); else every row. Computed once per mask and tile size."""

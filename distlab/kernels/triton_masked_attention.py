@@ -7,7 +7,8 @@ The FA2 loop of ``distlab.kernels.triton_attention`` with a mask made of interva
 query row i sees the keys whose global position lies in ``[lo[i], hi[i])``, and keys carry their positions
 ``k_pos`` (ascending, as every layout's shard is). So a tile of BLOCK_M query rows needs only the keys in
 ``[min lo, max hi)`` of its rows: the host finds that key range per query tile (``searchsorted``) and the
-kernel loops over it alone — tiles outside every document and window are never loaded, and the work
+kernel loops over it alone, less the whole key tiles inside the widest run of keys none of the tile's rows
+sees (``key_gaps``: a tile straddling two far documents, as all-gather's rows of a balanced rank are) — tiles outside every document and window are never loaded, and the work
 follows the visible pairs. Inside the range a score is kept iff ``lo <= k_pos < hi``; key tiles that every
 row of the query tile sees whole (``full_key_ranges``: most of a causal or document block) skip the mask,
 its loads and its guards, as FlashAttention's full blocks do; dK/dV likewise for the query tiles that see
@@ -30,8 +31,8 @@ import triton
 import triton.language as tl
 
 from distlab.kernels.launch import CachedLaunch, cdiv, launch_keyed
-from distlab.kernels.masks import (full_key_ranges, full_query_ranges, key_ranges, masked_tiles, query_ranges,
-                                   seen_keys)
+from distlab.kernels.masks import (full_key_ranges, full_query_ranges, key_gaps, key_ranges, key_tiles, masked_tiles,
+                                   query_ranges, seen_keys)
 
 LOG2E = 1.4426950408889634
 
@@ -47,8 +48,35 @@ def _key_tile(K, V, KPOS, base, cols, end, sks, dims, lo, hi):
     return k, v, seen
 
 
+@triton.jit
+def _fwd_keys(acc, m, l, q, K, V, KPOS, base, first, stop, ke, fb, fe, sks, dims, lo, hi, qk_scale,
+              BLOCK_N: tl.constexpr, FULL: tl.constexpr):
+    """The forward's online softmax over the key tiles starting in [first, stop) (keys below ``ke``)."""
+    for start in range(first, stop, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        if FULL and (start >= fb) & (start + BLOCK_N <= fe):   # every row sees every key: no mask, no guards
+            k = tl.load(K + base + cols[:, None] * sks + dims[None, :])
+            v = tl.load(V + base + cols[:, None] * sks + dims[None, :])
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+        else:
+            k, v, seen = _key_tile(K, V, KPOS, base, cols, ke, sks, dims, lo, hi)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m - m_safe)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    return acc, m, l
+
+
 @triton.jit(do_not_specialize=["number"])   # a block's number: no recompiles for 1 or multiples of 16
-def _fwd(Q, K, V, O, LSE, LO, HI, KPOS, KB, KE, FB, FE, FO, FIRST, LAST, TILES, scale,
+def _fwd(Q, K, V, O, LSE, LO, HI, KPOS, KB, KE, GB, GE, FB, FE, FO, FIRST, LAST, TILES, scale,
          sqb, sqs, sqh, skb, sks, skh, sob, sos, soh, slb, slh, sfb, sfs, sfh, seq_q, heads, groups, number,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, FULL: tl.constexpr,
          ACCUMULATE: tl.constexpr, ORDERED: tl.constexpr, LPT: tl.constexpr):
@@ -73,31 +101,18 @@ def _fwd(Q, K, V, O, LSE, LO, HI, KPOS, KB, KE, FB, FE, FO, FIRST, LAST, TILES, 
     ke = tl.load(KE + tile)
     fb = tl.load(FB + tile)
     fe = tl.load(FE + tile)
+    gb = tl.load(GB + tile)
+    ge = tl.load(GE + tile)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     qk_scale = scale * 1.4426950408889634
     base = b * skb + hk * skh
-    for start in range(kb, ke, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        if FULL and (start >= fb) & (start + BLOCK_N <= fe):   # every row sees every key: no mask, no guards
-            k = tl.load(K + base + cols[:, None] * sks + dims[None, :])
-            v = tl.load(V + base + cols[:, None] * sks + dims[None, :])
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m - m_new)
-        else:
-            k, v, seen = _key_tile(K, V, KPOS, base, cols, ke, sks, dims, lo, hi)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+    # the keys before the tile's gap (``key_gaps``: none seen by any row), then those after it
+    acc, m, l = _fwd_keys(acc, m, l, q, K, V, KPOS, base, kb, gb, ke, fb, fe, sks, dims, lo, hi, qk_scale,
+                          BLOCK_N, FULL)
+    acc, m, l = _fwd_keys(acc, m, l, q, K, V, KPOS, base, ge, ke, ke, fb, fe, sks, dims, lo, hi, qk_scale,
+                          BLOCK_N, FULL)
     seen_any = l > 0
     out = acc / tl.where(seen_any, l, 1.0)[:, None]
     lse = tl.where(seen_any, (m + tl.log2(tl.where(seen_any, l, 1.0))) / 1.4426950408889634, float("-inf"))
@@ -191,7 +206,28 @@ def _bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, KPOS, QB, QE, FB, FE, TILE
 
 
 @triton.jit
-def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, KPOS, KB, KE, FB, FE, TILES, scale,
+def _dq_keys(dq, q, do, lse, delta, K, V, KPOS, base, first, stop, ke, fb, fe, sks, dims, lo, hi, qk_scale,
+             BLOCK_N: tl.constexpr, FULL: tl.constexpr):
+    """dQ over the key tiles starting in [first, stop) (keys below ``ke``)."""
+    for start in range(first, stop, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        if FULL and (start >= fb) & (start + BLOCK_N <= fe):   # the whole tile seen by every row
+            k = tl.load(K + base + cols[:, None] * sks + dims[None, :])
+            v = tl.load(V + base + cols[:, None] * sks + dims[None, :])
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            p = tl.exp2(s - lse[:, None])
+        else:
+            k, v, seen = _key_tile(K, V, KPOS, base, cols, ke, sks, dims, lo, hi)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            p = tl.where(seen, tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    return dq
+
+
+@triton.jit
+def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, KPOS, KB, KE, GB, GE, FB, FE, TILES, scale,
             sqb, sqs, sqh, skb, sks, skh, srb, srh, sdb, sds, sdh, seq_q, heads, groups,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, FULL: tl.constexpr,
             ADD: tl.constexpr, LPT: tl.constexpr):
@@ -215,23 +251,16 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, KPOS, KB, KE, FB, FE, TILES, sc
     ke = tl.load(KE + tile)
     fb = tl.load(FB + tile)
     fe = tl.load(FE + tile)
+    gb = tl.load(GB + tile)
+    ge = tl.load(GE + tile)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
     qk_scale = scale * 1.4426950408889634
     base = b * skb + hk * skh
-    for start in range(kb, ke, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        if FULL and (start >= fb) & (start + BLOCK_N <= fe):   # the whole tile seen by every row
-            k = tl.load(K + base + cols[:, None] * sks + dims[None, :])
-            v = tl.load(V + base + cols[:, None] * sks + dims[None, :])
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            p = tl.exp2(s - lse[:, None])
-        else:
-            k, v, seen = _key_tile(K, V, KPOS, base, cols, ke, sks, dims, lo, hi)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            p = tl.where(seen, tl.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+    # the keys before the tile's gap, then those after it (as the forward)
+    dq = _dq_keys(dq, q, do, lse, delta, K, V, KPOS, base, kb, gb, ke, fb, fe, sks, dims, lo, hi, qk_scale,
+                  BLOCK_N, FULL)
+    dq = _dq_keys(dq, q, do, lse, delta, K, V, KPOS, base, ge, ke, ke, fb, fe, sks, dims, lo, hi, qk_scale,
+                  BLOCK_N, FULL)
     dq_ptrs = DQ + b * sdb + h * sdh + rows[:, None] * sds + dims[None, :]
     dq = dq * scale
     if ADD:   # a ring step: added into the float32 dQ of the shard
@@ -260,22 +289,27 @@ def _longest_first(accumulate: bool) -> bool:
     return order == "lpt" or (order == "auto" and accumulate)
 
 
-def longest_first(mask, block_m: int) -> torch.Tensor:
-    """The query tiles of ``mask`` ordered by the length of their key range, longest first (int32, on the
-    mask's device; kept in the mask's memo)."""
-    return _by_length(mask, ("longest_first", block_m), lambda: key_ranges(mask, block_m))
+def longest_first(mask, block_m: int, block_n: int) -> torch.Tensor:
+    """The query tiles of ``mask`` ordered by the key tiles they visit (``key_tiles``), longest first (int32,
+    on the mask's device; kept in the mask's memo)."""
+    return _by_length(mask, ("longest_first", block_m, block_n), lambda: key_tiles(mask, block_m, block_n))
 
 
 def longest_query_range_first(mask, seq_k: int, block_n: int) -> torch.Tensor:
     """The key tiles of ``mask`` ordered by the length of their query range, longest first (the dK/dV grid's
     order; as ``longest_first``)."""
-    return _by_length(mask, ("longest_query_range_first", seq_k, block_n), lambda: query_ranges(mask, seq_k, block_n))
+    return _by_length(mask, ("longest_query_range_first", seq_k, block_n),
+                      lambda: _length(query_ranges(mask, seq_k, block_n)))
 
 
-def _by_length(mask, key, ranges):
+def _length(ranges):
+    begin, end = ranges
+    return end - begin
+
+
+def _by_length(mask, key, lengths):
     if key not in mask.memo:
-        begin, end = ranges()
-        mask.memo[key] = torch.argsort(end - begin, descending=True, stable=True).to(torch.int32)
+        mask.memo[key] = torch.argsort(lengths(), descending=True, stable=True).to(torch.int32)
     return mask.memo[key]
 
 
@@ -327,10 +361,10 @@ def masked_forward(q, k, v, mask, scale, out=None, lse=None, accumulate=False, o
     fb, fe = full_key_ranges(mask, bm)
     lo, hi, kpos = mask.q_lo.contiguous(), mask.q_hi.contiguous(), mask.k_pos.contiguous()
     lpt = _longest_first(accumulate)
-    tiles = longest_first(mask, bm) if lpt else None
+    tiles = longest_first(mask, bm, bn) if lpt else None
     grid = (b * h, cdiv(sq, bm)) if lpt else (cdiv(sq, bm), b * h)
-    launch_keyed(_FWD, grid, (q, k, v, out, lse, lo, hi, kpos, kb, ke, fb, fe, final_out if order else None, first,
-                              last, tiles),
+    launch_keyed(_FWD, grid, (q, k, v, out, lse, lo, hi, kpos, kb, ke, *key_gaps(mask, bm, bn), fb, fe,
+                              final_out if order else None, first, last, tiles),
                  (scale, *q.stride()[:3], *k.stride()[:3], *out.stride()[:3], *lse.stride()[:2], *fo_strides, sq, h,
                   h // k.shape[2], number),
                  dict(BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), ACCUMULATE=accumulate,
@@ -387,14 +421,14 @@ def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None
                       num_stages=stages))
     kb, ke = key_ranges(mask, bm)
     fb, fe = full_key_ranges(mask, bm)
-    tiles = longest_first(mask, bm) if lpt else None
+    tiles = longest_first(mask, bm, bn) if lpt else None
     if dq_stream is not None:   # after what the current stream holds so far, this dK/dV kernel included
         dq_stream.wait_stream(torch.cuda.current_stream(q.device))
         for t in (q, k, v, dout):   # copies made above (non-contiguous inputs) are freed when this returns
             t.record_stream(dq_stream)
     with torch.cuda.stream(dq_stream) if dq_stream is not None else contextlib.nullcontext():
         launch_keyed(_DQ, (b * h, cdiv(sq, bm)) if lpt else (cdiv(sq, bm), b * h),
-                     (q, k, v, dout, lse, delta, dq, lo, hi, kpos, kb, ke, fb, fe, tiles),
+                     (q, k, v, dout, lse, delta, dq, lo, hi, kpos, kb, ke, *key_gaps(mask, bm, bn), fb, fe, tiles),
                      (scale, *q.stride()[:3], *k.stride()[:3], *lse.stride()[:2], *dq.stride()[:3], sq, h, h // hk),
                      dict(BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), ADD=add, LPT=lpt, num_warps=warps,
                           num_stages=stages))
