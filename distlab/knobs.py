@@ -49,6 +49,9 @@ KNOBS = {
     "PACKED_BWD_STREAMS": Knob("2", "CUDA streams of a packed Triton ring's backward: 1 (one), 2 (dQ kernels on "
                                     "their own), 4 (also each step's dK/dV kernels on one of two in turn, and the "
                                     "travelling dK/dV accumulators on a fourth; not yet run on a GPU)"),
+    "TRITON_MASKED_GAPS": Knob("1", "0: the masked attention kernel's forward and dQ loop over every key tile of a "
+                                    "query tile's range (1: they skip the whole tiles no row of the tile sees; the "
+                                    "same results bit for bit)"),
     "TRITON_MASKED_FULL_TILES": Knob("1", "0: the masked attention kernel masks every key tile (no unmasked "
                                           "fast path for tiles every row sees whole)"),
     "TRITON_ATTN_FMA": Knob("1", "1: the forward's rescale fused into one multiply-add"),

@@ -11,6 +11,8 @@
 #                                                   # order (the masked forward's tile order, rows vs lpt),
 #                                                   # backward (the packed ring's streams, forward and
 #                                                   # backward, A/B, with the GPU checks of every mode)
+#                                                   # or allgather (all-gather CP's compute on the packs, each
+#                                                   # query tile's gap skipped and not, A/B)
 #                                                   # or fa4 (FA4's varlen path for masks: its GPU tests, the packed
 #                                                   # ring rank on FA4 blocks against one FA4 call; needs /opt/fa4 from
 #                                                   # ../shared/tools/fa4-carry's two calls on this warm machine)
@@ -72,6 +74,18 @@ if [ "$part" = backward ]; then   # the packed ring's streams: forward 1 or 2, b
   $py -m distlab.cp.waves --docs lognormal:mean=2048,seed=3 --layouts balanced units --measured \
     "$out/seed3_1_2.json:lpt+dq" "$out/seed3_2_4.json:fwd2+bwd4" --json "$out/waves_vs_measured_seed3.json" 2>&1 \
     | tee "$out/waves_vs_measured_seed3.log" || status=1
+  pack_logs
+  exit $status
+fi
+
+if [ "$part" = allgather ]; then   # all-gather CP's compute on packed layouts, each query tile's gap skipped or not
+  timeout -s ABRT 150 $py tests/kernel_checks.py masked --device cuda --dtype bfloat16 --big \
+    2>&1 | tee "$out/checks_masked.log" || status=1
+  for gaps in 1 0; do   # the model (distlab.cp.waves, all-gather column): balanced f+b 72.9% with gaps skipped
+    DISTLAB_TRITON_MASKED_GAPS=$gaps timeout -s ABRT 150 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 \
+      --method allgather --layouts zigzag balanced units --backend triton --iters 5 --warmup 1 \
+      --json "$out/allgather_gaps$gaps.json" 2>&1 | tee "$out/allgather_gaps$gaps.log" || status=1
+  done
   pack_logs
   exit $status
 fi

@@ -506,6 +506,45 @@ def test_packed_emulator_runs_and_writes_json(tmp_path):
         tiles = row["tiles"]
         assert all(0 < b <= 1 for b in tiles["bound"].values()) and tiles["most_blocks"] >= 1
         assert sum(r["fwd"] for r in tiles["ranks"]) >= tiles["one_call"]["fwd"]
+    # all-gather CP's compute on the same layouts: one block a rank (its rows against every key)
+    proc = subprocess.run([sys.executable, "-m", "distlab.cp.emulate_packed", "--device", "cpu", "--seq", "512",
+                           "--world", "4", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--iters", "1",
+                           "--warmup", "0", "--docs", "lognormal:mean=64,seed=0", "--rate-means", "--method",
+                           "allgather", "--layouts", "zigzag", "balanced", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "all-gather rank" in proc.stdout, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["method"], r["tiles"]["most_blocks"]) for r in rows] == [("allgather", 1)] * 2
+
+
+def test_allgather_schedule_is_all_gather_cp_on_one_device():
+    """``emulate_packed --method allgather`` times ``distlab.cp.allgather``'s own forward and backward at world
+    1 over the gathered K/V: each rank's output and dQ are its rows of one-device masked attention, and the
+    ranks' dK/dV (each over every key, in rank order) add up to one device's — float64, torch backend."""
+    from distlab.cp.emulate_packed import allgather_schedule, placement_positions
+    from distlab.kernels.attention import attention_backward, attention_forward
+
+    t, world = 256, 4
+    docs = Documents.from_args(t, parse_docs("lognormal:mean=40,seed=1", t), True, None)
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(1, t, 4, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, t, 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    every = torch.arange(t)
+    want = attention_forward(q, k, v, False, backend="torch", mask=docs.mask(every, every))
+    dq_w, dk_w, dv_w = attention_backward(dout, q, k, v, *want, False, backend="torch", mask=docs.mask(every, every))
+    for layout in ("balanced", "units"):
+        positions = placement_positions(layout, docs, world)
+        everyone = torch.cat(list(positions))
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        for rank in range(world):
+            fwd, fwd_bwd = allgather_schedule(q, k, v, dout, docs, positions, rank, "torch")
+            out, _ = fwd()
+            assert torch.allclose(out, want[0][:, positions[rank]], atol=1e-12), (layout, rank)
+            dq_r, dk_r, dv_r = fwd_bwd()
+            assert torch.allclose(dq_r, dq_w[:, positions[rank]], atol=1e-12), (layout, rank)
+            dk[:, everyone] += dk_r
+            dv[:, everyone] += dv_r
+        assert torch.allclose(dk, dk_w, atol=1e-12) and torch.allclose(dv, dv_w, atol=1e-12), layout
 
 
 def test_packed_emulator_refuses_unknown_layouts_before_any_clock():
@@ -575,15 +614,20 @@ def run():
 skipping = run()
 assert masks.key_tiles(mask, 16, 16).tolist() == [1, 4, 2]
 # the same kernels told there is no gap: they loop over every key between the two documents
-tma.key_gaps = lambda m, bm, bn: (masks.key_ranges(m, bm)[1],) * 2
-whole = run()
+from distlab import knobs
+end = masks.key_ranges(mask, 16)[1]
+assert tma._gaps(mask, 16, 16, end)[0].tolist() != end.tolist()   # a tile to skip
+with knobs.override(TRITON_MASKED_GAPS="0"):
+    assert tma._gaps(mask, 16, 16, end)[0].tolist() == end.tolist()   # none
+    whole = run()
 print("OK" if all(torch.equal(a, b) for a, b in zip(skipping, whole)) else "DIFFERENT")
 """
 
 
 def test_skipping_a_tiles_gap_changes_no_bit():
     """The keys a tile skips (``key_gaps``) are keys none of its rows sees, so the forward, dQ and dK/dV are
-    bit for bit those of the kernels looping over every key of the tile's range (Triton's interpreter)."""
+    bit for bit those of the kernels looping over every key of the tile's range (knob
+    ``DISTLAB_TRITON_MASKED_GAPS=0``; Triton's interpreter)."""
     from distlab.testing import run_in_triton_interpreter
 
     proc = run_in_triton_interpreter(SKIPPED_GAP_IS_EXACT)

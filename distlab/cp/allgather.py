@@ -138,7 +138,13 @@ def _gathered_mask(docs, world, rank, layout, device):
     """(mask, order): this rank's queries against every key, and the permutation that puts the gathered keys
     (in rank order) in position order and back (None when they already are)."""
     positions = [shard_positions(docs.total, world, r, layout, docs.cu_seqlens) for r in range(world)]
-    keys, order = torch.cat(positions), None   # the gathered keys' positions, in rank order
+    return gathered_mask(docs, positions, rank, device)
+
+
+def gathered_mask(docs, positions, rank, device):
+    """``_gathered_mask`` for any placement: ``positions``, each rank's (``distlab.cp.emulate_packed`` times the
+    balanced layout's candidates with it)."""
+    keys, order = torch.cat(list(positions)), None   # the gathered keys' positions, in rank order
     if bool((keys[1:] < keys[:-1]).any()):
         sort = torch.argsort(keys)
         order, keys = (sort.to(device), torch.argsort(sort).to(device)), keys[sort]

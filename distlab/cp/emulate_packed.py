@@ -4,6 +4,7 @@ kernel; and the masked kernel's rate on visible pairs.
     python -m distlab.cp.emulate_packed --world 8 --seq 32768 65536 --json packed.json          # GPU
     python -m distlab.cp.emulate_packed --device cpu --seq 1024 --heads 4 --kv-heads 2 --head-dim 16 --iters 1
     python -m distlab.cp.emulate_packed --tiles-only --layouts zigzag balanced units docs-first:0.25    # any machine
+    python -m distlab.cp.emulate_packed --world 8 --seq 65536 --method allgather --layouts balanced units  # GPU
 
 For each sequence length and layout, every rank's ring schedule runs with the K/V of all its steps already
 on the device (``distlab.cp.ring_packed``'s own code with the exchanges removed: what is left is the masked
@@ -62,6 +63,40 @@ def rank_schedule(q, k, v, dout, docs, positions, rank, backend):
     return fwd, fwd_bwd
 
 
+class _Ctx:
+    """What ``distlab.cp.allgather``'s autograd function keeps between its forward and backward, run by hand."""
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *_):
+        pass
+
+
+def allgather_schedule(q, k, v, dout, docs, positions, rank, backend):
+    """(forward, forward+backward) callables of all-gather CP's rank ``rank``: ``distlab.cp.allgather``'s own
+    forward and backward run at world 1 over every rank's K/V already gathered (in rank order, as the
+    all-gather leaves them), in its two kv-head groups: its compute, with the gather and reduce-scatter
+    removed."""
+    from distlab.cp.allgather import _AllGatherAttention, gathered_mask
+
+    mine, everyone = positions[rank].to(q.device), torch.cat(list(positions)).to(q.device)
+    qr, dr = q[:, mine].contiguous(), dout[:, mine].contiguous()
+    kg, vg = k[:, everyone].contiguous(), v[:, everyone].contiguous()
+    mask, order = gathered_mask(docs, positions, rank, q.device)
+    args = (None, 1, mask, q.shape[-1] ** -0.5, backend, 2 if k.shape[2] % 2 == 0 else 1, order)
+
+    def fwd():
+        return _AllGatherAttention.forward(_Ctx(), qr, kg, vg, *args)
+
+    def fwd_bwd():
+        ctx = _Ctx()   # the forward keeps its tensors and arguments there, as autograd's context
+        _AllGatherAttention.forward(ctx, qr, kg, vg, *args)
+        return _AllGatherAttention.backward(ctx, dr, None)[:3]   # (dq, dk, dv)
+
+    return fwd, fwd_bwd
+
+
 def visited_tiles(mask, head_dim: int) -> dict:
     """{"fwd", "bwd"}: the tiles the masked Triton kernel visits under ``mask`` with its H200 tile sizes, per head
     (module doc; the tables are ``distlab.kernels.masks``', kept in the mask's memo)."""
@@ -76,18 +111,21 @@ def visited_tiles(mask, head_dim: int) -> dict:
             "bwd": int(key_tiles(mask, bm, bn).sum()) + count(*query_ranges(mask, seq_k, bn), bm)}
 
 
-def tile_row(docs, positions, head_dim: int) -> dict:
-    """Each rank's visited tiles over its ring blocks, the one call's, and the bound they set (module doc)."""
+def tile_row(docs, positions, head_dim: int, method: str = "ring") -> dict:
+    """Each rank's visited tiles over its ring blocks (``method`` allgather: over its rows against every key,
+    one block), the one call's, and the bound they set (module doc)."""
     every = torch.arange(docs.total)
     one = visited_tiles(docs.mask(every, every), head_dim)
+    keys = torch.cat(list(positions)).sort().values
     ranks = []
     for rank in range(len(positions)):
         tiles = {"fwd": 0, "bwd": 0, "blocks": 0}   # blocks: the rank's forward launches (two each backward)
-        for blocks in step_blocks(docs, positions, rank, "cpu"):
-            for _, _, mask in blocks:
-                tiles["blocks"] += 1
-                for kind, n in visited_tiles(mask, head_dim).items():
-                    tiles[kind] += n
+        masks = ([mask for blocks in step_blocks(docs, positions, rank, "cpu") for _, _, mask in blocks]
+                 if method == "ring" else [docs.mask(positions[rank], keys)])
+        for mask in masks:
+            tiles["blocks"] += 1
+            for kind, n in visited_tiles(mask, head_dim).items():
+                tiles[kind] += n
         ranks.append(tiles)
     world = len(positions)
     bound = {kind: one[kind] / (world * max(r[kind] for r in ranks)) for kind in ("fwd", "bwd")}
@@ -183,7 +221,8 @@ def tiles_only(a) -> dict:
     for seq in a.seq or [32768, 65536]:
         docs = Documents.from_args(seq, parse_docs(a.docs, seq), True, None)
         for layout, positions, imbalance in placed_layouts(a.layouts, docs, a.world):
-            row = {"seq": seq, "layout": layout, "imbalance": imbalance, "tiles": tile_row(docs, positions, a.head_dim)}
+            row = {"seq": seq, "layout": layout, "imbalance": imbalance,
+                   "tiles": tile_row(docs, positions, a.head_dim, a.method)}
             bound = row["tiles"]["bound"]
             print(f"{seq:>6} {layout:<16} {row['imbalance']:>6.3f}   {bound['fwd'] * 100:>6.1f}/"
                   f"{bound['bwd'] * 100:>5.1f}% {row['tiles']['most_blocks']:>6}")
@@ -233,6 +272,9 @@ def main(argv=None):
     p.add_argument("--rate-means", type=positive_int, nargs="*", default=None,
                    help="mean document lengths for the kernel-rate table (default 32768 8192 2048 512)")
     p.add_argument("--tiles-only", action="store_true", help="only the tile bound and block counts (no clocks)")
+    p.add_argument("--method", choices=("ring", "allgather"), default="ring",
+                   help="the rank's schedule: the packed ring's (default), or all-gather CP's compute "
+                        "(``allgather_schedule``; its tile columns are then the gathered mask's)")
     add_common_args(p, iters=10, warmup=3, dtypes=("bfloat16", "float16", "float32"))
     a = p.parse_args(argv)
     check_layout_names(a.layouts)
@@ -248,7 +290,8 @@ def main(argv=None):
     backend = resolve_backend(a.backend, device, dtype, masked=True)
     result = {"world": a.world, "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "dtype": str(dtype),
               "backend": backend, "device": torch.cuda.get_device_name() if gpu else "cpu", "rows": [], "rates": []}
-    print(f"a ring rank's packed schedule vs one call, W={a.world}, {a.heads} q / {a.kv_heads} kv heads, "
+    schedule = rank_schedule if a.method == "ring" else allgather_schedule
+    print(f"a {'ring' if a.method == 'ring' else 'all-gather'} rank's packed schedule vs one call, W={a.world}, {a.heads} q / {a.kv_heads} kv heads, "
           f"head_dim {a.head_dim}, {str(dtype)[6:]}, backend {backend}, {result['device']}")
     print(f"{'seq':>6} {'layout':<16} {'imbal.':>6}  {'fwd wall':>9} {'f+b wall':>9}   {'fwd GPU':>8} {'f+b GPU':>8}"
           f"   {'tile bound f/b':>14} {'blocks':>6}   {'rank f/fb ms (wall)':>20}")
@@ -260,10 +303,11 @@ def main(argv=None):
         one = measure(dict(zip(("fwd", "fwd_bwd"), one_call(q, k, v, dout, docs, backend))), a, device)
         profiles = []
         for layout, positions, imbalance in placed_layouts(a.layouts, docs, a.world):
-            ranks = [measure(dict(zip(("fwd", "fwd_bwd"), rank_schedule(q, k, v, dout, docs, positions, r, backend))),
+            ranks = [measure(dict(zip(("fwd", "fwd_bwd"), schedule(q, k, v, dout, docs, positions, r, backend))),
                              a, device) for r in range(a.world)]
-            row = {"seq": seq, "layout": layout, "docs": describe(docs), "imbalance": imbalance, "one_call": one,
-                   "ranks": ranks, "efficiency": {}, "tiles": tile_row(docs, positions, a.head_dim)}
+            row = {"seq": seq, "layout": layout, "method": a.method, "docs": describe(docs), "imbalance": imbalance,
+                   "one_call": one, "ranks": ranks, "efficiency": {},
+                   "tiles": tile_row(docs, positions, a.head_dim, a.method)}
             for kind in ("fwd", "fwd_bwd"):
                 for clock in ("wall_s", "gpu_s"):
                     slowest = max(r[kind][clock] for r in ranks)
@@ -281,7 +325,7 @@ def main(argv=None):
             result["rows"].append(row)
         # after every clock of this length: a layout timed right after the profiler ran read 13 points low
         for kind, row, positions, worst in profiles:
-            fn = rank_schedule(q, k, v, dout, docs, positions, worst, backend)[1]
+            fn = schedule(q, k, v, dout, docs, positions, worst, backend)[1]
             title = f"{row['layout']} r{worst} fwd+bwd"
             if kind == "profile":
                 row["profile"] = kernel_summary(fn, device)

@@ -268,6 +268,17 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, KPOS, KB, KE, GB, GE, FB, FE, T
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=in_q[:, None])
 
 
+def _gaps(mask, block_m, block_n, end):
+    """``key_gaps`` (knob ``DISTLAB_TRITON_MASKED_GAPS``: 1, the default), or none (0: every key tile of a query
+    tile's range, for an A/B of the skip; the same results bit for bit)."""
+    from distlab import knobs
+
+    flag = knobs.get("TRITON_MASKED_GAPS")
+    if flag not in ("0", "1"):
+        raise ValueError(f"DISTLAB_TRITON_MASKED_GAPS={flag!r}: use 1 (skip each query tile's gap) or 0")
+    return key_gaps(mask, block_m, block_n) if flag == "1" else (end, end)
+
+
 def _full_tiles() -> bool:
     from distlab import knobs
 
@@ -363,7 +374,7 @@ def masked_forward(q, k, v, mask, scale, out=None, lse=None, accumulate=False, o
     lpt = _longest_first(accumulate)
     tiles = longest_first(mask, bm, bn) if lpt else None
     grid = (b * h, cdiv(sq, bm)) if lpt else (cdiv(sq, bm), b * h)
-    launch_keyed(_FWD, grid, (q, k, v, out, lse, lo, hi, kpos, kb, ke, *key_gaps(mask, bm, bn), fb, fe,
+    launch_keyed(_FWD, grid, (q, k, v, out, lse, lo, hi, kpos, kb, ke, *_gaps(mask, bm, bn, ke), fb, fe,
                               final_out if order else None, first, last, tiles),
                  (scale, *q.stride()[:3], *k.stride()[:3], *out.stride()[:3], *lse.stride()[:2], *fo_strides, sq, h,
                   h // k.shape[2], number),
@@ -428,7 +439,7 @@ def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None
             t.record_stream(dq_stream)
     with torch.cuda.stream(dq_stream) if dq_stream is not None else contextlib.nullcontext():
         launch_keyed(_DQ, (b * h, cdiv(sq, bm)) if lpt else (cdiv(sq, bm), b * h),
-                     (q, k, v, dout, lse, delta, dq, lo, hi, kpos, kb, ke, *key_gaps(mask, bm, bn), fb, fe, tiles),
+                     (q, k, v, dout, lse, delta, dq, lo, hi, kpos, kb, ke, *_gaps(mask, bm, bn, ke), fb, fe, tiles),
                      (scale, *q.stride()[:3], *k.stride()[:3], *lse.stride()[:2], *dq.stride()[:3], sq, h, h // hk),
                      dict(BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), ADD=add, LPT=lpt, num_warps=warps,
                           num_stages=stages))
