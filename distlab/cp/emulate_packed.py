@@ -100,15 +100,12 @@ def allgather_schedule(q, k, v, dout, docs, positions, rank, backend):
 def visited_tiles(mask, head_dim: int) -> dict:
     """{"fwd", "bwd"}: the tiles the masked Triton kernel visits under ``mask`` with its H200 tile sizes, per head
     (module doc; the tables are ``distlab.kernels.masks``', kept in the mask's memo)."""
-    from distlab.kernels.masks import key_tiles, masked_tiles, query_ranges
-
-    def count(begin, end, size):
-        return int(((end - begin).clamp_min(0) + size - 1).div(size, rounding_mode="floor").sum())
+    from distlab.kernels.masks import key_tiles, masked_tiles, query_ranges, range_tiles
 
     (fm, fn, *_), (bm, bn, *_) = (masked_tiles(torch.device("cuda"), head_dim, kind) for kind in ("fwd", "bwd"))
     seq_k = mask.k_pos.numel()
     return {"fwd": int(key_tiles(mask, fm, fn).sum()),
-            "bwd": int(key_tiles(mask, bm, bn).sum()) + count(*query_ranges(mask, seq_k, bn), bm)}
+            "bwd": int(key_tiles(mask, bm, bn).sum() + range_tiles(*query_ranges(mask, seq_k, bn), bm).sum())}
 
 
 def tile_row(docs, positions, head_dim: int, method: str = "ring") -> dict:
@@ -291,7 +288,8 @@ def main(argv=None):
     result = {"world": a.world, "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "dtype": str(dtype),
               "backend": backend, "device": torch.cuda.get_device_name() if gpu else "cpu", "rows": [], "rates": []}
     schedule = rank_schedule if a.method == "ring" else allgather_schedule
-    print(f"a {'ring' if a.method == 'ring' else 'all-gather'} rank's packed schedule vs one call, W={a.world}, {a.heads} q / {a.kv_heads} kv heads, "
+    method = "ring" if a.method == "ring" else "all-gather"
+    print(f"a {method} rank's packed schedule vs one call, W={a.world}, {a.heads} q / {a.kv_heads} kv heads, "
           f"head_dim {a.head_dim}, {str(dtype)[6:]}, backend {backend}, {result['device']}")
     print(f"{'seq':>6} {'layout':<16} {'imbal.':>6}  {'fwd wall':>9} {'f+b wall':>9}   {'fwd GPU':>8} {'f+b GPU':>8}"
           f"   {'tile bound f/b':>14} {'blocks':>6}   {'rank f/fb ms (wall)':>20}")

@@ -40,7 +40,7 @@ import torch
 
 from distlab.bench import StudyParser, positive_int, run_study, write_json
 from distlab.cp.documents import Documents, describe, parse_docs
-from distlab.kernels.masks import key_tiles, query_ranges
+from distlab.kernels.masks import key_tiles, query_ranges, range_tiles
 
 FWD_TILE, BWD_TILE = (128, 64), (64, 64)   # the masked kernel's H200 tiles (``masked_tiles``, head_dim <= 128)
 DKV_WEIGHT, DQ_WEIGHT = 4.0, 3.0           # matmuls per tile: dK/dV's four, dQ's three
@@ -166,10 +166,6 @@ def simulate(kernels, sms: int = 132, gap: float = 0.0, capacity: int = 2) -> fl
     return max((k.end for k in kernels), default=0.0)
 
 
-def _tiles(begin, end, size):
-    return ((end - begin).clamp_min(0) + size - 1).div(size, rounding_mode="floor")
-
-
 def _order(lengths, heads: int, lpt: bool) -> list:
     """Per-program tile counts in start order: grid (tiles, heads) in row order, head by head; or (heads,
     tiles) with the tiles sorted longest first (stable), every head of a tile before the next tile."""
@@ -189,7 +185,7 @@ def block_costs(mask, heads: int, kv_heads: int, lpt: bool, ring_block: bool, ov
     sub = seen_keys(mask)[1] if ring_block else mask
     qb, qe = query_ranges(sub, sub.k_pos.numel(), BWD_TILE[1])
     return {"fwd": [overhead + n for n in _order(key_tiles(mask, *FWD_TILE), heads, lpt)],
-            "dkv": [overhead + DKV_WEIGHT * groups * n for n in _order(_tiles(qb, qe, BWD_TILE[0]), kv_heads, lpt)],
+            "dkv": [overhead + DKV_WEIGHT * groups * n for n in _order(range_tiles(qb, qe, BWD_TILE[0]), kv_heads, lpt)],
             "dq": [overhead + DQ_WEIGHT * n for n in _order(key_tiles(mask, *BWD_TILE), heads, lpt)]}
 
 

@@ -204,7 +204,12 @@ def key_gaps(mask, block_m: int, block_n: int):
 def key_tiles(mask, block_m: int, block_n: int) -> torch.Tensor:
     """Per query tile, the key tiles of ``block_n`` the kernels visit: its key range less its gap."""
     (begin, end), (gap_begin, gap_end) = key_ranges(mask, block_m), key_gaps(mask, block_m, block_n)
-    return (gap_begin - begin + block_n - 1) // block_n + (end - gap_end + block_n - 1) // block_n
+    return range_tiles(begin, gap_begin, block_n) + range_tiles(gap_end, end, block_n)
+
+
+def range_tiles(begin, end, size: int) -> torch.Tensor:
+    """Per range [begin, end) (empty when end <= begin), the tiles of ``size`` a loop over it visits."""
+    return ((end - begin).clamp_min(0) + size - 1).div(size, rounding_mode="floor")
 
 
 def _tile_key_gaps(mask, block_m: int, block_n: int):

@@ -9,11 +9,12 @@ query row i sees the keys whose global position lies in ``[lo[i], hi[i])``, and 
 ``[min lo, max hi)`` of its rows: the host finds that key range per query tile (``searchsorted``) and the
 kernel loops over it alone, less the whole key tiles inside the widest run of keys none of the tile's rows
 sees (``key_gaps``: a tile straddling two far documents, as all-gather's rows of a balanced rank are) —
-tiles outside every document and window are never loaded, and the work follows the visible pairs. Inside the range a score is kept iff ``lo <= k_pos < hi``; key tiles that every
-row of the query tile sees whole (``full_key_ranges``: most of a causal or document block) skip the mask,
-its loads and its guards, as FlashAttention's full blocks do; dK/dV likewise for the query tiles that see
-a key tile whole (``full_query_ranges``). Knob ``DISTLAB_TRITON_MASKED_FULL_TILES=0`` turns it off. A ring
-block starts its tiles longest range first, forward and backward (``DISTLAB_TRITON_MASKED_ORDER``).
+tiles outside every document and window are never loaded, and the work follows the visible pairs. Inside
+the range a score is kept iff ``lo <= k_pos < hi``; key tiles that every row of the query tile sees whole
+(``full_key_ranges``: most of a causal or document block) skip the mask, its loads and its guards, as
+FlashAttention's full blocks do; dK/dV likewise for the query tiles that see a key tile whole
+(``full_query_ranges``). Knob ``DISTLAB_TRITON_MASKED_FULL_TILES=0`` turns it off. A ring block starts its
+tiles longest range first, forward and backward (``DISTLAB_TRITON_MASKED_ORDER``).
 
 Backward (FA2): ``delta = rowsum(dO·O)``; dK/dV per (key tile, kv head) over the q heads of its group and
 the query tiles that can see the key tile (rows' ``lo``/``hi`` ascend with the row, so they are one range;
