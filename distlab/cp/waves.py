@@ -217,19 +217,17 @@ def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, 
     ``world`` − 1, after what the caller's stream holds by then); ``... pdl`` (not built; a bound, since the
     whole fitted gap goes, not only the launch latency PDL hides): every kernel a programmatic dependent of
     the one before it on its stream (``Kernel.pdl``), as the unpacked Triton ring's kernels can be
-    (``DISTLAB_TRITON_ATTN_PDL=1``); ``fwd groups`` (not built): each forward
-    step group of the unpacked Triton ring (``launch_groups(W, 4)``: 0 | 1 2 3 | 4 5 6 7) in one launch, the
-    backward as ``lpt+dq``; ``grouped`` (not built: what a kernel taking several
-    blocks a launch would give), step 0's forward blocks, then one forward launch for the later steps and
-    one dK/dV and one dQ launch for all blocks, each longest first; ``no barrier``, no kernel waits for
-    another. A backward program's cost is scaled by ``bwd_scale``; ``units``: the SM units a forward and a
+    (``DISTLAB_TRITON_ATTN_PDL=1``); ``fwd groups`` (not built): each forward step group of the unpacked
+    Triton ring (``launch_groups(W, 4)``: 0 | 1 2 3 | 4 5 6 7) in one launch, the backward as ``lpt+dq``;
+    ``grouped`` (not built: what a kernel taking several blocks a launch would give), step 0's forward
+    blocks, then one forward launch for the later steps and one dK/dV and one dQ launch for all blocks, each
+    longest first; ``no barrier``, no kernel waits for another. A backward program's cost is scaled by ``bwd_scale``; ``units``: the SM units a forward and a
     backward program take."""
     if schedule == "fwd groups":   # hypothetical: each step group's forward blocks in one launch, then lpt+dq
         from distlab.cp.ring import launch_groups
 
-        steps = world if world is not None else max(step for step, _ in blocks) + 1
         grouped = []
-        for group in launch_groups(steps, 4):
+        for group in launch_groups(_steps(blocks, world), 4):
             mine = [b for step, b in blocks if step in group]
             if mine:
                 grouped.append((group.start, {"fwd": sorted((c for b in mine for c in b["fwd"]), reverse=True),
@@ -260,6 +258,7 @@ def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, 
     q = _Streams(pdl)
     two = schedule.startswith("fwd2+bwd4")
     once = schedule.endswith("once") and later_dq is not None
+    once_queued = False
     for step, b in blocks:
         q.launch("fwd side" if two and step > 0 else "main", "fwd", b["fwd"], units[0])
     if not backward:
@@ -267,11 +266,11 @@ def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, 
     if two and "fwd side" in q.last:   # the merge of the two running results waits for both
         q.launch("main", "merge", [], units[0], (q.last["fwd side"],))
     last_dkv = q.last["main"]
-    last_step = (world if world is not None else max(step for step, _ in blocks) + 1) - 1
+    last_step = _steps(blocks, world) - 1
     for step, b in blocks + [(last_step + 1, None)]:
-        if once and step >= last_step:   # the last K/V are here: the later steps' dQ, after the main stream
+        if once and not once_queued and step >= last_step:   # the last K/V are here: after the main stream
             q.launch("dq", "dq once", [bwd_scale * c for c in later_dq], units[1], (q.last["main"],))
-            once = False
+            once_queued = True
         if b is None:
             break
         dkv = [bwd_scale * c for c in b["dkv"]]
@@ -282,9 +281,14 @@ def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, 
             continue
         stream = f"dkv {step % 2}" if two else "main"
         at = q.launch(stream, "dkv", dkv, units[1], (last_dkv,) if stream not in q.last else ())
-        if not (schedule.endswith("once") and later_dq is not None and step > 0):
+        if not (once and step > 0):
             q.launch("dq", "dq", dq, units[1], (at,))
     return q.kernels
+
+
+def _steps(blocks, world):
+    """The ring's steps: ``world``, or (unknown) one past the last step with a block."""
+    return world if world is not None else max(step for step, _ in blocks) + 1
 
 
 def later_steps_mask(docs, positions, rank):
@@ -328,14 +332,12 @@ def layout_row(docs, positions, heads, kv_heads, sms, overhead, bwd_ratio, gap_u
     masks = [[(step, mask) for step, blocks in enumerate(step_blocks(docs, positions, rank, "cpu", row_gap))
               for _, _, mask in blocks] for rank in range(world)]
     later_masks = [later_steps_mask(docs, positions, rank) for rank in range(world)]
+    costs = {lpt: [([(step, block_costs(m, heads, kv_heads, lpt, True, overhead)) for step, m in rank_masks],
+                    None if later is None else block_costs(later, heads, kv_heads, lpt, True, overhead)["dq"])
+                   for rank_masks, later in zip(masks, later_masks)] for lpt in (False, True)}
     for schedule in SCHEDULES:
-        lpt = schedule != "rows"
         f_max = fb_max = 0.0
-        for rank, rank_masks in enumerate(masks):
-            blocks = [(step, block_costs(m, heads, kv_heads, lpt, True, overhead)) for step, m in rank_masks]
-            later = None
-            if schedule.endswith("once") and later_masks[rank] is not None:
-                later = block_costs(later_masks[rank], heads, kv_heads, lpt, True, overhead)["dq"]
+        for blocks, later in costs[schedule != "rows"]:   # tiles longest first except in ``rows``
             f_max = max(f_max, simulate(chain(blocks, schedule, backward=False, units=units, world=world), sms, gap,
                                         capacity))
             fb_max = max(fb_max, simulate(chain(blocks, schedule, scale, units=units, later_dq=later, world=world),
