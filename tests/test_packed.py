@@ -547,6 +547,38 @@ def test_allgather_schedule_is_all_gather_cp_on_one_device():
         assert torch.allclose(dk, dk_w, atol=1e-12) and torch.allclose(dv, dv_w, atol=1e-12), layout
 
 
+def allgather_schedule_triton_vs_torch():
+    """One process, Triton's interpreter: all-gather CP's schedule on the masked Triton kernel against the torch
+    backend's (float32, two kv-head groups: the backward reads an LSE view of half the heads)."""
+    from distlab.cp.emulate_packed import allgather_schedule, placement_positions
+
+    t, world = 256, 4
+    docs = Documents.from_args(t, parse_docs("lognormal:mean=40,seed=1", t), True, None)
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(1, t, 4, 16, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, t, 2, 16, generator=g) for _ in range(2))
+    positions = placement_positions("balanced", docs, world)
+    errors = []
+    for rank in (0, world - 1):
+        got, want = (allgather_schedule(q, k, v, dout, docs, positions, rank, b)[1]() for b in ("triton", "torch"))
+        errors.append(max(rel_err(a, b) for a, b in zip(got, want)))
+    return errors
+
+
+def test_allgather_schedule_on_the_masked_triton_kernel():
+    """The H200/H100 run of ``emulate_packed --method allgather`` (2026-12-05) failed in the backward: the LSE of
+    a kv-head group is a view whose batch stride is the whole tensor's, and the rows' check wanted delta's."""
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    from distlab.testing import ProcessGroupPool
+
+    pool = ProcessGroupPool(1, env={"TRITON_INTERPRET": "1"})
+    try:
+        (errors,) = pool.run(allgather_schedule_triton_vs_torch, timeout_s=300)
+        assert errors and all(e < 2e-5 for e in errors), errors
+    finally:
+        pool.close()
+
+
 def test_packed_emulator_refuses_unknown_layouts_before_any_clock():
     from distlab.cp.emulate_packed import check_layout_names
 

@@ -460,7 +460,10 @@ def masked_backward_rows(dout, out, lse):
         from distlab.kernels.triton_attention_backward import backward_rows
 
         delta, _ = backward_rows(dout, out, lse)
-    return lse.float().contiguous(), delta
+    lse = lse.float()
+    if lse.stride() != delta.stride():   # e.g. a view of some heads (all-gather CP's kv-head groups) at batch 1:
+        lse = torch.empty_like(delta).copy_(lse)   # "contiguous", yet its batch stride is the whole tensor's
+    return lse, delta
 
 
 # the launches, bound once per key (host cost, #24)
