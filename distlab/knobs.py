@@ -45,10 +45,10 @@ KNOBS = {
                                         "head's), rows (row order, head by head), auto (lpt for an accumulated "
                                         "ring block, rows for a whole call)"),
     "PACKED_FWD_STREAMS": Knob("1", "CUDA streams of a packed Triton ring's forward: 1, or 2 (the later steps' "
-                                    "blocks beside my own step's, merged at the end; not yet run on a GPU)"),
-    "PACKED_BWD_STREAMS": Knob("2", "CUDA streams of a packed Triton ring's backward: 1 (one), 2 (dQ kernels on "
+                                    "blocks beside my own step's, merged at the end; H100: no faster)"),
+    "PACKED_BWD_STREAMS": Knob("4", "CUDA streams of a packed Triton ring's backward: 1 (one), 2 (dQ kernels on "
                                     "their own), 4 (also each step's dK/dV kernels on one of two in turn, and the "
-                                    "travelling dK/dV accumulators on a fourth; not yet run on a GPU)"),
+                                    "travelling dK/dV accumulators on a fourth; the fastest on the H100)"),
     "TRITON_MASKED_GAPS": Knob("1", "0: the masked attention kernel's forward and dQ loop over every key tile of a "
                                     "query tile's range (1: they skip the whole tiles no row of the tile sees; the "
                                     "same results bit for bit)"),

@@ -52,6 +52,9 @@ def test_streams_of_each_schedule():
     assert [k.after for k in one] == [(), (0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)]
     dq = chain(blocks, "lpt+dq")   # dQ after its dK/dV and the dQ before; dK/dV after the dK/dV before
     assert [k.after for k in dq][3:] == [(2,), (3,), (3,), (4, 5), (5,), (6, 7)]
+    four = chain(blocks, "bwd4")   # one forward stream; dK/dV on two streams in turn, each after the forward
+    assert [k.name for k in four] == ["fwd"] * 3 + ["dkv", "dq"] * 3
+    assert [k.after for k in four] == [(), (0,), (1,), (2,), (3,), (2,), (4, 5), (3,), (6, 7)]
     both = chain(blocks, "fwd2+bwd4")   # forward steps 1, 2 beside step 0; a merge; dK/dV on two streams in turn
     assert [k.name for k in both][:4] == ["fwd", "fwd", "fwd", "merge"]
     assert [k.after for k in both] == [(), (), (1,), (0, 2), (3,), (4,), (3,), (5, 6), (4,), (7, 8)]

@@ -213,8 +213,10 @@ def forward_streams() -> int:
     on a second CUDA stream, each into its own float32 running result, in order; the rows the later steps
     cover are merged at the end (one ``lse_merge_blocks_`` launch per run of them, written in q's dtype),
     and the side stream, not mine, waits for the later steps' K/V, so my own step's block runs from the
-    start. On the CPU the same work runs in order (tested there); not yet run on a GPU: ``bash
-    launch/gpu_packed_check.sh OUT backward`` checks it against the float64 torch backend and times it."""
+    start. On the CPU the same work runs in order (tested there). On the H100 (2026-12-05, ``bash
+    launch/gpu_packed_check.sh OUT backward``: checked against the float64 torch backend, then timed) it was
+    no faster: a balanced 64k pack's slowest rank at W=8, forward 71.0% of one call with 1, 70.1% with 2
+    (GPU clock; seed 3: 72.4 / 70.5%) — so 1 stays the default."""
     from distlab import knobs
 
     flag = knobs.get("PACKED_FWD_STREAMS")
@@ -293,15 +295,16 @@ class BackwardStreams:
     """The CUDA streams of a packed Triton ring's backward (knob ``DISTLAB_PACKED_BWD_STREAMS``):
 
     - ``1``: everything on the caller's stream, in order;
-    - ``2`` (the default): each dQ kernel on a second stream, after its step's dK/dV kernel and beside the
+    - ``2``: each dQ kernel on a second stream, after its step's dK/dV kernel and beside the
       next steps' — dQ stays on the rank, only dK/dV travel on to the next rank, and the kernels' partial
       last waves overlap (H200, a balanced 64k pack at W=8: f+b 69.9% → 76.9% of one call, docs/PERF.md);
-    - ``4``: besides, each step's dK/dV kernels on one of two streams in turn (a step's kernels overlap the
+    - ``4`` (the default): besides, each step's dK/dV kernels on one of two streams in turn (a step's kernels overlap the
       previous step's: a balanced pack's rank has a large block and several small ones), and the travelling
       dK/dV accumulators — receive, add this rank's part, send on — on a fourth stream that waits for each
       step's kernels, so the caller's stream only posts the K/V exchanges and never waits for a kernel or
-      for another rank. Not yet run on a GPU: ``bash launch/gpu_packed_check.sh OUT backward`` checks it
-      bit for bit against 1 and 2 and times it.
+      for another rank. On the H100 (2026-12-05, ``bash launch/gpu_packed_check.sh OUT backward``, checked
+      there against the float64 torch backend first): that pack's slowest rank f+b 70.4% → 77.8% of one
+      call against 2 (GPU clock; wall 72.7 → 76.9%), units deal 71.2%, seed 3's pack 75.8 → 77.4%.
 
     A kernel stream starts a step's work after an event the caller's stream records once that step's K/V
     are there, and every tensor a stream reads is marked as used by it (``record_stream``: not reused

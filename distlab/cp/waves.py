@@ -44,7 +44,7 @@ from distlab.kernels.masks import key_tiles, query_ranges, range_tiles
 
 FWD_TILE, BWD_TILE = (128, 64), (64, 64)   # the masked kernel's H200 tiles (``masked_tiles``, head_dim <= 128)
 DKV_WEIGHT, DQ_WEIGHT = 4.0, 3.0           # matmuls per tile: dK/dV's four, dQ's three
-SCHEDULES = ("rows", "lpt", "lpt+dq", "dq once", "fwd2+bwd4", "lpt+dq pdl", "fwd2+bwd4 pdl", "fwd groups", "grouped",
+SCHEDULES = ("rows", "lpt", "lpt+dq", "dq once", "bwd4", "fwd2+bwd4", "lpt+dq pdl", "fwd2+bwd4 pdl", "fwd groups", "grouped",
              "no barrier")
 COLUMNS = SCHEDULES + ("all-gather",)   # and all-gather CP's compute on the same layout (``layout_row``)
 
@@ -209,9 +209,9 @@ def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, 
           world=None) -> list:
     """Kernels of a rank's (or one call's) blocks — ``(step, block_costs)`` in step order — on the streams of
     ``schedule`` (``SCHEDULES``): ``rows``/``lpt``, one stream; ``lpt+dq``, each dQ on a second stream after
-    its dK/dV (``DISTLAB_PACKED_BWD_STREAMS=2``, the default); ``fwd2+bwd4``, the forward's later steps on a
-    second stream beside step 0's (``PACKED_FWD_STREAMS=2``) and each step's dK/dV on one of two streams in
-    turn (``PACKED_BWD_STREAMS=4``); ``... once`` (written, tested on the CPU, dropped on this model's word:
+    its dK/dV (``DISTLAB_PACKED_BWD_STREAMS=2``); ``bwd4``, besides, each step's dK/dV on one of two streams
+    in turn (``PACKED_BWD_STREAMS=4``, the default); ``fwd2+bwd4``, also the forward's later steps on a
+    second stream beside step 0's (``PACKED_FWD_STREAMS=2``); ``... once`` (written, tested on the CPU, dropped on this model's word:
     docs/PERF.md): the later steps' dQ in one launch over their keys gathered in position order (program costs
     ``later_dq``, from ``later_steps_mask``), queued on the dQ stream when the last step's K/V arrive (step
     ``world`` − 1, after what the caller's stream holds by then); ``... pdl`` (not built; a bound, since the
@@ -256,7 +256,8 @@ def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, 
     pdl = schedule.endswith(" pdl")
     schedule = schedule.removesuffix(" pdl")
     q = _Streams(pdl)
-    two = schedule.startswith("fwd2+bwd4")
+    two = schedule.startswith("fwd2+")             # the forward's later steps on a side stream
+    four = schedule in ("bwd4", "fwd2+bwd4")       # each step's dK/dV on one of two streams in turn
     once = schedule.endswith("once") and later_dq is not None
     once_queued = False
     for step, b in blocks:
@@ -279,7 +280,7 @@ def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, 
             q.launch("main", "dkv", dkv, units[1])
             q.launch("main", "dq", dq, units[1])
             continue
-        stream = f"dkv {step % 2}" if two else "main"
+        stream = f"dkv {step % 2}" if four else "main"
         at = q.launch(stream, "dkv", dkv, units[1], (last_dkv,) if stream not in q.last else ())
         if not (once and step > 0):
             q.launch("dq", "dq", dq, units[1], (at,))
