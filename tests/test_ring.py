@@ -354,3 +354,24 @@ def test_auto_under_a_mask_picks_fa4_and_the_packed_ring_keeps_triton_for_balanc
     assert pick_packed_ring_backend("auto", "fa4", "zigzag", present) == "fa4"
     assert pick_packed_ring_backend("fa4", "fa4", "balanced", present) == "fa4"
     assert pick_packed_ring_backend("auto", "fa4", "balanced", ["fa4", "torch"]) == "fa4"
+
+
+@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", True), ("zigzag", False)])
+def test_every_row_is_final_in_exactly_one_backward_block(layout, causal):
+    """``backward_schedule``: the rows whose final dQ a block's dQ kernel writes in q's dtype (none of the later
+    blocks touch them) cover each row of every rank's shard exactly once, at W = 1, 3, 4 and 8."""
+    from distlab.cp.ring import backward_schedule
+
+    seq = 16
+    for world in (1, 3, 4, 8):
+        for rank in range(world):
+            seen = torch.zeros(seq, dtype=torch.int64)
+            last = {}
+            for step, blocks in enumerate(backward_schedule(rank, world, seq, causal, layout)):
+                for rows, _, _, (lo, hi) in blocks:
+                    assert 0 <= lo <= hi <= rows.stop - rows.start
+                    seen[rows.start + lo:rows.start + hi] += 1
+                    for r in range(rows.start, rows.stop):
+                        last[r] = (step, r - rows.start < hi and r - rows.start >= lo)
+            assert seen.tolist() == [1] * seq, (world, rank, seen.tolist())
+            assert all(final for _, final in last.values()), (world, rank)   # final in the last block touching it

@@ -36,6 +36,7 @@ does the same work.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -254,7 +255,7 @@ def _accumulate(acc, part, index, like, dtype):
 
 
 def _triton_block_backward(dq, dout, q, k, v, back_rows, rows, cols, causal, scale, received=None, row_views=None,
-                           steps=None):
+                           steps=None, final=None):
     """The ``triton`` backend's block backward: dQ added into the float32 ``dq`` inside its kernel (written at
     step 0, whose block covers every row, so ``dq`` starts unfilled), the backward rows (delta, exp2 LSE)
     computed once per ring backward — no per-step conversions. dK/dV: at step 0 written in float32 into new
@@ -264,20 +265,27 @@ def _triton_block_backward(dq, dout, q, k, v, back_rows, rows, cols, causal, sca
     or the sum of its split partials, into it: ``flash_backward``'s ``dkv_into``).
     ``row_views``: a dict kept for one ring backward, holding the row views of a row range once made (the
     zigzag steps after the first share one range); ``steps``: the ``BackwardSteps`` of one ring backward (the
-    query side's plan key once, the later steps' dK/dV buffers lent). Returns the step's (dK, dV)."""
+    query side's plan key once, the later steps' dK/dV buffers lent). ``final = (dq_final, lo, hi)``: the
+    block's rows [lo, hi) (relative to it) see no later block, so the dQ kernel writes their final dQ into
+    ``dq_final`` (the shard's, q's dtype) instead of ``dq``. Returns the step's (dK, dV)."""
     from distlab.kernels.triton_attention_backward import flash_backward
 
     all_rows, all_cols = rows == slice(0, q.shape[1]), cols == slice(0, k.shape[1])
+    dq_final = None if final is None or final[1] == final[2] else final[0]
     if all_rows:   # no views where a block takes every row or key (each view is a microsecond or two of host)
         common = dict(rows=back_rows, dq_acc=dq)
     else:
         views = row_views.get((rows.start, rows.stop)) if row_views is not None else None
         if views is None:
-            views = (back_rows[0][:, :, rows], back_rows[1][:, :, rows], dq[:, rows], dout[:, rows], q[:, rows])
+            views = (back_rows[0][:, :, rows], back_rows[1][:, :, rows], dq[:, rows], dout[:, rows], q[:, rows],
+                     final[0][:, rows] if final is not None else None)
             if row_views is not None:
                 row_views[(rows.start, rows.stop)] = views
         common = dict(rows=views[:2], dq_acc=views[2])
         dout, q = views[3], views[4]
+        dq_final = views[5] if dq_final is not None else None
+    if dq_final is not None:
+        common["dq_final"] = (dq_final, final[1], final[2])
     k_shape = k.shape
     if not all_cols:
         k, v = k[:, cols], v[:, cols]
@@ -302,25 +310,41 @@ def _triton_block_backward(dq, dout, q, k, v, back_rows, rows, cols, causal, sca
     return got[0], got[1]
 
 
+@functools.lru_cache(maxsize=256)
+def backward_schedule(rank: int, world: int, seq: int, causal: bool, layout: str) -> tuple:
+    """Per step, rank ``rank``'s blocks ``(rows, cols, causal, (lo, hi))``: ``ring_blocks`` with the rows of
+    each block that no later block touches (``final_range``, relative to the block), worked out once per
+    ring shape (host time, #24)."""
+    schedule = [ring_blocks((rank - step) % world, rank, seq, causal, layout) for step in range(world)]
+    later = later_blocks(schedule)
+    return tuple(tuple((rows, cols, blk_causal, tuple(x - rows.start for x in final_range(
+        schedule, (step, i), rows.start, rows.stop, later))) for i, (rows, cols, blk_causal) in enumerate(blocks))
+        for step, blocks in enumerate(schedule))
+
+
 def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend):
     s = q.shape[1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq, kv, dkv_pending, back_rows, row_views, steps = None, (k, v), None, None, {}, None
+    schedule = backward_schedule(ring.rank, ring.size, s, causal, layout)
+    dq_final = None
     if backend == "triton":
-        from distlab.kernels.triton_attention_backward import BackwardSteps, backward_rows
+        from distlab.kernels.triton_attention_backward import BackwardSteps, backward_rows, dq_kernel_mode
 
         back_rows, steps = backward_rows(dout, out, lse), BackwardSteps()
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)   # written by step 0's dQ kernel
+        if dq_kernel_mode():   # each row's final dQ written in q's dtype by its last block's dQ kernel
+            dq_final = torch.empty_like(q, memory_format=torch.contiguous_format)
     for step in range(ring.size):
         with phase("ring.exchange"):
             kv_pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
-        src = (ring.rank - step) % ring.size
         dk_blk = dv_blk = None
         parts = []   # other backends, a later step: the block's (cols, dK, dV), added once the accumulator is here
-        for rows, cols, blk_causal in ring_blocks(src, ring.rank, s, causal, layout):
+        for rows, cols, blk_causal, (lo, hi) in schedule[step]:
             if back_rows is not None:   # a later step adds into the received accumulator (then no wait below)
                 dk_blk, dv_blk = _triton_block_backward(dq, dout, q, *kv, back_rows, rows, cols, blk_causal, scale,
-                                                        received=dkv_pending, row_views=row_views, steps=steps)
+                                                        received=dkv_pending, row_views=row_views, steps=steps,
+                                                        final=(dq_final, lo, hi) if dq_final is not None else None)
                 dkv_pending = None
                 continue
             with phase("ring.block_backward"):
@@ -345,7 +369,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
             kv = tuple(kv_pending.wait())
     if dkv_pending is not None:
         dkv = dkv_pending.wait()
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return (dq_final if dq_final is not None else dq.to(q.dtype)), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):

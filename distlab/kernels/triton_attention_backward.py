@@ -213,16 +213,17 @@ def _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, KD, 
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, KD, VD, DO, LSE2, DELTA, DQ, DKP, DVP, ACCK, ACCV, seq_q, seq_k, heads, groups, qk_scale,
-               scale, srb, srh, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
-               sum_rows, sum_per_program, sakb, saks, sakh, savb, savs, savh,
+def _dq_kernel(Q, K, V, KD, VD, DO, LSE2, DELTA, DQ, DQF, DKP, DVP, ACCK, ACCV, seq_q, seq_k, heads, groups,
+               qk_scale, scale, srb, srh, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs,
+               sdqh, sum_rows, sum_per_program, sakb, saks, sakh, savb, savs, savh, final_lo, final_hi,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
                PREC: tl.constexpr, TMA: tl.constexpr, DQ_ADD: tl.constexpr, PDL: tl.constexpr,
-               SUM_SPLITS: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_ADD: tl.constexpr):
+               SUM_SPLITS: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_ADD: tl.constexpr, DQ_FINAL: tl.constexpr):
     """Program (batch · head, query tile): dQ of its rows. With ``SUM_SPLITS`` (split dK/dV) it then sums
     its share (``sum_per_program`` rows) of the dK/dV kernel's per-q-head partials into ACCK/ACCV (dK, dV;
     ``SUM_ADD``: added to what they hold, a later ring step's received accumulators) — in place of a
-    separate ``_sum_splits_kernel`` launch."""
+    separate ``_sum_splits_kernel`` launch. ``DQ_FINAL`` (a ring step): rows [final_lo, final_hi), which no
+    later step touches, go to DQF (the final dQ, q's dtype and DQ's strides) instead of DQ."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)   # grid (batch · heads, query tiles): heaviest first
@@ -258,7 +259,13 @@ def _dq_kernel(Q, K, V, KD, VD, DO, LSE2, DELTA, DQ, DKP, DVP, ACCK, ACCV, seq_q
         tl.extra.cuda.gdc_wait()
     if DQ_ADD:   # a ring step: add into the float32 dQ of the shard
         dq += tl.load(dq_ptrs, mask=in_rows[:, None], other=0.0)
-    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=in_rows[:, None])
+    if DQ_FINAL:   # these rows' last step: the final dQ, converted here (no conversion launch after the ring)
+        final = in_rows & (rows >= final_lo) & (rows < final_hi)
+        tl.store(DQF + b * sdqb + h * sdqh + rows[:, None] * sdqs + offs_d[None, :], dq.to(DQF.dtype.element_ty),
+                 mask=final[:, None])
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(in_rows & ~final)[:, None])
+    else:
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=in_rows[:, None])
     if SUM_SPLITS:   # the dK/dV kernel is done (stream order, or the gdc_wait above under PDL)
         first = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * sum_per_program
         for r0 in range(first, tl.minimum(first + sum_per_program, sum_rows), SUM_ROWS):
@@ -321,7 +328,7 @@ def _query_key(q, dout, rows, dq_acc):
 
 
 def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, split_groups=None, rows=None,
-                   dq_acc=None, dk_out=None, dv_out=None, dkv_into=None, dq_add=True, steps=None):
+                   dq_acc=None, dk_out=None, dv_out=None, dkv_into=None, dq_add=True, steps=None, dq_final=None):
     """``(dq, dk, dv)`` in the inputs' dtype, from the final ``out`` and float32 ``lse``.
 
     ``split_groups``: with GQA, one dK/dV program per *q* head (float32 partial sums added up after) instead
@@ -342,7 +349,12 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
     Host cost (#24): as the forward, everything that follows from shapes, strides, dtypes, alignment, flags
     and knobs — checks, tiles, split groups, grids, integer arguments — is a ``_BackwardPlan`` kept per such
     key; a known key allocates, and calls the two compiled kernels' launchers. ``steps``: a ``BackwardSteps``
-    the calls of one ring backward share (the query side's key once; the partials' buffers lent)."""
+    the calls of one ring backward share (the query side's key once; the partials' buffers lent).
+
+    ``dq_final = (tensor, lo, hi)``, with ``dq_acc`` (a ring step): rows [lo, hi) of this call, which no later
+    step touches, get their final dQ written into ``tensor`` (q's shape and dtype, ``dq_acc``'s strides) by
+    the dQ kernel, not into ``dq_acc``: the ring's dQ needs no conversion launch at its end. The dQ kernel's
+    mode only (``DISTLAB_TRITON_ATTN_DQ_MODE=kernel``, the default)."""
     if steps is not None:
         q, dout, q_side = steps.query_side(q, dout, rows, dq_acc)
         k, v = _last_contiguous(k, v)
@@ -352,11 +364,11 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     sig = tensor_key   # shape, strides, dtype, pointer alignment
     key = (q_side, sig(k), sig(v), sig(dk_out), sig(dv_out), dkv_into is not None, dq_add, causal, scale,
-           split_groups, q.device, knobs.generation())
+           split_groups, q.device, knobs.generation(), dq_final is not None)
     plan = _BACKWARD_PLANS.get(key)
     if plan is None:
         plan = _backward_plan(q, k, v, dout, causal, scale, split_groups, rows, dq_acc, dk_out, dv_out, dkv_into,
-                              dq_add)
+                              dq_add, dq_final)
         if len(_BACKWARD_PLANS) >= 4096:
             _BACKWARD_PLANS.clear()
         _BACKWARD_PLANS[key] = plan
@@ -398,6 +410,12 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
         # step's unsplit dK/dV likewise (one "split"; not yet timed on the H200: kernel = two add_ after). With
         # dq a ring step's wait for the received accumulator comes before the dQ launch instead of after it
         dq_key, acc_strides = plan.dq_key, plan.acc_strides
+        dqf, f_lo, f_hi = dq, 0, 0
+        if dq_final is not None:   # the final rows' dQ in q's dtype: key on its pointer's alignment and rows
+            dqf, f_lo, f_hi = dq_final
+            if dqf.stride() != dq.stride():
+                raise ValueError(f"dq_final must have dq_acc's strides {dq.stride()}; got {dqf.stride()}")
+            dq_key = (dq_key, dqf.data_ptr() % 16, f_lo, f_hi)
         if not plan.in_dq:
             acc_k = acc_v = dq
         elif dkv_into is None:
@@ -406,8 +424,8 @@ def flash_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, sp
             acc_k, acc_v = _received(dkv_into, k, v)
             acc_strides = (*acc_k.stride()[:3], *acc_v.stride()[:3])
             dq_key = (dq_key, acc_strides, acc_k.data_ptr() % 16, acc_v.data_ptr() % 16)
-        _DQ(dq_key, plan.dq_grid, (q, k, v, kd, vd, dout, lse2, delta, dq, dk_part, dv_part, acc_k, acc_v,
-                                   *plan.dq_scalars, *acc_strides), plan.dq_constexprs)
+        _DQ(dq_key, plan.dq_grid, (q, k, v, kd, vd, dout, lse2, delta, dq, dqf, dk_part, dv_part, acc_k, acc_v,
+                                   *plan.dq_scalars, *acc_strides, f_lo, f_hi), plan.dq_constexprs)
         if plan.in_dq and dkv_into is not None:
             return dq, acc_k, acc_v
     if dkv_into is None:
@@ -445,7 +463,8 @@ _BACKWARD_PLANS: dict = {}
 _PLAN_IDS = itertools.count()
 
 
-def _backward_plan(q, k, v, dout, causal, scale, split_groups, rows, dq_acc, dk_out, dv_out, dkv_into, dq_add):
+def _backward_plan(q, k, v, dout, causal, scale, split_groups, rows, dq_acc, dk_out, dv_out, dkv_into, dq_add,
+                   dq_final=None):
     """Check a backward call and compute everything its launches need that does not depend on the data."""
     check_triton_inputs(q, k, v, causal)
     b, sq, h, d = q.shape
@@ -461,6 +480,12 @@ def _backward_plan(q, k, v, dout, causal, scale, split_groups, rows, dq_acc, dk_
     if (dk_out is None) != (dv_out is None):
         raise ValueError("give dk_out and dv_out together")
     mode, env, split_sum = _backward_knobs(knobs.generation())
+    if dq_final is not None:
+        final = dq_final[0]
+        if dq_acc is None or mode != "kernel":
+            raise ValueError("dq_final needs dq_acc and the dQ kernel (DISTLAB_TRITON_ATTN_DQ_MODE=kernel)")
+        if final.shape != q.shape or final.dtype != q.dtype:
+            raise ValueError(f"dq_final must be {tuple(q.shape)} {q.dtype}; got {tuple(final.shape)} {final.dtype}")
     if rows is not None:
         delta, lse2 = rows
         if delta.shape != (b, h, sq) or lse2.shape != delta.shape or delta.stride() != lse2.stride() \
@@ -523,7 +548,8 @@ def _backward_plan(q, k, v, dout, causal, scale, split_groups, rows, dq_acc, dk_
         acc_strides=acc_strides, dq_tma=(_layout(k, bn), _layout(v, bn)) if dq_tma else (),
         dq_constexprs=dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, PREC=_precision(q), TMA=dq_tma,
                            DQ_ADD=dq_acc is not None and dq_add, PDL=bool(pdl), SUM_SPLITS=splits if in_dq else 0,
-                           SUM_ROWS=16, SUM_ADD=dkv_into is not None, num_warps=warps, num_stages=stages, **pdl))
+                           SUM_ROWS=16, SUM_ADD=dkv_into is not None, DQ_FINAL=dq_final is not None,
+                           num_warps=warps, num_stages=stages, **pdl))
 
 
 @functools.lru_cache(maxsize=8)
@@ -535,6 +561,12 @@ def _backward_knobs(generation: int):
                          f"DISTLAB_TRITON_ATTN_SPLIT_GROUPS={env!r} (use auto, 0 or 1), "
                          f"DISTLAB_TRITON_ATTN_SPLIT_SUM={split_sum!r} (use dq or kernel)")
     return mode, env, split_sum
+
+
+def dq_kernel_mode() -> bool:
+    """dQ comes from its own kernel (``DISTLAB_TRITON_ATTN_DQ_MODE=kernel``, the default), which can write a
+    ring's final rows in q's dtype (``flash_backward(dq_final=...)``)."""
+    return _backward_knobs(knobs.generation())[0] == "kernel"
 
 
 def _received(dkv_into, k, v):
