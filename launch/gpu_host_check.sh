@@ -11,6 +11,8 @@
 #                                                  # rank on FA4 blocks, host_cost (logs unpacked)
 #   bash launch/gpu_host_check.sh OUTDIR fa4ring   # FA4 present: the W=8 ring rank on FA4 blocks against Triton's,
 #                                                  # wall and GPU, the FA4 rank's kernel timeline at S32768, host_cost
+#   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
+#                                                  # launch keys checked
 #   bash launch/gpu_host_check.sh OUTDIR verify    # no FA4: the kernel checks (bf16) with the cached launch and in
 #                                                  # check mode, host_cost, the Triton ring rank's wall clock
 #                                                  # (and with DISTLAB_TRITON_ATTN_SPLIT_SUM=kernel beside it)
@@ -57,15 +59,20 @@ elif [ "$part" = fa4 ]; then   # FA4 present: its GPU tests (bshd and varlen), t
   exit $status
 elif [ "$part" = fa4ring ]; then   # FA4 present: #24's headline, the W=8 zigzag ring rank on FA4 blocks, wall and
   # GPU, against the Triton one; one forward and one backward of the FA4 rank at S32768 kernel by kernel
+  # (NO_TIMELINE=1 skips that last run). Host time a ring step first (backward: one BackwardSteps a ring
+  # backward, and dQ written final by each row's last block, since 2026-12-05), FA4's rows beside
+  LIMIT=80 TAIL=20 run host_cost $py -m distlab.kernels.host_cost --rounds 3 --json "$out/host_cost.json"
   LIMIT=120 TAIL=10 run emulate_fa4 $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 triton \
       --iters 10 --wall --json "$out/emulate_fa4_wall.json"
   LIMIT=120 TAIL=10 run emulate_fa4_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 triton \
       --iters 10 --json "$out/emulate_fa4_gpu.json"
-  LIMIT=90 TAIL=80 run emulate_fa4_timeline $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
-      --iters 5 --timeline --json "$out/emulate_fa4_timeline.json"
-  # host time a ring step (backward: one BackwardSteps a ring backward since 2026-12-05), FA4's rows beside
-  LIMIT=80 TAIL=20 run host_cost $py -m distlab.kernels.host_cost --rounds 3 --json "$out/host_cost.json"
-  exit $status
+  [ -n "${NO_TIMELINE:-}" ] || LIMIT=90 TAIL=80 run emulate_fa4_timeline $py -m distlab.cp.emulate --world 8 \
+      --seq 32768 --backend fa4 --iters 5 --timeline --json "$out/emulate_fa4_timeline.json"
+elif [ "$part" = ringcheck ]; then   # no FA4 needed: the ring's Triton kernels at real sizes in bf16 against the
+  # float64 reference (the emulated ring rank's dQ written final by each row's last block, 2026-12-05), every
+  # launch also through Triton's own path with the cached launch's key checked (DISTLAB_TRITON_LAUNCH=check)
+  LIMIT=200 run checks_check env DISTLAB_TRITON_LAUNCH=check $py tests/kernel_checks.py attention emulate \
+      --device cuda --dtype bfloat16 --big
 elif [ "$part" = verify ]; then
   LIMIT=270 run checks_cached $py tests/kernel_checks.py attention accumulate merge emulate --device cuda \
       --dtype bfloat16 --big
