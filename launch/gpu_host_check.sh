@@ -12,7 +12,8 @@
 #   bash launch/gpu_host_check.sh OUTDIR fa4ring   # FA4 present: the W=8 ring rank on FA4 blocks against Triton's,
 #                                                  # wall and GPU, the FA4 rank's kernel timeline at S32768, host_cost
 #   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
-#                                                  # launch keys checked
+#                                                  # launch keys checked; part triton: then host_cost and the Triton
+#                                                  # ring rank (emulate, wall and GPU)
 #   bash launch/gpu_host_check.sh OUTDIR verify    # no FA4: the kernel checks (bf16) with the cached launch and in
 #                                                  # check mode, host_cost, the Triton ring rank's wall clock
 #                                                  # (and with DISTLAB_TRITON_ATTN_SPLIT_SUM=kernel beside it)
@@ -68,11 +69,19 @@ elif [ "$part" = fa4ring ]; then   # FA4 present: #24's headline, the W=8 zigzag
       --iters 10 --json "$out/emulate_fa4_gpu.json"
   [ -n "${NO_TIMELINE:-}" ] || LIMIT=90 TAIL=80 run emulate_fa4_timeline $py -m distlab.cp.emulate --world 8 \
       --seq 32768 --backend fa4 --iters 5 --timeline --json "$out/emulate_fa4_timeline.json"
-elif [ "$part" = ringcheck ]; then   # no FA4 needed: the ring's Triton kernels at real sizes in bf16 against the
-  # float64 reference (the emulated ring rank's dQ written final by each row's last block, 2026-12-05), every
-  # launch also through Triton's own path with the cached launch's key checked (DISTLAB_TRITON_LAUNCH=check)
+elif [ "$part" = ringcheck ] || [ "$part" = triton ]; then   # no FA4 needed: the ring's Triton kernels at real
+  # sizes in bf16 against the float64 reference (the emulated ring rank's dQ written final by each row's last
+  # block, 2026-12-05), every launch also through Triton's own path with the cached launch's key checked
+  # (DISTLAB_TRITON_LAUNCH=check); part triton then times the host cost and the Triton ring rank, wall and GPU
   LIMIT=200 run checks_check env DISTLAB_TRITON_LAUNCH=check $py tests/kernel_checks.py attention emulate \
       --device cuda --dtype bfloat16 --big
+  if [ "$part" = triton ]; then
+    LIMIT=80 TAIL=20 run host_cost $py -m distlab.kernels.host_cost --rounds 3 --json "$out/host_cost.json"
+    LIMIT=90 TAIL=8 run emulate $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend triton --iters 10 \
+        --wall --json "$out/emulate_wall.json"
+    LIMIT=90 TAIL=8 run emulate_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend triton \
+        --iters 10 --json "$out/emulate_gpu.json"
+  fi
 elif [ "$part" = verify ]; then
   LIMIT=270 run checks_cached $py tests/kernel_checks.py attention accumulate merge emulate --device cuda \
       --dtype bfloat16 --big
