@@ -227,11 +227,19 @@ def forward_streams() -> int:
 
 def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv, dkv_pending = (k, v), None
     # the triton backend adds each block's dQ and dK/dV into float32 accumulators inside its kernels, from
     # the backward rows (final LSE, rowsum(dO·O)) computed once for the shard
     fused = acc == torch.float32 and backend == "triton"   # backend: concrete (ring_attention resolved it)
+    # and, given each row's first and last block (``StepBlocks``), a row's first dQ kernel writes its float32
+    # dQ (no zero fill) and its last writes the final dQ in q's dtype (no conversion launch after the ring)
+    ordered = fused and getattr(blocks, "last", None) is not None
+    dq = (torch.empty if ordered else torch.zeros)(q.shape, dtype=acc, device=q.device)
+    dq_final, number = None, 0
+    if ordered:
+        dq_final = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if blocks.untouched.numel():   # rows no block covers (none see a key): dQ 0
+            dq_final.index_fill_(1, blocks.untouched, 0)
     plan = BackwardStreams(q.device if fused else torch.device("cpu"))
     if fused:
         from distlab.kernels.triton_masked_attention import masked_backward, masked_backward_rows
@@ -262,7 +270,10 @@ def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
                     with phase("ring.block_backward"):
                         masked_backward(dout[:, a:b], q[:, a:b], kv[0], kv[1], None, None, mask, block_scale,
                                         rows=(back_rows[0][:, :, a:b], back_rows[1][:, :, a:b]), dq_acc=dq[:, a:b],
-                                        dk_acc=part[0], dv_acc=part[1], dkv_add=not only, dq_stream=plan.dq)
+                                        dk_acc=part[0], dv_acc=part[1], dkv_add=not only, dq_stream=plan.dq,
+                                        order=(blocks.first[a:b], blocks.last[a:b], number) if ordered else None,
+                                        dq_final=dq_final[:, a:b] if ordered else None)
+                    number += 1
             done = plan.done(kernels)
         elif not fused:
             for a, b, mask in blocks[step]:
@@ -288,7 +299,7 @@ def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
         if dkv_pending is not None:
             dkv = tuple(dkv_pending.wait())
     plan.join()
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return (dq_final if ordered else dq.to(q.dtype)), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 class BackwardStreams:

@@ -227,11 +227,14 @@ def _dq_keys(dq, q, do, lse, delta, K, V, KPOS, base, first, stop, ke, fb, fe, s
     return dq
 
 
-@triton.jit
-def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, KPOS, KB, KE, GB, GE, FB, FE, TILES, scale,
-            sqb, sqs, sqh, skb, sks, skh, srb, srh, sdb, sds, sdh, seq_q, heads, groups,
+@triton.jit(do_not_specialize=["number"])   # as the forward's
+def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, KPOS, KB, KE, GB, GE, FB, FE, TILES, DQF, FIRST, LAST, scale,
+            sqb, sqs, sqh, skb, sks, skh, srb, srh, sdb, sds, sdh, seq_q, heads, groups, number,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, FULL: tl.constexpr,
-            ADD: tl.constexpr, LPT: tl.constexpr):
+            ADD: tl.constexpr, LPT: tl.constexpr, ORDERED: tl.constexpr):
+    """ORDERED (a packed ring's block ``number``, with ADD): a row whose FIRST block this is reads no dQ (it
+    starts there: the accumulator needs no zero fill), one whose LAST block this is is written to DQF (q's
+    dtype, DQ's strides) instead of to DQ (no conversion launch after the ring)."""
     if LPT:   # as the forward's: query tile TILES[y] of (batch, head) x, longest key range first
         bh, tile = tl.program_id(0), tl.load(TILES + tl.program_id(1))
     else:
@@ -264,9 +267,17 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, KPOS, KB, KE, GB, GE, FB, FE, T
                   BLOCK_N, FULL)
     dq_ptrs = DQ + b * sdb + h * sdh + rows[:, None] * sds + dims[None, :]
     dq = dq * scale
-    if ADD:   # a ring step: added into the float32 dQ of the shard
-        dq += tl.load(dq_ptrs, mask=in_q[:, None], other=0.0)
-    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=in_q[:, None])
+    if ORDERED:   # a packed ring: per row, its first block writes, its last writes the final dQ
+        held = in_q & (tl.load(FIRST + rows, mask=in_q, other=number) != number)
+        dq += tl.load(dq_ptrs, mask=held[:, None], other=0.0)
+        done = tl.load(LAST + rows, mask=in_q, other=-1) == number
+        tl.store(DQF + b * sdb + h * sdh + rows[:, None] * sds + dims[None, :], dq.to(DQF.dtype.element_ty),
+                 mask=(in_q & done)[:, None])
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(in_q & ~done)[:, None])
+    else:
+        if ADD:   # a ring step: added into the float32 dQ of the shard
+            dq += tl.load(dq_ptrs, mask=in_q[:, None], other=0.0)
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=in_q[:, None])
 
 
 def _gaps(mask, block_m, block_n, end):
@@ -385,7 +396,7 @@ def masked_forward(q, k, v, mask, scale, out=None, lse=None, accumulate=False, o
 
 
 def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None, dk_acc=None, dv_acc=None,
-                    dkv_add=True, dq_stream=None):
+                    dkv_add=True, dq_stream=None, order=None, dq_final=None):
     """(dq, dk, dv) given the final out and lse (as every backend; see ``distlab.kernels.attention``).
 
     A packed ring step passes ``rows = masked_backward_rows(dout, out, lse)`` of these query rows (computed
@@ -396,7 +407,10 @@ def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None
     step's only block: its accumulator needs no zero fill first). ``dq_stream`` (a CUDA stream): the dQ kernel
     is launched there, after what the current stream holds so far (this dK/dV kernel included), beside the
     dK/dV kernels that follow (``distlab.cp.ring_packed.BackwardStreams``); the caller marks the inputs as
-    used by that stream and waits for it before reading dQ."""
+    used by that stream and waits for it before reading dQ. ``order = (first, last, number)`` with
+    ``dq_final`` (a packed ring, as ``masked_forward``'s): a row's first block writes its dQ into ``dq_acc``
+    (no zero fill needed), its last writes the final dQ into ``dq_final`` (q's shape and dtype, ``dq_acc``'s
+    strides) instead."""
     _check(q, k, v, mask)
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -413,6 +427,14 @@ def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None
         if dk_acc.stride() != dv_acc.stride():
             raise ValueError("dk_acc and dv_acc must share strides")
         dq, dk, dv = accs
+        if order is not None:
+            first, last, number = order
+            if dq_final is None or dq_final.shape != q.shape or dq_final.stride() != dq.stride() \
+                    or any(t.shape != (sq,) or t.dtype != torch.int32 or t.stride(0) != 1 for t in (first, last)):
+                raise ValueError(f"order=(first, last, number) needs dq_final {tuple(q.shape)} with dq_acc's strides "
+                                 f"and first/last contiguous int32 ({sq},)")
+    elif order is not None:
+        raise ValueError("order=(first, last, number) needs the accumulators (dq_acc, dk_acc, dv_acc)")
     else:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     add = dq_acc is not None
@@ -439,11 +461,14 @@ def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None
         for t in (q, k, v, dout):   # copies made above (non-contiguous inputs) are freed when this returns
             t.record_stream(dq_stream)
     with torch.cuda.stream(dq_stream) if dq_stream is not None else contextlib.nullcontext():
+        ordered = (dq_final, *order[:2]) if order is not None else (dq, lo, lo)   # unread without ORDERED
         launch_keyed(_DQ, (b * h, cdiv(sq, bm)) if lpt else (cdiv(sq, bm), b * h),
-                     (q, k, v, dout, lse, delta, dq, lo, hi, kpos, kb, ke, *_gaps(mask, bm, bn, ke), fb, fe, tiles),
-                     (scale, *q.stride()[:3], *k.stride()[:3], *lse.stride()[:2], *dq.stride()[:3], sq, h, h // hk),
-                     dict(BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), ADD=add, LPT=lpt, num_warps=warps,
-                          num_stages=stages))
+                     (q, k, v, dout, lse, delta, dq, lo, hi, kpos, kb, ke, *_gaps(mask, bm, bn, ke), fb, fe, tiles,
+                      *ordered),
+                     (scale, *q.stride()[:3], *k.stride()[:3], *lse.stride()[:2], *dq.stride()[:3], sq, h, h // hk,
+                      order[2] if order is not None else 0),
+                     dict(BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), ADD=add, LPT=lpt,
+                          ORDERED=order is not None, num_warps=warps, num_stages=stages))
     return dq, dk, dv
 
 
