@@ -11,6 +11,7 @@
 #                                                   # order (the masked forward's tile order, rows vs lpt),
 #                                                   # backward (the packed ring's streams, forward and
 #                                                   # backward, A/B, with the GPU checks of every mode)
+#                                                   # or verify (the checks, then the default schedule once)
 #                                                   # or allgather (all-gather CP's compute on the packs, each
 #                                                   # query tile's gap skipped and not, A/B)
 #                                                   # or fa4 (FA4's varlen path for masks: its GPU tests, the packed
@@ -40,6 +41,16 @@ if [ "$part" = order ]; then   # A/B: the masked forward's query tiles in row or
       --layouts zigzag balanced units --backend triton --rate-means 2048 --iters 5 --warmup 1 \
       --json "$out/order_$order.json" || status=1
   done
+  pack_logs
+  exit $status
+fi
+
+if [ "$part" = verify ]; then   # the masked kernels and the packed ring checked in bf16 (each row's first dQ
+  # kernel writing, its last writing the final dQ, 2026-12-05), then the default schedule timed once (64k, W=8)
+  timeout -s ABRT 240 $py tests/kernel_checks.py masked packed_ring --device cuda --dtype bfloat16 --big \
+    2>&1 | tee "$out/checks.log" || status=1
+  timeout -s ABRT 150 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --layouts zigzag balanced units \
+    --backend triton --iters 5 --warmup 2 --json "$out/default.json" 2>&1 | tee "$out/default.log" || status=1
   pack_logs
   exit $status
 fi
