@@ -22,7 +22,8 @@ blocks, not per block, and the last merge writes q's dtype (no conversion after)
 Backward: K/V travel the ring again, and so does a float32 (dK, dV) accumulator for the block being
 visited; each rank adds its contribution to it (computed with the *global* out and lse, see
 ``distlab/kernels/attention.py``), and after W hops it is back home. That is W−1 K/V exchanges and W dK/dV
-exchanges.
+exchanges. With the ``triton`` backend dQ is added into a float32 accumulator inside the dQ kernel, and each
+row's last block writes its final dQ in q's dtype (``backward_schedule``: no conversion launch at the end).
 
 Packed documents and sliding windows (``cu_seqlens=``, ``window=``), and the ``balanced`` layout, run the
 same ring with a mask per block built from global positions: ``distlab/cp/ring_packed.py``.
