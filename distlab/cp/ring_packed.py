@@ -13,7 +13,8 @@ the runs of rows that see some of its keys (``step_blocks``): with documents mos
 other ranks, and merging the whole float32 output at every step cost more than the kernels on the H200
 (docs/PERF.md). With the ``triton`` backend each block merges into the running (out, LSE) inside its kernel
 (``_forward``), a row starting at its first block and written in q's dtype at its last, and the backward's
-kernels add into float32 accumulators. Inside a block the kernel skips the keys the mask removes, so the
+kernels add into float32 accumulators (dQ, too, starting at a row's first block and written in q's dtype at
+its last). Inside a block the kernel skips the keys the mask removes, so the
 work follows the visible pairs, not T².
 
 Every layout works because nothing here assumes where a position lives: the masks are computed from the
