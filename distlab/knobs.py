@@ -46,6 +46,9 @@ KNOBS = {
                                         "ring block, rows for a whole call)"),
     "PACKED_FWD_STREAMS": Knob("1", "CUDA streams of a packed Triton ring's forward: 1, or 2 (the later steps' "
                                     "blocks beside my own step's, merged at the end; H100: no faster)"),
+    "RING_DQ_FINAL": Knob("1", "1: a Triton ring's backward (dense or packed) writes each row's final dQ in q's "
+                               "dtype from its last block's dQ kernel; 0: a float32 dQ converted after the ring "
+                               "(the path before 2026-12-05, for an A/B)"),
     "PACKED_BWD_STREAMS": Knob("4", "CUDA streams of a packed Triton ring's backward: 1 (one), 2 (dQ kernels on "
                                     "their own), 4 (also each step's dK/dV kernels on one of two in turn, and the "
                                     "travelling dK/dV accumulators on a fourth; the fastest on the H100)"),

@@ -579,6 +579,55 @@ def test_allgather_schedule_on_the_masked_triton_kernel():
         pool.close()
 
 
+def dq_final_on_and_off():
+    """One process, Triton's interpreter, float32: a rank's backward with ``DISTLAB_RING_DQ_FINAL`` 1 (each row's
+    final dQ written by its last block's dQ kernel) and 0 (a float32 dQ converted after the ring) — the dense
+    ring (``emulate_rank``, zigzag and contiguous) and the packed ring (every rank of a W=3 pack in the balanced
+    layout). Returns, per case, whether the two gradients are the same bit for bit."""
+    from distlab import knobs
+    from distlab.cp.emulate import ResidentRing, emulate_rank
+    from distlab.cp.ring_packed import _backward, _forward, step_blocks
+
+    same = {}
+    for layout, rank in (("zigzag", 0), ("zigzag", 2), ("contiguous", 1)):
+        got = []
+        for flag in ("1", "0"):
+            with knobs.override(RING_DQ_FINAL=flag):
+                got.append(emulate_rank(3, 96, 2, 1, 16, rank, layout, True, "triton", torch.float32,
+                                        torch.device("cpu"), keep_output=True, iters=1, warmup=0)["dq"])
+        same[f"dense {layout} r{rank}"] = torch.equal(*got)
+    cu, causal, window = CASES["tiny_docs"]
+    docs = Documents.from_args(T, torch.tensor(cu), causal, window)
+    q, k, v, dout = (t[:1].float() for t in _inputs(4, 2, head_dim=16))
+    world = 3
+    pos = [shard_positions(T, world, r, "balanced", docs.cu_seqlens) for r in range(world)]
+    for r in range(world):
+        blocks = step_blocks(docs, pos, r, "cpu")
+        kv = [(k[:, pos[(r - s) % world]].contiguous(), v[:, pos[(r - s) % world]].contiguous()) for s in range(world)]
+        qr, dr = q[:, pos[r]].contiguous(), dout[:, pos[r]].contiguous()
+        out, lse = _forward(qr, *kv[0], ResidentRing(world, r, kv), blocks, None, "triton")
+        got = []
+        for flag in ("1", "0"):
+            with knobs.override(RING_DQ_FINAL=flag):
+                got.append(_backward(dr, qr, *kv[0], out, lse, ResidentRing(world, r, kv), blocks, None, "triton"))
+        same[f"packed r{r}"] = all(torch.equal(a, b) for a, b in zip(*got))
+    return same
+
+
+def test_the_final_dq_from_the_last_block_is_the_converted_accumulator():
+    """``DISTLAB_RING_DQ_FINAL`` 1 (the default) and 0 give the same gradients bit for bit (float32 on the CPU;
+    the one-device parity tests of both rings run with 1)."""
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    from distlab.testing import ProcessGroupPool
+
+    pool = ProcessGroupPool(1, env={"TRITON_INTERPRET": "1"})
+    try:
+        (same,) = pool.run(dq_final_on_and_off, timeout_s=300)
+        assert same and all(same.values()), same
+    finally:
+        pool.close()
+
+
 def test_packed_emulator_refuses_unknown_layouts_before_any_clock():
     from distlab.cp.emulate_packed import check_layout_names
 

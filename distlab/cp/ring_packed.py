@@ -235,6 +235,10 @@ def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
     # and, given each row's first and last block (``StepBlocks``), a row's first dQ kernel writes its float32
     # dQ (no zero fill) and its last writes the final dQ in q's dtype (no conversion launch after the ring)
     ordered = fused and getattr(blocks, "last", None) is not None
+    if ordered:
+        from distlab.kernels.triton_attention_backward import ring_dq_final
+
+        ordered = ring_dq_final()   # knob DISTLAB_RING_DQ_FINAL (1: the default; 0: the A/B)
     dq = (torch.empty if ordered else torch.zeros)(q.shape, dtype=acc, device=q.device)
     dq_final, number = None, 0
     if ordered:

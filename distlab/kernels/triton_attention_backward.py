@@ -565,8 +565,18 @@ def _backward_knobs(generation: int):
 
 def dq_kernel_mode() -> bool:
     """dQ comes from its own kernel (``DISTLAB_TRITON_ATTN_DQ_MODE=kernel``, the default), which can write a
-    ring's final rows in q's dtype (``flash_backward(dq_final=...)``)."""
-    return _backward_knobs(knobs.generation())[0] == "kernel"
+    ring's final rows in q's dtype (``flash_backward(dq_final=...)``), and knob ``DISTLAB_RING_DQ_FINAL`` (1,
+    the default) lets it."""
+    return _backward_knobs(knobs.generation())[0] == "kernel" and ring_dq_final()
+
+
+def ring_dq_final() -> bool:
+    """Knob ``DISTLAB_RING_DQ_FINAL``: 1 (the default) — a Triton ring's backward writes each row's final dQ in
+    q's dtype from its last block's dQ kernel; 0 — a float32 dQ converted after the ring (an A/B)."""
+    flag = knobs.get("RING_DQ_FINAL")
+    if flag not in ("0", "1"):
+        raise ValueError(f"DISTLAB_RING_DQ_FINAL={flag!r}: use 1 (final dQ from the last block) or 0")
+    return flag == "1"
 
 
 def _received(dkv_into, k, v):
