@@ -81,6 +81,10 @@ elif [ "$part" = ringcheck ] || [ "$part" = triton ]; then   # no FA4 needed: th
         --wall --json "$out/emulate_wall.json"
     LIMIT=90 TAIL=8 run emulate_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend triton \
         --iters 10 --json "$out/emulate_gpu.json"
+    # A/B: the backward's dQ converted after the ring (the path before 2026-12-05) against the final dQ from
+    # each row's last block (the default)
+    LIMIT=90 TAIL=8 run emulate_dq_final_off env DISTLAB_RING_DQ_FINAL=0 $py -m distlab.cp.emulate --world 8 \
+        --seq 8192 32768 --backend triton --iters 10 --wall --json "$out/emulate_wall_dq_final_off.json"
   fi
 elif [ "$part" = verify ]; then
   LIMIT=270 run checks_cached $py tests/kernel_checks.py attention accumulate merge emulate --device cuda \

@@ -51,6 +51,10 @@ if [ "$part" = verify ]; then   # the masked kernels and the packed ring checked
     2>&1 | tee "$out/checks.log" || status=1
   timeout -s ABRT 150 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --layouts zigzag balanced units \
     --backend triton --iters 5 --warmup 2 --json "$out/default.json" 2>&1 | tee "$out/default.log" || status=1
+  # A/B: the dQ zero-filled and converted after the ring (before 2026-12-05)
+  DISTLAB_RING_DQ_FINAL=0 timeout -s ABRT 150 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --layouts \
+    balanced --backend triton --iters 5 --warmup 2 --json "$out/dq_final_off.json" 2>&1 | tee "$out/dq_final_off.log" \
+    || status=1
   pack_logs
   exit $status
 fi
