@@ -314,8 +314,8 @@ class BackwardStreams:
     - ``2``: each dQ kernel on a second stream, after its step's dK/dV kernel and beside the
       next steps' — dQ stays on the rank, only dK/dV travel on to the next rank, and the kernels' partial
       last waves overlap (H200, a balanced 64k pack at W=8: f+b 69.9% → 76.9% of one call, docs/PERF.md);
-    - ``4`` (the default): besides, each step's dK/dV kernels on one of two streams in turn (a step's kernels overlap the
-      previous step's: a balanced pack's rank has a large block and several small ones), and the travelling
+    - ``4`` (the default): besides, each step's dK/dV kernels on one of two streams in turn (a step's kernels
+      overlap the previous step's: a balanced pack's rank has a large block and several small ones), and the travelling
       dK/dV accumulators — receive, add this rank's part, send on — on a fourth stream that waits for each
       step's kernels, so the caller's stream only posts the K/V exchanges and never waits for a kernel or
       for another rank. On the H100 (2026-12-05, ``bash launch/gpu_packed_check.sh OUT backward``, checked

@@ -44,8 +44,8 @@ from distlab.kernels.masks import key_tiles, query_ranges, range_tiles
 
 FWD_TILE, BWD_TILE = (128, 64), (64, 64)   # the masked kernel's H200 tiles (``masked_tiles``, head_dim <= 128)
 DKV_WEIGHT, DQ_WEIGHT = 4.0, 3.0           # matmuls per tile: dK/dV's four, dQ's three
-SCHEDULES = ("rows", "lpt", "lpt+dq", "dq once", "bwd4", "fwd2+bwd4", "lpt+dq pdl", "fwd2+bwd4 pdl", "fwd groups", "grouped",
-             "no barrier")
+SCHEDULES = ("rows", "lpt", "lpt+dq", "dq once", "bwd4", "fwd2+bwd4", "lpt+dq pdl", "fwd2+bwd4 pdl", "fwd groups",
+             "grouped", "no barrier")
 COLUMNS = SCHEDULES + ("all-gather",)   # and all-gather CP's compute on the same layout (``layout_row``)
 
 
@@ -211,8 +211,8 @@ def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, 
     ``schedule`` (``SCHEDULES``): ``rows``/``lpt``, one stream; ``lpt+dq``, each dQ on a second stream after
     its dK/dV (``DISTLAB_PACKED_BWD_STREAMS=2``); ``bwd4``, besides, each step's dK/dV on one of two streams
     in turn (``PACKED_BWD_STREAMS=4``, the default); ``fwd2+bwd4``, also the forward's later steps on a
-    second stream beside step 0's (``PACKED_FWD_STREAMS=2``); ``... once`` (written, tested on the CPU, dropped on this model's word:
-    docs/PERF.md): the later steps' dQ in one launch over their keys gathered in position order (program costs
+    second stream beside step 0's (``PACKED_FWD_STREAMS=2``); ``... once`` (written, tested on the CPU,
+    dropped on this model's word: docs/PERF.md): the later steps' dQ in one launch over their keys gathered in position order (program costs
     ``later_dq``, from ``later_steps_mask``), queued on the dQ stream when the last step's K/V arrive (step
     ``world`` − 1, after what the caller's stream holds by then); ``... pdl`` (not built; a bound, since the
     whole fitted gap goes, not only the launch latency PDL hides): every kernel a programmatic dependent of
