@@ -214,9 +214,9 @@ def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, 
     second stream beside step 0's (``PACKED_FWD_STREAMS=2``); ``... once`` (written, tested on the CPU,
     dropped on this model's word: docs/PERF.md): the later steps' dQ in one launch over their keys gathered
     in position order (program costs ``later_dq``, from ``later_steps_mask``), queued on the dQ stream when
-    the last step's K/V arrive (step ``world`` − 1, after what the caller's stream holds by then); ``... pdl`` (not built; a bound, since the
-    whole fitted gap goes, not only the launch latency PDL hides): every kernel a programmatic dependent of
-    the one before it on its stream (``Kernel.pdl``), as the unpacked Triton ring's kernels can be
+    the last step's K/V arrive (step ``world`` − 1, after what the caller's stream holds by then); ``... pdl``
+    (not built; a bound, since the whole fitted gap goes, not only the launch latency PDL hides): every
+    kernel a programmatic dependent of the one before it on its stream (``Kernel.pdl``), as the unpacked Triton ring's kernels can be
     (``DISTLAB_TRITON_ATTN_PDL=1``); ``fwd groups`` (not built): each forward step group of the unpacked
     Triton ring (``launch_groups(W, 4)``: 0 | 1 2 3 | 4 5 6 7) in one launch, the backward as ``lpt+dq``;
     ``grouped`` (not built: what a kernel taking several blocks a launch would give), step 0's forward
