@@ -208,21 +208,20 @@ class _Streams:
 def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, units=(2, 1), later_dq=None,
           world=None) -> list:
     """Kernels of a rank's (or one call's) blocks — ``(step, block_costs)`` in step order — on the streams of
-    ``schedule`` (``SCHEDULES``): ``rows``/``lpt``, one stream; ``lpt+dq``, each dQ on a second stream after
-    its dK/dV (``DISTLAB_PACKED_BWD_STREAMS=2``); ``bwd4``, besides, each step's dK/dV on one of two streams
-    in turn (``PACKED_BWD_STREAMS=4``, the default); ``fwd2+bwd4``, also the forward's later steps on a
-    second stream beside step 0's (``PACKED_FWD_STREAMS=2``); ``... once`` (written, tested on the CPU,
-    dropped on this model's word: docs/PERF.md): the later steps' dQ in one launch over their keys gathered
-    in position order (program costs ``later_dq``, from ``later_steps_mask``), queued on the dQ stream when
-    the last step's K/V arrive (step ``world`` − 1, after what the caller's stream holds by then); ``... pdl``
-    (not built; a bound, since the whole fitted gap goes, not only the launch latency PDL hides): every
-    kernel a programmatic dependent of the one before it on its stream (``Kernel.pdl``), as the unpacked Triton ring's kernels can be
-    (``DISTLAB_TRITON_ATTN_PDL=1``); ``fwd groups`` (not built): each forward step group of the unpacked
-    Triton ring (``launch_groups(W, 4)``: 0 | 1 2 3 | 4 5 6 7) in one launch, the backward as ``lpt+dq``;
-    ``grouped`` (not built: what a kernel taking several blocks a launch would give), step 0's forward
-    blocks, then one forward launch for the later steps and one dK/dV and one dQ launch for all blocks, each
-    longest first; ``no barrier``, no kernel waits for another. A backward program's cost is scaled by
-    ``bwd_scale``; ``units``: the SM units a forward and a backward program take."""
+    ``schedule`` (``SCHEDULES``): ``rows``/``lpt``, one stream; ``lpt+dq``, each dQ on a second stream after its
+    dK/dV (``DISTLAB_PACKED_BWD_STREAMS=2``); ``bwd4``, besides, each step's dK/dV on one of two streams in turn
+    (``PACKED_BWD_STREAMS=4``, the default); ``fwd2+bwd4``, also the forward's later steps on a second stream beside
+    step 0's (``PACKED_FWD_STREAMS=2``); ``... once`` (written, tested on the CPU, dropped on this model's word:
+    docs/PERF.md): the later steps' dQ in one launch over their keys gathered in position order (program costs
+    ``later_dq``, from ``later_steps_mask``), queued on the dQ stream when the last step's K/V arrive (step
+    ``world`` − 1, after what the caller's stream holds by then); ``... pdl`` (not built; a bound, since the whole
+    fitted gap goes, not only the launch latency PDL hides): every kernel a programmatic dependent of the one before
+    it on its stream (``Kernel.pdl``), as the unpacked Triton ring's kernels can be (``DISTLAB_TRITON_ATTN_PDL=1``);
+    ``fwd groups`` (not built): each forward step group of the unpacked Triton ring (``launch_groups(W, 4)``: 0 | 1
+    2 3 | 4 5 6 7) in one launch, the backward as ``lpt+dq``; ``grouped`` (not built: what a kernel taking several
+    blocks a launch would give), step 0's forward blocks, then one forward launch for the later steps and one dK/dV
+    and one dQ launch for all blocks, each longest first; ``no barrier``, no kernel waits for another. A backward
+    program's cost is scaled by ``bwd_scale``; ``units``: the SM units a forward and a backward program take."""
     if schedule == "fwd groups":   # hypothetical: each step group's forward blocks in one launch, then lpt+dq
         from distlab.cp.ring import launch_groups
 
