@@ -547,22 +547,34 @@ def test_allgather_schedule_is_all_gather_cp_on_one_device():
         assert torch.allclose(dk, dk_w, atol=1e-12) and torch.allclose(dv, dv_w, atol=1e-12), layout
 
 
-def allgather_schedule_triton_vs_torch():
-    """One process, Triton's interpreter: all-gather CP's schedule on the masked Triton kernel against the torch
-    backend's (float32, two kv-head groups: the backward reads an LSE view of half the heads)."""
+def allgather_schedule_triton_vs_one_device():
+    """One process, Triton's interpreter: all-gather CP's schedule on the masked Triton kernel (float32, batch 1,
+    two kv-head groups: the backward reads an LSE view of half the heads) against one-device masked attention:
+    each rank's output and dQ are its rows of it, and the ranks' dK/dV add up to its dK/dV."""
     from distlab.cp.emulate_packed import allgather_schedule, placement_positions
+    from distlab.kernels.attention import attention_backward, attention_forward
 
     t, world = 256, 4
     docs = Documents.from_args(t, parse_docs("lognormal:mean=40,seed=1", t), True, None)
     g = torch.Generator().manual_seed(0)
     q, dout = (torch.randn(1, t, 4, 16, generator=g) for _ in range(2))
     k, v = (torch.randn(1, t, 2, 16, generator=g) for _ in range(2))
+    every = torch.arange(t)
+    mask = docs.mask(every, every)
+    want = attention_forward(q.double(), k.double(), v.double(), False, backend="torch", mask=mask)
+    dq_w, dk_w, dv_w = attention_backward(dout.double(), q.double(), k.double(), v.double(), *want, False,
+                                          backend="torch", mask=mask)
     positions = placement_positions("balanced", docs, world)
-    errors = []
-    for rank in (0, world - 1):
-        got, want = (allgather_schedule(q, k, v, dout, docs, positions, rank, b)[1]() for b in ("triton", "torch"))
-        errors.append(max(rel_err(a, b) for a, b in zip(got, want)))
-    return errors
+    everyone = torch.cat(list(positions))
+    dk, dv, errors = torch.zeros_like(dk_w), torch.zeros_like(dv_w), []
+    for rank in range(world):
+        fwd, fwd_bwd = allgather_schedule(q, k, v, dout, docs, positions, rank, "triton")
+        out, _ = fwd()
+        dq_r, dk_r, dv_r = fwd_bwd()
+        errors += [rel_err(out, want[0][:, positions[rank]]), rel_err(dq_r, dq_w[:, positions[rank]])]
+        dk[:, everyone] += dk_r.double()
+        dv[:, everyone] += dv_r.double()
+    return errors + [rel_err(dk, dk_w), rel_err(dv, dv_w)]
 
 
 def test_allgather_schedule_on_the_masked_triton_kernel():
@@ -573,7 +585,7 @@ def test_allgather_schedule_on_the_masked_triton_kernel():
 
     pool = ProcessGroupPool(1, env={"TRITON_INTERPRET": "1"})
     try:
-        (errors,) = pool.run(allgather_schedule_triton_vs_torch, timeout_s=300)
+        (errors,) = pool.run(allgather_schedule_triton_vs_one_device, timeout_s=300)
         assert errors and all(e < 2e-5 for e in errors), errors
     finally:
         pool.close()
