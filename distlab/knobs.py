@@ -62,7 +62,8 @@ KNOBS = {
     "TRITON_ATTN_SPLIT_GROUPS": Knob("auto", "GQA dK/dV split over q-head groups: auto, 0 or 1"),
     "TRITON_ATTN_SPLIT_SUM": Knob("dq", "where split dK/dV partials are summed, and a later ring step's dK/dV "
                                         "added to the received accumulator: dq (in the dQ kernel) or kernel"),
-    "RING_STEPS_PER_LAUNCH": Knob(None, "the ring studies' steps per launch (1..4, or group sizes such as 1,1,2,4)"),
+    "RING_STEPS_PER_LAUNCH": Knob(None, "the ring studies' steps per launch (1..4, or group sizes such as 1,1,2,4); "
+                                        "with documents, the forward's launch groups"),
     # memory-bound kernels (distlab.kernels.launch)
     "KERNEL_WARPS": Knob(None, "warps per program of every memory-bound kernel (default: each kernel's own)"),
     "KERNEL_RMSNORM_ROWS": Knob(None, "rows per program of the fused RMSNorm (a power of two; default 1)"),

@@ -558,8 +558,9 @@ def check_packed_ring(device, dtype, big=False):
     resident: ``distlab.cp.emulate.ResidentRing``) on the ``triton`` backend — kernels merging and adding in
     place, ring blocks longest tiles first, on CUDA the backward's dQ on a second stream (the defaults) —
     against the float64 torch backend, zigzag and balanced, also with the forward on two streams (its merge
-    order differs: not bit for bit); and the backward on one stream and on four, bit for bit the same as on
-    two (a missing stream sync would show)."""
+    order differs: not bit for bit) and with the forward by launch groups (``distlab.cp.packed_groups``: the
+    ring's default, 0 | 1 2 3 | 4 5 6 7 at W=8; 0 | 1 2 at W=3); and the backward on one stream and on four,
+    bit for bit the same as on two (a missing stream sync would show)."""
     from distlab.cp.documents import Documents, parse_docs
     from distlab.cp.emulate import ResidentRing
     from distlab.cp.layout import shard_positions
@@ -580,11 +581,12 @@ def check_packed_ring(device, dtype, big=False):
         pos = [shard_positions(t, world, r, layout, docs.cu_seqlens) for r in range(world)]
         for r in range(world):
             blocks = step_blocks(docs, pos, r, device)
+            grouped = step_blocks(docs, pos, r, device, steps_per_launch=4 if world > 3 else (1, 2))
             want = schedule("torch", r, pos, blocks, lambda x: x.double())
             got = {}
-            for fwd, bwd in (("1", "2"), ("1", "1"), ("1", "4"), ("2", "2")):   # the defaults (1, 2) first
-                with knobs.override(PACKED_FWD_STREAMS=fwd, PACKED_BWD_STREAMS=bwd):
-                    got[fwd, bwd] = schedule("triton", r, pos, blocks, lambda x: x)
+            for fwd, bwd in (("1", "2"), ("1", "1"), ("1", "4"), ("2", "2"), ("groups", "4")):
+                with knobs.override(PACKED_FWD_STREAMS="1" if fwd == "groups" else fwd, PACKED_BWD_STREAMS=bwd):
+                    got[fwd, bwd] = schedule("triton", r, pos, grouped if fwd == "groups" else blocks, lambda x: x)
             for (fwd, bwd), result in got.items():
                 for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), result, want):
                     if name == "lse":

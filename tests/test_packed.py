@@ -147,6 +147,56 @@ def test_one_document_is_the_plain_causal_ring(pools, layout):
     assert all(e < 1e-13 for e in pools(4).run(one_document_equals_the_plain_path, layout))
 
 
+def grouped_ring_vs_one_device(groups):
+    """Runs on every rank: the packed ring with its forward's steps in launch groups (``steps_per_launch``:
+    each group's seen keys gathered in position order, ``distlab.cp.packed_groups``), every case and layout,
+    float64, against the masked reference. Returns {name: error} and how many groups held keys to gather."""
+    from distlab.cp.ring_packed import step_blocks
+
+    q, k, v, dout = _inputs(8, 2)
+    world, rank = comm.group_size(), comm.group_rank()
+    errors, gathered = {}, 0
+    for case, (cu, causal, window) in CASES.items():
+        want = reference(q, k, v, dout, cu, causal, window)
+        cu_t = torch.tensor(cu)
+        docs = Documents.from_args(T, cu_t, causal, window)
+        for layout in ("contiguous", "zigzag", "balanced"):
+            pos = [shard_positions(T, world, r, layout, docs.cu_seqlens) for r in range(world)]
+            for n in groups:
+                plan = step_blocks(docs, pos, rank, "cpu", steps_per_launch=n).launches
+                gathered += sum(g is not None and len(blocks) > 0 for _, g, blocks in plan or [])
+                local = [shard_sequence(t, None, layout, cu_seqlens=cu_t).requires_grad_(True) for t in (q, k, v)]
+                out = ring_attention(*local, None, causal, layout, cu_seqlens=cu_t, window=window, steps_per_launch=n)
+                out.backward(shard_sequence(dout, None, layout, cu_seqlens=cu_t))
+                got = [gather_sequence(t, None, layout, cu_seqlens=cu_t) for t in (out.detach(), *(x.grad for x in local))]
+                errors[f"{case}-{layout}-{n}"] = max(rel_err(a, b) for a, b in zip(got, want))
+    return errors, gathered
+
+
+@pytest.mark.parametrize("world, groups", [(2, [(2,)]), (3, [2, (3,)]), (4, [3, (1, 2, 1)]), (8, [4])])
+def test_ring_forward_in_launch_groups_matches_one_device_float64(pools, world, groups):
+    """The packed ring's forward by launch groups (0 | 1 2 3 | ... : a group's keys gathered and run as one set
+    of blocks, any backend) gives one device's outputs and gradients in float64, every case and layout."""
+    for rank, (errors, gathered) in enumerate(pools(world).run(grouped_ring_vs_one_device, groups)):
+        bad = {name: f"{e:.1e}" for name, e in errors.items() if not e < 1e-10}
+        assert not bad, f"W={world} rank {rank}: {bad}"
+        assert gathered > 0, (world, rank)   # some group did gather keys of several steps
+
+
+def test_seen_key_rows_is_the_union_of_the_rows_intervals():
+    from distlab.cp.packed_groups import seen_key_rows
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        keys = torch.randperm(200, generator=g)[:60].sort().values
+        lo = torch.randint(0, 200, (30,), generator=g)
+        hi = lo + torch.randint(-5, 40, (30,), generator=g)
+        from distlab.kernels.masks import KeyMask
+
+        seen = ((keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None])).any(0).nonzero().squeeze(1)
+        assert torch.equal(seen_key_rows(KeyMask(lo, hi, keys)), seen)
+
+
 # ------------------------------------------------------------------------------------------- what is skipped
 
 def blocks_launched(layout, cu):
@@ -412,23 +462,24 @@ def triton_ring_forward_accumulators(case, layout):
     q, k, v, dout = (t[:1] for t in _inputs(4, 2, head_dim=16))
     want_out, want_dq, _, _ = reference(q, k, v, dout, cu, causal, window)
     q, k, v, dout = (t.float() for t in (q, k, v, dout))
-    world, worst, merged = 3, {"1": 0.0, "2": 0.0}, 0
+    world, worst, merged = 3, {"1": 0.0, "2": 0.0, "groups": 0.0}, 0
     pos = [shard_positions(T, world, r, layout, docs.cu_seqlens) for r in range(world)]
     for r in range(world):
         blocks = step_blocks(docs, pos, r, "cpu", gap=1)
+        grouped = step_blocks(docs, pos, r, "cpu", gap=1, steps_per_launch=(1, 2))   # 0 | 1 2, keys gathered
         merged += bool(blocks.side_runs)
         kv = [(k[:, pos[(r - s) % world]].contiguous(), v[:, pos[(r - s) % world]].contiguous()) for s in range(world)]
         qr, dr = q[:, pos[r]].contiguous(), dout[:, pos[r]].contiguous()
 
-        def schedule(backend):
-            out, lse = _forward(qr, *kv[0], ResidentRing(world, r, kv), blocks, None, backend)
-            return (out, lse, *_backward(dr, qr, *kv[0], out, lse, ResidentRing(world, r, kv), blocks, None, backend))
+        def schedule(backend, plan=blocks):
+            out, lse = _forward(qr, *kv[0], ResidentRing(world, r, kv), plan, None, backend)
+            return (out, lse, *_backward(dr, qr, *kv[0], out, lse, ResidentRing(world, r, kv), plan, None, backend))
 
         want = schedule("torch")
         finite = torch.isfinite(want[1])
         for flag in worst:
-            with knobs.override(PACKED_FWD_STREAMS=flag):
-                out, lse, dq, dk, dv = schedule("triton")
+            with knobs.override(PACKED_FWD_STREAMS="1" if flag == "groups" else flag):
+                out, lse, dq, dk, dv = schedule("triton", grouped if flag == "groups" else blocks)
             assert torch.equal(torch.isinf(lse), torch.isinf(want[1])), (case, layout, r, flag)
             worst[flag] = max(worst[flag], rel_err(out, want_out[:, pos[r]]), rel_err(dq, want_dq[:, pos[r]]),
                               rel_err(lse[finite], want[1][finite]), rel_err(dk, want[3]), rel_err(dv, want[4]))
@@ -438,8 +489,9 @@ def triton_ring_forward_accumulators(case, layout):
 def test_triton_ring_two_forward_accumulators():
     """The packed ring's forward on two streams (``DISTLAB_PACKED_FWD_STREAMS=2``): my own step's blocks and
     the later steps' each into a running result, the rows both cover merged at the end — its output and the
-    backward's gradients from it equal one device (float64 reference), as with one running result (Triton's
-    interpreter, float32, in order on the CPU)."""
+    backward's gradients from it equal one device (float64 reference), as with one running result, and as
+    with the later steps in one launch group (0 | 1 2: their keys gathered, the forward numbered by groups,
+    the backward by steps) (Triton's interpreter, float32, in order on the CPU)."""
     pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
     from distlab.testing import ProcessGroupPool
 

@@ -27,6 +27,8 @@ the balanced layout's candidates (``units``, ``docs-first:0.25``, ...) to time t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from distlab.bench import (DTYPES, StudyParser, add_common_args, positive_int, resolve_device, run_study,
@@ -39,14 +41,16 @@ from distlab.kernels.attention import attention_backward, attention_forward, res
 from distlab.bench import timeit
 
 
-def rank_schedule(q, k, v, dout, docs, positions, rank, backend):
+def rank_schedule(q, k, v, dout, docs, positions, rank, backend, steps_per_launch=1):
     """(forward, forward+backward) callables of ring rank ``rank``'s packed schedule, every K/V resident:
-    ``distlab.cp.ring_packed``'s own ``_forward``/``_backward`` over a ``ResidentRing`` (no exchange)."""
+    ``distlab.cp.ring_packed``'s own ``_forward``/``_backward`` over a ``ResidentRing`` (no exchange), the
+    forward's steps in the launch groups of ``steps_per_launch`` (``distlab.cp.packed_groups``)."""
     from distlab.cp.emulate import ResidentRing
     from distlab.cp.ring_packed import _backward, _forward
 
     world = len(positions)
-    blocks = step_blocks(docs, positions, rank, q.device)   # the ring's own blocks: rows that see each step
+    # the ring's own blocks: rows that see each step (and each launch group)
+    blocks = step_blocks(docs, positions, rank, q.device, steps_per_launch=steps_per_launch)
     mine = positions[rank].to(q.device)
     qr, dr = q[:, mine].contiguous(), dout[:, mine].contiguous()
     kv = [(k[:, positions[(rank - s) % world].to(q.device)].contiguous(),
@@ -108,21 +112,27 @@ def visited_tiles(mask, head_dim: int) -> dict:
             "bwd": int(key_tiles(mask, bm, bn).sum() + range_tiles(*query_ranges(mask, seq_k, bn), bm).sum())}
 
 
-def tile_row(docs, positions, head_dim: int, method: str = "ring") -> dict:
-    """Each rank's visited tiles over its ring blocks (``method`` allgather: over its rows against every key,
-    one block), the one call's, and the bound they set (module doc)."""
+def tile_row(docs, positions, head_dim: int, method: str = "ring", steps_per_launch=1) -> dict:
+    """Each rank's visited tiles over its ring blocks (the forward's by launch group, ``steps_per_launch``;
+    ``method`` allgather: over its rows against every key, one block), the one call's, and the bound they set
+    (module doc)."""
     every = torch.arange(docs.total)
     one = visited_tiles(docs.mask(every, every), head_dim)
     keys = torch.cat(list(positions)).sort().values
     ranks = []
     for rank in range(len(positions)):
         tiles = {"fwd": 0, "bwd": 0, "blocks": 0}   # blocks: the rank's forward launches (two each backward)
-        masks = ([mask for blocks in step_blocks(docs, positions, rank, "cpu") for _, _, mask in blocks]
-                 if method == "ring" else [docs.mask(positions[rank], keys)])
-        for mask in masks:
+        if method == "ring":
+            plan = step_blocks(docs, positions, rank, "cpu", steps_per_launch=steps_per_launch)
+            masks = [mask for blocks in plan for _, _, mask in blocks]
+            forward = [mask for *_, blocks in plan.launches for _, _, mask in blocks] if plan.launches else masks
+        else:
+            masks = forward = [docs.mask(positions[rank], keys)]
+        for mask in forward:
             tiles["blocks"] += 1
-            for kind, n in visited_tiles(mask, head_dim).items():
-                tiles[kind] += n
+            tiles["fwd"] += visited_tiles(mask, head_dim)["fwd"]
+        for mask in masks:
+            tiles["bwd"] += visited_tiles(mask, head_dim)["bwd"]
         ranks.append(tiles)
     world = len(positions)
     bound = {kind: one[kind] / (world * max(r[kind] for r in ranks)) for kind in ("fwd", "bwd")}
@@ -212,14 +222,19 @@ def measure(fns, args, device):
 def tiles_only(a) -> dict:
     """``--tiles-only``: each layout's pair imbalance, tile bound and block count, no tensor and no clock (any
     machine, seconds)."""
-    result = {"world": a.world, "head_dim": a.head_dim, "docs": a.docs, "rows": []}
+    from distlab import knobs
+    from distlab.cp.ring import check_steps_per_launch
+
+    # the forward's launch groups: the masked Triton ring's (whose tiles these are), or the study knob's
+    steps = check_steps_per_launch(knobs.get("RING_STEPS_PER_LAUNCH"), "triton", a.world) if a.method == "ring" else 1
+    result = {"world": a.world, "head_dim": a.head_dim, "docs": a.docs, "steps_per_launch": steps, "rows": []}
     print(f"tiles the masked kernel visits (H200 tiles), W={a.world}, head_dim {a.head_dim}, --docs {a.docs}")
     print(f"{'seq':>6} {'layout':<16} {'imbal.':>6}   {'tile bound f/b':>14} {'blocks':>6}")
     for seq in a.seq or [32768, 65536]:
         docs = Documents.from_args(seq, parse_docs(a.docs, seq), True, None)
         for layout, positions, imbalance in placed_layouts(a.layouts, docs, a.world):
             row = {"seq": seq, "layout": layout, "imbalance": imbalance,
-                   "tiles": tile_row(docs, positions, a.head_dim, a.method)}
+                   "tiles": tile_row(docs, positions, a.head_dim, a.method, steps)}
             bound = row["tiles"]["bound"]
             print(f"{seq:>6} {layout:<16} {row['imbalance']:>6.3f}   {bound['fwd'] * 100:>6.1f}/"
                   f"{bound['bwd'] * 100:>5.1f}% {row['tiles']['most_blocks']:>6}")
@@ -287,10 +302,20 @@ def main(argv=None):
     backend = resolve_backend(a.backend, device, dtype, masked=True)
     result = {"world": a.world, "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "dtype": str(dtype),
               "backend": backend, "device": torch.cuda.get_device_name() if gpu else "cpu", "rows": [], "rates": []}
-    schedule = rank_schedule if a.method == "ring" else allgather_schedule
+    steps = 1
+    if a.method == "ring":   # the forward's launch groups: as ring_attention's default, or the study knob
+        from distlab import knobs
+        from distlab.cp.ring import check_steps_per_launch, launch_groups
+
+        steps = check_steps_per_launch(knobs.get("RING_STEPS_PER_LAUNCH"), backend, a.world)
+        result["launch_groups"] = [len(g) for g in launch_groups(a.world, steps)]
+        schedule = functools.partial(rank_schedule, steps_per_launch=steps)
+    else:
+        schedule = allgather_schedule
     method = "ring" if a.method == "ring" else "all-gather"
+    groups = f", forward launch groups {'|'.join(map(str, result['launch_groups']))}" if a.method == "ring" else ""
     print(f"a {method} rank's packed schedule vs one call, W={a.world}, {a.heads} q / {a.kv_heads} kv heads, "
-          f"head_dim {a.head_dim}, {str(dtype)[6:]}, backend {backend}, {result['device']}")
+          f"head_dim {a.head_dim}, {str(dtype)[6:]}, backend {backend}{groups}, {result['device']}")
     print(f"{'seq':>6} {'layout':<16} {'imbal.':>6}  {'fwd wall':>9} {'f+b wall':>9}   {'fwd GPU':>8} {'f+b GPU':>8}"
           f"   {'tile bound f/b':>14} {'blocks':>6}   {'rank f/fb ms (wall)':>20}")
     for seq in seqs:
@@ -305,7 +330,7 @@ def main(argv=None):
                              a, device) for r in range(a.world)]
             row = {"seq": seq, "layout": layout, "method": a.method, "docs": describe(docs), "imbalance": imbalance,
                    "one_call": one, "ranks": ranks, "efficiency": {},
-                   "tiles": tile_row(docs, positions, a.head_dim, a.method)}
+                   "tiles": tile_row(docs, positions, a.head_dim, a.method, steps)}
             for kind in ("fwd", "fwd_bwd"):
                 for clock in ("wall_s", "gpu_s"):
                     slowest = max(r[kind][clock] for r in ranks)

@@ -474,7 +474,8 @@ def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backe
     rank's shard of the output (and, with ``return_lse``, its float32 ``(batch, heads, seq/W)`` LSE).
     ``steps_per_launch`` (1 to 4, or group sizes adding up to W): the forward's steps per group (``launch_groups``)
     — with ``triton`` one kernel launch each — and the K/V blocks in flight; default
-    4 for ``triton`` and 1 for the others.
+    4 for ``triton`` and 1 for the others. With documents each group's seen keys are gathered and computed as
+    one set of blocks, whatever the backend (``distlab.cp.packed_groups``).
     ``cu_seqlens`` (global document boundaries, the same on every rank) and ``window`` (keys at most that
     many positions back; causal only): packed documents, see ``distlab.cp.documents``.
     """
@@ -484,13 +485,14 @@ def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backe
     docs = Documents.from_args(total, cu_seqlens, causal, window)
     if docs.masked or layout == "balanced":
         backend = check_ring_inputs(q, k, v, ring.size, causal, layout, backend, masked=True)
+        steps_per_launch = check_steps_per_launch(steps_per_launch, backend, ring.size)
         from distlab.cp.ring_packed import PackedRingAttention, step_blocks
 
         def build():
             positions = [shard_positions(total, ring.size, r, layout, docs.cu_seqlens) for r in range(ring.size)]
-            return step_blocks(docs, positions, ring.rank, q.device)
+            return step_blocks(docs, positions, ring.rank, q.device, steps_per_launch=steps_per_launch)
 
-        blocks = cached_plan("ring", docs, ring.size, ring.rank, layout, q.device, build=build)
+        blocks = cached_plan("ring", docs, ring.size, ring.rank, layout, q.device, steps_per_launch, build=build)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         out, lse = PackedRingAttention.apply(q, k, v, ring, blocks, scale, backend)
         return (out, lse) if return_lse else out

@@ -12,7 +12,9 @@ launches no kernel (its K/V still travel on: the next rank needs them), and a st
 the runs of rows that see some of its keys (``step_blocks``): with documents most rows see nothing of most
 other ranks, and merging the whole float32 output at every step cost more than the kernels on the H200
 (docs/PERF.md). With the ``triton`` backend each block merges into the running (out, LSE) inside its kernel
-(``_forward``), a row starting at its first block and written in q's dtype at its last, and the backward's
+(``_forward``), a row starting at its first block and written in q's dtype at its last; the forward's steps
+go in launch groups as the unpacked ring's (``steps_per_launch``, 4 for ``triton``: 0 | 1 2 3 | 4 5 6 7, each
+group's seen keys gathered and computed as one block, ``distlab.cp.packed_groups``), and the backward's
 kernels add into float32 accumulators (dQ, too, starting at a row's first block and written in q's dtype at
 its last). Inside a block the kernel skips the keys the mask removes, so the
 work follows the visible pairs, not T².
@@ -64,11 +66,14 @@ class StepBlocks(list):
     first_side: torch.Tensor
     last_main: torch.Tensor
     never: torch.Tensor
+    launches: object = None
 
 
-def step_blocks(docs, positions, rank, device, gap: int = ROW_GAP) -> StepBlocks:
+def step_blocks(docs, positions, rank, device, gap: int = ROW_GAP, steps_per_launch=1) -> StepBlocks:
     """Per ring step of rank ``rank``: the ``(a, b, mask)`` blocks of rows a..b that see that step's keys
-    (an empty list: the step launches nothing)."""
+    (an empty list: the step launches nothing). ``steps_per_launch`` (``distlab.cp.ring.launch_groups``):
+    when some group holds several steps, ``launches`` is the forward's plan by groups
+    (``distlab.cp.packed_groups.launch_blocks``), else None."""
     world = len(positions)
     steps = StepBlocks()
     rows = positions[rank].numel()
@@ -105,6 +110,10 @@ def step_blocks(docs, positions, rank, device, gap: int = ROW_GAP) -> StepBlocks
     steps.first_side = first_side.to(device)
     steps.last_main = torch.where(side, -2, last).to(device)   # rows a later step covers: merged at the end
     steps.never = torch.full((rows,), -2, dtype=torch.int32, device=device)
+    from distlab.cp.packed_groups import launch_blocks
+
+    launches = launch_blocks(docs, positions, rank, device, steps_per_launch, steps)
+    steps.launches = launches if launches.grouped else None
     return steps
 
 
@@ -139,21 +148,11 @@ def _forward(q, k, v, ring, blocks, scale, backend):
     (``masked_forward(accumulate=True)``: no merge launch, no block output in memory), starting a row at its
     first block and writing it in q's dtype at its last (``StepBlocks``: no zero fill, no conversion); the
     others compute each block, then ``merge_rows`` into zero-filled running results."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    fused = acc == torch.float32 and backend == "triton"
-    lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    if blocks.launches is not None:
+        return _forward_groups(q, k, v, ring, blocks.launches, scale, backend)
+    fused, out, lse, final, block_scale = _running(q, blocks, scale, backend)
     if fused:
         from distlab.kernels.triton_masked_attention import masked_forward
-
-        out, final = torch.empty(q.shape, dtype=acc, device=q.device), torch.empty_like(q)
-        lse = torch.empty(lse_shape, dtype=acc, device=q.device)
-        if blocks.untouched.numel():   # rows no block covers: output 0, LSE -inf
-            final.index_fill_(1, blocks.untouched, 0.0)
-            lse.index_fill_(2, blocks.untouched, float("-inf"))
-        block_scale = scale if scale is not None else q.shape[-1] ** -0.5
-    else:
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
-        lse = torch.full(lse_shape, float("-inf"), dtype=acc, device=q.device)
     two = fused and bool(blocks.side_runs) and forward_streams() == 2
     side = side_streams(q.device)[0] if two and q.is_cuda else None   # on the CPU: the same work, in order
     on_side = (lambda: torch.cuda.stream(side)) if side is not None else contextlib.nullcontext
@@ -194,6 +193,58 @@ def _forward(q, k, v, ring, blocks, scale, backend):
         for a, b in blocks.side_runs:
             lse_merge_blocks_(out[:, a:b], lse[:, :, a:b], [(out2[:, a:b], lse2[:, :, a:b], 0, b - a)],
                               has_acc=True, final=final[:, a:b])
+    return (final if fused else out.to(q.dtype)), lse
+
+
+def _running(q, plan, scale, backend):
+    """``(fused, out, lse, final, block_scale)``: the forward's running results. ``fused`` (the ``triton``
+    backend, float32 running results): ``out``/``lse`` unfilled — each row starts at its first block — and
+    ``final`` in q's dtype, written at each row's last block (the rows of ``plan.untouched``, which no block
+    covers, filled here: output 0, LSE −inf); else zero-filled float32/float64 results, ``final`` None."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    fused = acc == torch.float32 and backend == "triton"
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    if not fused:
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        return False, out, torch.full(lse_shape, float("-inf"), dtype=acc, device=q.device), None, None
+    out, final = torch.empty(q.shape, dtype=acc, device=q.device), torch.empty_like(q)
+    lse = torch.empty(lse_shape, dtype=acc, device=q.device)
+    if plan.untouched.numel():
+        final.index_fill_(1, plan.untouched, 0.0)
+        lse.index_fill_(2, plan.untouched, float("-inf"))
+    return True, out, lse, final, scale if scale is not None else q.shape[-1] ** -0.5
+
+
+def _forward_groups(q, k, v, ring, plan, scale, backend):
+    """``_forward`` by launch groups (``distlab.cp.packed_groups``): the K/V of the steps up to the largest
+    group beyond the current one travel while it computes (``distlab.cp.ring._KVAhead``, as the unpacked
+    ring's groups), a group's keys are gathered in position order, and its blocks run on one stream into one
+    running result, numbered in the groups' order (``plan.first``/``last``)."""
+    from distlab.cp.packed_groups import gather_group_kv
+    from distlab.cp.ring import _KVAhead
+
+    fused, out, lse, final, block_scale = _running(q, plan, scale, backend)
+    if fused:
+        from distlab.kernels.triton_masked_attention import masked_forward
+    kvs, number = _KVAhead(ring, (k, v)), 0
+    ahead = max(len(group) for group, _, _ in plan)
+    for steps, gather, blocks in plan:
+        with phase("ring.exchange"):
+            kvs.post_through(steps[-1] + ahead)   # the next groups' K/V, while this one computes
+        with phase("ring.wait"):
+            got = [kvs.get(step) for step in steps]
+        if not blocks:
+            continue
+        with phase("ring.gather"):
+            kk, vv = gather_group_kv(got, gather)
+        for a, b, mask in blocks:
+            with phase("ring.block"):
+                if fused:
+                    masked_forward(q[:, a:b], kk, vv, mask, block_scale, out[:, a:b], lse[:, :, a:b], accumulate=True,
+                                   order=(plan.first[a:b], plan.last[a:b], number), final_out=final[:, a:b])
+                else:
+                    block_into(out, lse, q, kk, vv, a, b, mask, scale, backend)
+            number += 1
     return (final if fused else out.to(q.dtype)), lse
 
 

@@ -45,7 +45,7 @@ from distlab.kernels.masks import key_tiles, query_ranges, range_tiles
 FWD_TILE, BWD_TILE = (128, 64), (64, 64)   # the masked kernel's H200 tiles (``masked_tiles``, head_dim <= 128)
 DKV_WEIGHT, DQ_WEIGHT = 4.0, 3.0           # matmuls per tile: dK/dV's four, dQ's three
 SCHEDULES = ("rows", "lpt", "lpt+dq", "dq once", "bwd4", "fwd2+bwd4", "lpt+dq pdl", "fwd2+bwd4 pdl", "fwd groups",
-             "grouped", "no barrier")
+             "groups", "grouped", "no barrier")
 COLUMNS = SCHEDULES + ("all-gather",)   # and all-gather CP's compute on the same layout (``layout_row``)
 
 
@@ -206,7 +206,7 @@ class _Streams:
 
 
 def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, units=(2, 1), later_dq=None,
-          world=None) -> list:
+          world=None, groups=None) -> list:
     """Kernels of a rank's (or one call's) blocks — ``(step, block_costs)`` in step order — on the streams of
     ``schedule`` (``SCHEDULES``): ``rows``/``lpt``, one stream; ``lpt+dq``, each dQ on a second stream after its
     dK/dV (``DISTLAB_PACKED_BWD_STREAMS=2``); ``bwd4``, besides, each step's dK/dV on one of two streams in turn
@@ -218,7 +218,10 @@ def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, 
     fitted gap goes, not only the launch latency PDL hides): every kernel a programmatic dependent of the one before
     it on its stream (``Kernel.pdl``), as the unpacked Triton ring's kernels can be (``DISTLAB_TRITON_ATTN_PDL=1``);
     ``fwd groups`` (not built): each forward step group of the unpacked Triton ring (``launch_groups(W, 4)``: 0 | 1
-    2 3 | 4 5 6 7) in one launch, the backward as ``lpt+dq``; ``grouped`` (not built: what a kernel taking several
+    2 3 | 4 5 6 7) in one launch, the backward as ``lpt+dq``; ``groups`` (built, ``distlab.cp.packed_groups``):
+    the forward by launch groups, each group's keys gathered in position order and one block (``blocks`` then
+    holds ``(step, costs)`` of the backward's steps and ``groups`` the forward's ``(first step, costs)``), the
+    backward as ``bwd4``; ``grouped`` (not built: what a kernel taking several
     blocks a launch would give), step 0's forward blocks, then one forward launch for the later steps and one dK/dV
     and one dQ launch for all blocks, each longest first; ``no barrier``, no kernel waits for another. A backward
     program's cost is scaled by ``bwd_scale``; ``units``: the SM units a forward and a backward program take."""
@@ -239,6 +242,17 @@ def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, 
                 k.after = tuple(i + shift for i in k.after)
             kernels += rest
         return kernels
+    if schedule == "groups":   # built: the forward's launch groups, one block each; the backward as bwd4
+        q = _Streams()
+        for _, b in groups:
+            q.launch("main", "fwd", b["fwd"], units[0])
+        if not backward:
+            return q.kernels
+        kernels = chain(blocks, "bwd4", bwd_scale, units=units, world=world)[len(blocks):]
+        shift = len(q.kernels) - len(blocks)
+        for k in kernels:
+            k.after = tuple(i + shift for i in k.after)
+        return q.kernels + kernels
     if schedule == "grouped":   # hypothetical: step 0's forward, then one launch for the rest and one per kind
         first = [Kernel("fwd", b["fwd"], units[0]) for step, b in blocks if step == 0]
         later = sorted((c for step, b in blocks if step > 0 for c in b["fwd"]), reverse=True)
@@ -329,19 +343,23 @@ def layout_row(docs, positions, heads, kv_heads, sms, overhead, bwd_ratio, gap_u
     scale = bwd_ratio * t_fwd / (simulate(chain([(0, one)], "rows", units=units), sms, 0.0, capacity) - t_fwd)
     one_fb = simulate(chain([(0, one)], "rows", scale, units=units), sms, gap, capacity)
     world, row = len(positions), {"one_call_fwd_ms": t_fwd * tile_us / 1e3}
-    masks = [[(step, mask) for step, blocks in enumerate(step_blocks(docs, positions, rank, "cpu", row_gap))
-              for _, _, mask in blocks] for rank in range(world)]
+    plans = [step_blocks(docs, positions, rank, "cpu", row_gap, steps_per_launch=4) for rank in range(world)]
+    masks = [[(step, mask) for step, blocks in enumerate(plan) for _, _, mask in blocks] for plan in plans]
+    group_masks = [[(steps.start, mask) for steps, _, blocks in plan.launches or () for _, _, mask in blocks]
+                   for plan in plans]
     later_masks = [later_steps_mask(docs, positions, rank) for rank in range(world)]
     costs = {lpt: [([(step, block_costs(m, heads, kv_heads, lpt, True, overhead)) for step, m in rank_masks],
-                    None if later is None else block_costs(later, heads, kv_heads, lpt, True, overhead)["dq"])
-                   for rank_masks, later in zip(masks, later_masks)] for lpt in (False, True)}
+                    None if later is None else block_costs(later, heads, kv_heads, lpt, True, overhead)["dq"],
+                    [(step, block_costs(m, heads, kv_heads, lpt, True, overhead)) for step, m in grouped] or None)
+                   for rank_masks, later, grouped in zip(masks, later_masks, group_masks)] for lpt in (False, True)}
     for schedule in SCHEDULES:
         f_max = fb_max = 0.0
-        for blocks, later in costs[schedule != "rows"]:   # tiles longest first except in ``rows``
-            f_max = max(f_max, simulate(chain(blocks, schedule, backward=False, units=units, world=world), sms, gap,
-                                        capacity))
-            fb_max = max(fb_max, simulate(chain(blocks, schedule, scale, units=units, later_dq=later, world=world),
-                                          sms, gap, capacity))
+        for blocks, later, groups in costs[schedule != "rows"]:   # tiles longest first except in ``rows``
+            name = "bwd4" if schedule == "groups" and groups is None else schedule   # W < 3: no group
+            f_max = max(f_max, simulate(chain(blocks, name, backward=False, units=units, world=world, groups=groups),
+                                        sms, gap, capacity))
+            fb_max = max(fb_max, simulate(chain(blocks, name, scale, units=units, later_dq=later, world=world,
+                                                groups=groups), sms, gap, capacity))
         row[schedule] = {"fwd": t_fwd / (world * f_max), "fb": one_fb / (world * fb_max)}
     # all-gather CP on the same layout (``distlab.cp.allgather``): each rank's rows against every key in position
     # order, in two kv-head groups (its default), one launch per kernel and group, one stream; its gather and
