@@ -340,6 +340,13 @@ def triton_methods_vs_one_device(case):
         out.backward(sh(dout.float(), cu_t))
         got = [ga(t, cu_t) for t in (out.detach(), *(x.grad for x in local))]
         errors[name] = max(rel_err(a, b) for a, b in zip(got, want))
+    for layout in ("zigzag", "balanced"):   # the ring by launch groups: both steps in one (forward and dQ)
+        local = [shard_sequence(t.float(), None, layout, cu_seqlens=cu_t).requires_grad_(True) for t in (q, k, v)]
+        out = ring_attention(*local, None, causal, layout, "triton", cu_seqlens=cu_t, window=window,
+                             steps_per_launch=(world,))
+        out.backward(shard_sequence(dout.float(), None, layout, cu_seqlens=cu_t))
+        got = [gather_sequence(t, None, layout, cu_seqlens=cu_t) for t in (out.detach(), *(x.grad for x in local))]
+        errors[f"ring-{layout}-one-group"] = max(rel_err(a, b) for a, b in zip(got, want))
     return errors
 
 

@@ -290,18 +290,23 @@ def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
         from distlab.kernels.triton_attention_backward import ring_dq_final
 
         ordered = ring_dq_final()   # knob DISTLAB_RING_DQ_FINAL (1: the default; 0: the A/B)
+    # with the forward's launch groups, dQ runs by group too (one launch a group over its gathered keys, once
+    # the group's last K/V are here: dQ never travels), numbered as the forward; dK/dV stay per step
+    groups = blocks.launches if fused and getattr(blocks, "launches", None) is not None else None
+    numbering = groups if groups is not None else blocks
     dq = (torch.empty if ordered else torch.zeros)(q.shape, dtype=acc, device=q.device)
     dq_final, number = None, 0
     if ordered:
         dq_final = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if blocks.untouched.numel():   # rows no block covers (none see a key): dQ 0
-            dq_final.index_fill_(1, blocks.untouched, 0)
+        if numbering.untouched.numel():   # rows no block covers (none see a key): dQ 0
+            dq_final.index_fill_(1, numbering.untouched, 0)
     plan = BackwardStreams(q.device if fused else torch.device("cpu"))
     if fused:
         from distlab.kernels.triton_masked_attention import masked_backward, masked_backward_rows
 
         back_rows = masked_backward_rows(dout, out, lse)
         block_scale = scale if scale is not None else q.shape[-1] ** -0.5
+    held, group = [], 0   # the K/V of the current launch group's steps so far
     for step in range(ring.size):
         with phase("ring.exchange"):
             kv_pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
@@ -328,9 +333,28 @@ def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
                                         rows=(back_rows[0][:, :, a:b], back_rows[1][:, :, a:b]), dq_acc=dq[:, a:b],
                                         dk_acc=part[0], dv_acc=part[1], dkv_add=not only, dq_stream=plan.dq,
                                         order=(blocks.first[a:b], blocks.last[a:b], number) if ordered else None,
-                                        dq_final=dq_final[:, a:b] if ordered else None)
-                    number += 1
+                                        dq_final=dq_final[:, a:b] if ordered else None,
+                                        parts="dkv" if groups is not None else "both")
+                    number += groups is None   # with groups, dQ's numbering is the groups' (below)
             done = plan.done(kernels)
+        if groups is not None:
+            held.append(kv)
+            steps, gather, group_blocks = groups[group]
+            if step == steps[-1]:   # the group's last K/V are here: its dQ, in one launch a block
+                if group_blocks:
+                    from distlab.cp.packed_groups import gather_group_kv
+
+                    with plan.group_dq(held):
+                        kk, vv = gather_group_kv(held, gather)
+                        for a, b, mask in group_blocks:
+                            with phase("ring.block_backward"):
+                                masked_backward(dout[:, a:b], q[:, a:b], kk, vv, None, None, mask, block_scale,
+                                                rows=(back_rows[0][:, :, a:b], back_rows[1][:, :, a:b]),
+                                                dq_acc=dq[:, a:b], parts="dq", dq_final=dq_final[:, a:b] if ordered
+                                                else None, order=(groups.first[a:b], groups.last[a:b], number)
+                                                if ordered else None)
+                            number += 1
+                held, group = [], group + 1
         elif not fused:
             for a, b, mask in blocks[step]:
                 with phase("ring.block_backward"):
@@ -409,6 +433,17 @@ class BackwardStreams:
             if stream is not None:
                 for t in tensors:
                     t.record_stream(stream)
+
+    def group_dq(self, kvs):
+        """A context on the dQ stream (None: the caller's) after what the caller's stream has queued so far (a
+        launch group's last K/V are there): a group's dQ (``_backward``); ``kvs`` are marked as used by it."""
+        if self.main is None:
+            return contextlib.nullcontext()
+        self.dq.wait_event(self.main.record_event())
+        for kv in kvs:
+            for t in kv:
+                t.record_stream(self.dq)
+        return torch.cuda.stream(self.dq)
 
     def done(self, kernels):
         """An event after this step's dK/dV kernels for the accumulators' stream (None: no stream to order)."""

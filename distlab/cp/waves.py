@@ -219,9 +219,9 @@ def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, 
     it on its stream (``Kernel.pdl``), as the unpacked Triton ring's kernels can be (``DISTLAB_TRITON_ATTN_PDL=1``);
     ``fwd groups`` (not built): each forward step group of the unpacked Triton ring (``launch_groups(W, 4)``: 0 | 1
     2 3 | 4 5 6 7) in one launch, the backward as ``lpt+dq``; ``groups`` (built, ``distlab.cp.packed_groups``):
-    the forward by launch groups, each group's keys gathered in position order and one block (``blocks`` then
-    holds ``(step, costs)`` of the backward's steps and ``groups`` the forward's ``(first step, costs)``), the
-    backward as ``bwd4``; ``grouped`` (not built: what a kernel taking several
+    the forward and dQ by launch groups, each group's keys gathered in position order and one block
+    (``groups``: its ``(first step, costs)``), each step's dK/dV as ``bwd4``'s (``blocks``: the steps'), the
+    dQ launches on their own stream; ``grouped`` (not built: what a kernel taking several
     blocks a launch would give), step 0's forward blocks, then one forward launch for the later steps and one dK/dV
     and one dQ launch for all blocks, each longest first; ``no barrier``, no kernel waits for another. A backward
     program's cost is scaled by ``bwd_scale``; ``units``: the SM units a forward and a backward program take."""
@@ -242,17 +242,19 @@ def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, 
                 k.after = tuple(i + shift for i in k.after)
             kernels += rest
         return kernels
-    if schedule == "groups":   # built: the forward's launch groups, one block each; the backward as bwd4
+    if schedule == "groups":   # built: the forward and dQ by launch groups, one block each; dK/dV as bwd4
         q = _Streams()
         for _, b in groups:
             q.launch("main", "fwd", b["fwd"], units[0])
         if not backward:
             return q.kernels
-        kernels = chain(blocks, "bwd4", bwd_scale, units=units, world=world)[len(blocks):]
-        shift = len(q.kernels) - len(blocks)
-        for k in kernels:
-            k.after = tuple(i + shift for i in k.after)
-        return q.kernels + kernels
+        last_fwd = q.last["main"]
+        for step, b in blocks:   # each step's dK/dV on one of two streams in turn
+            stream = f"dkv {step % 2}"
+            q.launch(stream, "dkv", [bwd_scale * c for c in b["dkv"]], units[1], () if stream in q.last else (last_fwd,))
+        for _, b in groups:      # each group's dQ on its own stream (the K/V are resident: after the forward)
+            q.launch("dq", "dq", [bwd_scale * c for c in b["dq"]], units[1], () if "dq" in q.last else (last_fwd,))
+        return q.kernels
     if schedule == "grouped":   # hypothetical: step 0's forward, then one launch for the rest and one per kind
         first = [Kernel("fwd", b["fwd"], units[0]) for step, b in blocks if step == 0]
         later = sorted((c for step, b in blocks if step > 0 for c in b["fwd"]), reverse=True)

@@ -396,7 +396,7 @@ def masked_forward(q, k, v, mask, scale, out=None, lse=None, accumulate=False, o
 
 
 def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None, dk_acc=None, dv_acc=None,
-                    dkv_add=True, dq_stream=None, order=None, dq_final=None):
+                    dkv_add=True, dq_stream=None, order=None, dq_final=None, parts="both"):
     """(dq, dk, dv) given the final out and lse (as every backend; see ``distlab.kernels.attention``).
 
     A packed ring step passes ``rows = masked_backward_rows(dout, out, lse)`` of these query rows (computed
@@ -410,8 +410,12 @@ def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None
     used by that stream and waits for it before reading dQ. ``order = (first, last, number)`` with
     ``dq_final`` (a packed ring, as ``masked_forward``'s): a row's first block writes its dQ into ``dq_acc``
     (no zero fill needed), its last writes the final dQ into ``dq_final`` (q's shape and dtype, ``dq_acc``'s
-    strides) instead."""
+    strides) instead. ``parts`` (with the accumulators): ``both``, or only the ``dkv`` kernel (``dq_acc`` may
+    be None) or only the ``dq`` kernel (``dk_acc``/``dv_acc`` may be None) — a packed ring whose dQ runs by
+    launch groups (``distlab.cp.ring_packed._backward``)."""
     _check(q, k, v, mask)
+    if parts not in ("both", "dkv", "dq"):
+        raise ValueError(f"parts={parts!r}: use both, dkv or dq")
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     bm, bn, warps, stages = masked_tiles(q.device, d, "bwd")
@@ -420,14 +424,18 @@ def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None
     if lse.stride() != delta.stride() or lse.stride(-1) != 1 or lse.shape != (b, h, sq):
         raise ValueError("the backward rows (lse, delta) must be float32 (batch, heads, seq_q) sharing strides")
     accs = (dq_acc, dk_acc, dv_acc)
+    if parts != "both" and all(a is None for a in accs):
+        raise ValueError(f"parts={parts!r} needs the accumulators")
     if any(a is not None for a in accs):
-        for name, a, shape in zip(("dq_acc", "dk_acc", "dv_acc"), accs, (q.shape, k.shape, v.shape)):
-            if a is None or a.shape != shape or a.dtype != torch.float32 or a.stride(-1) != 1:
-                raise ValueError(f"{name} must be float32 {tuple(shape)} with a contiguous last dim (give all three)")
-        if dk_acc.stride() != dv_acc.stride():
+        needed = {"both": (0, 1, 2), "dkv": (1, 2), "dq": (0,)}[parts]
+        for i, (name, a, shape) in enumerate(zip(("dq_acc", "dk_acc", "dv_acc"), accs, (q.shape, k.shape, v.shape))):
+            if i in needed and (a is None or a.shape != shape or a.dtype != torch.float32 or a.stride(-1) != 1):
+                raise ValueError(f"{name} must be float32 {tuple(shape)} with a contiguous last dim (give all three, "
+                                 "or those of parts)")
+        if parts != "dq" and dk_acc.stride() != dv_acc.stride():
             raise ValueError("dk_acc and dv_acc must share strides")
         dq, dk, dv = accs
-        if order is not None:
+        if order is not None and parts != "dkv":
             first, last, number = order
             if dq_final is None or dq_final.shape != q.shape or dq_final.stride() != dq.stride() \
                     or any(t.shape != (sq,) or t.dtype != torch.int32 or t.stride(0) != 1 for t in (first, last)):
@@ -437,22 +445,28 @@ def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None
         raise ValueError("order=(first, last, number) needs the accumulators (dq_acc, dk_acc, dv_acc)")
     else:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    add = dq_acc is not None
+    add = any(a is not None for a in accs)
     if add:   # only the keys some row sees: a ring block's other key tiles would load and store dK/dV for nothing
         cols, mask = seen_keys(mask)
         if cols is not None:
-            k, v, dk, dv = k[:, cols], v[:, cols], dk[:, cols], dv[:, cols]
+            k, v = k[:, cols], v[:, cols]
+            if parts != "dq":
+                dk, dv = dk[:, cols], dv[:, cols]
             sk = k.shape[1]
     lo, hi, kpos = mask.q_lo.contiguous(), mask.q_hi.contiguous(), mask.k_pos.contiguous()
-    qb, qe = query_ranges(mask, sk, bn)
-    qfb, qfe = full_query_ranges(mask, sk, bn)
     lpt = _longest_first(add)
-    tiles = longest_query_range_first(mask, sk, bn) if lpt else None
-    launch_keyed(_DKV, (b * hk, cdiv(sk, bn)) if lpt else (cdiv(sk, bn), b * hk),
-                 (q, k, v, dout, lse, delta, dk, dv, lo, hi, kpos, qb, qe, qfb, qfe, tiles),
-                 (scale, *q.stride()[:3], *k.stride()[:3], *lse.stride()[:2], *dk.stride()[:3], sq, sk, h, hk, h // hk),
-                 dict(BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), ADD=add and dkv_add, LPT=lpt, num_warps=warps,
-                      num_stages=stages))
+    if parts != "dq":
+        qb, qe = query_ranges(mask, sk, bn)
+        qfb, qfe = full_query_ranges(mask, sk, bn)
+        tiles = longest_query_range_first(mask, sk, bn) if lpt else None
+        launch_keyed(_DKV, (b * hk, cdiv(sk, bn)) if lpt else (cdiv(sk, bn), b * hk),
+                     (q, k, v, dout, lse, delta, dk, dv, lo, hi, kpos, qb, qe, qfb, qfe, tiles),
+                     (scale, *q.stride()[:3], *k.stride()[:3], *lse.stride()[:2], *dk.stride()[:3], sq, sk, h, hk,
+                      h // hk),
+                     dict(BLOCK_M=bm, BLOCK_N=bn, D=d, FULL=_full_tiles(), ADD=add and dkv_add, LPT=lpt,
+                          num_warps=warps, num_stages=stages))
+    if parts == "dkv":
+        return dq, dk, dv
     kb, ke = key_ranges(mask, bm)
     fb, fe = full_key_ranges(mask, bm)
     tiles = longest_first(mask, bm, bn) if lpt else None
