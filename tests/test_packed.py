@@ -654,7 +654,8 @@ def dq_final_on_and_off():
     """One process, Triton's interpreter, float32: a rank's backward with ``DISTLAB_RING_DQ_FINAL`` 1 (each row's
     final dQ written by its last block's dQ kernel) and 0 (a float32 dQ converted after the ring) — the dense
     ring (``emulate_rank``, zigzag and contiguous) and the packed ring (every rank of a W=3 pack in the balanced
-    layout). Returns, per case, whether the two gradients are the same bit for bit."""
+    layout, one launch a step and by launch groups 0 | 1 2). Returns, per case, whether the two gradients are
+    the same bit for bit."""
     from distlab import knobs
     from distlab.cp.emulate import ResidentRing, emulate_rank
     from distlab.cp.ring_packed import _backward, _forward, step_blocks
@@ -672,8 +673,8 @@ def dq_final_on_and_off():
     q, k, v, dout = (t[:1].float() for t in _inputs(4, 2, head_dim=16))
     world = 3
     pos = [shard_positions(T, world, r, "balanced", docs.cu_seqlens) for r in range(world)]
-    for r in range(world):
-        blocks = step_blocks(docs, pos, r, "cpu")
+    for r, steps in ((r, steps) for r in range(world) for steps in (1, (1, 2))):   # one launch a step; 0 | 1 2
+        blocks = step_blocks(docs, pos, r, "cpu", steps_per_launch=steps)
         kv = [(k[:, pos[(r - s) % world]].contiguous(), v[:, pos[(r - s) % world]].contiguous()) for s in range(world)]
         qr, dr = q[:, pos[r]].contiguous(), dout[:, pos[r]].contiguous()
         out, lse = _forward(qr, *kv[0], ResidentRing(world, r, kv), blocks, None, "triton")
@@ -681,7 +682,7 @@ def dq_final_on_and_off():
         for flag in ("1", "0"):
             with knobs.override(RING_DQ_FINAL=flag):
                 got.append(_backward(dr, qr, *kv[0], out, lse, ResidentRing(world, r, kv), blocks, None, "triton"))
-        same[f"packed r{r}"] = all(torch.equal(a, b) for a, b in zip(*got))
+        same[f"packed r{r} steps {steps}"] = all(torch.equal(a, b) for a, b in zip(*got))
     return same
 
 
