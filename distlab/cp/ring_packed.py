@@ -337,6 +337,13 @@ def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
                                         parts="dkv" if groups is not None else "both")
                     number += groups is None   # with groups, dQ's numbering is the groups' (below)
             done = plan.done(kernels)
+        elif not fused:
+            for a, b, mask in blocks[step]:
+                with phase("ring.block_backward"):
+                    dq_b, dk_b, dv_b = attention_backward(dout[:, a:b], q[:, a:b], kv[0], kv[1], out[:, a:b],
+                                                          lse[:, :, a:b], False, scale, backend, mask=mask)
+                dq[:, a:b] += dq_b
+                part = (dk_b.to(acc), dv_b.to(acc)) if part is None else (part[0].add_(dk_b), part[1].add_(dv_b))
         if groups is not None:
             held.append(kv)
             steps, gather, group_blocks = groups[group]
@@ -355,13 +362,6 @@ def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
                                                 if ordered else None)
                             number += 1
                 held, group = [], group + 1
-        elif not fused:
-            for a, b, mask in blocks[step]:
-                with phase("ring.block_backward"):
-                    dq_b, dk_b, dv_b = attention_backward(dout[:, a:b], q[:, a:b], kv[0], kv[1], out[:, a:b],
-                                                          lse[:, :, a:b], False, scale, backend, mask=mask)
-                dq[:, a:b] += dq_b
-                part = (dk_b.to(acc), dv_b.to(acc)) if part is None else (part[0].add_(dk_b), part[1].add_(dv_b))
         with plan.on(plan.chain, after=done):   # the travelling accumulators: off the kernels' streams
             if step == 0:      # the accumulator of my own K/V starts here
                 dkv = part if part is not None else tuple(torch.zeros(k.shape, dtype=acc, device=k.device)
