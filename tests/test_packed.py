@@ -308,6 +308,7 @@ def bad_call(what):
         "window_no_causal": dict(window=4, causal=False),
         "negative_window": dict(window=-1, causal=True),
         "differs_by_rank": dict(cu_seqlens=torch.tensor([0, 10 + rank, T]), causal=True),
+        "launch_groups": dict(cu_seqlens=torch.tensor([0, 50, T]), causal=True, steps_per_launch=(1, 1)),  # sum != W
     }[what]
     with comm.CommLog() as log:
         try:
@@ -318,7 +319,7 @@ def bad_call(what):
 
 
 @pytest.mark.parametrize("what", ["not_zero", "not_total", "decreasing", "float", "window_no_causal",
-                                  "negative_window", "differs_by_rank"])
+                                  "negative_window", "differs_by_rank", "launch_groups"])
 def test_invalid_documents_fail_on_every_rank_before_any_exchange(pools, what):
     results = pools(3).run(bad_call, what)
     messages = {msg for msg, _ in results}

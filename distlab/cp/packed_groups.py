@@ -45,12 +45,11 @@ class LaunchBlocks(list):
     range), ``gather`` (None: one step, its K/V used as they come; else ``(picks, perm)``: per step the key
     rows to take, then the order that puts their concatenation in position order, None when it already is)
     and the ``(a, b, mask)`` blocks. ``first``/``last``/``untouched``: as ``ring_packed.StepBlocks``', in the
-    groups' numbering (the forward's); ``grouped``: some group holds more than one step."""
+    groups' numbering (the forward's and dQ's)."""
 
     first: torch.Tensor
     last: torch.Tensor
     untouched: torch.Tensor
-    grouped: bool
 
 
 def launch_blocks(docs, positions, rank, device, steps_per_launch, steps) -> LaunchBlocks:
@@ -93,7 +92,6 @@ def launch_blocks(docs, positions, rank, device, steps_per_launch, steps) -> Lau
         plan.append((group, gather, blocks))
     plan.first, plan.last = first.to(device), last.to(device)
     plan.untouched = (first < 0).nonzero().squeeze(1).to(device)
-    plan.grouped = any(len(group) > 1 for group, _, _ in plan)
     return plan
 
 

@@ -111,9 +111,10 @@ def step_blocks(docs, positions, rank, device, gap: int = ROW_GAP, steps_per_lau
     steps.last_main = torch.where(side, -2, last).to(device)   # rows a later step covers: merged at the end
     steps.never = torch.full((rows,), -2, dtype=torch.int32, device=device)
     from distlab.cp.packed_groups import launch_blocks
+    from distlab.cp.ring import launch_groups
 
-    launches = launch_blocks(docs, positions, rank, device, steps_per_launch, steps)
-    steps.launches = launches if launches.grouped else None
+    if any(len(group) > 1 for group in launch_groups(world, steps_per_launch)):
+        steps.launches = launch_blocks(docs, positions, rank, device, steps_per_launch, steps)
     return steps
 
 
