@@ -1,5 +1,5 @@
-"""A packed ring's forward steps grouped per launch: each group's keys gathered in position order, one set of
-masked blocks per group instead of one per step.
+"""A packed ring's forward and dQ by launch groups of ring steps: each group's seen keys gathered in position
+order and computed as one block, instead of one block (a launch) per step.
 
     distlab run --nproc 4 -m distlab.cp.ring --seq 8192 --docs lognormal:mean=1024,seed=0 --layout balanced --check
     DISTLAB_RING_STEPS_PER_LAUNCH=1 python -m distlab.cp.emulate_packed --world 8 --seq 65536   # GPU: the A/B
@@ -14,11 +14,14 @@ keys), and the group is one block over the rows that see any of them. Every visi
 exactly once: the steps of a group hold disjoint keys. Why: a balanced rank at 64k, W = 8, runs 9 blocks
 a forward, each a launch whose start gap and last partial wave cost as much as a small block's work; in
 groups it runs 3 (``python -m distlab.cp.emulate_packed --tiles-only``), and the wave model
-(``distlab.cp.waves``, schedule ``groups``) puts its forward 10 points higher (docs/PERF.md).
+(``distlab.cp.waves``, schedule ``groups``) puts the rank 7 points higher, forward and backward (docs/PERF.md).
 
-The backward keeps the ring's steps (K/V and the travelling dK/dV accumulators, ``ring_packed._backward``):
-its dK/dV must be added on each rank in ring order, so its blocks stay per step; dQ's numbering (each row's
-first and last block) is the steps', and the forward's is the groups' (``LaunchBlocks.first``/``last``).
+The backward keeps the ring's steps for dK/dV (K/V and the travelling dK/dV accumulators,
+``ring_packed._backward``): each rank adds its part to an accumulator in ring order, so those blocks stay
+per step. dQ never travels, so it goes by groups too: once a group's last K/V are here again, its keys are
+gathered again and its dQ runs as the group's one block (on its own CUDA stream), numbered as the forward
+(each row's first and last block: ``LaunchBlocks.first``/``last``, with the ``triton`` backend; the other
+backends compute each step's dQ with its dK/dV).
 """
 
 from __future__ import annotations
