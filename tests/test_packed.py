@@ -717,7 +717,8 @@ def test_visited_tiles_of_one_causal_sequence():
 
     every = torch.arange(1024)
     tiles = visited_tiles(document_mask(every, every, None, True), 128)
-    assert tiles == {"fwd": sum(2 * i + 2 for i in range(8)), "bwd": 2 * sum(i + 1 for i in range(16))}
+    half = sum(i + 1 for i in range(16))   # dQ's tiles, and as many for dK/dV's
+    assert tiles == {"fwd": sum(2 * i + 2 for i in range(8)), "bwd": 2 * half, "dq": half, "dkv": half}
 
 
 FUSED_QKV_VIEWS = """

@@ -102,14 +102,15 @@ def allgather_schedule(q, k, v, dout, docs, positions, rank, backend):
 
 
 def visited_tiles(mask, head_dim: int) -> dict:
-    """{"fwd", "bwd"}: the tiles the masked Triton kernel visits under ``mask`` with its H200 tile sizes, per head
+    """{"fwd", "bwd", "dq", "dkv"}: the tiles the masked Triton kernel visits under ``mask`` with its H200 tile
+    sizes, per head (bwd = dQ's + dK/dV's)
     (module doc; the tables are ``distlab.kernels.masks``', kept in the mask's memo)."""
     from distlab.kernels.masks import key_tiles, masked_tiles, query_ranges, range_tiles
 
     (fm, fn, *_), (bm, bn, *_) = (masked_tiles(torch.device("cuda"), head_dim, kind) for kind in ("fwd", "bwd"))
     seq_k = mask.k_pos.numel()
-    return {"fwd": int(key_tiles(mask, fm, fn).sum()),
-            "bwd": int(key_tiles(mask, bm, bn).sum() + range_tiles(*query_ranges(mask, seq_k, bn), bm).sum())}
+    dq, dkv = int(key_tiles(mask, bm, bn).sum()), int(range_tiles(*query_ranges(mask, seq_k, bn), bm).sum())
+    return {"fwd": int(key_tiles(mask, fm, fn).sum()), "bwd": dq + dkv, "dq": dq, "dkv": dkv}
 
 
 def tile_row(docs, positions, head_dim: int, method: str = "ring", steps_per_launch=1) -> dict:
@@ -128,11 +129,13 @@ def tile_row(docs, positions, head_dim: int, method: str = "ring", steps_per_lau
             forward = [mask for *_, blocks in plan.launches for _, _, mask in blocks] if plan.launches else masks
         else:
             masks = forward = [docs.mask(positions[rank], keys)]
-        for mask in forward:
+        for mask in forward:   # the forward's blocks, and dQ's (by launch groups as the forward)
             tiles["blocks"] += 1
-            tiles["fwd"] += visited_tiles(mask, head_dim)["fwd"]
-        for mask in masks:
-            tiles["bwd"] += visited_tiles(mask, head_dim)["bwd"]
+            seen = visited_tiles(mask, head_dim)
+            tiles["fwd"] += seen["fwd"]
+            tiles["bwd"] += seen["dq"]
+        for mask in masks:     # dK/dV's: per ring step
+            tiles["bwd"] += visited_tiles(mask, head_dim)["dkv"]
         ranks.append(tiles)
     world = len(positions)
     bound = {kind: one[kind] / (world * max(r[kind] for r in ranks)) for kind in ("fwd", "bwd")}
