@@ -228,8 +228,9 @@ def tiles_only(a) -> dict:
     from distlab import knobs
     from distlab.cp.ring import check_steps_per_launch
 
-    # the forward's launch groups: the masked Triton ring's (whose tiles these are), or the study knob's
-    steps = check_steps_per_launch(knobs.get("RING_STEPS_PER_LAUNCH"), "triton", a.world) if a.method == "ring" else 1
+    # the forward's launch groups: the packed ring's default (one a step), or the study knob's
+    steps = check_steps_per_launch(knobs.get("RING_STEPS_PER_LAUNCH"), "triton", a.world, packed=True) \
+        if a.method == "ring" else 1
     result = {"world": a.world, "head_dim": a.head_dim, "docs": a.docs, "steps_per_launch": steps, "rows": []}
     print(f"tiles the masked kernel visits (H200 tiles), W={a.world}, head_dim {a.head_dim}, --docs {a.docs}")
     print(f"{'seq':>6} {'layout':<16} {'imbal.':>6}   {'tile bound f/b':>14} {'blocks':>6}")
@@ -310,7 +311,7 @@ def main(argv=None):
         from distlab import knobs
         from distlab.cp.ring import check_steps_per_launch, launch_groups
 
-        steps = check_steps_per_launch(knobs.get("RING_STEPS_PER_LAUNCH"), backend, a.world)
+        steps = check_steps_per_launch(knobs.get("RING_STEPS_PER_LAUNCH"), backend, a.world, packed=True)
         result["launch_groups"] = [len(g) for g in launch_groups(a.world, steps)]
         schedule = functools.partial(rank_schedule, steps_per_launch=steps)
     else:

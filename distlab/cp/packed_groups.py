@@ -2,7 +2,7 @@
 order and computed as one block, instead of one block (a launch) per step.
 
     distlab run --nproc 4 -m distlab.cp.ring --seq 8192 --docs lognormal:mean=1024,seed=0 --layout balanced --check
-    DISTLAB_RING_STEPS_PER_LAUNCH=1 python -m distlab.cp.emulate_packed --world 8 --seq 65536   # GPU: the A/B
+    DISTLAB_RING_STEPS_PER_LAUNCH=4 python -m distlab.cp.emulate_packed --world 8 --seq 65536   # GPU: the A/B
 
 The unpacked Triton ring runs its forward's steps in groups (``distlab.cp.ring.launch_groups``; W=8 and 4 a
 launch: 0 | 1 2 3 | 4 5 6 7): step 0's K/V are local, the later groups' K/V travel while the earlier groups
@@ -11,10 +11,13 @@ takes any keys with their global positions, ascending (``distlab.kernels.masks.K
 are the keys of its steps that some row of this rank sees (with documents, a few of each other rank's),
 copied out of the steps' K/V and put in position order (``gather_group_kv``: two index copies of the seen
 keys), and the group is one block over the rows that see any of them. Every visible pair is still computed
-exactly once: the steps of a group hold disjoint keys. Why: a balanced rank at 64k, W = 8, runs 9 blocks
-a forward, each a launch whose start gap and last partial wave cost as much as a small block's work; in
-groups it runs 3 (``python -m distlab.cp.emulate_packed --tiles-only``), and the wave model
-(``distlab.cp.waves``, schedule ``groups``) puts the rank 7 points higher, forward and backward (docs/PERF.md).
+exactly once: the steps of a group hold disjoint keys. Why it was built: a balanced rank at 64k, W = 8,
+runs 9 blocks a forward, each a launch whose start gap and last partial wave cost as much as a small
+block's work; in groups it runs 3 (``python -m distlab.cp.emulate_packed --tiles-only``), and the wave
+model (``distlab.cp.waves``, schedule ``groups``) put the rank 7 points higher. Measured (H100, 2026-12-05,
+docs/PERF.md): 4 points *lower* on the GPU clock and 15 on the wall (balanced f+b 76.0 / 59.7% against 80.1 /
+75.0% one launch a step), so it is opt-in (``steps_per_launch``, ``DISTLAB_RING_STEPS_PER_LAUNCH`` in the
+studies): kept because it is correct and tested, and the measurement says where the model is wrong.
 
 The backward keeps the ring's steps for dK/dV (K/V and the travelling dK/dV accumulators,
 ``ring_packed._backward``): each rank adds its part to an accumulator in ring order, so those blocks stay

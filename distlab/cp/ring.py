@@ -394,6 +394,10 @@ class _RingAttention(torch.autograd.Function):
 # S8192, 89.1% -> 91.5% at S32768); it keeps up to 2n - 1 K/V blocks (W=8: every block) where the classic
 # ring keeps two. One block in flight for the other backends, which launch per block anyway.
 STEPS_PER_LAUNCH = {"triton": 4}
+# A packed ring's launch groups (``distlab.cp.packed_groups``) are opt-in: on the H100 (2026-12-05, 64k pack, W=8,
+# masked Triton, docs/PERF.md) 0 | 1 2 3 | 4 5 6 7 was slower than one launch a step on both packs timed —
+# balanced f+b 76.0% against 80.1% of one call (GPU clock; wall 59.7 against 75.0), units deal 68.1 against 73.4.
+PACKED_STEPS_PER_LAUNCH: dict = {}
 MAX_STEPS_PER_LAUNCH = 4   # distlab.kernels.triton_attention.MAX_BLOCKS
 
 
@@ -412,11 +416,13 @@ def launch_groups(world: int, steps_per_launch=1) -> list[range]:
     return [range(a, a + n) for a, n in zip(starts, sizes)]
 
 
-def check_steps_per_launch(steps_per_launch=None, backend=None, world=None):
+def check_steps_per_launch(steps_per_launch=None, backend=None, world=None, packed=False):
     """n in 1..4 (an int), or group sizes adding up to ``world`` (a tuple, or a string such as ``1,1,2,4``):
-    from the argument, else ``STEPS_PER_LAUNCH[backend]`` (1 for backends not listed). The studies pass
-    the knob ``RING_STEPS_PER_LAUNCH`` (``distlab.knobs``) here; the library never reads it."""
-    value = steps_per_launch if steps_per_launch is not None else STEPS_PER_LAUNCH.get(backend, 1)
+    from the argument, else ``STEPS_PER_LAUNCH[backend]`` (``PACKED_STEPS_PER_LAUNCH`` for a ring over packed
+    documents; 1 for backends not listed). The studies pass the knob ``RING_STEPS_PER_LAUNCH``
+    (``distlab.knobs``) here; the library never reads it."""
+    defaults = PACKED_STEPS_PER_LAUNCH if packed else STEPS_PER_LAUNCH
+    value = steps_per_launch if steps_per_launch is not None else defaults.get(backend, 1)
     sizes = str(value).split(",") if isinstance(value, (int, str)) else [str(x) for x in value]
     if not all(x.strip().isdigit() and 1 <= int(x) <= MAX_STEPS_PER_LAUNCH for x in sizes) \
             or len(sizes) > 1 and world is not None and sum(map(int, sizes)) != world:
@@ -474,8 +480,9 @@ def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backe
     rank's shard of the output (and, with ``return_lse``, its float32 ``(batch, heads, seq/W)`` LSE).
     ``steps_per_launch`` (1 to 4, or group sizes adding up to W): the forward's steps per group (``launch_groups``)
     — with ``triton`` one kernel launch each — and the K/V blocks in flight; default
-    4 for ``triton`` and 1 for the others. With documents each group's seen keys are gathered and computed as
-    one set of blocks, whatever the backend (``distlab.cp.packed_groups``).
+    4 for ``triton`` and 1 for the others. With documents (default 1 for every backend: groups measured slower,
+    ``PACKED_STEPS_PER_LAUNCH``) each group's seen keys are gathered and computed as one block, whatever the
+    backend (``distlab.cp.packed_groups``).
     ``cu_seqlens`` (global document boundaries, the same on every rank) and ``window`` (keys at most that
     many positions back; causal only): packed documents, see ``distlab.cp.documents``.
     """
@@ -485,7 +492,7 @@ def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backe
     docs = Documents.from_args(total, cu_seqlens, causal, window)
     if docs.masked or layout == "balanced":
         backend = check_ring_inputs(q, k, v, ring.size, causal, layout, backend, masked=True)
-        steps_per_launch = check_steps_per_launch(steps_per_launch, backend, ring.size)
+        steps_per_launch = check_steps_per_launch(steps_per_launch, backend, ring.size, packed=True)
         from distlab.cp.ring_packed import PackedRingAttention, step_blocks
 
         def build():

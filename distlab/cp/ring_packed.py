@@ -12,9 +12,10 @@ launches no kernel (its K/V still travel on: the next rank needs them), and a st
 the runs of rows that see some of its keys (``step_blocks``): with documents most rows see nothing of most
 other ranks, and merging the whole float32 output at every step cost more than the kernels on the H200
 (docs/PERF.md). With the ``triton`` backend each block merges into the running (out, LSE) inside its kernel
-(``_forward``), a row starting at its first block and written in q's dtype at its last; the forward's steps
-go in launch groups as the unpacked ring's (``steps_per_launch``, 4 for ``triton``: 0 | 1 2 3 | 4 5 6 7, each
-group's seen keys gathered and computed as one block, ``distlab.cp.packed_groups``), and the backward's
+(``_forward``), a row starting at its first block and written in q's dtype at its last; with
+``steps_per_launch`` (opt-in: measured slower, ``distlab.cp.ring.PACKED_STEPS_PER_LAUNCH``) the forward and dQ
+go by launch groups of steps, each group's seen keys gathered and computed as one block
+(``distlab.cp.packed_groups``), and the backward's
 kernels add into float32 accumulators (dQ, too, starting at a row's first block and written in q's dtype at
 its last). Inside a block the kernel skips the keys the mask removes, so the
 work follows the visible pairs, not T².

@@ -221,7 +221,8 @@ def chain(blocks, schedule: str, bwd_scale: float = 1.0, backward: bool = True, 
     2 3 | 4 5 6 7) in one launch, the backward as ``lpt+dq``; ``groups`` (built, ``distlab.cp.packed_groups``):
     the forward and dQ by launch groups, each group's keys gathered in position order and one block
     (``groups``: its ``(first step, costs)``), each step's dK/dV as ``bwd4``'s (``blocks``: the steps'), the
-    dQ launches on their own stream; ``grouped`` (not built: what a kernel taking several
+    dQ launches on their own stream (measured on the H100 against ``bwd4``: 4 points slower, where this model
+    put it 7 higher — docs/PERF.md); ``grouped`` (not built: what a kernel taking several
     blocks a launch would give), step 0's forward blocks, then one forward launch for the later steps and one dK/dV
     and one dQ launch for all blocks, each longest first; ``no barrier``, no kernel waits for another. A backward
     program's cost is scaled by ``bwd_scale``; ``units``: the SM units a forward and a backward program take."""
