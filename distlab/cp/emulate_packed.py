@@ -222,15 +222,21 @@ def measure(fns, args, device):
                    "wall_s": time_wall(fn, args.iters, args.warmup, device)} for name, fn in fns.items()}
 
 
-def tiles_only(a) -> dict:
-    """``--tiles-only``: each layout's pair imbalance, tile bound and block count, no tensor and no clock (any
-    machine, seconds)."""
+def ring_steps(a, backend):
+    """The packed ring's launch groups (``steps_per_launch``): its default for ``backend`` (one launch a step),
+    or the studies' knob ``DISTLAB_RING_STEPS_PER_LAUNCH``; 1 for ``--method allgather``."""
     from distlab import knobs
     from distlab.cp.ring import check_steps_per_launch
 
-    # the forward's launch groups: the packed ring's default (one a step), or the study knob's
-    steps = check_steps_per_launch(knobs.get("RING_STEPS_PER_LAUNCH"), "triton", a.world, packed=True) \
-        if a.method == "ring" else 1
+    if a.method != "ring":
+        return 1
+    return check_steps_per_launch(knobs.get("RING_STEPS_PER_LAUNCH"), backend, a.world, packed=True)
+
+
+def tiles_only(a) -> dict:
+    """``--tiles-only``: each layout's pair imbalance, tile bound and block count, no tensor and no clock (any
+    machine, seconds)."""
+    steps = ring_steps(a, "triton")   # the masked Triton ring's, whose tiles these are
     result = {"world": a.world, "head_dim": a.head_dim, "docs": a.docs, "steps_per_launch": steps, "rows": []}
     print(f"tiles the masked kernel visits (H200 tiles), W={a.world}, head_dim {a.head_dim}, --docs {a.docs}")
     print(f"{'seq':>6} {'layout':<16} {'imbal.':>6}   {'tile bound f/b':>14} {'blocks':>6}")
@@ -306,12 +312,10 @@ def main(argv=None):
     backend = resolve_backend(a.backend, device, dtype, masked=True)
     result = {"world": a.world, "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "dtype": str(dtype),
               "backend": backend, "device": torch.cuda.get_device_name() if gpu else "cpu", "rows": [], "rates": []}
-    steps = 1
-    if a.method == "ring":   # the forward's launch groups: as ring_attention's default, or the study knob
-        from distlab import knobs
-        from distlab.cp.ring import check_steps_per_launch, launch_groups
+    steps = ring_steps(a, backend)
+    if a.method == "ring":
+        from distlab.cp.ring import launch_groups
 
-        steps = check_steps_per_launch(knobs.get("RING_STEPS_PER_LAUNCH"), backend, a.world, packed=True)
         result["launch_groups"] = [len(g) for g in launch_groups(a.world, steps)]
         schedule = functools.partial(rank_schedule, steps_per_launch=steps)
     else:

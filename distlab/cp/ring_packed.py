@@ -334,8 +334,9 @@ def _backward(dout, q, k, v, out, lse, ring, blocks, scale, backend):
                         masked_backward(dout[:, a:b], q[:, a:b], kv[0], kv[1], None, None, mask, block_scale,
                                         rows=(back_rows[0][:, :, a:b], back_rows[1][:, :, a:b]), dq_acc=dq[:, a:b],
                                         dk_acc=part[0], dv_acc=part[1], dkv_add=not only, dq_stream=plan.dq,
-                                        order=(blocks.first[a:b], blocks.last[a:b], number) if ordered else None,
-                                        dq_final=dq_final[:, a:b] if ordered else None,
+                                        order=(blocks.first[a:b], blocks.last[a:b], number)
+                                        if ordered and groups is None else None,
+                                        dq_final=dq_final[:, a:b] if ordered and groups is None else None,
                                         parts="dkv" if groups is not None else "both")
                     number += groups is None   # with groups, dQ's numbering is the groups' (below)
             done = plan.done(kernels)
