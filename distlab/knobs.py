@@ -86,6 +86,9 @@ KNOBS = {
     "TRITON_LAUNCH": Knob("cached", "Triton launches: cached (bound once per key, distlab.kernels.launch."
                                     "CachedLaunch), plain (Triton's own launch every call), check (both; raises if "
                                     "they differ), skip (no launch: the host work around it, host_cost --skip-launches)"),
+    "FA4_RING_ACCUM": Knob("1", "0: a ring backward on fa4 blocks calls FA4's whole backward per block (1: its kernels "
+                                "one by one, dQ's and dK/dV's float32 accumulators kept across the steps: "
+                                "distlab.kernels.fa4_ring_backward)"),
     "FA4_REPLAY": Knob("1", "0: every fa4 forward through FlashAttention-4's Python interface (default: a shape's "
                             "compiled kernel called directly after its first call, distlab.kernels.fa4)"),
     "TIMEOUT_S": Knob("300", "seconds a collective waits for the other ranks before failing the job"),

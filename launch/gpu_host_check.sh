@@ -11,6 +11,8 @@
 #                                                  # rank on FA4 blocks, host_cost (logs unpacked)
 #   bash launch/gpu_host_check.sh OUTDIR fa4ring   # FA4 present: the W=8 ring rank on FA4 blocks against Triton's,
 #                                                  # wall and GPU, the FA4 rank's kernel timeline at S32768, host_cost
+#   bash launch/gpu_host_check.sh OUTDIR fa4accum  # FA4 present: the FA4 ring backward with its accumulators kept
+#                                                  # (GPU test, A/B wall and GPU, timeline, host_cost)
 #   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
 #                                                  # launch keys checked; part triton: then host_cost and the Triton
 #                                                  # ring rank (emulate, wall and GPU)
@@ -69,6 +71,20 @@ elif [ "$part" = fa4ring ]; then   # FA4 present: #24's headline, the W=8 zigzag
       --iters 10 --json "$out/emulate_fa4_gpu.json"
   [ -n "${NO_TIMELINE:-}" ] || LIMIT=90 TAIL=80 run emulate_fa4_timeline $py -m distlab.cp.emulate --world 8 \
       --seq 32768 --backend fa4 --iters 5 --timeline --json "$out/emulate_fa4_timeline.json"
+elif [ "$part" = fa4accum ]; then   # FA4 present: the ring backward on FA4's kernels with dQ's and dK/dV's
+  # float32 accumulators kept across the steps (distlab.kernels.fa4_ring_backward, 2026-12-05): its GPU test
+  # (every rank of a W=4 zigzag and a W=2 contiguous ring vs float32, kept and not), A/B wall, GPU, timeline
+  LIMIT=240 TAIL=8 run fa4_ring_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py \
+      tests/test_attention_kernels.py -k fa4 -p no:cacheprovider
+  for accum in 1 0; do
+    LIMIT=120 TAIL=8 run emulate_fa4_accum$accum env DISTLAB_FA4_RING_ACCUM=$accum $py -m distlab.cp.emulate \
+        --world 8 --seq 8192 32768 --backend fa4 --iters 10 --wall --json "$out/emulate_fa4_wall_accum$accum.json"
+  done
+  LIMIT=120 TAIL=10 run emulate_fa4_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 triton \
+      --iters 10 --json "$out/emulate_fa4_gpu.json"
+  LIMIT=90 TAIL=50 run emulate_fa4_timeline $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --iters 5 \
+      --timeline --json "$out/emulate_fa4_timeline.json"
+  LIMIT=80 TAIL=20 run host_cost $py -m distlab.kernels.host_cost --rounds 3 --json "$out/host_cost.json"
 elif [ "$part" = ringcheck ] || [ "$part" = triton ]; then   # no FA4 needed: the ring's Triton kernels at real
   # sizes in bf16 against the float64 reference (the emulated ring rank's dQ written final by each row's last
   # block, 2026-12-05), every launch also through Triton's own path with the cached launch's key checked

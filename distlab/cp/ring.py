@@ -323,6 +323,18 @@ def backward_schedule(rank: int, world: int, seq: int, causal: bool, layout: str
         for step, blocks in enumerate(schedule))
 
 
+def _fa4_kept(dout, q, k, out, lse, scale, causal, schedule):
+    """``FA4RingBackward`` (``distlab.kernels.fa4_ring_backward``: FA4's kernels one by one, dQ's float32
+    accumulator kept across the steps, dK/dV travelling in FA4's accumulator layout) where it applies, else
+    None (the per-block ``attention_backward``)."""
+    from distlab.kernels import fa4_ring_backward
+
+    blocks = [(rows, cols) for step in schedule for rows, cols, _, _ in step]
+    if not fa4_ring_backward.usable(q, k, blocks, q.dtype):
+        return None
+    return fa4_ring_backward.FA4RingBackward(dout, q, out, lse, k, scale, causal)
+
+
 def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend):
     s = q.shape[1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -336,6 +348,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)   # written by step 0's dQ kernel
         if dq_kernel_mode():   # each row's final dQ written in q's dtype by its last block's dQ kernel
             dq_final = torch.empty_like(q, memory_format=torch.contiguous_format)
+    kept = _fa4_kept(dout, q, k, out, lse, scale, causal, schedule) if backend == "fa4" else None
     for step in range(ring.size):
         with phase("ring.exchange"):
             kv_pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
@@ -347,6 +360,18 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
                                                         received=dkv_pending, row_views=row_views, steps=steps,
                                                         final=(dq_final, lo, hi) if dq_final is not None else None)
                 dkv_pending = None
+                continue
+            if kept is not None:   # FA4's kernels, dQ kept in float32 across steps, dK/dV as FA4 accumulates them
+                with phase("ring.block_backward"):
+                    dk_b, dv_b = kept.block(*kv, rows, cols, blk_causal)
+                if step == 0 and dk_blk is None and cols == slice(0, k.shape[1]):
+                    dk_blk, dv_blk = dk_b, dv_b
+                elif step == 0:
+                    dk_blk, dv_blk = kept.new_dkv() if dk_blk is None else (dk_blk, dv_blk)
+                    kept.add_into(dk_blk, cols, dk_b)
+                    kept.add_into(dv_blk, cols, dv_b)
+                else:
+                    parts.append((cols, dk_b, dv_b))
                 continue
             with phase("ring.block_backward"):
                 dq_b, dk_b, dv_b = attention_backward(dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols],
@@ -362,6 +387,10 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
         else:                                # the accumulator for block src, from the previous rank
             dkv = dkv_pending.wait()
             for cols, dk_b, dv_b in parts:   # added in its dtype: one launch each, no float32 copy first
+                if kept is not None:
+                    kept.add_into(dkv[0], cols, dk_b)
+                    kept.add_into(dkv[1], cols, dv_b)
+                    continue
                 _seq_part(dkv[0], cols).add_(dk_b)
                 _seq_part(dkv[1], cols).add_(dv_b)
         if ring.size > 1:
@@ -370,6 +399,8 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
             kv = tuple(kv_pending.wait())
     if dkv_pending is not None:
         dkv = dkv_pending.wait()
+    if kept is not None:
+        return (kept.dq(), *kept.finish_dkv(dkv, k, v))
     return (dq_final if dq_final is not None else dq.to(q.dtype)), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 

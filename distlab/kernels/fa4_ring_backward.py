@@ -1,0 +1,188 @@
+"""A ring backward on FA4's own kernels, its float32 accumulators kept across the ring's steps (#24).
+
+    python -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --timeline   # one rank's kernels, H100/H200
+    DISTLAB_FA4_RING_ACCUM=0 python -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4   # the A/B
+
+One ``_flash_attn_bwd`` call runs five kernels: a preprocess (delta = rowsum(O·dO), the LSE in base 2, dQ's
+float32 accumulator zeroed), the main kernel (dQ added into that accumulator by atomics; with GQA, dK and dV
+too, into zeroed float32 accumulators), and three postprocess kernels converting the accumulators to q's
+dtype. Called once per ring step (H100, S32768, W=8, one rank's timeline, docs/PERF.md) each step paid ~150
+µs beside its ~550 µs main kernel: the preprocess again (29 µs; its inputs — the final out, dO, LSE — are the
+same every step), three postprocesses (39), two zero fills (12), then three adds of the bf16 results into
+distlab's float32 dQ and the travelling dK/dV (75).
+
+``FA4RingBackward`` runs the same compiled kernels one by one (recorded from one FA4 call per block shape,
+as ``fa4_forward`` replays its forward): per *row set* of the rank's blocks (its rows and whether the block
+is causal: zigzag has three, all rows causal at step 0, all rows and the second half later) the preprocess
+once and one float32 dQ accumulator that every block of that set adds into; the postprocess once at the end
+(one per row set, summed). A block's dK/dV go into zeroed float32 scratch in FA4's accumulator layout, added
+into the travelling accumulator, which stays in that layout (head-major, key rows in tiles of the kernel's
+n-block) and is converted once by its owner (``finish_dkv``). Why two accumulators per row set and not one
+dQ for all: FA4 tiles the causal kernel's rows by 64 and the non-causal one's by 80 at head_dim 128, and the
+accumulator's layout is the tile's. Why scratch for dK/dV and not the received accumulator itself: a
+kernel adding straight into it would have to wait for the previous rank's hop before it starts; with
+scratch only the add waits (as in distlab's Triton ring).
+
+Used by ``distlab.cp.ring``'s backward for ``backend="fa4"`` when ``usable`` says so: GQA (with one q head
+per kv head FA4 writes dK/dV directly, no accumulators), batch-contiguous bshd, every block's rows and keys
+in whole tiles of 128 (FA4's kernels round sequence lengths up to their tile); otherwise the per-block
+``attention_backward``. Knob ``DISTLAB_FA4_RING_ACCUM=0`` turns it off. The kernels' argument lists are
+FA4 4.0.0b36's (``flash_attn.cute.interface``); a recording that does not match them is refused
+(``RuntimeError``) rather than guessed at.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distlab import knobs
+from distlab.kernels import fa4
+
+TILE = 128   # FA4's largest row / key tile of the sm90 backward at head_dim 128 (n-block 128, m-block 64 or 80)
+_RECORDED: dict = {}
+
+
+def usable(q, k, rows_and_cols, dtype) -> bool:
+    """The kept-accumulator path applies: fa4 on this device and dtype, GQA, and every block's rows and
+    columns starting and ending on a multiple of ``TILE``."""
+    if knobs.get("FA4_RING_ACCUM") == "0" or not fa4.runs_on(q.device, dtype):
+        return False
+    if q.shape[2] == k.shape[2] or q.shape[1] % TILE or k.shape[1] % TILE:
+        return False
+    return all(s.start % TILE == 0 and s.stop % TILE == 0 for rc in rows_and_cols for s in rc)
+
+
+def _record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal, scale):
+    """The compiled kernels of one ``_flash_attn_bwd`` call on a block of this shape, and their arguments:
+    ``(preprocess, main, [postprocess dQ, dK, dV], buffer shapes)``, each ``(fn, args)``; recorded once per
+    shape (one FA4 call on zeros)."""
+    key = (batch, rows, cols, heads, kv_heads, dim, dtype, device, causal, scale)
+    if key in _RECORDED:
+        return _RECORDED[key]
+    fi = fa4._interface()
+    funcs = (fi._bwd_preprocess, fi._flash_attn_bwd, fi._bwd_postprocess_convert)
+    recorders = [fa4._Recorder(f.compile_cache) for f in funcs]
+    q = torch.zeros(batch, rows, heads, dim, dtype=dtype, device=device)
+    k, v = (torch.zeros(batch, cols, kv_heads, dim, dtype=dtype, device=device) for _ in range(2))
+    out, dout = torch.zeros_like(q), torch.zeros_like(q)
+    lse = torch.zeros(batch, heads, rows, dtype=torch.float32, device=device)
+    for f, r in zip(funcs, recorders):
+        f.compile_cache = r
+    try:
+        fi._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=causal)
+    finally:
+        for f, r in zip(funcs, recorders):
+            f.compile_cache = r.cache
+    pre, main, post = recorders[0].calls, recorders[1].calls, recorders[2].calls
+    ok = len(pre) == 1 and len(main) == 1 and len(post) == 3
+    if ok:
+        (pre,), (main,) = pre, main
+        ok = (pre[1][0] is out and pre[1][1] is dout and pre[1][3] is lse
+              and all(a is b for a, b in zip(main[1][:4], (q, k, v, dout)))
+              and main[1][4] is pre[1][4] and main[1][5] is pre[1][2] and main[1][6] is pre[1][5]
+              and all(p[1][0] is main[1][i] for p, i in zip(post, (6, 7, 8)))
+              and not any(isinstance(a, torch.Tensor) for a in main[1][9:]))
+    if not ok:
+        raise RuntimeError("FA4's backward did not run the kernels FA4RingBackward expects (flash-attn-4 "
+                           "4.0.0b36's preprocess, main kernel and three postprocesses); set "
+                           "DISTLAB_FA4_RING_ACCUM=0")
+    shapes = {"dpsum": pre[1][2].shape, "dq_accum": pre[1][5].shape, "dkv_accum": main[1][7].shape}
+    if main[1][8].shape != main[1][7].shape:
+        raise RuntimeError("FA4RingBackward: dK's and dV's accumulators differ in shape (head_dim_v != head_dim)")
+    _RECORDED[key] = rec = (pre, main, post, shapes)
+    return rec
+
+
+def _acc_dtype(dtype):
+    """FA4's accumulators are float32; float64 where a CPU test's stand-in kernels run in float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _RowSet:
+    """One row set's preprocess results and its float32 dQ accumulator (FA4's layout for its kernel)."""
+
+    def __init__(self, rec, out, dout, lse):
+        (pre_fn, pre_args), _, _, shapes = rec
+        dev, acc = out.device, _acc_dtype(out.dtype)
+        self.rec = rec
+        self.dpsum = torch.empty(shapes["dpsum"], dtype=acc, device=dev)
+        self.lse_log2 = torch.empty(shapes["dpsum"], dtype=acc, device=dev)
+        self.dq_accum = torch.empty(shapes["dq_accum"], dtype=acc, device=dev)
+        pre_fn(out, dout, self.dpsum, lse, self.lse_log2, self.dq_accum, *pre_args[6:])   # zeroes dq_accum
+
+
+class FA4RingBackward:
+    """One rank's ring backward on FA4's kernels: ``block`` per ring block (dQ kept in float32 across the
+    steps; the block's dK/dV returned as float32 scratch in FA4's accumulator layout, for ``add_into`` a
+    travelling accumulator), ``dq()`` at the end, ``finish_dkv`` for the accumulator that comes home.
+    ``causal``: the ring's (its first block, all rows against all local keys, sets the accumulators' shape)."""
+
+    def __init__(self, dout, q, out, lse, k, scale, causal):
+        self.dout, self.q, self.out, self.lse, self.scale, self.causal = dout, q, out, lse, scale, causal
+        self.kv_heads, self.keys = k.shape[2], k.shape[1]
+        self.sets: dict = {}
+
+    def _rec(self, rows: int, cols: int, causal: bool):
+        q = self.q
+        return _record(q.shape[0], rows, cols, q.shape[2], self.kv_heads, q.shape[3], q.dtype, q.device, causal,
+                       self.scale)
+
+    def _row_set(self, rows: slice, cols: int, causal: bool) -> _RowSet:
+        key = (rows.start, rows.stop, causal)
+        rs = self.sets.get(key)
+        if rs is None:
+            rec = self._rec(rows.stop - rows.start, cols, causal)
+            rs = self.sets[key] = _RowSet(rec, self.out[:, rows], self.dout[:, rows], self.lse[:, :, rows])
+        return rs
+
+    def new_dkv(self):
+        """A zeroed float32 dK/dV accumulator pair in FA4's layout for every local key."""
+        shape = self._rec(self.q.shape[1], self.keys, self.causal)[3]["dkv_accum"]
+        buf = torch.zeros((2, *shape), dtype=_acc_dtype(self.q.dtype), device=self.q.device)
+        return buf[0], buf[1]
+
+    def add_into(self, acc, cols: slice, part):
+        """``acc``'s keys ``cols`` += ``part`` (a block's scratch for those keys; FA4's accumulator layout keeps
+        each head's keys in order, in whole tiles: a key range is a slice of the last dimension)."""
+        per_key = acc.shape[-1] // self.keys
+        view = acc if cols.start == 0 and cols.stop == self.keys else acc[..., cols.start * per_key:cols.stop * per_key]
+        view.add_(part)
+
+    def block(self, k, v, rows: slice, cols: slice, causal: bool):
+        """Run the block (rows × cols of this rank's q against k, v); dQ goes into its row set's accumulator;
+        returns the block's (dK, dV): float32 scratch in FA4's layout for the keys ``cols``."""
+        n = cols.stop - cols.start
+        if n != k.shape[1]:
+            k, v = k[:, cols], v[:, cols]
+        rs = self._row_set(rows, n, causal)
+        _, (main_fn, main_args), _, shapes = self._rec(rows.stop - rows.start, n, causal)
+        buf = torch.zeros((2, *shapes["dkv_accum"]), dtype=_acc_dtype(k.dtype), device=k.device)
+        q, dout = (self.q, self.dout) if rows.stop - rows.start == self.q.shape[1] else \
+            (self.q[:, rows], self.dout[:, rows])
+        main_fn(q, k, v, dout, rs.lse_log2, rs.dpsum, rs.dq_accum, buf[0], buf[1], *main_args[9:])
+        return buf[0], buf[1]
+
+    def dq(self):
+        """The rank's dQ in q's dtype: each row set's accumulator converted by FA4's postprocess (scaled),
+        summed in float32."""
+        total = None
+        for (start, stop, _), rs in self.sets.items():
+            post_fn, post_args = rs.rec[2][0]
+            part = torch.empty_like(self.q[:, start:stop], memory_format=torch.contiguous_format)
+            post_fn(rs.dq_accum, part, *post_args[2:])
+            if len(self.sets) == 1 and (start, stop) == (0, self.q.shape[1]):
+                return part
+            if total is None:
+                total = torch.zeros(self.q.shape, dtype=_acc_dtype(self.q.dtype), device=self.q.device)
+            total[:, start:stop] += part
+        return total.to(self.q.dtype)
+
+    def finish_dkv(self, acc, k, v):
+        """A travelling dK/dV accumulator, home: converted to k's and v's dtype (dK scaled) by FA4's
+        postprocess."""
+        post = self._rec(self.q.shape[1], self.keys, self.causal)[2]
+        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+        post[1][0](acc[0].contiguous(), dk, *post[1][1][2:])
+        post[2][0](acc[1].contiguous(), dv, *post[2][1][2:])
+        return dk, dv

@@ -1,0 +1,182 @@
+"""The ring backward on FA4's kernels with its accumulators kept across steps (``distlab.kernels.fa4_ring_backward``).
+
+On the CPU: the ring's bookkeeping (row sets, one dQ accumulator each, dK/dV scratch added into the travelling
+accumulator by key ranges, the conversions at the end) on real gloo ranks, with FA4's five kernels replaced by
+float64 stand-ins that keep FA4's contract (the preprocess writes delta and the base-2 LSE and zeroes dQ's
+accumulator; the main kernel *adds* unscaled dQ/dK and dV into float32-layout accumulators ``(batch, heads,
+keys * dim)``; the postprocess scales and converts). On a GPU with FA4: the real kernels against the float32
+reference (``gpu`` marker)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distlab import comm
+from distlab.cp.layout import gather_sequence, shard_sequence
+from distlab.kernels.attention import attention_reference
+from distlab.testing import ProcessGroupPool
+
+LOG2E = 1.4426950408889634
+
+
+def _heads_major(t):   # (b, s, h, d) -> (b, h, s * d), FA4's accumulator layout with no rounding
+    return t.permute(0, 2, 1, 3).reshape(t.shape[0], t.shape[2], -1)
+
+
+def _fake_record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal, scale):
+    """FA4's preprocess, main kernel and postprocesses as float64 torch, with the argument lists the real
+    recording yields."""
+    from distlab.kernels.attention import attention_backward
+
+    def pre(out, dout, dpsum, lse, lse_log2, dq_accum, *rest):
+        dpsum.copy_((out.double() * dout.double()).sum(-1).transpose(1, 2))
+        lse_log2.copy_(lse * LOG2E)
+        dq_accum.zero_()
+
+    def main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_accum, dv_accum, sc, *rest):
+        lse = lse_log2 / LOG2E
+        # out enters a backward only through delta = rowsum(out·dO): rebuild an out with that row sum
+        out = dout * (dpsum.transpose(1, 2) / (dout * dout).sum(-1)).unsqueeze(-1)
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal, sc, backend="torch")
+        dq_accum += _heads_major(dq) / sc
+        dk_accum += _heads_major(dk) / sc
+        dv_accum += _heads_major(dv)
+
+    def post(accum, output, sc, *rest):
+        b, s, h, d = output.shape
+        output.copy_((accum.view(b, h, s, d) * sc).transpose(1, 2))
+
+    shapes = {"dpsum": (batch, heads, rows), "dq_accum": (batch, heads, rows * dim),
+              "dkv_accum": (batch, kv_heads, cols * dim)}
+    return ((pre, (None,) * 6 + (None,) * 8), (main, (None,) * 9 + (scale, None)),
+            [(post, (None, None, scale)), (post, (None, None, scale)), (post, (None, None, 1.0))], shapes)
+
+
+def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile):
+    from distlab.cp.ring import _ring_backward, _ring_forward
+    from distlab.kernels import fa4, fa4_ring_backward as frb
+
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(1, seq, heads, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, seq, kv_heads, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    attention_reference(*full, causal=causal).backward(dout)
+    local = [shard_sequence(t, None, layout) for t in (q, k, v, dout)]
+    ring, scale = comm.RingExchanger(None), 8 ** -0.5
+    saved = frb._record, frb.TILE, fa4.runs_on
+    frb._record, frb.TILE, fa4.runs_on = _fake_record, tile, (lambda device, dtype: True)
+    try:
+        made = []
+        real = frb.FA4RingBackward
+        frb.FA4RingBackward = lambda *a: made.append(real(*a)) or made[-1]
+        out, lse = _ring_forward(*local[:3], ring, causal, layout, scale, "torch")
+        grads = _ring_backward(local[3], *local[:3], out, lse, ring, causal, layout, scale, "fa4")
+    finally:
+        frb._record, frb.TILE, fa4.runs_on = saved
+        frb.FA4RingBackward = real
+    got = [gather_sequence(t, None, layout) for t in grads]
+    errs = [((a - t.grad).abs().max() / t.grad.abs().max()).item() for a, t in zip(got, full)]
+    return {"errors": errs, "kept": len(made), "row_sets": sorted(made[0].sets) if made else []}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_fa4_kept_accumulators_match_one_device_on_stand_in_kernels(world):
+    """float64: dQ from one accumulator per row set (zigzag: all rows causal, all rows, the second half),
+    dK/dV scratch added into the travelling accumulator by key range (zigzag's first-half keys), converted
+    once at home: the one-device gradients to rounding, at W 1-4 (3: an odd ring)."""
+    pool = ProcessGroupPool(world)
+    try:
+        for layout, causal in (("zigzag", True), ("contiguous", True), ("contiguous", False)):
+            results = pool.run(_ring_on_stand_ins, layout, causal, 4, 2, 16 * world, 4)
+            for res in results:
+                assert res["kept"] == 1, "the fa4 ring backward did not take the kept-accumulator path"
+                assert max(res["errors"]) < 1e-12, (layout, causal, res)
+            if layout == "zigzag" and world > 2:   # a middle rank has all three row sets
+                assert max(len(res["row_sets"]) for res in results) == 3, [r["row_sets"] for r in results]
+    finally:
+        pool.close()
+
+
+def test_fa4_kept_path_steps_aside_where_it_does_not_apply(monkeypatch):
+    """MHA (FA4 writes dK/dV directly), rows off FA4's tiles, no FA4, or the knob: the per-block path."""
+    from distlab import knobs
+    from distlab.kernels import fa4, fa4_ring_backward as frb
+
+    q, k = torch.zeros(1, 256, 4, 8), torch.zeros(1, 256, 2, 8)
+    blocks = [(slice(0, 256), slice(0, 128))]
+    assert not frb.usable(q, k, blocks, torch.bfloat16)   # no FA4 on this machine
+    monkeypatch.setattr(fa4, "runs_on", lambda device, dtype: True)
+    assert frb.usable(q, k, blocks, torch.bfloat16)
+    assert not frb.usable(q, torch.zeros(1, 256, 4, 8), blocks, torch.bfloat16)         # MHA
+    assert not frb.usable(q, k, [(slice(0, 192), slice(0, 128))], torch.bfloat16)      # rows off the tiles
+    with knobs.override(FA4_RING_ACCUM="0"):
+        assert not frb.usable(q, k, blocks, torch.bfloat16)
+
+
+def _ring_rank_on_fa4(seq, world, heads, kv_heads, layout):
+    """One W-rank ring's rank 0 (resident K/V, as ``distlab.cp.emulate``) on FA4 blocks, bf16, against the
+    float32 reference on the same rows."""
+    from distlab.cp.emulate import ResidentRing, rank_rows
+    from distlab.cp.ring import _ring_backward, _ring_forward
+
+    g = torch.Generator().manual_seed(1)
+    q, dout = (torch.randn(1, seq, heads, 128, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, seq, kv_heads, 128, generator=g) for _ in range(2))
+    full = [t.cuda().requires_grad_(True) for t in (q, k, v)]
+    out_ref = attention_reference(*full, causal=True)
+    errs = []
+    for rank in range(world):
+        shard = {r: rank_rows(r, world, seq, layout).cuda() for r in range(world)}
+        d = torch.zeros_like(out_ref)
+        d[:, shard[rank]] = dout.cuda()[:, shard[rank]]
+        for t in full:
+            t.grad = None
+        out_ref.backward(d, retain_graph=True)
+        kv = [(full[1].detach()[:, shard[(rank - i) % world]].bfloat16().contiguous(),
+               full[2].detach()[:, shard[(rank - i) % world]].bfloat16().contiguous()) for i in range(world)]
+        q_r = full[0].detach()[:, shard[rank]].bfloat16().contiguous()
+        scale = 128 ** -0.5
+        ring = ResidentRing(world, rank, kv)
+        out, lse = _ring_forward(q_r, *kv[0], ring, True, layout, scale, "fa4")
+        dq, dk, dv = _ring_backward(d[:, shard[rank]].bfloat16().contiguous(), q_r, *kv[0], out.bfloat16(), lse,
+                                    ring, True, layout, scale, "fa4")
+        # this rank's dQ is whole; dK/dV here are the accumulator that came home after W steps of a resident
+        # ring: every step's block, i.e. the contributions of rank `rank`'s queries to each rank's keys summed
+        # into one buffer; check dQ, and dK/dV against the reference's by the same sum
+        want_dq = full[0].grad[:, shard[rank]]
+        want_dk = sum(full[1].grad[:, shard[(rank - i) % world]] for i in range(world))
+        want_dv = sum(full[2].grad[:, shard[(rank - i) % world]] for i in range(world))
+        errs.append([((a.float() - b).abs().max() / b.abs().max()).item()
+                     for a, b in ((dq, want_dq), (dk, want_dk), (dv, want_dv))])
+    return errs
+
+
+@pytest.mark.gpu
+def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
+    """FA4's real kernels (sm90+, the fa4 extra): every rank of a W=4 zigzag ring (three row sets) and a W=2
+    contiguous ring, bf16 against float32, with the kept accumulators and without (the knob)."""
+    from distlab import knobs
+    from distlab.kernels import fa4
+
+    if not torch.cuda.is_available() or not fa4.runs_on(torch.device("cuda"), torch.bfloat16):
+        pytest.skip("needs FA4 on an sm90+ GPU")
+    for layout, world in (("zigzag", 4), ("contiguous", 2)):
+        for accum in ("1", "0"):
+            with knobs.override(FA4_RING_ACCUM=accum):
+                for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, layout)):
+                    assert max(errs) < 2e-2, (layout, world, accum, rank, errs)
+
+
+def test_fa4_key_ranges_of_an_accumulator_are_its_tiles_in_order():
+    """``add_into`` a key range that does not start at 0 (no ring layout has one today: zigzag's partial
+    blocks take the first half of the keys) lands on those keys of every head."""
+    from distlab.kernels import fa4_ring_backward as frb
+
+    q, k = torch.zeros(1, 8, 4, 3), torch.zeros(1, 8, 2, 3)
+    kept = frb.FA4RingBackward(q, q, q, None, k, 1.0, True)
+    acc, part = torch.zeros(1, 2, 8 * 3), torch.arange(2 * 4 * 3, dtype=torch.float32).view(1, 2, 12)
+    kept.add_into(acc, slice(4, 8), part)
+    want = torch.zeros(1, 8, 2, 3)
+    want[:, 4:8] = part.view(1, 2, 4, 3).transpose(1, 2)
+    assert torch.equal(acc, _heads_major(want))
