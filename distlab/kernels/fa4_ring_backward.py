@@ -77,8 +77,8 @@ def _record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal, scal
     ok = len(pre) == 1 and len(main) == 1 and len(post) == 3
     if ok:
         (pre,), (main,) = pre, main
-        ok = (pre[1][0] is out and pre[1][1] is dout and pre[1][3] is lse
-              and all(a is b for a, b in zip(main[1][:4], (q, k, v, dout)))
+        ok = (all(_same(a, b) for a, b in zip((pre[1][i] for i in (0, 1, 3)), (out, dout, lse)))
+              and all(_same(a, b) for a, b in zip(main[1][:4], (q, k, v, dout)))
               and main[1][4] is pre[1][4] and main[1][5] is pre[1][2] and main[1][6] is pre[1][5]
               and all(p[1][0] is main[1][i] for p, i in zip(post, (6, 7, 8)))
               and not any(isinstance(a, torch.Tensor) for a in main[1][9:]))
@@ -91,6 +91,12 @@ def _record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal, scal
         raise RuntimeError("FA4RingBackward: dK's and dV's accumulators differ in shape (head_dim_v != head_dim)")
     _RECORDED[key] = rec = (pre, main, post, shapes)
     return rec
+
+
+def _same(a, b) -> bool:
+    """``a`` is ``b`` or the same memory seen the same way (FA4 passes ``q.detach()``)."""
+    return a is b or (isinstance(a, torch.Tensor) and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                      and a.stride() == b.stride())
 
 
 def _acc_dtype(dtype):
