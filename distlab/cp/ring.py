@@ -200,10 +200,11 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
                 continue
             with phase("ring.block"):
                 o, l = attention_forward(q[:, rows], k_blk, v_blk, blk_causal, scale, backend)
+            if len(pending) == group:   # a full group merges once another block follows it: the last group
+                out, lse = _merge_pending(out, lse, pending, q, last=False)   # merges writing q's dtype (H100:
+                # a W=8 rank's last 4 blocks merged, then converted alone, 49 + 35 µs at S32768)
             pending.append((o if o.stride(-1) == 1 else o.contiguous(), l if l.stride(-1) == 1 else l.contiguous(),
                             rows.start, rows.stop))
-            if len(pending) == group:
-                out, lse = _merge_pending(out, lse, pending, q, last=False)
     if pending is not None:
         return _merge_pending(out, lse, pending, q, last=True)
     return (final if final is not None else out.to(q.dtype)), lse
