@@ -13,6 +13,8 @@
 #                                                  # wall and GPU, the FA4 rank's kernel timeline at S32768, host_cost
 #   bash launch/gpu_host_check.sh OUTDIR fa4accum  # FA4 present: the FA4 ring backward with its accumulators kept
 #                                                  # (GPU test, A/B wall and GPU, timeline, host_cost)
+#   bash launch/gpu_host_check.sh OUTDIR fa4why    # FA4 present: the FA4 ring rank's kernels (kept and not, S8192)
+#                                                  # and its host time a step at S8192's shapes, profiled
 #   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
 #                                                  # launch keys checked; part triton: then host_cost and the Triton
 #                                                  # ring rank (emulate, wall and GPU)
@@ -85,6 +87,20 @@ elif [ "$part" = fa4accum ]; then   # FA4 present: the ring backward on FA4's ke
   LIMIT=90 TAIL=50 run emulate_fa4_timeline $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --iters 5 \
       --timeline --json "$out/emulate_fa4_timeline.json"
   LIMIT=80 TAIL=20 run host_cost $py -m distlab.kernels.host_cost --rounds 3 --json "$out/host_cost.json"
+elif [ "$part" = fa4why ]; then   # FA4 present: where the FA4 ring rank's time goes (2026-12-05): the backward's
+  # kernels with the accumulators kept and not (the main kernels ran ~5% longer kept, H100), the S8192 rank's
+  # kernels, host time a ring step at S8192's shapes (1024 tokens a rank, 32 q / 8 kv) with cProfile
+  LIMIT=150 TAIL=8 run fa4_ring_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider
+  for accum in 0 1; do
+    LIMIT=90 TAIL=4 run timeline_s32k_accum$accum env DISTLAB_FA4_RING_ACCUM=$accum $py -m distlab.cp.emulate \
+        --world 8 --seq 32768 --backend fa4 --iters 5 --timeline --json "$out/timeline_s32k_accum$accum.json"
+  done
+  LIMIT=90 TAIL=4 run timeline_s8k $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 --iters 5 \
+      --timeline --json "$out/timeline_s8k.json"
+  for pass in fwd bwd; do
+    LIMIT=90 TAIL=40 run host_cost_s8k_$pass $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 \
+        --rounds 2 --calls 100 --profile "ring step W8, fa4/$pass" --json "$out/host_cost_s8k_$pass.json"
+  done
 elif [ "$part" = ringcheck ] || [ "$part" = triton ]; then   # no FA4 needed: the ring's Triton kernels at real
   # sizes in bf16 against the float64 reference (the emulated ring rank's dQ written final by each row's last
   # block, 2026-12-05), every launch also through Triton's own path with the cached launch's key checked
