@@ -114,15 +114,15 @@ def test_fa4_kept_path_steps_aside_where_it_does_not_apply(monkeypatch):
         assert not frb.usable(q, k, blocks, torch.bfloat16)
 
 
-def _ring_rank_on_fa4(seq, world, heads, kv_heads, layout):
+def _ring_rank_on_fa4(seq, world, heads, kv_heads, layout, batch=1):
     """One W-rank ring's rank 0 (resident K/V, as ``distlab.cp.emulate``) on FA4 blocks, bf16, against the
     float32 reference on the same rows."""
     from distlab.cp.emulate import ResidentRing, rank_rows
     from distlab.cp.ring import _ring_backward, _ring_forward
 
     g = torch.Generator().manual_seed(1)
-    q, dout = (torch.randn(1, seq, heads, 128, generator=g) for _ in range(2))
-    k, v = (torch.randn(1, seq, kv_heads, 128, generator=g) for _ in range(2))
+    q, dout = (torch.randn(batch, seq, heads, 128, generator=g) for _ in range(2))
+    k, v = (torch.randn(batch, seq, kv_heads, 128, generator=g) for _ in range(2))
     full = [t.cuda().requires_grad_(True) for t in (q, k, v)]
     out_ref = attention_reference(*full, causal=True)
     errs = []
@@ -161,11 +161,11 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
 
     if not torch.cuda.is_available() or not fa4.runs_on(torch.device("cuda"), torch.bfloat16):
         pytest.skip("needs FA4 on an sm90+ GPU")
-    for layout, world in (("zigzag", 4), ("contiguous", 2)):
+    for layout, world, batch in (("zigzag", 4, 1), ("contiguous", 2, 1), ("zigzag", 2, 2)):
         for accum in ("1", "0"):
             with knobs.override(FA4_RING_ACCUM=accum):
-                for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, layout)):
-                    assert max(errs) < 2e-2, (layout, world, accum, rank, errs)
+                for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, layout, batch)):
+                    assert max(errs) < 2e-2, (layout, world, batch, accum, rank, errs)
 
 
 def test_fa4_key_ranges_of_an_accumulator_are_its_tiles_in_order():
