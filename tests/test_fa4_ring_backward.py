@@ -154,8 +154,9 @@ def _ring_rank_on_fa4(seq, world, heads, kv_heads, layout, batch=1):
 
 @pytest.mark.gpu
 def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
-    """FA4's real kernels (sm90+, the fa4 extra): every rank of a W=4 zigzag ring (three row sets) and a W=2
-    contiguous ring, bf16 against float32, with the kept accumulators and without (the knob)."""
+    """FA4's real kernels (sm90+, the fa4 extra): every rank of a W=4 zigzag ring (three row sets), a W=2
+    contiguous ring and a W=2 zigzag ring of batch 2 (row views strided by the batch), bf16 against float32,
+    with the kept accumulators and without (the knob)."""
     from distlab import knobs
     from distlab.kernels import fa4
 
