@@ -183,6 +183,7 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
     pending = [] if group else None
     groups = launch_groups(ring.size, steps_per_launch)
     ahead = max(len(g) for g in groups)
+    block_forward = _block_forward(backend)
     for steps in groups:
         with phase("ring.exchange"):
             kv.post_through(steps[-1] + ahead)   # the next groups' K/V, while this one computes
@@ -199,7 +200,7 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
                 out, lse = _block_into(out, lse, q, k_blk, v_blk, rows, blk_causal, scale, backend)
                 continue
             with phase("ring.block"):
-                o, l = attention_forward(q[:, rows], k_blk, v_blk, blk_causal, scale, backend)
+                o, l = block_forward(q[:, rows], k_blk, v_blk, blk_causal, scale)
             if len(pending) == group:   # a full group merges once another block follows it: the last group
                 out, lse = _merge_pending(out, lse, pending, q, last=False)   # merges writing q's dtype (H100:
                 # a W=8 rank's last 4 blocks merged, then converted alone, 49 + 35 µs at S32768)
@@ -208,6 +209,17 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
     if pending is not None:
         return _merge_pending(out, lse, pending, q, last=True)
     return (final if final is not None else out.to(q.dtype)), lse
+
+
+def _block_forward(backend):
+    """What a ring step calls for a block's (out, LSE): FA4's wrapper itself for ``fa4`` (the ring checked its
+    inputs and resolved the backend once; ``attention_forward``'s checks and resolution cost ~7 µs of host a
+    step, #24), ``attention_forward`` for the others."""
+    if backend == "fa4":
+        from distlab.kernels.fa4 import fa4_forward
+
+        return fa4_forward
+    return lambda q, k, v, causal, scale: attention_forward(q, k, v, causal, scale, backend)
 
 
 def _merge_group(q, backend) -> int:
