@@ -15,6 +15,8 @@
 #                                                  # (GPU test, A/B wall and GPU, timeline, host_cost)
 #   bash launch/gpu_host_check.sh OUTDIR fa4why    # FA4 present: the FA4 ring rank's kernels (kept and not, S8192)
 #                                                  # and its host time a step at S8192's shapes, profiled
+#   bash launch/gpu_host_check.sh OUTDIR fa4pick   # FA4 present: the FA4 ring's GPU test, FA4 vs Triton ring ranks
+#                                                  # at S8192, 16384, 32768 (wall): auto's ring pick
 #   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
 #                                                  # launch keys checked; part triton: then host_cost and the Triton
 #                                                  # ring rank (emulate, wall and GPU)
@@ -101,6 +103,11 @@ elif [ "$part" = fa4why ]; then   # FA4 present: where the FA4 ring rank's time 
     LIMIT=90 TAIL=40 run host_cost_s8k_$pass $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 \
         --rounds 2 --calls 100 --profile "ring step W8, fa4/$pass" --json "$out/host_cost_s8k_$pass.json"
   done
+elif [ "$part" = fa4pick ]; then   # FA4 present: the FA4 ring's GPU test (a batch-2 ring too), then the W=8 rank on
+  # FA4 blocks against Triton's at three shard lengths, wall (where auto's ring pick should switch)
+  LIMIT=150 TAIL=4 run fa4_ring_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider
+  LIMIT=150 TAIL=12 run emulate_pick $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
+      triton --iters 10 --wall --json "$out/emulate_pick_wall.json"
 elif [ "$part" = ringcheck ] || [ "$part" = triton ]; then   # no FA4 needed: the ring's Triton kernels at real
   # sizes in bf16 against the float64 reference (the emulated ring rank's dQ written final by each row's last
   # block, 2026-12-05), every launch also through Triton's own path with the cached launch's key checked
