@@ -493,9 +493,10 @@ def check_ring_inputs(q, k, v, world: int, causal: bool, layout: str, backend: s
 
 
 # ``auto`` for a ring: FA4 blocks on long shards, the Triton kernel (in-kernel accumulation, several steps a
-# launch, less host time a step) on short ones. H200, W=8 zigzag, f+b wall TFLOP/s (docs/PERF.md, 2026-12-04):
-# shard 1024 tokens, triton 99 vs fa4 38; shard 4096, fa4 475 vs triton 405.
-RING_TRITON_MAX_SHARD = 2048
+# launch, less host time a step) on short ones. W=8 zigzag, 32 q / 8 kv, f+b wall ms (docs/PERF.md): H100
+# 2026-12-05, FA4's backward accumulators kept: shard 1024 tokens triton 1.09 vs fa4 1.19, shard 2048 fa4 2.12 vs
+# triton 2.77, shard 4096 fa4 7.22 vs triton 9.97 (H200 2026-12-04, before: shard 1024 triton 99 vs fa4 38 TFLOP/s).
+RING_TRITON_MAX_SHARD = 1024
 
 
 def pick_ring_backend(backend: str, resolved: str, shard: int, present) -> str:
