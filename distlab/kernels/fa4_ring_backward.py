@@ -24,6 +24,9 @@ accumulator's layout is the tile's, and zigzag's second half starts at row 2048 
 kernel adding straight into it would have to wait for the previous rank's hop before it starts; with
 scratch only the add waits (as in distlab's Triton ring).
 
+Memory: a float32 dQ accumulator per row set (zigzag: one and a half shards' worth more than a single float32
+dQ; 160 MiB against 64 at S32768, W=8, 32 heads) and the block's dK/dV scratch.
+
 Used by ``distlab.cp.ring``'s backward for ``backend="fa4"`` when ``usable`` says so: GQA (with one q head
 per kv head FA4 writes dK/dV directly, no accumulators), batch-contiguous bshd, every block's rows and keys
 in whole tiles of 128 (FA4's kernels round sequence lengths up to their tile); otherwise the per-block
