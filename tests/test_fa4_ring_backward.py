@@ -98,6 +98,37 @@ def test_fa4_kept_accumulators_match_one_device_on_stand_in_kernels(world):
         pool.close()
 
 
+def _refused_recording(world):
+    from distlab.cp.ring import _ring_backward, _ring_forward
+    from distlab.kernels import fa4, fa4_ring_backward as frb
+
+    def refuse(*args):
+        raise RuntimeError("FA4's backward did not run the kernels FA4RingBackward expects")
+
+    q, k = torch.randn(1, 16, 4, 8, dtype=torch.float64), torch.randn(1, 16, 2, 8, dtype=torch.float64)
+    ring = comm.RingExchanger(None)
+    out, lse = _ring_forward(q, k, k, ring, True, "zigzag", 0.3, "torch")
+    saved = frb._record, frb.TILE, fa4.runs_on
+    frb._record, frb.TILE, fa4.runs_on = refuse, 4, (lambda device, dtype: True)
+    try:
+        with comm.CommLog() as log:
+            try:
+                _ring_backward(q, q, k, k, out, lse, ring, True, "zigzag", 0.3, "fa4")
+            except RuntimeError as e:
+                return str(e), dict(log.calls)
+    finally:
+        frb._record, frb.TILE, fa4.runs_on = saved
+    return None, dict(log.calls)
+
+
+def test_fa4_recording_refused_raises_on_every_rank_before_any_exchange(pools):
+    """FA4's kernels are recorded for every block shape before the ring's first exchange: a recording that
+    does not match (another FA4 version) is a RuntimeError on every rank with nothing posted, not a hang."""
+    for msg, calls in pools(3).run(_refused_recording, 3):
+        assert msg is not None and "FA4RingBackward" in msg
+        assert calls == {}, calls
+
+
 def test_fa4_kept_path_steps_aside_where_it_does_not_apply(monkeypatch):
     """MHA (FA4 writes dK/dV directly), rows off FA4's tiles, no FA4, or the knob: the per-block path."""
     from distlab import knobs

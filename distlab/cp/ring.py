@@ -345,7 +345,9 @@ def _fa4_kept(dout, q, k, out, lse, scale, causal, schedule):
     blocks = [(rows, cols) for step in schedule for rows, cols, _, _ in step]
     if not fa4_ring_backward.usable(q, k, blocks, q.dtype):
         return None
-    return fa4_ring_backward.FA4RingBackward(dout, q, out, lse, k, scale, causal)
+    kept = fa4_ring_backward.FA4RingBackward(dout, q, out, lse, k, scale, causal)
+    kept.prepare([(rows, cols, blk_causal) for step in schedule for rows, cols, blk_causal, _ in step])
+    return kept
 
 
 def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend):

@@ -132,6 +132,13 @@ class FA4RingBackward:
         self.kv_heads, self.keys = k.shape[2], k.shape[1]
         self.sets: dict = {}
 
+    def prepare(self, blocks):
+        """Record FA4's kernels for every block shape of the ring (``[(rows, cols, causal)]``) now, before the
+        ring's first exchange: a recording FA4 refuses raises on every rank before any collective."""
+        self._rec(self.q.shape[1], self.keys, self.causal)
+        for rows, cols, causal in blocks:
+            self._rec(rows.stop - rows.start, cols.stop - cols.start, causal)
+
     def _rec(self, rows: int, cols: int, causal: bool):
         q = self.q
         return _record(q.shape[0], rows, cols, q.shape[2], self.kv_heads, q.shape[3], q.dtype, q.device, causal,
