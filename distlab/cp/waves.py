@@ -44,6 +44,7 @@ from distlab.kernels.masks import key_tiles, query_ranges, range_tiles
 
 FWD_TILE, BWD_TILE = (128, 64), (64, 64)   # the masked kernel's H200 tiles (``masked_tiles``, head_dim <= 128)
 DKV_WEIGHT, DQ_WEIGHT = 4.0, 3.0           # matmuls per tile: dK/dV's four, dQ's three
+SPLIT_MERGE = 0.5                          # ``--split``: a part's partial (out, LSE) written and merged, in tiles
 SCHEDULES = ("rows", "lpt", "lpt+dq", "dq once", "bwd4", "fwd2+bwd4", "lpt+dq pdl", "fwd2+bwd4 pdl", "fwd groups",
              "groups", "grouped", "no barrier")
 COLUMNS = SCHEDULES + ("all-gather",)   # and all-gather CP's compute on the same layout (``layout_row``)
@@ -176,17 +177,31 @@ def _order(lengths, heads: int, lpt: bool) -> list:
     return n * heads
 
 
-def block_costs(mask, heads: int, kv_heads: int, lpt: bool, ring_block: bool, overhead: float) -> dict:
+def _split(lengths, cap):
+    """Per-tile loop lengths with every loop longer than ``cap`` tiles cut into ⌈n / cap⌉ equal programs
+    (split-K: each writes a partial result that a merge adds up; the merge is ``SPLIT_MERGE`` tiles a part)."""
+    if not cap:
+        return lengths
+    out = []
+    for n in lengths.tolist():
+        parts = max(1, math.ceil(n / cap))
+        out += [n / parts + (SPLIT_MERGE if parts > 1 else 0.0)] * parts
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def block_costs(mask, heads: int, kv_heads: int, lpt: bool, ring_block: bool, overhead: float, split=None) -> dict:
     """{"fwd", "dkv", "dq"}: the program costs, in tiles, of one masked block's three kernels in start order
-    (``ring_block``: its dK/dV covers only the keys some row sees, as ``masked_backward`` with accumulators)."""
+    (``ring_block``: its dK/dV covers only the keys some row sees, as ``masked_backward`` with accumulators;
+    ``split``: no program loops over more than that many tiles, ``_split``; not built, a what-if)."""
     from distlab.kernels.masks import seen_keys
 
     groups = heads // kv_heads
     sub = seen_keys(mask)[1] if ring_block else mask
     qb, qe = query_ranges(sub, sub.k_pos.numel(), BWD_TILE[1])
-    return {"fwd": [overhead + n for n in _order(key_tiles(mask, *FWD_TILE), heads, lpt)],
-            "dkv": [overhead + DKV_WEIGHT * groups * n for n in _order(range_tiles(qb, qe, BWD_TILE[0]), kv_heads, lpt)],
-            "dq": [overhead + DQ_WEIGHT * n for n in _order(key_tiles(mask, *BWD_TILE), heads, lpt)]}
+    return {"fwd": [overhead + n for n in _order(_split(key_tiles(mask, *FWD_TILE), split), heads, lpt)],
+            "dkv": [overhead + DKV_WEIGHT * groups * n
+                    for n in _order(_split(range_tiles(qb, qe, BWD_TILE[0]), split), kv_heads, lpt)],
+            "dq": [overhead + DQ_WEIGHT * n for n in _order(_split(key_tiles(mask, *BWD_TILE), split), heads, lpt)]}
 
 
 class _Streams:
@@ -330,16 +345,18 @@ def per_sm_units(fwd_per_sm: int, bwd_per_sm: int) -> tuple:
 
 
 def layout_row(docs, positions, heads, kv_heads, sms, overhead, bwd_ratio, gap_us=0.0, tile_us=2.0,
-               per_sm=(1, 1), row_gap=None) -> dict:
+               per_sm=(1, 1), row_gap=None, split=None) -> dict:
     """Model efficiencies of one layout's slowest rank against one call, per schedule: {schedule: {"fwd",
     "fb"}, "one_call_fwd_ms"}, one call's backward scaled to ``bwd_ratio`` times its forward; ``gap_us``
     between a kernel and the one it waits for, ``tile_us`` a forward tile's time; ``per_sm``: forward and
-    backward programs an SM holds at once; ``row_gap``: ``step_blocks``' (None: the ring's own)."""
+    backward programs an SM holds at once; ``row_gap``: ``step_blocks``' (None: the ring's own); ``split``: the
+    rank's kernels' loops cut at that many tiles (``block_costs``; a what-if), the one call's kept whole (its
+    long loops end inside its many waves; split, it would only pay the parts' overhead and merges)."""
     from distlab.cp.ring_packed import ROW_GAP, step_blocks
 
     row_gap = ROW_GAP if row_gap is None else row_gap
     every = torch.arange(docs.total)
-    one = block_costs(docs.mask(every, every), heads, kv_heads, False, False, overhead)
+    one = block_costs(docs.mask(every, every), heads, kv_heads, False, False, overhead)   # its kernel unsplit
     capacity, *units = per_sm_units(*per_sm)
     t_fwd = simulate(chain([(0, one)], "rows", backward=False, units=units), sms, 0.0, capacity)
     gap = gap_us / tile_us
@@ -351,9 +368,10 @@ def layout_row(docs, positions, heads, kv_heads, sms, overhead, bwd_ratio, gap_u
     group_masks = [[(steps.start, mask) for steps, _, blocks in plan.launches or () for _, _, mask in blocks]
                    for plan in plans]
     later_masks = [later_steps_mask(docs, positions, rank) for rank in range(world)]
-    costs = {lpt: [([(step, block_costs(m, heads, kv_heads, lpt, True, overhead)) for step, m in rank_masks],
-                    None if later is None else block_costs(later, heads, kv_heads, lpt, True, overhead)["dq"],
-                    [(step, block_costs(m, heads, kv_heads, lpt, True, overhead)) for step, m in grouped] or None)
+    costs = {lpt: [([(step, block_costs(m, heads, kv_heads, lpt, True, overhead, split)) for step, m in rank_masks],
+                    None if later is None else block_costs(later, heads, kv_heads, lpt, True, overhead, split)["dq"],
+                    [(step, block_costs(m, heads, kv_heads, lpt, True, overhead, split)) for step, m in grouped]
+                    or None)
                    for rank_masks, later, grouped in zip(masks, later_masks, group_masks)] for lpt in (False, True)}
     for schedule in SCHEDULES:
         f_max = fb_max = 0.0
@@ -371,7 +389,8 @@ def layout_row(docs, positions, heads, kv_heads, sms, overhead, bwd_ratio, gap_u
     keys = torch.cat(list(positions)).sort().values
     f_max = fb_max = 0.0
     for rank in range(world):
-        b = block_costs(docs.mask(positions[rank], keys), heads // chunks, kv_heads // chunks, False, False, overhead)
+        b = block_costs(docs.mask(positions[rank], keys), heads // chunks, kv_heads // chunks, False, False, overhead,
+                        split)
         f_max = max(f_max, simulate(chain([(c, b) for c in range(chunks)], "rows", backward=False, units=units), sms,
                                     gap, capacity))
         fb_max = max(fb_max, simulate(chain([(c, b) for c in range(chunks)], "rows", scale, units=units), sms, gap,
@@ -399,6 +418,9 @@ def main(argv=None):
                    "pack's one call, 6.13 ms, over its 3067.5 modelled tiles)")
     p.add_argument("--row-gap", type=int, default=None, help="rows that see nothing between two runs of a step, "
                    "below which they are one block (default: the ring's ROW_GAP; the shard length: a launch a step)")
+    p.add_argument("--split", type=positive_int, default=None, metavar="TILES",
+                   help="what-if (not built): a rank's kernels' loops cut at TILES tiles (split-K, partial results "
+                        "merged at SPLIT_MERGE tiles a part); the one call keeps its kernel whole")
     p.add_argument("--measured", nargs="+", default=[], metavar="JSON:SCHEDULE",
                    help="``distlab.cp.emulate_packed`` JSON timed under a schedule (e.g. docs/perf/h200_2026-12-05b/"
                         "backward_auto_2.json:lpt+dq): its GPU efficiencies beside the model's (first --docs), and "
@@ -418,7 +440,7 @@ def main(argv=None):
             print(f"--docs {spec}: {describe(docs)}")
         for layout, positions, imbalance in placed_layouts(a.layouts, docs, a.world):
             row = layout_row(docs, positions, a.heads, a.kv_heads, a.sms, a.overhead, a.bwd_ratio, a.gap_us,
-                             a.tile_us, tuple(a.per_sm), a.row_gap)
+                             a.tile_us, tuple(a.per_sm), a.row_gap, a.split)
             print(f"{seq:>6} {layout:<10} " + " ".join(f"{row[s]['fwd'] * 100:>6.1f}/{row[s]['fb'] * 100:>5.1f}%"
                                                     for s in COLUMNS) + f"   {row['one_call_fwd_ms']:.2f}", flush=True)
             rows.append({"seq": seq, "docs": spec, "layout": layout, "imbalance": imbalance, "model": row})
