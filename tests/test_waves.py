@@ -88,6 +88,21 @@ def test_one_rank_is_one_call():
     assert len(costs["fwd"]) == 8 * 16 and len(costs["dkv"]) == 2 * 32 and len(costs["dq"]) == 8 * 32
 
 
+def test_split_loops_cut_the_rank_kernels_only():
+    """``--split``: a loop of 20 tiles at cap 8 becomes three programs of 20/3 tiles plus the merge; short loops
+    stay; the one call keeps its kernel (its time unchanged), and at W=1 a split rank pays the parts' cost."""
+    from distlab.cp.documents import Documents
+    from distlab.cp.waves import SPLIT_MERGE, _split
+
+    assert _split(torch.tensor([3, 20]), 8).tolist() == pytest.approx([3.0] + [20 / 3 + SPLIT_MERGE] * 3)
+    assert _split(torch.tensor([3, 20]), None).tolist() == [3, 20]
+    docs = Documents.from_args(2048, torch.tensor([0, 1900, 2048]), True, None)
+    whole = layout_row(docs, [torch.arange(2048)], 8, 2, 16, 1.5, 4.0, gap_us=5.0, tile_us=1.0)
+    split = layout_row(docs, [torch.arange(2048)], 8, 2, 16, 1.5, 4.0, gap_us=5.0, tile_us=1.0, split=2)
+    assert split["one_call_fwd_ms"] == whole["one_call_fwd_ms"]
+    assert split["rows"]["fb"] < whole["rows"]["fb"] == pytest.approx(1.0)
+
+
 def test_the_study_ranks_layouts(capsys, tmp_path):
     import json
 
