@@ -75,14 +75,17 @@ def fa4_forward(q, k, v, causal, scale):
     if knobs.get("FA4_REPLAY") == "0" or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
         out, lse, *_ = _interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)
         return out, lse
-    key = (q.shape, k.shape, v.shape, q.dtype, q.device, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16,
+    device = q.device
+    key = (q.shape, k.shape, v.shape, q.dtype, device, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16,
            causal, scale)
     replay = _REPLAYS.get(key)
     if replay is not None:
         fn, rest, (o_size, o_stride, o_dtype), (l_size, l_stride) = replay
-        out = torch.empty_strided(o_size, o_stride, dtype=o_dtype, device=q.device)
-        lse = torch.empty_strided(l_size, l_stride, dtype=torch.float32, device=q.device)
-        fn(*(t.detach() if t.requires_grad else t for t in (q, k, v)), out, lse, *rest)
+        out = torch.empty_strided(o_size, o_stride, dtype=o_dtype, device=device)
+        lse = torch.empty_strided(l_size, l_stride, dtype=torch.float32, device=device)
+        if q.requires_grad or k.requires_grad or v.requires_grad:
+            q, k, v = q.detach(), k.detach(), v.detach()
+        fn(q, k, v, out, lse, *rest)
         REPLAYED[0] += 1
         return out, lse
     interface = _interface()
