@@ -17,6 +17,8 @@
 #                                                  # and its host time a step at S8192's shapes, profiled
 #   bash launch/gpu_host_check.sh OUTDIR fa4pick   # FA4 present: the FA4 ring's GPU test, FA4 vs Triton ring ranks
 #                                                  # at S8192, 16384, 32768 (wall): auto's ring pick
+#   bash launch/gpu_host_check.sh OUTDIR fa4host   # FA4 present: after the host cuts, the FA4 ring's GPU test, merge
+#                                                  # keys checked, the FA4 rank (wall), host time a step at S8192
 #   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
 #                                                  # launch keys checked; part triton: then host_cost and the Triton
 #                                                  # ring rank (emulate, wall and GPU)
@@ -108,6 +110,16 @@ elif [ "$part" = fa4pick ]; then   # FA4 present: the FA4 ring's GPU test (a bat
   LIMIT=150 TAIL=4 run fa4_ring_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider
   LIMIT=150 TAIL=12 run emulate_pick $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
       triton --iters 10 --wall --json "$out/emulate_pick_wall.json"
+elif [ "$part" = fa4host ]; then   # FA4 present: after the host cuts of 2026-12-05 (the merge's plan per layout,
+  # a block plan in the FA4 ring backward): the FA4 ring's GPU test, the merges checked with their launch keys,
+  # the W=8 FA4 rank (wall) and its host time a step at S8192's shapes
+  LIMIT=100 TAIL=3 run fa4_ring_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider
+  LIMIT=60 TAIL=3 run merge_check env DISTLAB_TRITON_LAUNCH=check $py tests/kernel_checks.py merge --device cuda \
+      --dtype bfloat16 --big
+  LIMIT=60 TAIL=6 run emulate_fa4_wall $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 --iters 10 \
+      --wall --json "$out/emulate_fa4_wall.json"
+  LIMIT=60 TAIL=8 run host_cost_s8k $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 2 \
+      --calls 100 --json "$out/host_cost_s8k.json"
 elif [ "$part" = ringcheck ] || [ "$part" = triton ]; then   # no FA4 needed: the ring's Triton kernels at real
   # sizes in bf16 against the float64 reference (the emulated ring rank's dQ written final by each row's last
   # block, 2026-12-05), every launch also through Triton's own path with the cached launch's key checked

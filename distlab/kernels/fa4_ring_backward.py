@@ -131,6 +131,7 @@ class FA4RingBackward:
         self.dout, self.q, self.out, self.lse, self.scale, self.causal = dout, q, out, lse, scale, causal
         self.kv_heads, self.keys = k.shape[2], k.shape[1]
         self.sets: dict = {}
+        self.plans: dict = {}
 
     def prepare(self, blocks):
         """Record FA4's kernels for every block shape of the ring (``[(rows, cols, causal)]``) now, before the
@@ -167,16 +168,23 @@ class FA4RingBackward:
 
     def block(self, k, v, rows: slice, cols: slice, causal: bool):
         """Run the block (rows × cols of this rank's q against k, v); dQ goes into its row set's accumulator;
-        returns the block's (dK, dV): float32 scratch in FA4's layout for the keys ``cols``."""
-        n = cols.stop - cols.start
+        returns the block's (dK, dV): float32 scratch in FA4's layout for the keys ``cols``. What a block
+        shape needs besides k and v (its row set, kernel, q and dO rows, scratch shape) is worked out once."""
+        key = (rows.start, rows.stop, cols.start, cols.stop, causal)
+        plan = self.plans.get(key)
+        if plan is None:
+            n = cols.stop - cols.start
+            rs = self._row_set(rows, n, causal)
+            _, (main_fn, main_args), _, shapes = self._rec(rows.stop - rows.start, n, causal)
+            whole = rows.stop - rows.start == self.q.shape[1]
+            q, dout = (self.q, self.dout) if whole else (self.q[:, rows], self.dout[:, rows])
+            plan = self.plans[key] = (n, (2, *shapes["dkv_accum"]), _acc_dtype(k.dtype), main_fn, q, dout, rs,
+                                      main_args[9:])
+        n, shape, acc, main_fn, q, dout, rs, rest = plan
         if n != k.shape[1]:
             k, v = k[:, cols], v[:, cols]
-        rs = self._row_set(rows, n, causal)
-        _, (main_fn, main_args), _, shapes = self._rec(rows.stop - rows.start, n, causal)
-        buf = torch.zeros((2, *shapes["dkv_accum"]), dtype=_acc_dtype(k.dtype), device=k.device)
-        q, dout = (self.q, self.dout) if rows.stop - rows.start == self.q.shape[1] else \
-            (self.q[:, rows], self.dout[:, rows])
-        main_fn(q, k, v, dout, rs.lse_log2, rs.dpsum, rs.dq_accum, buf[0], buf[1], *main_args[9:])
+        buf = torch.zeros(shape, dtype=acc, device=k.device)
+        main_fn(q, k, v, dout, rs.lse_log2, rs.dpsum, rs.dq_accum, buf[0], buf[1], *rest)
         return buf[0], buf[1]
 
     def dq(self):
