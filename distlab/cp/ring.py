@@ -379,14 +379,12 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
             if kept is not None:   # FA4's kernels, dQ kept in float32 across steps, dK/dV as FA4 accumulates them
                 with phase("ring.block_backward"):
                     dk_b, dv_b = kept.block(*kv, rows, cols, blk_causal)
-                if step == 0 and dk_blk is None and cols == slice(0, k.shape[1]):
-                    dk_blk, dv_blk = dk_b, dv_b
-                elif step == 0:
-                    dk_blk, dv_blk = kept.new_dkv() if dk_blk is None else (dk_blk, dv_blk)
-                    kept.add_into(dk_blk, cols, dk_b)
-                    kept.add_into(dv_blk, cols, dv_b)
-                else:
+                if step > 0:
                     parts.append((cols, dk_b, dv_b))
+                elif dk_blk is None and cols == slice(0, k.shape[1]):   # my own block starts the accumulator
+                    dk_blk, dv_blk = dk_b, dv_b
+                else:
+                    raise RuntimeError("the ring's first backward step must be one block over every local key")
                 continue
             with phase("ring.block_backward"):
                 dq_b, dk_b, dv_b = attention_backward(dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols],

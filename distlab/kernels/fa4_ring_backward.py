@@ -125,7 +125,8 @@ class FA4RingBackward:
     """One rank's ring backward on FA4's kernels: ``block`` per ring block (dQ kept in float32 across the
     steps; the block's dK/dV returned as float32 scratch in FA4's accumulator layout, for ``add_into`` a
     travelling accumulator), ``dq()`` at the end, ``finish_dkv`` for the accumulator that comes home.
-    ``causal``: the ring's (its first block, all rows against all local keys, sets the accumulators' shape)."""
+    ``causal``: the ring's (its first block, all rows against all local keys, starts the travelling
+    accumulator and sets its shape)."""
 
     def __init__(self, dout, q, out, lse, k, scale, causal):
         self.dout, self.q, self.out, self.lse, self.scale, self.causal = dout, q, out, lse, scale, causal
@@ -152,12 +153,6 @@ class FA4RingBackward:
             rec = self._rec(rows.stop - rows.start, cols, causal)
             rs = self.sets[key] = _RowSet(rec, self.out[:, rows], self.dout[:, rows], self.lse[:, :, rows])
         return rs
-
-    def new_dkv(self):
-        """A zeroed float32 dK/dV accumulator pair in FA4's layout for every local key."""
-        shape = self._rec(self.q.shape[1], self.keys, self.causal)[3]["dkv_accum"]
-        buf = torch.zeros((2, *shape), dtype=_acc_dtype(self.q.dtype), device=self.q.device)
-        return buf[0], buf[1]
 
     def add_into(self, acc, cols: slice, part):
         """``acc``'s keys ``cols`` += ``part`` (a block's scratch for those keys; FA4's accumulator layout keeps
