@@ -126,7 +126,7 @@ def lse_merge_blocks_(out, lse, blocks, has_acc=True, final=None):
     Host cost (#24): the checks, the launch's integer arguments, its grid and options are a plan kept per
     layout of the arguments (shapes, strides, dtypes, row ranges, ``has_acc``, ``final``'s, the launch knobs);
     a call with a layout seen before only reads the pointers' alignment and launches (CPU, launches skipped:
-    34 → ~12 µs a call)."""
+    34 → 9.7 µs a call, four blocks at S1024, 32 heads)."""
     fo = final if final is not None else out
     key = (out.shape, out.stride(), out.dtype, lse.shape, lse.stride(), lse.dtype, has_acc,
            None if final is None else (final.shape, final.stride(), final.dtype),
