@@ -13,6 +13,7 @@
 #                                                   # backward, A/B, with the GPU checks of every mode)
 #                                                   # or verify (the checks, then the default schedule, A/B:
                                                   # launch groups, the dQ's old path; seed 3)
+#                                                   # or seeds (the default schedule over five packs)
 #                                                   # or allgather (all-gather CP's compute on the packs, each
 #                                                   # query tile's gap skipped and not, A/B)
 #                                                   # or fa4 (FA4's varlen path for masks: its GPU tests, the packed
@@ -66,6 +67,17 @@ if [ "$part" = verify ]; then   # the masked kernels and the packed ring checked
     DISTLAB_RING_STEPS_PER_LAUNCH=$n timeout -s ABRT 120 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 \
       --docs lognormal:mean=2048,seed=3 --layouts balanced units --backend triton --iters 5 --warmup 2 --rate-means \
       --json "$out/seed3_steps_$n.json" 2>&1 | tee "$out/seed3_steps_$n.log" || status=1
+  done
+  pack_logs
+  exit $status
+fi
+
+if [ "$part" = seeds ]; then   # the default schedule over five packs (lognormal mean 2048, seeds 0-4): #23's
+  # figure as a median, not one pack's (the wave model's spread over ten packs: docs/PERF.md)
+  for seed in 0 1 2 3 4; do
+    timeout -s ABRT 120 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --docs lognormal:mean=2048,seed=$seed \
+      --layouts balanced units --backend triton --iters 5 --warmup 2 --json "$out/seed$seed.json" 2>&1 \
+      | tee "$out/seed$seed.log" || status=1
   done
   pack_logs
   exit $status
