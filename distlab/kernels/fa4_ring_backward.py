@@ -184,9 +184,10 @@ class FA4RingBackward:
 
     def dq(self):
         """The rank's dQ in q's dtype: each row set's accumulator converted by FA4's postprocess (scaled); the
-        sets after the first added in q's dtype (float64 on the CPU's stand-ins). On the H100 a float32 sum
-        (a zero fill, the adds in float32, a conversion) cost ~165 µs against ~55 for the adds in bf16; each
-        set's part is already rounded once by its postprocess, so a bf16 sum rounds at most twice more."""
+        sets after the first added in q's dtype (float64 on the CPU's stand-ins). On the H100 (S32768, W=8,
+        rank 0's two row sets) the end of the backward went 243 → 90 µs against a float32 sum (a zero fill, the
+        adds in float32, a conversion); each set's part is already rounded once by its postprocess, so a bf16
+        sum rounds at most twice more."""
         total = None
         for (start, stop, _), rs in self.sets.items():
             post_fn, post_args = rs.rec[2][0]
