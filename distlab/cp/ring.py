@@ -342,11 +342,11 @@ def _fa4_kept(dout, q, k, out, lse, scale, causal, schedule):
     None (the per-block ``attention_backward``)."""
     from distlab.kernels import fa4_ring_backward
 
-    blocks = [(rows, cols) for step in schedule for rows, cols, _, _ in step]
+    blocks = [(rows, cols, blk_causal) for step in schedule for rows, cols, blk_causal, _ in step]
     if not fa4_ring_backward.usable(q, k, blocks, q.dtype):
         return None
     kept = fa4_ring_backward.FA4RingBackward(dout, q, out, lse, k, scale, causal)
-    kept.prepare([(rows, cols, blk_causal) for step in schedule for rows, cols, blk_causal, _ in step])
+    kept.prepare(blocks)
     return kept
 
 

@@ -46,14 +46,14 @@ TILE = 128   # FA4's largest row / key tile of the sm90 backward at head_dim 128
 _RECORDED: dict = {}
 
 
-def usable(q, k, rows_and_cols, dtype) -> bool:
+def usable(q, k, blocks, dtype) -> bool:
     """The kept-accumulator path applies: fa4 on this device and dtype, GQA, and every block's rows and
-    columns starting and ending on a multiple of ``TILE``."""
+    columns (``blocks``: ``[(rows, cols, ...)]``) starting and ending on a multiple of ``TILE``."""
     if knobs.get("FA4_RING_ACCUM") == "0" or not fa4.runs_on(q.device, dtype):
         return False
     if q.shape[2] == k.shape[2] or q.shape[1] % TILE or k.shape[1] % TILE:
         return False
-    return all(s.start % TILE == 0 and s.stop % TILE == 0 for rc in rows_and_cols for s in rc)
+    return all(s.start % TILE == 0 and s.stop % TILE == 0 for block in blocks for s in block[:2])
 
 
 def _record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal, scale):
