@@ -53,7 +53,7 @@ def _fake_record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal,
             [(post, (None, None, scale)), (post, (None, None, scale)), (post, (None, None, 1.0))], shapes)
 
 
-def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile):
+def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_launch=1):
     from distlab.cp.ring import _ring_backward, _ring_forward
     from distlab.kernels import fa4, fa4_ring_backward as frb
 
@@ -70,8 +70,8 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile):
         made = []
         real = frb.FA4RingBackward
         frb.FA4RingBackward = lambda *a: made.append(real(*a)) or made[-1]
-        out, lse = _ring_forward(*local[:3], ring, causal, layout, scale, "torch")
-        grads = _ring_backward(local[3], *local[:3], out, lse, ring, causal, layout, scale, "fa4")
+        out, lse = _ring_forward(*local[:3], ring, causal, layout, scale, "torch", steps_per_launch)
+        grads = _ring_backward(local[3], *local[:3], out, lse, ring, causal, layout, scale, "fa4", steps_per_launch)
     finally:
         frb._record, frb.TILE, fa4.runs_on = saved
         frb.FA4RingBackward = real
@@ -84,15 +84,20 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile):
 def test_fa4_kept_accumulators_match_one_device_on_stand_in_kernels(world):
     """float64: dQ from one accumulator per row set (zigzag: all rows causal, all rows, the second half),
     dK/dV scratch added into the travelling accumulator by key range (zigzag's first-half keys), converted
-    once at home: the one-device gradients to rounding, at W 1-4 (3: an odd ring)."""
+    once at home: the one-device gradients to rounding, at W 1-4 (3: an odd ring). Also by launch groups
+    (``distlab.cp.ring_fused``: a group's blocks over one row range fused, each step's dK/dV cut out of the
+    fused scratch by key range): groups of 2, and one group of every step (step 0 fused with the others in the
+    non-causal ring, so its accumulator starts as a slice)."""
     pool = ProcessGroupPool(world)
     try:
-        for layout, causal in (("zigzag", True), ("contiguous", True), ("contiguous", False)):
-            results = pool.run(_ring_on_stand_ins, layout, causal, 4, 2, 16 * world, 4)
+        for layout, causal, n in (("zigzag", True, 1), ("contiguous", True, 1), ("contiguous", False, 1),
+                                  ("zigzag", True, 2), ("contiguous", True, (world,)), ("contiguous", False, (world,)),
+                                  ("zigzag", False, (world,))):
+            results = pool.run(_ring_on_stand_ins, layout, causal, 4, 2, 16 * world, 4, n)
             for res in results:
                 assert res["kept"] == 1, "the fa4 ring backward did not take the kept-accumulator path"
-                assert max(res["errors"]) < 1e-12, (layout, causal, res)
-            if layout == "zigzag" and world > 2:   # a middle rank has all three row sets
+                assert max(res["errors"]) < 1e-12, (layout, causal, n, res)
+            if layout == "zigzag" and causal and world > 2:   # a middle rank has all three row sets
                 assert max(len(res["row_sets"]) for res in results) == 3, [r["row_sets"] for r in results]
     finally:
         pool.close()
@@ -145,7 +150,7 @@ def test_fa4_kept_path_steps_aside_where_it_does_not_apply(monkeypatch):
         assert not frb.usable(q, k, blocks, torch.bfloat16)
 
 
-def _ring_rank_on_fa4(seq, world, heads, kv_heads, layout, batch=1):
+def _ring_rank_on_fa4(seq, world, heads, kv_heads, layout, batch=1, steps_per_launch=1):
     """One W-rank ring's rank 0 (resident K/V, as ``distlab.cp.emulate``) on FA4 blocks, bf16, against the
     float32 reference on the same rows."""
     from distlab.cp.emulate import ResidentRing, rank_rows
@@ -169,9 +174,9 @@ def _ring_rank_on_fa4(seq, world, heads, kv_heads, layout, batch=1):
         q_r = full[0].detach()[:, shard[rank]].bfloat16().contiguous()
         scale = 128 ** -0.5
         ring = ResidentRing(world, rank, kv)
-        out, lse = _ring_forward(q_r, *kv[0], ring, True, layout, scale, "fa4")
+        out, lse = _ring_forward(q_r, *kv[0], ring, True, layout, scale, "fa4", steps_per_launch)
         dq, dk, dv = _ring_backward(d[:, shard[rank]].bfloat16().contiguous(), q_r, *kv[0], out.bfloat16(), lse,
-                                    ring, True, layout, scale, "fa4")
+                                    ring, True, layout, scale, "fa4", steps_per_launch)
         # this rank's dQ is whole; dK/dV here are the accumulator that came home after W steps of a resident
         # ring: every step's block, i.e. the contributions of rank `rank`'s queries to each rank's keys summed
         # into one buffer; check dQ, and dK/dV against the reference's by the same sum
@@ -187,17 +192,19 @@ def _ring_rank_on_fa4(seq, world, heads, kv_heads, layout, batch=1):
 def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
     """FA4's real kernels (sm90+, the fa4 extra): every rank of a W=4 zigzag ring (three row sets), a W=2
     contiguous ring and a W=2 zigzag ring of batch 2 (row views strided by the batch), bf16 against float32,
-    with the kept accumulators and without (the knob)."""
+    with the kept accumulators and without (the knob); and the W=4 zigzag ring by launch groups of 3
+    (``distlab.cp.ring_fused``: 0 | 1 2 3, the later steps fused into one FA4 call per row range)."""
     from distlab import knobs
     from distlab.kernels import fa4
 
     if not torch.cuda.is_available() or not fa4.runs_on(torch.device("cuda"), torch.bfloat16):
         pytest.skip("needs FA4 on an sm90+ GPU")
-    for layout, world, batch in (("zigzag", 4, 1), ("contiguous", 2, 1), ("zigzag", 2, 2)):
+    for layout, world, batch, n in (("zigzag", 4, 1, 1), ("contiguous", 2, 1, 1), ("zigzag", 2, 2, 1),
+                                    ("zigzag", 4, 1, 3), ("contiguous", 4, 2, 3)):
         for accum in ("1", "0"):
             with knobs.override(FA4_RING_ACCUM=accum):
-                for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, layout, batch)):
-                    assert max(errs) < 2e-2, (layout, world, batch, accum, rank, errs)
+                for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, layout, batch, n)):
+                    assert max(errs) < 2e-2, (layout, world, batch, n, accum, rank, errs)
 
 
 def test_fa4_key_ranges_of_an_accumulator_are_its_tiles_in_order():

@@ -85,6 +85,35 @@ def test_ring_with_several_blocks_in_flight_matches_one_device(pools, world, lay
                 assert err < 1e-5, f"rank {rank}: {name} rel err {err:.2e} (W={world} {layout} causal={causal} {n})"
             assert res["fwd_calls"] == {"ring_kv": world - 1}
             assert res["fwd_bytes"] == {"ring_kv": (world - 1) * res["kv_bytes"]}
+            assert res["bwd_calls"] == {"ring_kv": world - 1, "ring_dkv": world}   # the backward by groups too
+
+
+def test_fuse_plan_joins_a_groups_blocks_over_one_row_range():
+    """Backends with no in-kernel accumulation compute a launch group's blocks over the same rows as one block
+    over their keys (``fuse_plan``): zigzag W=8 in groups of 4 is three calls on every rank (step 0; the steps
+    whose keys come from earlier ranks; those from later ranks), the keys of each step in step order."""
+    from distlab.cp.ring import group_plans
+
+    for rank in range(8):
+        plans = group_plans(rank, 8, 64, True, "zigzag", 4)
+        calls = [(rows, causal, [(step, (c.start, c.stop)) for step, c in pieces])
+                 for steps, plan in plans for rows, causal, pieces in plan]
+        assert calls[0] == (slice(0, 64), True, [(0, (0, 64))])
+        want = [(slice(0, 64), False, [(s, (0, 32))]) if (rank - s) % 8 < rank else
+                (slice(32, 64), False, [(s, (0, 64))]) for s in range(1, 8)]
+        fused = []
+        for steps in ([1, 2, 3], [4, 5, 6, 7]):
+            for rows, causal, pieces in [w for w in want if w[2][0][0] in steps]:
+                if fused and fused[-1][0] == rows and fused[-1][2][-1][0] in steps:
+                    fused[-1][2].extend(pieces)
+                else:
+                    fused.append((rows, causal, list(pieces)))
+        assert calls[1:] == fused, (rank, calls)
+        assert len(calls) <= 4 and (rank not in (0, 3, 7) or len(calls) == 3)
+    # contiguous, causal: the last rank sees every earlier block whole; one group of all steps is two calls
+    plans = group_plans(3, 4, 16, True, "contiguous", (4,))
+    assert [[(s, (c.start, c.stop)) for s, c in p] for _, plan in plans for _, _, p in plan] == \
+        [[(0, (0, 16))], [(1, (0, 16)), (2, (0, 16)), (3, (0, 16))]]
 
 
 def test_ring_steps_per_launch_is_checked(monkeypatch):

@@ -117,7 +117,8 @@ def emulate_rank(world, seq, heads, kv_heads, head_dim, rank, layout, causal, ba
     out = out.to(dtype)
 
     def bwd():
-        return _ring_backward(dout, q_r, *kv_by_step[0], out, lse, ring, causal, layout, scale, backend)
+        return _ring_backward(dout, q_r, *kv_by_step[0], out, lse, ring, causal, layout, scale, backend,
+                              steps_per_launch)
 
     run_f, run_b = fwd, bwd
     if graphs and device.type == "cuda":

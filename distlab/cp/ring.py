@@ -181,21 +181,22 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
     # other backends: block results held back and merged MERGE_BLOCKS at a time (one launch each)
     group = _merge_group(q, backend) if final is None else 0
     pending = [] if group else None
-    groups = launch_groups(ring.size, steps_per_launch)
-    ahead = max(len(g) for g in groups)
+    groups = group_plans(ring.rank, ring.size, s, causal, layout, steps_per_launch)
+    ahead = max(len(g) for g, _ in groups)
     block_forward = _block_forward(backend)
-    for steps in groups:
+    for steps, plan in groups:
         with phase("ring.exchange"):
             kv.post_through(steps[-1] + ahead)   # the next groups' K/V, while this one computes
-        blocks = []
-        for step in steps:
-            with phase("ring.wait"):
-                k_s, v_s = kv.get(step)
-            blocks += [(step, i, rows, _seq_part(k_s, cols), _seq_part(v_s, cols), blk_causal)
-                       for i, (rows, cols, blk_causal) in enumerate(schedule[step])]
-        if final is not None and blocks:
-            out, lse = _triton_blocks_into(out, lse, final, q, blocks, schedule, scale, later)
-        for _, _, rows, k_blk, v_blk, blk_causal in blocks if final is None else ():
+        with phase("ring.wait"):
+            got = {step: kv.get(step) for step in steps}
+        if final is not None:
+            blocks = [(step, i, rows, _seq_part(got[step][0], cols), _seq_part(got[step][1], cols), blk_causal)
+                      for step in steps for i, (rows, cols, blk_causal) in enumerate(schedule[step])]
+            if blocks:
+                out, lse = _triton_blocks_into(out, lse, final, q, blocks, schedule, scale, later)
+            continue
+        for rows, blk_causal, pieces in plan:   # a group's runs over one row range: one call (``fuse_plan``)
+            k_blk, v_blk = group_kv(got, pieces)
             if pending is None:
                 out, lse = _block_into(out, lse, q, k_blk, v_blk, rows, blk_causal, scale, backend)
                 continue
@@ -209,6 +210,42 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
     if pending is not None:
         return _merge_pending(out, lse, pending, q, last=True)
     return (final if final is not None else out.to(q.dtype)), lse
+
+
+def fuse_plan(schedule, steps):
+    """A launch group's blocks as ``[(rows, causal, [(step, cols), ...])]``: runs of non-causal blocks over the
+    same rows (in step order) joined into one block whose keys are their ``cols`` of each step's K/V,
+    concatenated (keys have no order in a non-causal block). A backend with no in-kernel accumulation (FA4,
+    cuDNN) then makes one call, one merge entry and one backward for the run instead of one per ring step:
+    on zigzag's busiest rank (0) every later step has the same rows (the second chunk), so W=8 in groups of
+    4 (0 | 1 2 3 | 4 5 6 7) is three calls, not eight. ``schedule``: per step, blocks starting
+    ``(rows, cols, causal)``."""
+    plan = []
+    for step in steps:
+        for rows, cols, causal, *_ in schedule[step]:
+            if plan and not causal and not plan[-1][1] and plan[-1][0] == rows:
+                plan[-1][2].append((step, cols))
+            else:
+                plan.append((rows, causal, [(step, cols)]))
+    return plan
+
+
+@functools.lru_cache(maxsize=256)
+def group_plans(rank: int, world: int, seq: int, causal: bool, layout: str, steps_per_launch) -> tuple:
+    """``((steps, fuse_plan), ...)`` per launch group of rank ``rank``'s ring (forward and backward), worked out
+    once per ring shape."""
+    schedule = [ring_blocks((rank - step) % world, rank, seq, causal, layout) for step in range(world)]
+    return tuple((steps, fuse_plan(schedule, steps)) for steps in launch_groups(world, steps_per_launch))
+
+
+def group_kv(got, pieces):
+    """The K and V of a ``fuse_plan`` block: each piece's ``cols`` of its step's K/V (``got[step]``), joined
+    along the sequence when there are several."""
+    ks = [_seq_part(got[step][0], cols) for step, cols in pieces]
+    vs = [_seq_part(got[step][1], cols) for step, cols in pieces]
+    if len(pieces) == 1:
+        return ks[0], vs[0]
+    return torch.cat(ks, 1), torch.cat(vs, 1)
 
 
 def _block_forward(backend):
@@ -336,13 +373,12 @@ def backward_schedule(rank: int, world: int, seq: int, causal: bool, layout: str
         for step, blocks in enumerate(schedule))
 
 
-def _fa4_kept(dout, q, k, out, lse, scale, causal, schedule):
+def _fa4_kept(dout, q, k, out, lse, scale, causal, blocks):
     """``FA4RingBackward`` (``distlab.kernels.fa4_ring_backward``: FA4's kernels one by one, dQ's float32
     accumulator kept across the steps, dK/dV travelling in FA4's accumulator layout) where it applies, else
-    None (the per-block ``attention_backward``)."""
+    None (the per-block ``attention_backward``). ``blocks``: every ``(rows, cols, causal)`` the ring will run."""
     from distlab.kernels import fa4_ring_backward
 
-    blocks = [(rows, cols, blk_causal) for step in schedule for rows, cols, blk_causal, _ in step]
     if not fa4_ring_backward.usable(q, k, blocks, q.dtype):
         return None
     kept = fa4_ring_backward.FA4RingBackward(dout, q, out, lse, k, scale, causal)
@@ -350,7 +386,14 @@ def _fa4_kept(dout, q, k, out, lse, scale, causal, schedule):
     return kept
 
 
-def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend):
+def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend, steps_per_launch=1):
+    """(dq, dk, dv) of this rank's shard. ``steps_per_launch``: as the forward's; for a backend other than
+    ``triton`` launch groups of several steps run by ``distlab.cp.ring_fused`` (fused blocks), else step by
+    step."""
+    if backend != "triton" and any(len(g) > 1 for g in launch_groups(ring.size, steps_per_launch)):
+        from distlab.cp.ring_fused import ring_backward_groups
+
+        return ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, backend, steps_per_launch)
     s = q.shape[1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq, kv, dkv_pending, back_rows, row_views, steps = None, (k, v), None, None, {}, None
@@ -363,7 +406,8 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)   # written by step 0's dQ kernel
         if dq_kernel_mode():   # each row's final dQ written in q's dtype by its last block's dQ kernel
             dq_final = torch.empty_like(q, memory_format=torch.contiguous_format)
-    kept = _fa4_kept(dout, q, k, out, lse, scale, causal, schedule) if backend == "fa4" else None
+    kept = _fa4_kept(dout, q, k, out, lse, scale, causal, [blk[:3] for step in schedule for blk in step]) \
+        if backend == "fa4" else None
     for step in range(ring.size):
         with phase("ring.exchange"):
             kv_pending = ring.exchange(kv, "ring_kv") if step < ring.size - 1 else None
@@ -422,7 +466,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, ring, causal, layout, scale, backend, steps_per_launch):
         out, lse = _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launch)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (ring, causal, layout, scale, backend)
+        ctx.args = (ring, causal, layout, scale, backend, steps_per_launch)
         ctx.mark_non_differentiable(lse)
         return out, lse
 

@@ -1,0 +1,111 @@
+"""The ring's backward by launch groups, for block backends with no in-kernel accumulation (FA4, cuDNN, torch):
+each group's runs of blocks over the same rows computed as one block over their keys, concatenated.
+
+    python -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 --steps-per-launch 1 4 --wall   # H100/H200
+    distlab run --nproc 4 -m distlab.cp.ring --seq 8192 --check        # CPU: DISTLAB_RING_STEPS_PER_LAUNCH=2
+
+Why: on a short shard a ring step's block is a small kernel whose launch (host time) and last partial wave
+cost as much as its work. The forward already goes by launch groups (``distlab.cp.ring.launch_groups``: step
+0 alone, its K/V local; then groups of n steps whose K/V travel while the group before computes) and, for
+these backends, joins each group's blocks over one row range into one call (``ring.fuse_plan``: zigzag's
+busiest rank runs W=8 in 3 calls with n=4, not 8). This is the same for the backward: the group's K/V are
+received ahead (``ring._KVAhead``), its fused blocks run once each (dQ for the rows, dK/dV for all the
+group's keys), and each step's share of dK/dV is cut out of the result and added, in step order, into the
+travelling float32 accumulator of that step's K/V when it arrives from the previous rank — the same W dK/dV
+hops and W−1 K/V hops as the step-by-step ring, so the answer and the traffic do not change.
+
+What it costs a real ring: the dK/dV accumulators still go one hop a step, but a group's adds wait for the
+previous rank's adds of the same group, a chain of up to n−1 hops after the group's kernel (the emulator,
+which has no communication, does not see it); and up to 2n−1 K/V blocks are held at once, as in the forward.
+With FA4 (``distlab.kernels.fa4_ring_backward``) dQ stays in its float32 accumulators and a fused block's
+dK/dV come back in FA4's accumulator layout (a head's keys in order, in whole tiles of 128): a step's share is
+a slice of the last dimension.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distlab.cp.ring import _KVAhead, _accumulate, _fa4_kept, _seq_part, backward_schedule, group_kv, group_plans
+from distlab.kernels.attention import attention_backward
+from distlab.profiling import phase
+
+
+def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, backend, steps_per_launch):
+    """``distlab.cp.ring._ring_backward`` for a backend other than ``triton`` whose launch groups
+    (``steps_per_launch``) hold several steps: returns (dq, dk, dv) of this rank's shard."""
+    s = q.shape[1]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    groups = group_plans(ring.rank, ring.size, s, causal, layout, steps_per_launch)
+    kept = None
+    if backend == "fa4":   # every block shape recorded before the first exchange (a refusal raises everywhere)
+        blocks = [(rows, slice(0, sum(c.stop - c.start for _, c in pieces)), blk_causal)
+                  for _, plan in groups for rows, blk_causal, pieces in plan]
+        blocks += [(rows, cols, blk_causal) for step in backward_schedule(ring.rank, ring.size, s, causal, layout)
+                   for rows, cols, blk_causal, _ in step]
+        kept = _fa4_kept(dout, q, k, out, lse, scale, causal, blocks)
+    kv = _KVAhead(ring, (k, v))
+    ahead = max(len(steps) for steps, _ in groups)
+    dq = dkv = dkv_pending = None
+    for steps, plan in groups:
+        with phase("ring.exchange"):
+            kv.post_through(steps[-1] + ahead)   # the next groups' K/V, while this one computes
+        with phase("ring.wait"):
+            got = {step: kv.get(step) for step in steps}
+        parts = {step: [] for step in steps}   # per step: (cols, dK, dV) of its keys
+        for rows, blk_causal, pieces in plan:
+            k_blk, v_blk = group_kv(got, pieces)
+            with phase("ring.block_backward"):
+                if kept is not None:   # dQ into FA4's float32 accumulator; dK/dV in its layout, keys last
+                    dk_b, dv_b = kept.block(k_blk, v_blk, rows, slice(0, k_blk.shape[1]), blk_causal)
+                else:
+                    dq_b, dk_b, dv_b = attention_backward(dout[:, rows], q[:, rows], k_blk, v_blk, out[:, rows],
+                                                          lse[:, :, rows], blk_causal, scale, backend)
+                    dq = _accumulate(dq, dq_b, rows, q, acc)
+            per_key = dk_b.shape[-1] // k_blk.shape[1] if kept is not None else None
+            start = 0
+            for step, cols in pieces:
+                n = cols.stop - cols.start
+                if len(pieces) == 1:
+                    share = (dk_b, dv_b)
+                elif kept is not None:
+                    share = tuple(t[..., start * per_key:(start + n) * per_key] for t in (dk_b, dv_b))
+                else:
+                    share = (dk_b[:, start:start + n], dv_b[:, start:start + n])
+                parts[step].append((cols, *share))
+                start += n
+        for step in steps:
+            if step == 0:   # my own K/V: its blocks start the accumulator that travels the ring
+                dkv = _own_accumulator(parts[0], k, v, acc, kept)
+            else:           # the accumulator of this step's K/V, from the previous rank
+                dkv = dkv_pending.wait()
+                for cols, dk_b, dv_b in parts[step]:
+                    if kept is not None:
+                        kept.add_into(dkv[0], cols, dk_b)
+                        kept.add_into(dkv[1], cols, dv_b)
+                    else:
+                        _seq_part(dkv[0], cols).add_(dk_b)
+                        _seq_part(dkv[1], cols).add_(dv_b)
+            if ring.size > 1:
+                dkv_pending = ring.exchange(dkv, "ring_dkv")
+    if dkv_pending is not None:
+        dkv = dkv_pending.wait()
+    if kept is not None:
+        return (kept.dq(), *kept.finish_dkv(dkv, k, v))
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+def _own_accumulator(parts, k, v, acc, kept):
+    """Step 0's (dK, dV) accumulator from its blocks' shares (fresh memory: a share may be a view into a
+    fused block's result, and the accumulator is added into and sent)."""
+    if kept is not None:
+        if len(parts) != 1 or parts[0][0] != slice(0, k.shape[1]):
+            raise RuntimeError("the ring's first backward step must be one block over every local key")
+        _, dk_b, dv_b = parts[0]
+        return (dk_b, dv_b) if dk_b.is_contiguous() else (dk_b.contiguous(), dv_b.contiguous())
+    dk = dv = None
+    for cols, dk_b, dv_b in parts:
+        whole = cols.start == 0 and cols.stop == k.shape[1]
+        dk = _accumulate(dk, dk_b.clone() if whole and dk_b.dtype == acc else dk_b, cols, k, acc)
+        dv = _accumulate(dv, dv_b.clone() if whole and dv_b.dtype == acc else dv_b, cols, v, acc)
+    return dk, dv
