@@ -19,6 +19,8 @@
 #                                                  # at S8192, 16384, 32768 (wall): auto's ring pick
 #   bash launch/gpu_host_check.sh OUTDIR fa4host   # FA4 present: after the host cuts, the FA4 ring's GPU test, merge
 #                                                  # keys checked, the FA4 rank (wall), host time a step at S8192
+#   bash launch/gpu_host_check.sh OUTDIR fa4fuse   # FA4 present: a launch group's blocks fused (ring_fused): GPU
+#                                                  # tests, merge keys, the W=8 FA4 rank by groups 1/2/4 (wall, GPU)
 #   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
 #                                                  # launch keys checked; part triton: then host_cost and the Triton
 #                                                  # ring rank (emulate, wall and GPU)
@@ -118,6 +120,23 @@ elif [ "$part" = fa4host ]; then   # FA4 present: after the host cuts of 2026-12
       --dtype bfloat16 --big
   LIMIT=60 TAIL=6 run emulate_fa4_wall $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 --iters 10 \
       --wall --json "$out/emulate_fa4_wall.json"
+  LIMIT=60 TAIL=8 run host_cost_s8k $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 2 \
+      --calls 100 --json "$out/host_cost_s8k.json"
+elif [ "$part" = fa4fuse ]; then   # FA4 present (2026-12-05): a launch group's blocks fused into one FA4 call,
+  # forward and backward (distlab.cp.ring_fused): the FA4 ring's GPU tests (fused groups too), the merges checked
+  # with their launch keys, the W=8 rank by groups of 1, 2, 4 (wall, then GPU; cuDNN beside it), host_cost at
+  # S8192's shapes, the kernel timeline of the fused rank at S8192
+  LIMIT=150 TAIL=3 run fa4_ring_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider
+  LIMIT=60 TAIL=3 run merge_check env DISTLAB_TRITON_LAUNCH=check $py tests/kernel_checks.py merge --device cuda \
+      --dtype bfloat16 --big
+  LIMIT=150 TAIL=14 run emulate_fuse_wall $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
+      --steps-per-launch 1 2 4 --iters 10 --wall --json "$out/emulate_fuse_wall.json"
+  LIMIT=100 TAIL=8 run emulate_cudnn_wall $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend sdpa-cudnn \
+      triton --steps-per-launch 1 4 --iters 10 --wall --json "$out/emulate_cudnn_wall.json"
+  LIMIT=100 TAIL=8 run emulate_fuse_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 \
+      --steps-per-launch 1 4 --iters 10 --json "$out/emulate_fuse_gpu.json"
+  LIMIT=60 TAIL=8 run timeline_s8k_fused $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
+      --steps-per-launch 4 --iters 5 --timeline --json "$out/timeline_s8k_fused.json"
   LIMIT=60 TAIL=8 run host_cost_s8k $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 2 \
       --calls 100 --json "$out/host_cost_s8k.json"
 elif [ "$part" = ringcheck ] || [ "$part" = triton ]; then   # no FA4 needed: the ring's Triton kernels at real
