@@ -139,6 +139,14 @@ elif [ "$part" = fa4fuse ]; then   # FA4 present (2026-12-05): a launch group's 
       --steps-per-launch 4 --iters 5 --timeline --json "$out/timeline_s8k_fused.json"
   LIMIT=60 TAIL=8 run host_cost_s8k $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 2 \
       --calls 100 --json "$out/host_cost_s8k.json"
+elif [ "$part" = fa4fuse2 ]; then   # FA4 present: the fused groups' host time (host_cost's fused rows, the fused
+  # backward profiled), then the W=8 FA4 rank by groups of 1 and 4 twice over (wall; the S8192 wall is the host's)
+  LIMIT=90 TAIL=12 run host_cost_s8k $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 3 \
+      --calls 100 --profile "ring step W8, fa4, 4 steps fused/bwd" --json "$out/host_cost_s8k.json"
+  for i in 1 2; do
+    LIMIT=120 TAIL=8 run emulate_fuse_wall$i $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
+        --steps-per-launch 1 4 --iters 20 --wall --json "$out/emulate_fuse_wall$i.json"
+  done
 elif [ "$part" = ringcheck ] || [ "$part" = triton ]; then   # no FA4 needed: the ring's Triton kernels at real
   # sizes in bf16 against the float64 reference (the emulated ring rank's dQ written final by each row's last
   # block, 2026-12-05), every launch also through Triton's own path with the cached launch's key checked

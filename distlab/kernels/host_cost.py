@@ -126,6 +126,12 @@ def _ring_rows(a, device, dtype):
         rows += [(f"ring step W{w}, {backend}", "bwd",
                   lambda b=backend, r=ring, o=out, l=lse: _ring_backward(dout, q_r, *kv[0], o, l, r, True, "zigzag",
                                                                          scale, b), {}, w)]
+        if backend != "triton":   # a launch group's blocks fused into one call (distlab.cp.ring_fused), fwd and bwd
+            rows += [(f"ring step W{w}, {backend}, 4 steps fused", "fwd",
+                      lambda b=backend, r=ring: _ring_forward(q_r, *kv[0], r, True, "zigzag", scale, b, 4), {}, w),
+                     (f"ring step W{w}, {backend}, 4 steps fused", "bwd",
+                      lambda b=backend, r=ring, o=out, l=lse: _ring_backward(dout, q_r, *kv[0], o, l, r, True,
+                                                                             "zigzag", scale, b, 4), {}, w)]
     return rows
 
 
