@@ -15,9 +15,11 @@ up to n K/V blocks beyond the current group are in flight, each forwarded as soo
 (``comm.RingExchanger.exchange_after``), and the ``triton`` backend computes a group in one kernel launch
 (``distlab.kernels.triton_attention.flash_forward_blocks``, up to four steps): one accumulate epilogue per group and
 a longer key loop, where the step kernels of a short shard lose most of their time. The other backends
-(cuDNN, FA4: no accumulation in their kernels) hold their block results back and merge four at a time in
-one Triton launch (``lse_merge_blocks_``): the float32 running result is read and written once per four
-blocks, not per block, and the last merge writes q's dtype (no conversion after).
+(cuDNN, FA4: no accumulation in their kernels) join a group's blocks over one row range into one call over
+their keys, concatenated (``fuse_plan``; 4 a group is their default too, and the backward goes by the same
+groups: ``distlab.cp.ring_fused``), hold the results back and merge four at a time in one Triton launch
+(``lse_merge_blocks_``): the float32 running result is read and written once per four blocks, not per
+block, and the last merge writes q's dtype (no conversion after).
 
 Backward: K/V travel the ring again, and so does a float32 (dK, dV) accumulator for the block being
 visited; each rank adds its contribution to it (computed with the *global* out and lse, see
@@ -480,8 +482,12 @@ class _RingAttention(torch.autograd.Function):
 # Steps per launch where it was measured to pay (docs/PERF-archive.md, ring16: the triton forward of one W8 rank,
 # 0 | 1 | 2 ... 7 one step a launch against 0 | 1 2 3 | 4 5 6 7: 116.0% -> 127.4% of the fused H/W call at
 # S8192, 89.1% -> 91.5% at S32768); it keeps up to 2n - 1 K/V blocks (W=8: every block) where the classic
-# ring keeps two. One block in flight for the other backends, which launch per block anyway.
-STEPS_PER_LAUNCH = {"triton": 4}
+# ring keeps two.
+# FA4 and cuDNN: a group's blocks over one row range fused into one call, forward and backward (``fuse_plan``,
+# ``distlab.cp.ring_fused``); H100 2026-12-05, W=8 zigzag 32 q / 8 kv, f+b wall against FA4's H/W call, groups of 1
+# vs 4 (docs/PERF.md): fa4 S16384 64.9 / 72.6 / 73.6% -> 75.2 / 73.2 / 74.5% (three runs), S32768 84.0 / 82.1 /
+# 85.1% -> 85.4 / 83.6 / 85.6%, GPU clock 83.3 -> 86.4%; sdpa-cudnn S32768 63.4 -> 66.9%.
+STEPS_PER_LAUNCH = {"triton": 4, "fa4": 4, "sdpa-cudnn": 4}
 # A packed ring's launch groups (``distlab.cp.packed_groups``) are opt-in: on the H100 (2026-12-05, 64k pack, W=8,
 # masked Triton, docs/PERF.md) 0 | 1 2 3 | 4 5 6 7 was slower than one launch a step on both packs timed —
 # balanced f+b 76.0% against 80.1% of one call (GPU clock; wall 59.7 against 75.0), units deal 68.1 against 73.4.
@@ -568,8 +574,9 @@ def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backe
     q: ``(batch, seq/W, heads, head_dim)``; k, v: ``(batch, seq/W, kv_heads, head_dim)``. Returns this
     rank's shard of the output (and, with ``return_lse``, its float32 ``(batch, heads, seq/W)`` LSE).
     ``steps_per_launch`` (1 to 4, or group sizes adding up to W): the forward's steps per group (``launch_groups``)
-    — with ``triton`` one kernel launch each — and the K/V blocks in flight; default
-    4 for ``triton`` and 1 for the others. With documents (default 1 for every backend: groups measured slower,
+    — with ``triton`` one kernel launch each; with FA4, cuDNN and torch each run of blocks over one row range
+    one call, forward and backward (``fuse_plan``) — and the K/V blocks in flight; default 4 for ``triton``,
+    ``fa4`` and ``sdpa-cudnn``, 1 for the others. With documents (default 1 for every backend: groups measured slower,
     ``PACKED_STEPS_PER_LAUNCH``) each group's seen keys are gathered and computed as one block, whatever the
     backend (``distlab.cp.packed_groups``).
     ``cu_seqlens`` (global document boundaries, the same on every rank) and ``window`` (keys at most that

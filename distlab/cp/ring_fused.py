@@ -2,7 +2,7 @@
 each group's runs of blocks over the same rows computed as one block over their keys, concatenated.
 
     python -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 --steps-per-launch 1 4 --wall   # H100/H200
-    distlab run --nproc 4 -m distlab.cp.ring --seq 8192 --check        # CPU: DISTLAB_RING_STEPS_PER_LAUNCH=2
+    DISTLAB_RING_STEPS_PER_LAUNCH=2 distlab run --nproc 4 -m distlab.cp.ring --seq 8192 --backend torch --check
 
 Why: on a short shard a ring step's block is a small kernel whose launch (host time) and last partial wave
 cost as much as its work. The forward already goes by launch groups (``distlab.cp.ring.launch_groups``: step
@@ -14,15 +14,22 @@ group's keys), and each step's share of dK/dV is cut out of the result and added
 travelling float32 accumulator of that step's K/V when it arrives from the previous rank — the same W dK/dV
 hops and W−1 K/V hops as the step-by-step ring, so the answer and the traffic do not change.
 
-What it costs a real ring: the dK/dV accumulators still go one hop a step, but a group's adds wait for the
-previous rank's adds of the same group, a chain of up to n−1 hops after the group's kernel (the emulator,
-which has no communication, does not see it); and up to 2n−1 K/V blocks are held at once, as in the forward.
+The chain, and why the adds go on a side stream: the dK/dV accumulators still go one hop a step, and the add
+of a group's step s+1 waits for the previous rank's add of step s, done after *its* kernel of the same group:
+a chain of up to n−1 hops after the group's kernels. Queued on the compute stream it would hold the next
+group's kernel back by those hops (W=8, n=4, S32768: 5 hops of 32 MiB, ~0.45 ms on NVLink, in a 7 ms
+backward); on CUDA the adds, their waits and the dK/dV sends go on a side stream that waits only for the
+group's kernels, so the chain runs beside the next group's kernels, which take n steps of compute. The
+emulator (no communication) times the adds there too; the real hops are not timed anywhere yet (no
+multi-GPU machine lent). Up to 2n−1 K/V blocks are held at once, as in the forward.
 With FA4 (``distlab.kernels.fa4_ring_backward``) dQ stays in its float32 accumulators and a fused block's
 dK/dV come back in FA4's accumulator layout (a head's keys in order, in whole tiles of 128): a step's share is
 a slice of the last dimension.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -47,6 +54,7 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
     kv = _KVAhead(ring, (k, v))
     ahead = max(len(steps) for steps, _ in groups)
     dq = dkv = dkv_pending = None
+    side = _side_stream(q.device) if q.is_cuda else None
     for steps, plan in groups:
         with phase("ring.exchange"):
             kv.post_through(steps[-1] + ahead)   # the next groups' K/V, while this one computes
@@ -74,25 +82,57 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
                     share = (dk_b[:, start:start + n], dv_b[:, start:start + n])
                 parts[step].append((cols, *share))
                 start += n
-        for step in steps:
-            if step == 0:   # my own K/V: its blocks start the accumulator that travels the ring
-                dkv = _own_accumulator(parts[0], k, v, acc, kept)
-            else:           # the accumulator of this step's K/V, from the previous rank
-                dkv = dkv_pending.wait()
-                for cols, dk_b, dv_b in parts[step]:
-                    if kept is not None:
-                        kept.add_into(dkv[0], cols, dk_b)
-                        kept.add_into(dkv[1], cols, dv_b)
-                    else:
-                        _seq_part(dkv[0], cols).add_(dk_b)
-                        _seq_part(dkv[1], cols).add_(dv_b)
-            if ring.size > 1:
-                dkv_pending = ring.exchange(dkv, "ring_dkv")
+        with _beside(side, parts):   # CUDA: after this group's kernels, beside the next group's
+            for step in steps:
+                if step == 0:   # my own K/V: its blocks start the accumulator that travels the ring
+                    dkv = _own_accumulator(parts[0], k, v, acc, kept)
+                else:           # the accumulator of this step's K/V, from the previous rank
+                    dkv = dkv_pending.wait()
+                    for cols, dk_b, dv_b in parts[step]:
+                        if kept is not None:
+                            kept.add_into(dkv[0], cols, dk_b)
+                            kept.add_into(dkv[1], cols, dv_b)
+                        else:
+                            _seq_part(dkv[0], cols).add_(dk_b)
+                            _seq_part(dkv[1], cols).add_(dv_b)
+                if ring.size > 1:
+                    dkv_pending = ring.exchange(dkv, "ring_dkv")
+    if side is not None:   # the home accumulator is read on the compute stream
+        torch.cuda.current_stream(q.device).wait_stream(side)
     if dkv_pending is not None:
         dkv = dkv_pending.wait()
+    if side is not None:
+        for t in dkv:
+            t.record_stream(torch.cuda.current_stream(q.device))
     if kept is not None:
         return (kept.dq(), *kept.finish_dkv(dkv, k, v))
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+_SIDE: dict = {}   # one side stream per CUDA device for the dK/dV adds and sends (a stream, not parallel state)
+
+
+def _side_stream(device):
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device)
+    return _SIDE[device]
+
+
+@contextlib.contextmanager
+def _beside(side, parts):
+    """Run the block on ``side`` (None: as it is), ordered after what the current stream has queued; the
+    shares in ``parts`` (written on the current stream) are marked as read by ``side``, so their memory is not
+    handed out again before the side stream is done with them."""
+    if side is None:
+        yield
+        return
+    side.wait_stream(torch.cuda.current_stream(side.device))
+    for shares in parts.values():
+        for _, dk_b, dv_b in shares:
+            dk_b.record_stream(side)
+            dv_b.record_stream(side)
+    with torch.cuda.stream(side):
+        yield
 
 
 def _own_accumulator(parts, k, v, acc, kept):
