@@ -147,6 +147,15 @@ elif [ "$part" = fa4fuse2 ]; then   # FA4 present: the fused groups' host time (
     LIMIT=120 TAIL=8 run emulate_fuse_wall$i $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
         --steps-per-launch 1 4 --iters 20 --wall --json "$out/emulate_fuse_wall$i.json"
   done
+elif [ "$part" = fa4side ]; then   # FA4 present: the fused groups' dK/dV adds on a side stream (ring_fused): the FA4
+  # ring's GPU tests, the W=8 rank by groups of 1 and 4 (wall, then GPU), the fused rank's kernel timeline at S32768
+  LIMIT=150 TAIL=3 run fa4_ring_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider
+  LIMIT=150 TAIL=12 run emulate_side_wall $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
+      --steps-per-launch 1 4 --iters 20 --wall --json "$out/emulate_side_wall.json"
+  LIMIT=100 TAIL=8 run emulate_side_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 \
+      --steps-per-launch 1 4 --iters 10 --json "$out/emulate_side_gpu.json"
+  LIMIT=60 TAIL=4 run timeline_s32k_fused $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
+      --steps-per-launch 4 --iters 5 --timeline --json "$out/timeline_s32k_fused.json"
 elif [ "$part" = ringcheck ] || [ "$part" = triton ]; then   # no FA4 needed: the ring's Triton kernels at real
   # sizes in bf16 against the float64 reference (the emulated ring rank's dQ written final by each row's last
   # block, 2026-12-05), every launch also through Triton's own path with the cached launch's key checked
