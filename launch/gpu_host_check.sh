@@ -156,6 +156,13 @@ elif [ "$part" = fa4side ]; then   # FA4 present: the fused groups' dK/dV adds o
       --steps-per-launch 1 4 --iters 10 --json "$out/emulate_side_gpu.json"
   LIMIT=60 TAIL=4 run timeline_s32k_fused $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
       --steps-per-launch 4 --iters 5 --timeline --json "$out/timeline_s32k_fused.json"
+elif [ "$part" = fa4cap ]; then   # FA4 present: the fused blocks' key cap (DISTLAB_RING_FUSE_MAX_KEYS, default 8192)
+  # against no cap and one step a launch: the W=8 rank at S16384 and S32768, wall then GPU (n=1 twice: the noise)
+  for mode in wall gpu; do
+    LIMIT=200 TAIL=14 run emulate_cap_$mode $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
+        --steps-per-launch 1 4 --variant '' 'RING_FUSE_MAX_KEYS=0' --iters 20 $([ $mode = wall ] && echo --wall) \
+        --json "$out/emulate_cap_$mode.json"
+  done
 elif [ "$part" = ringcheck ] || [ "$part" = triton ]; then   # no FA4 needed: the ring's Triton kernels at real
   # sizes in bf16 against the float64 reference (the emulated ring rank's dQ written final by each row's last
   # block, 2026-12-05), every launch also through Triton's own path with the cached launch's key checked

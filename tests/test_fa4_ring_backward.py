@@ -53,7 +53,8 @@ def _fake_record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal,
             [(post, (None, None, scale)), (post, (None, None, scale)), (post, (None, None, 1.0))], shapes)
 
 
-def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_launch=1):
+def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_launch=1, cap="0"):
+    from distlab import knobs
     from distlab.cp.ring import _ring_backward, _ring_forward
     from distlab.kernels import fa4, fa4_ring_backward as frb
 
@@ -70,8 +71,10 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
         made = []
         real = frb.FA4RingBackward
         frb.FA4RingBackward = lambda *a: made.append(real(*a)) or made[-1]
-        out, lse = _ring_forward(*local[:3], ring, causal, layout, scale, "torch", steps_per_launch)
-        grads = _ring_backward(local[3], *local[:3], out, lse, ring, causal, layout, scale, "fa4", steps_per_launch)
+        with knobs.override(RING_FUSE_MAX_KEYS=cap):
+            out, lse = _ring_forward(*local[:3], ring, causal, layout, scale, "torch", steps_per_launch)
+            grads = _ring_backward(local[3], *local[:3], out, lse, ring, causal, layout, scale, "fa4",
+                                   steps_per_launch)
     finally:
         frb._record, frb.TILE, fa4.runs_on = saved
         frb.FA4RingBackward = real
@@ -87,13 +90,15 @@ def test_fa4_kept_accumulators_match_one_device_on_stand_in_kernels(world):
     once at home: the one-device gradients to rounding, at W 1-4 (3: an odd ring). Also by launch groups
     (``distlab.cp.ring_fused``: a group's blocks over one row range fused, each step's dK/dV cut out of the
     fused scratch by key range): groups of 2, and one group of every step (step 0 fused with the others in the
-    non-causal ring, so its accumulator starts as a slice)."""
+    non-causal ring, so its accumulator starts as a slice), and with a cap of 16 keys a fused block (zigzag's
+    8-key half blocks in pairs, the 16-key blocks alone)."""
     pool = ProcessGroupPool(world)
     try:
-        for layout, causal, n in (("zigzag", True, 1), ("contiguous", True, 1), ("contiguous", False, 1),
-                                  ("zigzag", True, 2), ("contiguous", True, (world,)), ("contiguous", False, (world,)),
-                                  ("zigzag", False, (world,))):
-            results = pool.run(_ring_on_stand_ins, layout, causal, 4, 2, 16 * world, 4, n)
+        for layout, causal, n, cap in (("zigzag", True, 1, "0"), ("contiguous", True, 1, "0"),
+                                       ("contiguous", False, 1, "0"), ("zigzag", True, 2, "0"),
+                                       ("contiguous", True, (world,), "0"), ("contiguous", False, (world,), "0"),
+                                       ("zigzag", False, (world,), "0"), ("zigzag", True, (world,), "16")):
+            results = pool.run(_ring_on_stand_ins, layout, causal, 4, 2, 16 * world, 4, n, cap)
             for res in results:
                 assert res["kept"] == 1, "the fa4 ring backward did not take the kept-accumulator path"
                 assert max(res["errors"]) < 1e-12, (layout, causal, n, res)

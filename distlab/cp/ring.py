@@ -183,7 +183,7 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
     # other backends: block results held back and merged MERGE_BLOCKS at a time (one launch each)
     group = _merge_group(q, backend) if final is None else 0
     pending = [] if group else None
-    groups = group_plans(ring.rank, ring.size, s, causal, layout, steps_per_launch)
+    groups = group_plans(ring.rank, ring.size, s, causal, layout, steps_per_launch, fuse_cap() if final is None else 0)
     ahead = max(len(g) for g, _ in groups)
     block_forward = _block_forward(backend)
     for steps, plan in groups:
@@ -214,18 +214,21 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
     return (final if final is not None else out.to(q.dtype)), lse
 
 
-def fuse_plan(schedule, steps):
+def fuse_plan(schedule, steps, max_keys=0):
     """A launch group's blocks as ``[(rows, causal, [(step, cols), ...])]``: runs of non-causal blocks over the
     same rows (in step order) joined into one block whose keys are their ``cols`` of each step's K/V,
     concatenated (keys have no order in a non-causal block). A backend with no in-kernel accumulation (FA4,
     cuDNN) then makes one call, one merge entry and one backward for the run instead of one per ring step:
     on zigzag's busiest rank (0) every later step has the same rows (the second chunk), so W=8 in groups of
     4 (0 | 1 2 3 | 4 5 6 7) is three calls, not eight. ``schedule``: per step, blocks starting
-    ``(rows, cols, causal)``."""
+    ``(rows, cols, causal)``. ``max_keys`` (> 0): a run is cut before it would pass that many keys (knob
+    ``DISTLAB_RING_FUSE_MAX_KEYS``, ``fuse_cap``)."""
     plan = []
     for step in steps:
         for rows, cols, causal, *_ in schedule[step]:
-            if plan and not causal and not plan[-1][1] and plan[-1][0] == rows:
+            if plan and not causal and not plan[-1][1] and plan[-1][0] == rows and (
+                    max_keys <= 0 or sum(c.stop - c.start for _, c in plan[-1][2]) + cols.stop - cols.start
+                    <= max_keys):
                 plan[-1][2].append((step, cols))
             else:
                 plan.append((rows, causal, [(step, cols)]))
@@ -233,11 +236,23 @@ def fuse_plan(schedule, steps):
 
 
 @functools.lru_cache(maxsize=256)
-def group_plans(rank: int, world: int, seq: int, causal: bool, layout: str, steps_per_launch) -> tuple:
+def group_plans(rank: int, world: int, seq: int, causal: bool, layout: str, steps_per_launch, max_keys=0) -> tuple:
     """``((steps, fuse_plan), ...)`` per launch group of rank ``rank``'s ring (forward and backward), worked out
     once per ring shape."""
     schedule = [ring_blocks((rank - step) % world, rank, seq, causal, layout) for step in range(world)]
-    return tuple((steps, fuse_plan(schedule, steps)) for steps in launch_groups(world, steps_per_launch))
+    return tuple((steps, fuse_plan(schedule, steps, max_keys)) for steps in launch_groups(world, steps_per_launch))
+
+
+# Why a cap (H100, 2026-12-05, W=8 zigzag 32 q / 8 kv, docs/PERF.md): at S32768 FA4's backward kernel over a fused
+# block of 3 or 4 steps (12288 or 16384 keys against 2048 rows) ran 586 / 578 µs a step against 550 for one step's
+# 4096 keys (more key tiles adding into the same rows' dQ), while the short shards' fused blocks (S8192, S16384:
+# at most 8192 keys) are where fusing pays.
+def fuse_cap() -> int:
+    """The knob ``DISTLAB_RING_FUSE_MAX_KEYS``, checked: keys at most in one fused block (0: no cap)."""
+    n = knobs.get("RING_FUSE_MAX_KEYS")
+    if not n.isdigit():
+        raise ValueError(f"DISTLAB_RING_FUSE_MAX_KEYS={n!r}: a number of keys (0: no cap)")
+    return int(n)
 
 
 def group_kv(got, pieces):

@@ -33,7 +33,8 @@ import contextlib
 
 import torch
 
-from distlab.cp.ring import _KVAhead, _accumulate, _fa4_kept, _seq_part, backward_schedule, group_kv, group_plans
+from distlab.cp.ring import (_KVAhead, _accumulate, _fa4_kept, _seq_part, backward_schedule, fuse_cap, group_kv,
+                             group_plans)
 from distlab.kernels.attention import attention_backward
 from distlab.profiling import phase
 
@@ -43,7 +44,7 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
     (``steps_per_launch``) hold several steps: returns (dq, dk, dv) of this rank's shard."""
     s = q.shape[1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    groups = group_plans(ring.rank, ring.size, s, causal, layout, steps_per_launch)
+    groups = group_plans(ring.rank, ring.size, s, causal, layout, steps_per_launch, fuse_cap())
     kept = None
     if backend == "fa4":   # every block shape recorded before the first exchange (a refusal raises everywhere)
         blocks = [(rows, slice(0, sum(c.stop - c.start for _, c in pieces)), blk_causal)
