@@ -243,10 +243,11 @@ def group_plans(rank: int, world: int, seq: int, causal: bool, layout: str, step
     return tuple((steps, fuse_plan(schedule, steps, max_keys)) for steps in launch_groups(world, steps_per_launch))
 
 
-# Why a cap (H100, 2026-12-05, W=8 zigzag 32 q / 8 kv, docs/PERF.md): at S32768 FA4's backward kernel over a fused
-# block of 3 or 4 steps (12288 or 16384 keys against 2048 rows) ran 586 / 578 µs a step against 550 for one step's
-# 4096 keys (more key tiles adding into the same rows' dQ), while the short shards' fused blocks (S8192, S16384:
-# at most 8192 keys) are where fusing pays.
+# No cap by default (H100, 2026-12-05, W=8 zigzag 32 q / 8 kv, `gpu_host_check.sh OUT fa4cap`, docs/PERF.md): at
+# S32768 FA4's backward kernel over a fused block of 3 or 4 steps (12288 / 16384 keys against 2048 rows) ran 586 /
+# 578 µs a step against 550 for one step's 4096 keys (more key tiles adding into the same rows' dQ), but a cap of
+# 8192 (pairs) made the rank slower, not faster: f+b GPU 7.03 ms capped, 6.91 uncapped, 6.97 / 7.03 one step a
+# launch (the forward's fused blocks are what pays: 1.62 ms uncapped against 1.72 capped).
 def fuse_cap() -> int:
     """The knob ``DISTLAB_RING_FUSE_MAX_KEYS``, checked: keys at most in one fused block (0: no cap)."""
     n = knobs.get("RING_FUSE_MAX_KEYS")
@@ -438,12 +439,12 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
                 dkv_pending = None
                 continue
             if kept is not None:   # FA4's kernels, dQ kept in float32 across steps, dK/dV as FA4 accumulates them
-                with phase("ring.block_backward"):
-                    dk_b, dv_b = kept.block(*kv, rows, cols, blk_causal)
+                with phase("ring.block_backward"):   # (dK and dV in one float32 tensor, leading dimension 2)
+                    dkv_b = kept.block(*kv, rows, cols, blk_causal)
                 if step > 0:
-                    parts.append((cols, dk_b, dv_b))
+                    parts.append((cols, dkv_b, None))
                 elif dk_blk is None and cols == slice(0, k.shape[1]):   # my own block starts the accumulator
-                    dk_blk, dv_blk = dk_b, dv_b
+                    dk_blk = dkv_b
                 else:
                     raise RuntimeError("the ring's first backward step must be one block over every local key")
                 continue
@@ -457,13 +458,12 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
             else:
                 parts.append((cols, dk_b, dv_b))
         if step == 0 or back_rows is not None and dk_blk is not None:   # my own block; or triton added it
-            dkv = (dk_blk, dv_blk)
+            dkv = (dk_blk,) if kept is not None else (dk_blk, dv_blk)
         else:                                # the accumulator for block src, from the previous rank
             dkv = dkv_pending.wait()
             for cols, dk_b, dv_b in parts:   # added in its dtype: one launch each, no float32 copy first
-                if kept is not None:
+                if kept is not None:   # dK and dV in one add
                     kept.add_into(dkv[0], cols, dk_b)
-                    kept.add_into(dkv[1], cols, dv_b)
                     continue
                 _seq_part(dkv[0], cols).add_(dk_b)
                 _seq_part(dkv[1], cols).add_(dv_b)
@@ -474,7 +474,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
     if dkv_pending is not None:
         dkv = dkv_pending.wait()
     if kept is not None:
-        return (kept.dq(), *kept.finish_dkv(dkv, k, v))
+        return (kept.dq(), *kept.finish_dkv(dkv[0], k, v))
     return (dq_final if dq_final is not None else dq.to(q.dtype)), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 

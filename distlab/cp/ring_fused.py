@@ -33,7 +33,7 @@ import contextlib
 
 import torch
 
-from distlab.cp.ring import (_KVAhead, _accumulate, _fa4_kept, _seq_part, backward_schedule, fuse_cap, group_kv,
+from distlab.cp.ring import (_KVAhead, _accumulate, _fa4_kept, _seq_part, fuse_cap, group_kv,
                              group_plans)
 from distlab.kernels.attention import attention_backward
 from distlab.profiling import phase
@@ -49,9 +49,11 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
     if backend == "fa4":   # every block shape recorded before the first exchange (a refusal raises everywhere)
         blocks = [(rows, slice(0, sum(c.stop - c.start for _, c in pieces)), blk_causal)
                   for _, plan in groups for rows, blk_causal, pieces in plan]
-        blocks += [(rows, cols, blk_causal) for step in backward_schedule(ring.rank, ring.size, s, causal, layout)
-                   for rows, cols, blk_causal, _ in step]
-        kept = _fa4_kept(dout, q, k, out, lse, scale, causal, blocks)
+        from distlab.kernels import fa4_ring_backward
+
+        tile = fa4_ring_backward.TILE   # each step's share of a fused block is cut out by key range: on whole tiles
+        if all(c.start % tile == 0 and c.stop % tile == 0 for _, plan in groups for _, _, p in plan for _, c in p):
+            kept = _fa4_kept(dout, q, k, out, lse, scale, causal, blocks)
     kv = _KVAhead(ring, (k, v))
     ahead = max(len(steps) for steps, _ in groups)
     dq = dkv = dkv_pending = None
@@ -65,8 +67,8 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
         for rows, blk_causal, pieces in plan:
             k_blk, v_blk = group_kv(got, pieces)
             with phase("ring.block_backward"):
-                if kept is not None:   # dQ into FA4's float32 accumulator; dK/dV in its layout, keys last
-                    dk_b, dv_b = kept.block(k_blk, v_blk, rows, slice(0, k_blk.shape[1]), blk_causal)
+                if kept is not None:   # dQ into FA4's float32 accumulator; dK/dV in its layout, keys last, as one
+                    dk_b, dv_b = kept.block(k_blk, v_blk, rows, slice(0, k_blk.shape[1]), blk_causal), None
                 else:
                     dq_b, dk_b, dv_b = attention_backward(dout[:, rows], q[:, rows], k_blk, v_blk, out[:, rows],
                                                           lse[:, :, rows], blk_causal, scale, backend)
@@ -78,7 +80,7 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
                 if len(pieces) == 1:
                     share = (dk_b, dv_b)
                 elif kept is not None:
-                    share = tuple(t[..., start * per_key:(start + n) * per_key] for t in (dk_b, dv_b))
+                    share = (dk_b[..., start * per_key:(start + n) * per_key], None)
                 else:
                     share = (dk_b[:, start:start + n], dv_b[:, start:start + n])
                 parts[step].append((cols, *share))
@@ -90,9 +92,8 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
                 else:           # the accumulator of this step's K/V, from the previous rank
                     dkv = dkv_pending.wait()
                     for cols, dk_b, dv_b in parts[step]:
-                        if kept is not None:
+                        if kept is not None:   # dK and dV in one add
                             kept.add_into(dkv[0], cols, dk_b)
-                            kept.add_into(dkv[1], cols, dv_b)
                         else:
                             _seq_part(dkv[0], cols).add_(dk_b)
                             _seq_part(dkv[1], cols).add_(dv_b)
@@ -106,7 +107,7 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
         for t in dkv:
             t.record_stream(torch.cuda.current_stream(q.device))
     if kept is not None:
-        return (kept.dq(), *kept.finish_dkv(dkv, k, v))
+        return (kept.dq(), *kept.finish_dkv(dkv[0], k, v))
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
@@ -131,7 +132,8 @@ def _beside(side, parts):
     for shares in parts.values():
         for _, dk_b, dv_b in shares:
             dk_b.record_stream(side)
-            dv_b.record_stream(side)
+            if dv_b is not None:
+                dv_b.record_stream(side)
     with torch.cuda.stream(side):
         yield
 
@@ -139,11 +141,10 @@ def _beside(side, parts):
 def _own_accumulator(parts, k, v, acc, kept):
     """Step 0's (dK, dV) accumulator from its blocks' shares (fresh memory: a share may be a view into a
     fused block's result, and the accumulator is added into and sent)."""
-    if kept is not None:
+    if kept is not None:   # dK and dV in one tensor (FA4RingBackward.block)
         if len(parts) != 1 or parts[0][0] != slice(0, k.shape[1]):
             raise RuntimeError("the ring's first backward step must be one block over every local key")
-        _, dk_b, dv_b = parts[0]
-        return (dk_b, dv_b) if dk_b.is_contiguous() else (dk_b.contiguous(), dv_b.contiguous())
+        return (parts[0][1].contiguous(),)
     dk = dv = None
     for cols, dk_b, dv_b in parts:
         whole = cols.start == 0 and cols.stop == k.shape[1]

@@ -156,14 +156,16 @@ class FA4RingBackward:
 
     def add_into(self, acc, cols: slice, part):
         """``acc``'s keys ``cols`` += ``part`` (a block's scratch for those keys; FA4's accumulator layout keeps
-        each head's keys in order, in whole tiles: a key range is a slice of the last dimension)."""
+        each head's keys in order, in whole tiles: a key range is a slice of the last dimension; ``acc`` and
+        ``part`` hold dK and dV along a leading dimension of 2, so one add does both)."""
         per_key = acc.shape[-1] // self.keys
         view = acc if cols.start == 0 and cols.stop == self.keys else acc[..., cols.start * per_key:cols.stop * per_key]
         view.add_(part)
 
     def block(self, k, v, rows: slice, cols: slice, causal: bool):
         """Run the block (rows × cols of this rank's q against k, v); dQ goes into its row set's accumulator;
-        returns the block's (dK, dV): float32 scratch in FA4's layout for the keys ``cols``. What a block
+        returns the block's dK and dV as one float32 tensor ``(2, *FA4's accumulator shape)`` for the keys
+        ``cols`` (one add and one exchange carry both: host time a ring step, #24). What a block
         shape needs besides k and v (its row set, kernel, q and dO rows, scratch shape) is worked out once."""
         key = (rows.start, rows.stop, cols.start, cols.stop, causal)
         plan = self.plans.get(key)
@@ -180,7 +182,7 @@ class FA4RingBackward:
             k, v = k[:, cols], v[:, cols]
         buf = torch.zeros(shape, dtype=acc, device=k.device)
         main_fn(q, k, v, dout, rs.lse_log2, rs.dpsum, rs.dq_accum, buf[0], buf[1], *rest)
-        return buf[0], buf[1]
+        return buf
 
     def dq(self):
         """The rank's dQ in q's dtype: each row set's accumulator converted by FA4's postprocess (scaled); the
@@ -203,7 +205,7 @@ class FA4RingBackward:
         return total
 
     def finish_dkv(self, acc, k, v):
-        """A travelling dK/dV accumulator, home: converted to k's and v's dtype (dK scaled) by FA4's
+        """A travelling dK/dV accumulator (``acc[0]`` dK, ``acc[1]`` dV), home: converted to k's and v's dtype (dK scaled) by FA4's
         postprocess."""
         post = self._rec(self.q.shape[1], self.keys, self.causal)[2]
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
