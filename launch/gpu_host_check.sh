@@ -173,6 +173,15 @@ elif [ "$part" = fa4final ]; then   # FA4 present: the fused groups as shipped (
       triton --steps-per-launch 1 4 --iters 20 --wall --json "$out/emulate_final_wall.json"
   LIMIT=120 TAIL=12 run emulate_final_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
       --steps-per-launch 1 4 --iters 20 --json "$out/emulate_final_gpu.json"
+elif [ "$part" = fa4final2 ]; then   # FA4 present: part fa4final after the side stream's host cut (plain stream
+  # switches, step 0 on the compute stream): GPU tests, host_cost, the W=8 FA4 rank by groups of 1 and 4, wall and GPU
+  LIMIT=150 TAIL=3 run fa4_ring_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider
+  LIMIT=90 TAIL=40 run host_cost_s8k $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 3 \
+      --calls 100 --profile "ring step W8, fa4, 4 steps fused/bwd" --json "$out/host_cost_s8k.json"
+  for mode in wall gpu; do
+    LIMIT=120 TAIL=12 run emulate_final2_$mode $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
+        --steps-per-launch 1 4 --iters 20 $([ $mode = wall ] && echo --wall) --json "$out/emulate_final2_$mode.json"
+  done
 elif [ "$part" = ringcheck ] || [ "$part" = triton ]; then   # no FA4 needed: the ring's Triton kernels at real
   # sizes in bf16 against the float64 reference (the emulated ring rank's dQ written final by each row's last
   # block, 2026-12-05), every launch also through Triton's own path with the cached launch's key checked
