@@ -72,6 +72,8 @@ KNOBS = {
     "KERNEL_SWIGLU_EVICT": Knob(None, "1: SwiGLU loads marked evict-first (default: the kernel's own)"),
     "KERNEL_SWIGLU_BLOCK": Knob(None, "columns per program of the SwiGLU kernel (default 2048)"),
     "KERNEL_MERGE_BLOCK": Knob(None, "rows per program of the LSE merge (default 32)"),
+    "RING_DKV_SIDE_STREAM": Knob("1", "0: a fused ring backward's dK/dV adds and sends stay on the compute stream "
+                                      "(1: on a side stream, beside the next launch group's kernels)"),
     "RING_FUSE_MAX_KEYS": Knob("0", "keys at most in one fused ring block of FA4/cuDNN/torch (a launch group's "
                                        "blocks over one row range joined, distlab.cp.ring.fuse_plan); 0: no cap"),
     "RING_MERGE_BLOCKS": Knob("4", "block results a ring forward of cuDNN/FA4 blocks merges per Triton launch (1-4; "

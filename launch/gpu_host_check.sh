@@ -182,6 +182,10 @@ elif [ "$part" = fa4final2 ]; then   # FA4 present: part fa4final after the side
     LIMIT=120 TAIL=12 run emulate_final2_$mode $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
         --steps-per-launch 1 4 --iters 20 $([ $mode = wall ] && echo --wall) --json "$out/emulate_final2_$mode.json"
   done
+elif [ "$part" = fa4wall ]; then   # FA4 present: why the fused rank's S8192 wall reads slower than its host time and GPU
+  # clock say: groups of 4 before 1 (order), and with the dK/dV adds on the compute stream (no side stream)
+  LIMIT=60 TAIL=6 run emulate_s8k_wall $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
+      --steps-per-launch 4 1 --variant '' 'RING_DKV_SIDE_STREAM=0' --iters 20 --wall --json "$out/emulate_s8k_wall.json"
 elif [ "$part" = ringcheck ] || [ "$part" = triton ]; then   # no FA4 needed: the ring's Triton kernels at real
   # sizes in bf16 against the float64 reference (the emulated ring rank's dQ written final by each row's last
   # block, 2026-12-05), every launch also through Triton's own path with the cached launch's key checked

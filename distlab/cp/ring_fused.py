@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from distlab import knobs
 from distlab.cp.ring import (_KVAhead, _accumulate, _fa4_kept, _seq_part, fuse_cap, group_kv,
                              group_plans)
 from distlab.kernels.attention import attention_backward
@@ -55,7 +56,7 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
     kv = _KVAhead(ring, (k, v))
     ahead = max(len(steps) for steps, _ in groups)
     dq = dkv = dkv_pending = None
-    side = _side_stream(q.device) if q.is_cuda else None
+    side = _side_stream(q.device) if q.is_cuda and knobs.get("RING_DKV_SIDE_STREAM") != "0" else None
     main = torch.cuda.current_stream(q.device) if side is not None else None
     for steps, plan in groups:
         with phase("ring.exchange"):
