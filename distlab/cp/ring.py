@@ -561,7 +561,9 @@ def check_ring_inputs(q, k, v, world: int, causal: bool, layout: str, backend: s
 # launch, less host time a step) on short ones. W=8 zigzag, 32 q / 8 kv, f+b wall ms (docs/PERF.md): H100
 # 2026-12-05, FA4's backward accumulators kept: shard 1024 tokens triton 1.09 vs fa4 1.19, shard 2048 fa4 2.12 vs
 # triton 2.77, shard 4096 fa4 7.22 vs triton 9.97 (H200 2026-12-04, before: shard 1024 triton 99 vs fa4 38 TFLOP/s).
-RING_TRITON_MAX_SHARD = 1024
+# With FA4's launch groups fused (H100, 2026-12-05, 14th session): shard 1024 fa4 0.83 vs triton 1.04 ms wall (one
+# process, `h100_2026-12-05d/final/`), GPU clock 0.73 vs 0.97 ms: FA4 from shard 1024; shards of 512 unmeasured.
+RING_TRITON_MAX_SHARD = 512
 
 
 def pick_ring_backend(backend: str, resolved: str, shard: int, present) -> str:
