@@ -108,7 +108,7 @@ def test_fa4_kept_accumulators_match_one_device_on_stand_in_kernels(world):
         pool.close()
 
 
-def _refused_recording(world):
+def _refused_recording(world, steps_per_launch=1):
     from distlab.cp.ring import _ring_backward, _ring_forward
     from distlab.kernels import fa4, fa4_ring_backward as frb
 
@@ -123,7 +123,7 @@ def _refused_recording(world):
     try:
         with comm.CommLog() as log:
             try:
-                _ring_backward(q, q, k, k, out, lse, ring, True, "zigzag", 0.3, "fa4")
+                _ring_backward(q, q, k, k, out, lse, ring, True, "zigzag", 0.3, "fa4", steps_per_launch)
             except RuntimeError as e:
                 return str(e), dict(log.calls)
     finally:
@@ -134,9 +134,10 @@ def _refused_recording(world):
 def test_fa4_recording_refused_raises_on_every_rank_before_any_exchange(pools):
     """FA4's kernels are recorded for every block shape before the ring's first exchange: a recording that
     does not match (another FA4 version) is a RuntimeError on every rank with nothing posted, not a hang."""
-    for msg, calls in pools(3).run(_refused_recording, 3):
-        assert msg is not None and "FA4RingBackward" in msg
-        assert calls == {}, calls
+    for n in (1, 2):   # step by step, and by fused launch groups (distlab.cp.ring_fused)
+        for msg, calls in pools(3).run(_refused_recording, 3, n):
+            assert msg is not None and "FA4RingBackward" in msg
+            assert calls == {}, (n, calls)
 
 
 def test_fa4_kept_path_steps_aside_where_it_does_not_apply(monkeypatch):

@@ -29,6 +29,8 @@ a slice of the last dimension.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from distlab import knobs
@@ -43,15 +45,14 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
     (``steps_per_launch``) hold several steps: returns (dq, dk, dv) of this rank's shard."""
     s = q.shape[1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    groups = group_plans(ring.rank, ring.size, s, causal, layout, steps_per_launch, fuse_cap())
+    shape = (ring.rank, ring.size, s, causal, layout, steps_per_launch, fuse_cap())
+    groups = group_plans(*shape)
     kept = None
     if backend == "fa4":   # every block shape recorded before the first exchange (a refusal raises everywhere)
-        blocks = [(rows, slice(0, sum(c.stop - c.start for _, c in pieces)), blk_causal)
-                  for _, plan in groups for rows, blk_causal, pieces in plan]
         from distlab.kernels import fa4_ring_backward
 
-        tile = fa4_ring_backward.TILE   # each step's share of a fused block is cut out by key range: on whole tiles
-        if all(c.start % tile == 0 and c.stop % tile == 0 for _, plan in groups for _, _, p in plan for _, c in p):
+        blocks = _fused_blocks(*shape, fa4_ring_backward.TILE)
+        if blocks is not None:
             kept = _fa4_kept(dout, q, k, out, lse, scale, causal, blocks)
     kv = _KVAhead(ring, (k, v))
     ahead = max(len(steps) for steps, _ in groups)
@@ -120,6 +121,17 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
     if kept is not None:
         return (kept.dq(), *kept.finish_dkv(dkv[0], k, v))
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _fused_blocks(rank, world, seq, causal, layout, steps_per_launch, max_keys, tile):
+    """The ``(rows, cols, causal)`` of every fused block (``cols`` over the joined keys), or None when some
+    step's share of one is off FA4's tiles of ``tile`` keys (it is cut out by key range); once per ring shape."""
+    groups = group_plans(rank, world, seq, causal, layout, steps_per_launch, max_keys)
+    if any(c.start % tile or c.stop % tile for _, plan in groups for _, _, pieces in plan for _, c in pieces):
+        return None
+    return [(rows, slice(0, sum(c.stop - c.start for _, c in pieces)), blk_causal)
+            for _, plan in groups for rows, blk_causal, pieces in plan]
 
 
 _SIDE: dict = {}   # one side stream per CUDA device for the dK/dV adds and sends (a stream, not parallel state)
