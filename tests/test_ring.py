@@ -111,6 +111,11 @@ def test_fuse_plan_joins_a_groups_blocks_over_one_row_range():
         assert calls[1:] == fused, (rank, calls)
         assert len(calls) <= 4 and (rank not in (0, 3, 7) or len(calls) == 3)
     # a cap on a fused block's keys (DISTLAB_RING_FUSE_MAX_KEYS) cuts the runs: rank 0's later steps in pairs
+    from distlab import knobs
+    from distlab.cp.ring import fuse_cap
+
+    with knobs.override(RING_FUSE_MAX_KEYS="lots"), pytest.raises(ValueError, match="RING_FUSE_MAX_KEYS"):
+        fuse_cap()
     plans = group_plans(0, 8, 64, True, "zigzag", 4, 128)
     assert [[s for s, _ in p] for _, plan in plans for _, _, p in plan] == [[0], [1, 2], [3], [4, 5], [6, 7]]
     # contiguous, causal: the last rank sees every earlier block whole; one group of all steps is two calls
