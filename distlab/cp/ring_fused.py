@@ -112,6 +112,8 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
         finally:
             if beside:
                 torch.cuda.set_stream(main)
+    # dQ's conversion first: on the compute stream, beside the last group's adds and the last hop home
+    dq = kept.dq() if kept is not None else dq.to(q.dtype)
     if side is not None:   # the home accumulator is read on the compute stream
         main.wait_stream(side)
     if dkv_pending is not None:
@@ -120,8 +122,8 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
         for t in dkv:
             t.record_stream(main)
     if kept is not None:
-        return (kept.dq(), *kept.finish_dkv(dkv[0], k, v))
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        return (dq, *kept.finish_dkv(dkv[0], k, v))
+    return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 @functools.lru_cache(maxsize=256)
