@@ -176,9 +176,12 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
     group is one kernel launch (``distlab.kernels.triton_attention.flash_forward_blocks``)."""
     s = q.shape[1]
     out = lse = None  # step 0 (own K/V) always covers every query row, and starts the accumulators
-    schedule = [ring_blocks((ring.rank - step) % ring.size, ring.rank, s, causal, layout) for step in range(ring.size)]
     final = torch.empty_like(q) if backend == "triton" else None   # written by each row's last block
-    later = later_blocks(schedule) if final is not None else None
+    schedule = later = None   # the triton launch's blocks per step (the others go by ``group_plans``)
+    if final is not None:
+        schedule = [ring_blocks((ring.rank - step) % ring.size, ring.rank, s, causal, layout)
+                    for step in range(ring.size)]
+        later = later_blocks(schedule)
     kv = _KVAhead(ring, (k, v))
     # other backends: block results held back and merged MERGE_BLOCKS at a time (one launch each)
     group = _merge_group(q, backend) if final is None else 0
