@@ -489,17 +489,23 @@ class RingExchanger:
             self.next = dist.get_global_rank(pg, (self.rank + 1) % self.size)
             self.prev = dist.get_global_rank(pg, (self.rank - 1) % self.size)
 
-    def exchange(self, tensors, op: str = "ring_sendrecv") -> "_Pending":
+    def exchange(self, tensors, op: str = "ring_sendrecv", recv=None) -> "_Pending":
+        """``recv``: where to receive (contiguous tensors of the sent shapes, e.g. slices of a buffer the
+        received blocks are read from together: ``distlab.cp.ring_landing``); by default new tensors."""
         if self.size == 1:
             raise RuntimeError("a ring of one rank has nobody to exchange with")
         tensors = [t.contiguous() for t in tensors]
-        recv = [torch.empty_like(t) for t in tensors]
+        if recv is None:
+            recv = [torch.empty_like(t) for t in tensors]
+        elif len(recv) != len(tensors) or any(r.shape != t.shape or r.dtype != t.dtype or not r.is_contiguous()
+                                              for r, t in zip(recv, tensors)):
+            raise ValueError("ring exchange: receive buffers must be contiguous and of the sent shapes and dtypes")
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in recv]
         record(op, sum(_nbytes(t) for t in tensors))
         return _Pending(dist.batch_isend_irecv(ops), recv)
 
-    def exchange_after(self, pending: "_Pending", op: str = "ring_sendrecv") -> "_Pending":
+    def exchange_after(self, pending: "_Pending", op: str = "ring_sendrecv", recv=None) -> "_Pending":
         """Post the exchange that forwards what ``pending`` receives, without making the caller's stream
         wait for it: on CUDA the wait and the new sends go on a side stream, so they are ordered after that
         receive only, not after compute already queued (the new receive buffers come from the side
@@ -507,14 +513,17 @@ class RingExchanger:
         sends from host memory) it blocks until the tensors have arrived. What keeps two K/V blocks in
         flight (``distlab.cp.ring``)."""
         if not pending.recv[0].is_cuda:
-            return self.exchange(pending.wait(), op)
+            return self.exchange(pending.wait(), op, recv)
         caller = torch.cuda.current_stream(pending.recv[0].device)
         if self._side is None:
             self._side = torch.cuda.Stream(pending.recv[0].device)
         with torch.cuda.stream(self._side):
-            handle = self.exchange(pending.wait(), op)
+            handle = self.exchange(pending.wait(), op, recv)
         for r in handle.recv:
             r.record_stream(caller)
+        if recv is not None:   # the caller's buffers, written (and later forwarded) on the side stream
+            for t in (*recv, *pending.recv):
+                t.record_stream(self._side)
         return handle
 
     _side = None

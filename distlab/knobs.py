@@ -76,6 +76,8 @@ KNOBS = {
                                       "(1: on a side stream, beside the next launch group's kernels)"),
     "RING_FUSE_MAX_KEYS": Knob("0", "keys at most in one fused ring block of FA4/cuDNN/torch (a launch group's "
                                        "blocks over one row range joined, distlab.cp.ring.fuse_plan); 0: no cap"),
+    "RING_KV_LANDING": Knob("1", "0: a fused ring block's K/V concatenated from the steps' (1: received straight into "
+                                 "its buffer, distlab.cp.ring_landing)"),
     "RING_MERGE_BLOCKS": Knob("4", "block results a ring forward of cuDNN/FA4 blocks merges per Triton launch (1-4; "
                                    "0: one lse_merge_ per block, the float32 result converted after)"),
     # grouped GEMM (distlab.kernels.grouped_gemm)

@@ -78,11 +78,14 @@ def test_ring_matches_one_device(pools, world, layout, causal, heads, kv_heads):
 def test_ring_with_several_blocks_in_flight_matches_one_device(pools, world, layout, causal):
     """Steps in groups, the next groups' K/V forwarded as soon as they arrive: ``steps_per_launch=2``
     (W=4: 0 | 1 | 2 3, two exchanges in flight) and one group of every step (all W−1 exchanges posted
-    before anything is computed). Same answer, same W−1 hops and bytes."""
-    for n in (2, (world,)):
-        for rank, res in enumerate(pools(world).run(ring_vs_one_device, 4, 2, causal, layout, steps_per_launch=n)):
+    before anything is computed). Same answer, same W−1 hops and bytes. Batch 1: each step's K/V received
+    straight into the fused blocks' buffers (``ring_landing``); batch 2: concatenated (its chunks are not
+    contiguous)."""
+    for n, batch in ((2, 1), ((world,), 1), ((world,), 2)):
+        for rank, res in enumerate(pools(world).run(ring_vs_one_device, 4, 2, causal, layout, steps_per_launch=n,
+                                                    batch=batch)):
             for name, err in res["errors"].items():
-                assert err < 1e-5, f"rank {rank}: {name} rel err {err:.2e} (W={world} {layout} causal={causal} {n})"
+                assert err < 1e-5, f"rank {rank}: {name} rel err {err:.2e} (W={world} {layout} causal={causal} {n} B{batch})"
             assert res["fwd_calls"] == {"ring_kv": world - 1}
             assert res["fwd_bytes"] == {"ring_kv": (world - 1) * res["kv_bytes"]}
             assert res["bwd_calls"] == {"ring_kv": world - 1, "ring_dkv": world}   # the backward by groups too
@@ -132,7 +135,7 @@ def test_ring_steps_per_launch_is_checked(monkeypatch):
     assert check_steps_per_launch("1,1,2,4", None, 8) == (1, 1, 2, 4) and check_steps_per_launch((3,), None, 3) == (3,)
     monkeypatch.setenv("DISTLAB_RING_STEPS_PER_LAUNCH", "1")   # the library never reads the knob: the studies do
     assert check_steps_per_launch(None, "triton") == 4
-    for bad, world in ((5, None), (0, None), ("two", None), ((2, 2), 3), ((5, 3), 8)):
+    for bad, world in ((5, None), (0, None), ("two", None), ((2, 2), 3), ((5, 3), 8), ((3,), 4)):
         with pytest.raises(ValueError, match="an integer from 1 to 4, or group sizes"):
             check_steps_per_launch(bad, None, world)
     # step 0 (local K/V) alone, then groups of n, the short one first
@@ -140,6 +143,8 @@ def test_ring_steps_per_launch_is_checked(monkeypatch):
     assert [list(g) for g in launch_groups(8, 4)] == [[0], [1, 2, 3], [4, 5, 6, 7]]
     assert [list(g) for g in launch_groups(3, 2)] == [[0], [1, 2]] and launch_groups(1, 4) == [range(1)]
     assert [list(g) for g in launch_groups(4, (2, 2))] == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="do not add up"):   # never a ring that skips its last steps
+        launch_groups(4, (3,))
 
 
 @pytest.mark.parametrize("world", [3, 4])

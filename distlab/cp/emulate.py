@@ -65,15 +65,30 @@ class ResidentRing:
 
     def __init__(self, world, rank, kv_by_step):
         self.size, self.rank, self.kv = world, rank, kv_by_step
+        self._landed = {}   # landing_buffer's filled buffers
 
-    def exchange(self, tensors, tag):
+    def exchange(self, tensors, tag, recv=None):
+        if recv is not None:   # buffers from ``landing_buffer``: "received" already
+            return _Ready(recv)
         if tag == "ring_kv":
             i = next(i for i, kv in enumerate(self.kv) if kv[0] is tensors[0])
             return _Ready(self.kv[i + 1])
         return _Ready(tensors)
 
-    def exchange_after(self, pending, tag):
-        return self.exchange(pending.recv, tag)
+    def exchange_after(self, pending, tag, recv=None):
+        return self.exchange(pending.recv, tag, recv)
+
+    def landing_buffer(self, shape, like, t, contents):
+        """A K (``t`` 0) or V (1) buffer of ``distlab.cp.ring_landing`` as the exchanges would fill it: its
+        ``(step, start, length, offset)`` pieces of the resident K/V, filled once per buffer layout and handed
+        out again on every call (nothing writes into received K/V)."""
+        key = (shape, t, contents)
+        if key not in self._landed:
+            buf = torch.empty(shape, dtype=like.dtype, device=like.device)
+            for step, start, n, offset in contents:
+                buf[:, offset:offset + n] = self.kv[step][t][:, start:start + n]
+            self._landed[key] = buf
+        return self._landed[key]
 
 
 def rank_rows(rank, world, seq, layout):

@@ -47,6 +47,7 @@ import torch
 from distlab import comm, knobs
 from distlab.cp.documents import Documents, cached_plan, check_call_everywhere
 from distlab.cp.layout import check_layout, shard_positions
+from distlab.cp.ring_landing import KVLanding, use_landing
 from distlab.kernels.lse_merge import MERGE_BLOCKS, lse_merge_, merge_attention, merge_into
 from distlab.profiling import phase
 from distlab.kernels.attention import (attention_backward, attention_forward, available_backends, check_qkv,
@@ -151,23 +152,29 @@ class _KVAhead:
     """The K/V of each ring step, received ahead: step i+1's are what this rank receives by forwarding
     step i's, so the exchanges can be posted any number of steps before their blocks are computed."""
 
-    def __init__(self, ring, kv):
-        self.ring, self.kv, self.pending, self.posted = ring, {0: kv}, {}, 0
+    def __init__(self, ring, kv, landing=None):
+        self.ring, self.kv, self.pending, self.posted, self.landing = ring, {0: kv}, {}, 0, landing
 
     def post_through(self, step):
         """Post the exchanges up to the one that brings step ``step``'s K/V (``ring.size − 1`` at most)."""
         while self.posted < min(step, self.ring.size - 1):
             s = self.posted
+            recv = self.landing.recv(s + 1) if self.landing is not None else None
             if s in self.pending:   # forward a block still on its way (ordered after its arrival only)
-                self.pending[s + 1] = self.ring.exchange_after(self.pending[s], "ring_kv")
+                self.pending[s + 1] = self.ring.exchange_after(self.pending[s], "ring_kv", recv)
             else:
-                self.pending[s + 1] = self.ring.exchange(self.kv[s], "ring_kv")
+                sent = self.kv[s] if self.landing is None else self.landing.messages(self.kv[s])
+                self.pending[s + 1] = self.ring.exchange(sent, "ring_kv", recv)
             self.posted = s + 1
 
     def get(self, step):
-        """Step ``step``'s K/V, once arrived; forgets them (post their forwarding exchange first)."""
-        kv = self.kv.pop(step) if step in self.kv else tuple(self.pending.pop(step).wait())
-        return kv
+        """Step ``step``'s K/V, once arrived; forgets them (post their forwarding exchange first). With a
+        ``ring_landing.KVLanding``: the step's whole (K, V) where they landed whole, else None (its keys are
+        read from the fused block's buffer)."""
+        if step in self.kv:
+            return self.kv.pop(step)
+        kv = tuple(self.pending.pop(step).wait())
+        return self.landing.step_kv(step) if self.landing is not None else kv
 
 
 def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launch=1):
@@ -182,14 +189,16 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
         schedule = [ring_blocks((ring.rank - step) % ring.size, ring.rank, s, causal, layout)
                     for step in range(ring.size)]
         later = later_blocks(schedule)
-    kv = _KVAhead(ring, (k, v))
     # other backends: block results held back and merged MERGE_BLOCKS at a time (one launch each)
     group = _merge_group(q, backend) if final is None else 0
     pending = [] if group else None
-    groups = group_plans(ring.rank, ring.size, s, causal, layout, steps_per_launch, fuse_cap() if final is None else 0)
+    shape = (ring.rank, ring.size, s, causal, layout, steps_per_launch, fuse_cap() if final is None else 0)
+    groups = group_plans(*shape)
+    landing = KVLanding(ring, k, v, shape) if ring.size > 1 and use_landing(k, backend, groups) else None
+    kv = _KVAhead(ring, (k, v), landing)
     ahead = max(len(g) for g, _ in groups)
     block_forward = _block_forward(backend)
-    for steps, plan in groups:
+    for g, (steps, plan) in enumerate(groups):
         with phase("ring.exchange"):
             kv.post_through(steps[-1] + ahead)   # the next groups' K/V, while this one computes
         with phase("ring.wait"):
@@ -200,8 +209,9 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
             if blocks:
                 out, lse = _triton_blocks_into(out, lse, final, q, blocks, schedule, scale, later)
             continue
-        for rows, blk_causal, pieces in plan:   # a group's runs over one row range: one call (``fuse_plan``)
-            k_blk, v_blk = group_kv(got, pieces)
+        for i, (rows, blk_causal, pieces) in enumerate(plan):   # a group's runs over one row range: one call
+            landed = landing.run_kv(g, i) if landing is not None else None   # (``fuse_plan``; ``ring_landing``)
+            k_blk, v_blk = landed if landed is not None else group_kv(got, pieces)
             if pending is None:
                 out, lse = _block_into(out, lse, q, k_blk, v_blk, rows, blk_causal, scale, backend)
                 continue
@@ -524,6 +534,8 @@ def launch_groups(world: int, steps_per_launch=1) -> list[range]:
             [steps_per_launch] * (rest // steps_per_launch)
     else:
         sizes = list(steps_per_launch)
+        if sum(sizes) != world:
+            raise ValueError(f"launch groups {steps_per_launch} do not add up to the ring size {world}")
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return [range(a, a + n) for a, n in zip(starts, sizes)]
 
@@ -537,7 +549,8 @@ def check_steps_per_launch(steps_per_launch=None, backend=None, world=None, pack
     value = steps_per_launch if steps_per_launch is not None else defaults.get(backend, 1)
     sizes = str(value).split(",") if isinstance(value, (int, str)) else [str(x) for x in value]
     if not all(x.strip().isdigit() and 1 <= int(x) <= MAX_STEPS_PER_LAUNCH for x in sizes) \
-            or len(sizes) > 1 and world is not None and sum(map(int, sizes)) != world:
+            or (len(sizes) > 1 or not isinstance(value, (int, str))) and world is not None \
+            and sum(map(int, sizes)) != world:   # a tuple of one size too: (3,) on W=4 would drop step 3
         raise ValueError(f"ring steps per launch: an integer from 1 to {MAX_STEPS_PER_LAUNCH}, or group sizes "
                          f"adding up to the ring size{f' ({world})' if world is not None else ''}; got {value!r}")
     return int(sizes[0]) if len(sizes) == 1 and isinstance(value, (int, str)) else tuple(map(int, sizes))

@@ -34,6 +34,7 @@ import functools
 import torch
 
 from distlab import knobs
+from distlab.cp.ring_landing import KVLanding, use_landing
 from distlab.cp.ring import (_KVAhead, _accumulate, _fa4_kept, _seq_part, fuse_cap, group_kv,
                              group_plans)
 from distlab.kernels.attention import attention_backward
@@ -54,20 +55,22 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
         blocks = _fused_blocks(*shape, fa4_ring_backward.TILE)
         if blocks is not None:
             kept = _fa4_kept(dout, q, k, out, lse, scale, causal, blocks)
-    kv = _KVAhead(ring, (k, v))
+    landing = KVLanding(ring, k, v, shape) if ring.size > 1 and use_landing(k, backend, groups) else None
+    kv = _KVAhead(ring, (k, v), landing)
     ahead = max(len(steps) for steps, _ in groups)
     dq = dkv = dkv_pending = None
     side = _side_stream(q.device) if q.is_cuda and knobs.get("RING_DKV_SIDE_STREAM") != "0" else None
     main = torch.cuda.current_stream(q.device) if side is not None else None
-    for steps, plan in groups:
+    for g, (steps, plan) in enumerate(groups):
         with phase("ring.exchange"):
             kv.post_through(steps[-1] + ahead)   # the next groups' K/V, while this one computes
         with phase("ring.wait"):
             got = {step: kv.get(step) for step in steps}
         parts = {step: [] for step in steps}   # per step: (cols, dK, dV) of its keys
         results = []   # the fused blocks' dK/dV (the shares are views of them)
-        for rows, blk_causal, pieces in plan:
-            k_blk, v_blk = group_kv(got, pieces)
+        for i, (rows, blk_causal, pieces) in enumerate(plan):
+            landed = landing.run_kv(g, i) if landing is not None else None   # received in place (ring_landing)
+            k_blk, v_blk = landed if landed is not None else group_kv(got, pieces)
             with phase("ring.block_backward"):
                 if kept is not None:   # dQ into FA4's float32 accumulator; dK/dV in its layout, keys last, as one
                     dk_b, dv_b = kept.block(k_blk, v_blk, rows, slice(0, k_blk.shape[1]), blk_causal), None

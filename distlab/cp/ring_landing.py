@@ -1,0 +1,149 @@
+"""K/V received straight into the fused blocks' buffers: a launch group's keys with no concatenation.
+
+    python -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 --steps-per-launch 4 --wall   # H100/H200
+    DISTLAB_RING_STEPS_PER_LAUNCH=4 distlab run --nproc 4 -m distlab.cp.ring --seq 8192 --backend torch --check
+
+A backend with no in-kernel accumulation (FA4, cuDNN, torch) computes a launch group's blocks over the same
+rows as one block over the steps' keys (``distlab.cp.ring.fuse_plan``). Those keys were concatenated out of
+each step's received K/V: two copies a fused block, forward and backward (H100, W=8 zigzag: 6 µs each at
+S8192, 16–24 µs at S32768 — at S8192 ~7% of the rank's GPU time). Here each step's K/V are instead
+*received* where the fused block reads them: the ring allocates, per launch group, one K and one V buffer a
+fused block (its keys in ``fuse_plan``'s order) and passes their slices to the exchange as receive buffers
+(``comm.RingExchanger.exchange(..., recv=...)``), so the block's K/V are a view and nothing is copied.
+
+The messages: a step's K (then V) travels as ``chunks_per_rank(layout)`` messages, one per chunk of the shard
+(zigzag: 2), every hop and every rank alike (a send must match its receive's size). With zigzag a block
+against an earlier rank's K/V reads their first chunk only: that chunk lands in the fused block's buffer and
+the other one, which this rank only forwards, in a buffer of its own. A step whose blocks are not all part of
+fused blocks lands whole in a shard buffer, and is read as before. Same hops and bytes; 2× the messages of a
+zigzag ring (4 sends and 4 receives a hop, one NCCL group).
+
+Used for a ring of batch 1 (a chunk of a batch-2 shard is not contiguous: the copies stay) with launch groups
+of several steps on a backend other than ``triton``; knob ``DISTLAB_RING_KV_LANDING=0`` turns it off. The
+emulator (``distlab.cp.emulate.ResidentRing``) gives the same buffers already filled (``landing_buffer``):
+no communication is timed there, as before.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from distlab import knobs
+from distlab.cp.layout import chunks_per_rank
+
+
+def use_landing(k, backend: str, groups) -> bool:
+    """Whether a ring lands its K/V in the fused blocks' buffers: the same answer on every rank (it decides the
+    messages): batch 1, a backend other than ``triton``, some launch group of several steps, the knob on."""
+    return (k.shape[0] == 1 and backend != "triton" and any(len(steps) > 1 for steps, _ in groups)
+            and knobs.get("RING_KV_LANDING") != "0")
+
+
+@functools.lru_cache(maxsize=256)
+def landing_plan(rank: int, world: int, shard: int, causal: bool, layout: str, steps_per_launch, max_keys=0):
+    """Where each message of each step lands, from the ring's ``group_plans`` (the same arguments; once per
+    ring shape): ``(place, sizes, contents, runs)`` with
+    ``place[step]`` a tuple over the shard's chunks of ``(buffer key, offset)``; ``sizes[key]`` a buffer's
+    keys and ``contents[key]`` its ``(step, chunk start, length, offset)`` (what a stand-in ring fills it
+    with); ``runs[(group, run)]`` the buffer key of a fused block read as a view. Buffer keys: ``("run", g, i)``
+    (fused block i of launch group g), ``("step", s)`` (step s whole) and ``("spare", s, c)`` (a chunk
+    only forwarded)."""
+    from distlab.cp.ring import group_plans
+
+    groups = group_plans(rank, world, shard, causal, layout, steps_per_launch, max_keys)
+    n_chunks = chunks_per_rank(layout)
+    chunk = shard // n_chunks
+    blocks: dict = {}
+    for g, (steps, plan) in enumerate(groups):
+        for i, (_, _, pieces) in enumerate(plan):
+            for step, cols in pieces:
+                blocks.setdefault(step, []).append((g, i, len(pieces), cols))
+
+    def fits(step):   # one block, a fused one, over whole chunks
+        b = blocks.get(step, [])
+        return len(b) == 1 and b[0][2] > 1 and b[0][3].start % chunk == 0 and b[0][3].stop % chunk == 0
+
+    runs = {}
+    for g, (steps, plan) in enumerate(groups):
+        for i, (_, _, pieces) in enumerate(plan):
+            if len(pieces) > 1 and all(step > 0 and fits(step) for step, _ in pieces):
+                runs[(g, i)] = ("run", g, i)
+    place, sizes, contents = {}, {}, {}
+    for g, (steps, plan) in enumerate(groups):
+        for i, (_, _, pieces) in enumerate(plan):
+            if (g, i) not in runs:
+                continue
+            key, offset = runs[(g, i)], 0
+            for step, cols in pieces:
+                where = []
+                for c in range(n_chunks):
+                    lo = c * chunk
+                    if cols.start <= lo < cols.stop:
+                        where.append((key, offset + lo - cols.start))
+                        contents.setdefault(key, []).append((step, lo, chunk, offset + lo - cols.start))
+                    else:
+                        spare = ("spare", step, c)
+                        where.append((spare, 0))
+                        sizes[spare], contents[spare] = chunk, [(step, lo, chunk, 0)]
+                place[step] = tuple(where)
+                offset += cols.stop - cols.start
+            sizes[key] = offset
+    for step in sorted({s for steps, _ in groups for s in steps} - set(place) - {0}):
+        key = ("step", step)
+        place[step] = tuple((key, c * chunk) for c in range(n_chunks))
+        sizes[key], contents[key] = shard, [(step, c * chunk, chunk, c * chunk) for c in range(n_chunks)]
+    return place, sizes, {k: tuple(v) for k, v in contents.items()}, runs
+
+
+class KVLanding:
+    """One ring pass's landing buffers (``landing_plan``): the receive buffers of each step's messages
+    (``recv``), a step's whole K/V where it landed whole (``step_kv``), a fused block's K/V (``run_kv``).
+    Buffers come from ``ring.landing_buffer(shape, like, contents)`` where the exchanger has one (the
+    emulator's ring, filled), else ``torch.empty``."""
+
+    def __init__(self, ring, k, v, shape):
+        """``shape``: the ring's ``group_plans`` arguments (rank, world, shard, causal, layout, steps per
+        launch, key cap)."""
+        self.k, self.v, self.shard = k, v, k.shape[1]
+        self.n_chunks = chunks_per_rank(shape[4])
+        self.chunk = self.shard // self.n_chunks
+        self.place, self.sizes, self.contents, self.runs = landing_plan(*shape)
+        self.alloc = getattr(ring, "landing_buffer", None)
+        self.bufs: dict = {}
+
+    def messages(self, kv):
+        """A step's K/V as its messages: each tensor cut into its chunks (views)."""
+        c = self.chunk
+        return [t[:, i * c:(i + 1) * c] for t in kv for i in range(self.n_chunks)]
+
+    def _buffer(self, key, t):
+        buf = self.bufs.get((key, t))
+        if buf is None:
+            like = (self.k, self.v)[t]
+            shape = (like.shape[0], self.sizes[key], *like.shape[2:])
+            buf = (self.alloc(shape, like, t, self.contents[key]) if self.alloc is not None
+                   else torch.empty(shape, dtype=like.dtype, device=like.device))
+            if key[0] != "spare":   # a spare chunk is only forwarded: the exchange holds it
+                self.bufs[(key, t)] = buf
+        return buf
+
+    def recv(self, step):
+        """The receive buffers of step ``step``'s messages (K's chunks, then V's)."""
+        c = self.chunk
+        return [self._buffer(key, t)[:, off:off + c] for t in (0, 1) for key, off in self.place[step]]
+
+    def step_kv(self, step):
+        """Step ``step``'s (K, V) where they landed whole, else None (its keys are read through ``run_kv``)."""
+        key = ("step", step)
+        if (key, 0) not in self.bufs:
+            return None
+        return self.bufs.pop((key, 0)), self.bufs.pop((key, 1))
+
+    def run_kv(self, group: int, run: int):
+        """Fused block ``run`` of launch group ``group``: its (K, V) as they landed, or None (concatenate)."""
+        key = self.runs.get((group, run))
+        if key is None:
+            return None
+        return self.bufs.pop((key, 0)), self.bufs.pop((key, 1))

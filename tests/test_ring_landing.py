@@ -1,0 +1,90 @@
+"""K/V received straight into the fused blocks' buffers (``distlab.cp.ring_landing``): where each message
+lands, and the emulator's ring (``ResidentRing.landing_buffer``) giving the same answer with no concatenation.
+The parity of real gloo rings that land their K/V: ``test_ring.py`` (several blocks in flight, batch 1) and
+``test_fa4_ring_backward.py`` (FA4's kept path on stand-in kernels, by groups)."""
+
+import pytest
+import torch
+
+from distlab import knobs
+from distlab.cp.ring_landing import landing_plan
+
+
+def _cover(contents, size):
+    """Every key of a buffer filled exactly once."""
+    seen = torch.zeros(size, dtype=torch.long)
+    for _, _, n, offset in contents:
+        seen[offset:offset + n] += 1
+    return bool((seen == 1).all())
+
+
+def test_landing_plan_puts_each_fused_blocks_keys_in_one_buffer():
+    """Zigzag W=8 in groups of 4 (0 | 1 2 3 | 4 5 6 7), shards of 64 keys (chunks of 32): every later step's two
+    chunks of K land somewhere; a fused block's buffer holds its steps' keys in ``fuse_plan``'s order; a chunk a
+    rank only forwards (the late chunk of an earlier rank's K/V) lands in a spare buffer of its own."""
+    from distlab.cp.ring import group_plans
+
+    for rank in range(8):
+        place, sizes, contents, runs = landing_plan(rank, 8, 64, True, "zigzag", 4)
+        assert sorted(place) == list(range(1, 8)) and all(len(p) == 2 for p in place.values())
+        for key, size in sizes.items():
+            assert _cover(contents[key], size), (rank, key)
+        groups = group_plans(rank, 8, 64, True, "zigzag", 4)
+        for (g, i), key in runs.items():
+            pieces = groups[g][1][i][2]
+            assert sizes[key] == sum(c.stop - c.start for _, c in pieces)
+            offset = 0
+            for step, cols in pieces:   # chunk c of the step at its place in the joined keys
+                for c, (where, off) in enumerate(place[step]):
+                    if cols.start <= 32 * c < cols.stop:
+                        assert (where, off) == (key, offset + 32 * c - cols.start)
+                    else:
+                        assert where == ("spare", step, c) and sizes[where] == 32
+                offset += cols.stop - cols.start
+        fused = {step for g, i in runs for step, _ in groups[g][1][i][2]}
+        spares = [k for k in sizes if k[0] == "spare"]
+        # rank 0 sees every later rank's K/V whole (no spares), rank 7 the first chunk of each (7 spares)
+        assert len(spares) == {0: 0, 7: 7}.get(rank, len(spares))
+        assert all(("step", s) in sizes for s in range(1, 8) if s not in fused)
+    # rank 0: two fused blocks, 3 and 4 steps' whole shards; rank 7: steps 1-3 and 4-7, their first chunks
+    assert sorted(landing_plan(0, 8, 64, True, "zigzag", 4)[1].values()) == [192, 256]
+    assert sorted(v for k, v in landing_plan(7, 8, 64, True, "zigzag", 4)[1].items() if k[0] == "run") == [96, 128]
+    # one step a launch: nothing fused, each step lands whole; contiguous: one message a tensor
+    place, sizes, _, runs = landing_plan(2, 4, 16, True, "contiguous", 1)
+    assert not runs and place == {s: ((("step", s), 0),) for s in (1, 2, 3)}
+    place, sizes, _, runs = landing_plan(3, 4, 16, True, "contiguous", (4,))
+    assert list(runs) == [(0, 1)] and sizes[("run", 0, 1)] == 48
+
+
+def _emulated(landing: str, layout: str, causal: bool, rank: int):
+    from distlab.cp import ring, ring_fused
+    from distlab.cp.emulate import emulate_rank
+
+    joined = []
+    real = ring.group_kv
+
+    def counting(got, pieces):
+        joined.append(len(pieces))
+        return real(got, pieces)
+
+    ring.group_kv = ring_fused.group_kv = counting
+    try:
+        with knobs.override(RING_KV_LANDING=landing):
+            res = emulate_rank(4, 64, 4, 2, 8, rank, layout, causal, "torch", torch.float64, torch.device("cpu"),
+                               iters=1, warmup=0, keep_output=True, steps_per_launch=3)
+    finally:
+        ring.group_kv = ring_fused.group_kv = real
+    return res["out"], res["dq"], joined
+
+
+@pytest.mark.parametrize("layout,causal,rank", [("zigzag", True, 0), ("zigzag", True, 3), ("zigzag", False, 1),
+                                                ("contiguous", True, 3)])
+def test_the_emulated_rank_lands_its_kv_with_no_concatenation(layout, causal, rank):
+    """``distlab.cp.emulate`` (a rank's schedule, K/V resident) by groups of 3 on W=4 (0 | 1 2 3): with landing its fused
+    blocks read the buffers the exchanges filled (no ``group_kv`` of several steps), and out and dQ are the
+    concatenating path's, in float64 (zigzag's rank 3 reads the first chunk of every earlier rank's K/V and
+    forwards the other from a spare buffer)."""
+    out, dq, joined = _emulated("1", layout, causal, rank)
+    out0, dq0, joined0 = _emulated("0", layout, causal, rank)
+    assert max(joined0) > 1 and all(n == 1 for n in joined), (joined0, joined)
+    assert torch.allclose(out, out0, rtol=0, atol=1e-13) and torch.allclose(dq, dq0, rtol=0, atol=1e-13)
