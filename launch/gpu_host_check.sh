@@ -21,6 +21,8 @@
 #                                                  # keys checked, the FA4 rank (wall), host time a step at S8192
 #   bash launch/gpu_host_check.sh OUTDIR fa4fuse   # FA4 present: a launch group's blocks fused (ring_fused): GPU
 #                                                  # tests, merge keys, the W=8 FA4 rank by groups 1/2/4 (wall, GPU)
+#   bash launch/gpu_host_check.sh OUTDIR fa4land   # FA4 present: K/V received into the fused blocks' buffers
+#                                                  # (ring_landing) vs concatenated: GPU tests, host, W=8 rank 0 / 7
 #   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
 #                                                  # launch keys checked; part triton: then host_cost and the Triton
 #                                                  # ring rank (emulate, wall and GPU)
@@ -181,6 +183,23 @@ elif [ "$part" = fa4final2 ]; then   # FA4 present: part fa4final after the side
   for mode in wall gpu; do
     LIMIT=120 TAIL=12 run emulate_final2_$mode $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
         --steps-per-launch 1 4 --iters 20 $([ $mode = wall ] && echo --wall) --json "$out/emulate_final2_$mode.json"
+  done
+elif [ "$part" = fa4land ]; then   # FA4 present: each step's K/V received straight into the fused blocks' buffers
+  # (distlab.cp.ring_landing, 2026-12-05) against the concatenation (RING_KV_LANDING=0): GPU tests, host_cost, the W=8
+  # rank by groups of 4 (and 1), landing on and off, wall then GPU; rank 7 (first chunks, spare buffers); timelines
+  LIMIT=150 TAIL=3 run fa4_ring_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider
+  LIMIT=90 TAIL=12 run host_cost_s8k $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 3 \
+      --calls 100 --json "$out/host_cost_s8k.json"
+  for mode in wall gpu; do
+    LIMIT=150 TAIL=16 run emulate_land_$mode $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
+        --steps-per-launch 4 1 --variant '' 'RING_KV_LANDING=0' --iters 20 $([ $mode = wall ] && echo --wall) \
+        --json "$out/emulate_land_$mode.json"
+  done
+  LIMIT=90 TAIL=8 run emulate_land_rank7 $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 --rank 7 \
+      --steps-per-launch 4 --variant '' 'RING_KV_LANDING=0' --iters 20 --wall --json "$out/emulate_land_rank7.json"
+  for seq in 8192 32768; do
+    LIMIT=60 TAIL=4 run timeline_s${seq}_land $py -m distlab.cp.emulate --world 8 --seq $seq --backend fa4 \
+        --steps-per-launch 4 --iters 5 --timeline --json "$out/timeline_s${seq}_land.json"
   done
 elif [ "$part" = fa4wall ]; then   # FA4 present: why the fused rank's S8192 wall reads slower than its host time and GPU
   # clock say: groups of 4 before 1 (order), and with the dK/dV adds on the compute stream (no side stream)
