@@ -36,8 +36,8 @@ def test_landing_plan_puts_each_fused_blocks_keys_in_one_buffer():
             offset = 0
             for step, cols in pieces:   # chunk c of the step at its place in the joined keys
                 for c, (where, off) in enumerate(place[step]):
-                    if cols.start <= 32 * c < cols.stop:
-                        assert (where, off) == (key, offset + 32 * c - cols.start)
+                    if cols.start <= 32 * c < cols.stop:   # ``off``: in chunks of the buffer
+                        assert (where, off * 32) == (key, offset + 32 * c - cols.start)
                     else:
                         assert where == ("spare", step, c) and sizes[where] == 32
                 offset += cols.stop - cols.start

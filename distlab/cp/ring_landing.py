@@ -45,7 +45,7 @@ def use_landing(k, backend: str, groups) -> bool:
 def landing_plan(rank: int, world: int, shard: int, causal: bool, layout: str, steps_per_launch, max_keys=0):
     """Where each message of each step lands, from the ring's ``group_plans`` (the same arguments; once per
     ring shape): ``(place, sizes, contents, runs)`` with
-    ``place[step]`` a tuple over the shard's chunks of ``(buffer key, offset)``; ``sizes[key]`` a buffer's
+    ``place[step]`` a tuple over the shard's chunks of ``(buffer key, slot)`` (the slot-th chunk of the buffer); ``sizes[key]`` a buffer's
     keys and ``contents[key]`` its ``(step, chunk start, length, offset)`` (what a stand-in ring fills it
     with); ``runs[(group, run)]`` the buffer key of a fused block read as a view. Buffer keys: ``("run", g, i)``
     (fused block i of launch group g), ``("step", s)`` (step s whole) and ``("spare", s, c)`` (a chunk
@@ -81,7 +81,7 @@ def landing_plan(rank: int, world: int, shard: int, causal: bool, layout: str, s
                 for c in range(n_chunks):
                     lo = c * chunk
                     if cols.start <= lo < cols.stop:
-                        where.append((key, offset + lo - cols.start))
+                        where.append((key, (offset + lo - cols.start) // chunk))
                         contents.setdefault(key, []).append((step, lo, chunk, offset + lo - cols.start))
                     else:
                         spare = ("spare", step, c)
@@ -92,7 +92,7 @@ def landing_plan(rank: int, world: int, shard: int, causal: bool, layout: str, s
             sizes[key] = offset
     for step in sorted({s for steps, _ in groups for s in steps} - set(place) - {0}):
         key = ("step", step)
-        place[step] = tuple((key, c * chunk) for c in range(n_chunks))
+        place[step] = tuple((key, c) for c in range(n_chunks))
         sizes[key], contents[key] = shard, [(step, c * chunk, chunk, c * chunk) for c in range(n_chunks)]
     return place, sizes, {k: tuple(v) for k, v in contents.items()}, runs
 
@@ -115,35 +115,37 @@ class KVLanding:
 
     def messages(self, kv):
         """A step's K/V as its messages: each tensor cut into its chunks (views)."""
-        c = self.chunk
-        return [t[:, i * c:(i + 1) * c] for t in kv for i in range(self.n_chunks)]
+        return [*kv[0].split(self.chunk, 1), *kv[1].split(self.chunk, 1)]
 
-    def _buffer(self, key, t):
-        buf = self.bufs.get((key, t))
-        if buf is None:
+    def _slots(self, key, t):
+        """Buffer ``key``'s K (``t`` 0) or V (1) as its chunk views, allocated at first use (one ``split``
+        for all of a buffer's messages: a slice per message cost ~2 µs of host each, four a step)."""
+        got = self.bufs.get((key, t))
+        if got is None:
             like = (self.k, self.v)[t]
             shape = (like.shape[0], self.sizes[key], *like.shape[2:])
             buf = (self.alloc(shape, like, t, self.contents[key]) if self.alloc is not None
                    else torch.empty(shape, dtype=like.dtype, device=like.device))
+            got = (buf, buf.split(self.chunk, 1))
             if key[0] != "spare":   # a spare chunk is only forwarded: the exchange holds it
-                self.bufs[(key, t)] = buf
-        return buf
+                self.bufs[(key, t)] = got
+        return got[1]
 
     def recv(self, step):
         """The receive buffers of step ``step``'s messages (K's chunks, then V's)."""
-        c = self.chunk
-        return [self._buffer(key, t)[:, off:off + c] for t in (0, 1) for key, off in self.place[step]]
+        place = self.place[step]
+        return [self._slots(key, t)[slot] for t in (0, 1) for key, slot in place]
 
     def step_kv(self, step):
         """Step ``step``'s (K, V) where they landed whole, else None (its keys are read through ``run_kv``)."""
         key = ("step", step)
         if (key, 0) not in self.bufs:
             return None
-        return self.bufs.pop((key, 0)), self.bufs.pop((key, 1))
+        return self.bufs.pop((key, 0))[0], self.bufs.pop((key, 1))[0]
 
     def run_kv(self, group: int, run: int):
         """Fused block ``run`` of launch group ``group``: its (K, V) as they landed, or None (concatenate)."""
         key = self.runs.get((group, run))
         if key is None:
             return None
-        return self.bufs.pop((key, 0)), self.bufs.pop((key, 1))
+        return self.bufs.pop((key, 0))[0], self.bufs.pop((key, 1))[0]

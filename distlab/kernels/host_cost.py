@@ -132,6 +132,14 @@ def _ring_rows(a, device, dtype):
                      (f"ring step W{w}, {backend}, 4 steps fused", "bwd",
                       lambda b=backend, r=ring, o=out, l=lse: _ring_backward(dout, q_r, *kv[0], o, l, r, True,
                                                                              "zigzag", scale, b, 4), {}, w)]
+            # the same with each fused block's K/V concatenated, not received into its buffer (ring_landing)
+            rows += [(f"ring step W{w}, {backend}, 4 steps fused, cat", "fwd",
+                      lambda b=backend, r=ring: _ring_forward(q_r, *kv[0], r, True, "zigzag", scale, b, 4),
+                      {"RING_KV_LANDING": "0"}, w),
+                     (f"ring step W{w}, {backend}, 4 steps fused, cat", "bwd",
+                      lambda b=backend, r=ring, o=out, l=lse: _ring_backward(dout, q_r, *kv[0], o, l, r, True,
+                                                                             "zigzag", scale, b, 4),
+                      {"RING_KV_LANDING": "0"}, w)]
     return rows
 
 
