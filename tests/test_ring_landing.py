@@ -21,7 +21,7 @@ def _cover(contents, size):
 def test_landing_plan_puts_each_fused_blocks_keys_in_one_buffer():
     """Zigzag W=8 in groups of 4 (0 | 1 2 3 | 4 5 6 7), shards of 64 keys (chunks of 32): every later step's two
     chunks of K land somewhere; a fused block's buffer holds its steps' keys in ``fuse_plan``'s order; a chunk a
-    rank only forwards (the late chunk of an earlier rank's K/V) lands in a spare buffer of its own."""
+    rank only forwards (the late chunk of an earlier rank's K/V) lands in its group's spare buffer."""
     from distlab.cp.ring import group_plans
 
     for rank in range(8):
@@ -38,13 +38,13 @@ def test_landing_plan_puts_each_fused_blocks_keys_in_one_buffer():
                 for c, (where, off) in enumerate(place[step]):
                     if cols.start <= 32 * c < cols.stop:   # ``off``: in chunks of the buffer
                         assert (where, off * 32) == (key, offset + 32 * c - cols.start)
-                    else:
-                        assert where == ("spare", step, c) and sizes[where] == 32
+                    else:   # the group's spare buffer
+                        assert where == ("spare", g) and (step, 32 * c, 32, off * 32) in contents[where]
                 offset += cols.stop - cols.start
         fused = {step for g, i in runs for step, _ in groups[g][1][i][2]}
         spares = [k for k in sizes if k[0] == "spare"]
-        # rank 0 sees every later rank's K/V whole (no spares), rank 7 the first chunk of each (7 spares)
-        assert len(spares) == {0: 0, 7: 7}.get(rank, len(spares))
+        # rank 0 sees every later rank's K/V whole (no spares), rank 7 the first chunk of each (7 spare chunks)
+        assert sum(sizes[k] for k in spares) == {0: 0, 7: 7 * 32}.get(rank, sum(sizes[k] for k in spares))
         assert all(("step", s) in sizes for s in range(1, 8) if s not in fused)
     # rank 0: two fused blocks, 3 and 4 steps' whole shards; rank 7: steps 1-3 and 4-7, their first chunks
     assert sorted(landing_plan(0, 8, 64, True, "zigzag", 4)[1].values()) == [192, 256]

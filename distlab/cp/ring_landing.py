@@ -45,11 +45,11 @@ def use_landing(k, backend: str, groups) -> bool:
 def landing_plan(rank: int, world: int, shard: int, causal: bool, layout: str, steps_per_launch, max_keys=0):
     """Where each message of each step lands, from the ring's ``group_plans`` (the same arguments; once per
     ring shape): ``(place, sizes, contents, runs)`` with
-    ``place[step]`` a tuple over the shard's chunks of ``(buffer key, slot)`` (the slot-th chunk of the buffer); ``sizes[key]`` a buffer's
-    keys and ``contents[key]`` its ``(step, chunk start, length, offset)`` (what a stand-in ring fills it
-    with); ``runs[(group, run)]`` the buffer key of a fused block read as a view. Buffer keys: ``("run", g, i)``
-    (fused block i of launch group g), ``("step", s)`` (step s whole) and ``("spare", s, c)`` (a chunk
-    only forwarded)."""
+    ``place[step]`` a tuple over the shard's chunks of ``(buffer key, slot)`` (the slot-th chunk of the
+    buffer); ``sizes[key]`` a buffer's keys and ``contents[key]`` its ``(step, chunk start, length, offset)``
+    (what a stand-in ring fills it with); ``runs[(group, run)]`` the buffer key of a fused block read as a
+    view. Buffer keys: ``("run", g, i)`` (fused block i of launch group g), ``("step", s)`` (step s whole)
+    and ``("spare", g)`` (the chunks launch group g only forwards, one after another)."""
     from distlab.cp.ring import group_plans
 
     groups = group_plans(rank, world, shard, causal, layout, steps_per_launch, max_keys)
@@ -83,10 +83,12 @@ def landing_plan(rank: int, world: int, shard: int, causal: bool, layout: str, s
                     if cols.start <= lo < cols.stop:
                         where.append((key, (offset + lo - cols.start) // chunk))
                         contents.setdefault(key, []).append((step, lo, chunk, offset + lo - cols.start))
-                    else:
-                        spare = ("spare", step, c)
-                        where.append((spare, 0))
-                        sizes[spare], contents[spare] = chunk, [(step, lo, chunk, 0)]
+                    else:   # forwarded only: the group's spare buffer, one chunk after another
+                        spare = ("spare", g)
+                        slot = sizes.get(spare, 0) // chunk
+                        where.append((spare, slot))
+                        sizes[spare] = (slot + 1) * chunk
+                        contents.setdefault(spare, []).append((step, lo, chunk, slot * chunk))
                 place[step] = tuple(where)
                 offset += cols.stop - cols.start
             sizes[key] = offset
@@ -115,10 +117,10 @@ class KVLanding:
 
     def messages(self, kv):
         """A step's K/V as its messages: each tensor cut into its chunks (views)."""
-        return [*kv[0].split(self.chunk, 1), *kv[1].split(self.chunk, 1)]
+        return [t[:, i * self.chunk:(i + 1) * self.chunk] for t in kv for i in range(self.n_chunks)]
 
     def _slots(self, key, t):
-        """Buffer ``key``'s K (``t`` 0) or V (1) as its chunk views, allocated at first use (one ``split``
+        """Buffer ``key``'s K (``t`` 0) or V (1) as its chunk views, allocated at first use (one ``unbind``
         for all of a buffer's messages: a slice per message cost ~2 µs of host each, four a step)."""
         got = self.bufs.get((key, t))
         if got is None:
@@ -126,9 +128,9 @@ class KVLanding:
             shape = (like.shape[0], self.sizes[key], *like.shape[2:])
             buf = (self.alloc(shape, like, t, self.contents[key]) if self.alloc is not None
                    else torch.empty(shape, dtype=like.dtype, device=like.device))
-            got = (buf, buf.split(self.chunk, 1))
-            if key[0] != "spare":   # a spare chunk is only forwarded: the exchange holds it
-                self.bufs[(key, t)] = got
+            b, n, *rest = shape   # its chunks as views, [b, chunk, ...] (contiguous for b = 1); spares are kept to
+            # the pass's end (view + unbind: C++ calls, no Python wrapper as ``Tensor.split`` has)
+            got = self.bufs[(key, t)] = (buf, buf.view(b, n // self.chunk, self.chunk, *rest).unbind(1))
         return got[1]
 
     def recv(self, step):
