@@ -490,8 +490,11 @@ class RingExchanger:
             self.prev = dist.get_global_rank(pg, (self.rank - 1) % self.size)
 
     def exchange(self, tensors, op: str = "ring_sendrecv", recv=None) -> "_Pending":
-        """``recv``: where to receive (contiguous tensors of the sent shapes, e.g. slices of a buffer the
-        received blocks are read from together: ``distlab.cp.ring_landing``); by default new tensors."""
+        """``recv``: where to receive (contiguous tensors of the sent shapes, on CUDA from ``landing_buffer``:
+        slices of a buffer the received blocks are read from together, ``distlab.cp.ring_landing``); by
+        default new tensors. On CUDA an exchange into such buffers is posted on the side stream, as
+        ``exchange_after``'s are (after the caller's queued work, which made what it sends): every write into a
+        landing buffer is then on the stream whose pool it came from."""
         if self.size == 1:
             raise RuntimeError("a ring of one rank has nobody to exchange with")
         tensors = [t.contiguous() for t in tensors]
@@ -500,6 +503,13 @@ class RingExchanger:
         elif len(recv) != len(tensors) or any(r.shape != t.shape or r.dtype != t.dtype or not r.is_contiguous()
                                               for r, t in zip(recv, tensors)):
             raise ValueError("ring exchange: receive buffers must be contiguous and of the sent shapes and dtypes")
+        elif recv[0].is_cuda and torch.cuda.current_stream(recv[0].device) != self._side_stream(recv[0].device):
+            side = self._side_stream(recv[0].device)
+            side.wait_stream(torch.cuda.current_stream(recv[0].device))
+            for t in tensors:   # the caller's tensors, sent on the side stream
+                t.record_stream(side)
+            with torch.cuda.stream(side):
+                return self.exchange(tensors, op, recv)
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in recv]
         record(op, sum(_nbytes(t) for t in tensors))
@@ -509,22 +519,36 @@ class RingExchanger:
         """Post the exchange that forwards what ``pending`` receives, without making the caller's stream
         wait for it: on CUDA the wait and the new sends go on a side stream, so they are ordered after that
         receive only, not after compute already queued (the new receive buffers come from the side
-        stream's pool and are marked as used by the caller's stream, which reads them); on CPU (gloo
-        sends from host memory) it blocks until the tensors have arrived. What keeps two K/V blocks in
-        flight (``distlab.cp.ring``)."""
+        stream's pool — given ``recv``, from ``landing_buffer`` — and are marked as used by the caller's
+        stream, which reads them); on CPU (gloo sends from host memory) it blocks until the tensors have
+        arrived. What keeps two K/V blocks in flight (``distlab.cp.ring``)."""
         if not pending.recv[0].is_cuda:
             return self.exchange(pending.wait(), op, recv)
-        caller = torch.cuda.current_stream(pending.recv[0].device)
-        if self._side is None:
-            self._side = torch.cuda.Stream(pending.recv[0].device)
-        with torch.cuda.stream(self._side):
+        side = self._side_stream(pending.recv[0].device)
+        with torch.cuda.stream(side):
             handle = self.exchange(pending.wait(), op, recv)
-        for r in handle.recv:
-            r.record_stream(caller)
-        if recv is not None:   # the caller's buffers, written (and later forwarded) on the side stream
-            for t in (*recv, *pending.recv):
-                t.record_stream(self._side)
+        if recv is None:   # (landing buffers were marked when they were made)
+            caller = torch.cuda.current_stream(pending.recv[0].device)
+            for r in handle.recv:
+                r.record_stream(caller)
         return handle
+
+    def landing_buffer(self, shape, like, t=None, contents=None):
+        """A buffer to receive K/V into (``distlab.cp.ring_landing``): on CUDA from the side stream's pool, where
+        the exchanges that write into it are posted, and marked as used by the caller's stream, which reads it
+        (``t`` and ``contents`` say what it will hold; a stand-in ring fills it from them)."""
+        if not like.is_cuda:
+            return torch.empty(shape, dtype=like.dtype, device=like.device)
+        caller = torch.cuda.current_stream(like.device)
+        with torch.cuda.stream(self._side_stream(like.device)):
+            buf = torch.empty(shape, dtype=like.dtype, device=like.device)
+        buf.record_stream(caller)
+        return buf
+
+    def _side_stream(self, device):
+        if self._side is None:
+            self._side = torch.cuda.Stream(device)
+        return self._side
 
     _side = None
 
