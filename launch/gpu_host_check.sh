@@ -23,6 +23,7 @@
 #                                                  # tests, merge keys, the W=8 FA4 rank by groups 1/2/4 (wall, GPU)
 #   bash launch/gpu_host_check.sh OUTDIR fa4land   # FA4 present: K/V received into the fused blocks' buffers
 #                                                  # (ring_landing) vs concatenated: GPU tests, host, W=8 rank 0 / 7
+#                                                  # (fa4land2: after its host cuts, both orders, rank 0 and 7)
 #   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
 #                                                  # launch keys checked; part triton: then host_cost and the Triton
 #                                                  # ring rank (emulate, wall and GPU)
@@ -200,6 +201,21 @@ elif [ "$part" = fa4land ]; then   # FA4 present: each step's K/V received strai
   for seq in 8192 32768; do
     LIMIT=60 TAIL=4 run timeline_s${seq}_land $py -m distlab.cp.emulate --world 8 --seq $seq --backend fa4 \
         --steps-per-launch 4 --iters 5 --timeline --json "$out/timeline_s${seq}_land.json"
+  done
+elif [ "$part" = fa4land2 ]; then   # FA4 present: part fa4land after the landing's host cuts (slots by one unbind,
+  # one spare buffer a group): GPU tests, host_cost (fused rows landing vs concatenated, interleaved), the W=8 rank
+  # 0 landing on/off in both orders (wall), rank 0 and rank 7 on/off (GPU)
+  LIMIT=150 TAIL=3 run fa4_ring_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider
+  LIMIT=90 TAIL=14 run host_cost_s8k $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 3 \
+      --calls 100 --json "$out/host_cost_s8k.json"
+  LIMIT=120 TAIL=12 run emulate_land_wall_a $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
+      --steps-per-launch 4 --variant '' 'RING_KV_LANDING=0' --iters 20 --wall --json "$out/emulate_land_wall_a.json"
+  LIMIT=120 TAIL=12 run emulate_land_wall_b $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
+      --steps-per-launch 4 --variant 'RING_KV_LANDING=0' '' --iters 20 --wall --json "$out/emulate_land_wall_b.json"
+  for rank in 0 7; do
+    LIMIT=90 TAIL=8 run emulate_land_gpu_rank$rank $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 \
+        --backend fa4 --rank $rank --steps-per-launch 4 --variant 'RING_KV_LANDING=0' '' --iters 20 \
+        --json "$out/emulate_land_gpu_rank$rank.json"
   done
 elif [ "$part" = fa4wall ]; then   # FA4 present: why the fused rank's S8192 wall reads slower than its host time and GPU
   # clock say: groups of 4 before 1 (order), and with the dK/dV adds on the compute stream (no side stream)
