@@ -133,6 +133,7 @@ class FA4RingBackward:
         self.kv_heads, self.keys = k.shape[2], k.shape[1]
         self.sets: dict = {}
         self.plans: dict = {}
+        self.zeroed: dict = {}   # block key -> [(zeroed scratch, its fill's event)] (``zero_ahead``)
 
     def prepare(self, blocks):
         """Record FA4's kernels for every block shape of the ring (``[(rows, cols, causal)]``) now, before the
@@ -180,9 +181,30 @@ class FA4RingBackward:
         n, shape, acc, main_fn, q, dout, rs, rest = plan
         if n != k.shape[1]:
             k, v = k[:, cols], v[:, cols]
-        buf = torch.zeros(shape, dtype=acc, device=k.device)
+        ahead = self.zeroed.get(key)
+        if ahead:   # zeroed beforehand on a side stream (``zero_ahead``)
+            buf, done = ahead.pop(0)
+            torch.cuda.current_stream(k.device).wait_event(done)
+        else:
+            buf = torch.zeros(shape, dtype=acc, device=k.device)
         main_fn(q, k, v, dout, rs.lse_log2, rs.dpsum, rs.dq_accum, buf[0], buf[1], *rest)
         return buf
+
+    def zero_ahead(self, blocks, stream):
+        """Zero the dK/dV scratch of these blocks (``(rows, cols, causal)``, each used once) now on ``stream``,
+        beside the kernels already queued, instead of on the compute stream right before each block (a ring's
+        fused blocks: 8 + 13 µs at S8192, 31 + 43 µs at S32768 on the H100, W=8). The buffers come from
+        ``stream``'s pool and are marked as used by the compute stream, which waits for their fill."""
+        main = torch.cuda.current_stream(self.q.device)
+        for rows, cols, causal in blocks:
+            key = (rows.start, rows.stop, cols.start, cols.stop, causal)
+            shapes = self._rec(rows.stop - rows.start, cols.stop - cols.start, causal)[3]
+            with torch.cuda.stream(stream):
+                buf = torch.zeros((2, *shapes["dkv_accum"]), dtype=_acc_dtype(self.q.dtype), device=self.q.device)
+                done = torch.cuda.Event()
+                done.record(stream)
+            buf.record_stream(main)
+            self.zeroed.setdefault(key, []).append((buf, done))
 
     def dq(self):
         """The rank's dQ in q's dtype: each row set's accumulator converted by FA4's postprocess (scaled); the
