@@ -76,6 +76,8 @@ KNOBS = {
                                       "(1: on a side stream, beside the next launch group's kernels)"),
     "RING_FUSE_MAX_KEYS": Knob("0", "keys at most in one fused ring block of FA4/cuDNN/torch (a launch group's "
                                        "blocks over one row range joined, distlab.cp.ring.fuse_plan); 0: no cap"),
+    "RING_DKV_ADD_ROWS": Knob("0", "1: a fused FA4 ring block's dK/dV share (strided) added row by row in one "
+                                   "multi-tensor launch (0: one strided add)"),
     "RING_ZERO_AHEAD": Knob("1", "0: a fused FA4 ring backward zeroes each block's dK/dV scratch on the compute stream "
                                  "right before it (1: all of them at the start, on the side stream)"),
     "RING_KV_LANDING": Knob("1", "0: a fused ring block's K/V concatenated from the steps' (1: received straight into "

@@ -204,7 +204,8 @@ elif [ "$part" = fa4land ]; then   # FA4 present: each step's K/V received strai
   done
 elif [ "$part" = fa4land2 ]; then   # FA4 present: part fa4land after the landing's host cuts (slots by one unbind,
   # one spare buffer a group): GPU tests, host_cost (fused rows landing vs concatenated, interleaved), the W=8 rank
-  # 0 landing on/off in both orders (wall), the dK/dV scratch zeroed ahead or not (GPU), rank 0 and 7 on/off (GPU)
+  # 0 landing on/off in both orders (wall), the dK/dV scratch zeroed ahead or not and the shares added by rows (GPU
+  # tests again with the row adds; GPU clock), rank 0 and 7 on/off (GPU)
   LIMIT=150 TAIL=3 run fa4_ring_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider
   LIMIT=90 TAIL=14 run host_cost_s8k $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 3 \
       --calls 100 --json "$out/host_cost_s8k.json"
@@ -212,8 +213,11 @@ elif [ "$part" = fa4land2 ]; then   # FA4 present: part fa4land after the landin
       --steps-per-launch 4 --variant '' 'RING_KV_LANDING=0' --iters 20 --wall --json "$out/emulate_land_wall_a.json"
   LIMIT=120 TAIL=12 run emulate_land_wall_b $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
       --steps-per-launch 4 --variant 'RING_KV_LANDING=0' '' --iters 20 --wall --json "$out/emulate_land_wall_b.json"
-  LIMIT=60 TAIL=6 run emulate_zero_ahead_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 \
-      --steps-per-launch 4 --variant 'RING_ZERO_AHEAD=0' '' --iters 20 --json "$out/emulate_zero_ahead_gpu.json"
+  LIMIT=80 TAIL=3 run fa4_ring_tests_add_rows env DISTLAB_RING_DKV_ADD_ROWS=1 $py -m pytest -q -m gpu \
+      tests/test_fa4_ring_backward.py -p no:cacheprovider
+  LIMIT=80 TAIL=8 run emulate_zero_ahead_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 \
+      --steps-per-launch 4 --variant 'RING_ZERO_AHEAD=0' '' 'RING_DKV_ADD_ROWS=1' --iters 20 \
+      --json "$out/emulate_zero_ahead_gpu.json"
   for rank in 0 7; do
     LIMIT=90 TAIL=8 run emulate_land_gpu_rank$rank $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 \
         --backend fa4 --rank $rank --steps-per-launch 4 --variant 'RING_KV_LANDING=0' '' --iters 20 \
