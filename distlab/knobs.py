@@ -78,8 +78,9 @@ KNOBS = {
                                        "blocks over one row range joined, distlab.cp.ring.fuse_plan); 0: no cap"),
     "RING_DKV_ADD_ROWS": Knob("0", "1: a fused FA4 ring block's dK/dV share (strided) added row by row in one "
                                    "multi-tensor launch (0: one strided add)"),
-    "RING_ZERO_AHEAD": Knob("1", "0: a fused FA4 ring backward zeroes each block's dK/dV scratch on the compute stream "
-                                 "right before it (1: all of them at the start, on the side stream)"),
+    "RING_ZERO_AHEAD": Knob("0", "1: a fused FA4 ring backward zeroes the later blocks' dK/dV scratch at its start, on "
+                                 "the side stream (0: each on the compute stream right before its block; 1 is not yet "
+                                 "run on a GPU)"),
     "RING_KV_LANDING": Knob("1", "0: a fused ring block's K/V concatenated from the steps' (1: received straight into "
                                  "its buffer, distlab.cp.ring_landing)"),
     "RING_MERGE_BLOCKS": Knob("4", "block results a ring forward of cuDNN/FA4 blocks merges per Triton launch (1-4; "

@@ -213,10 +213,10 @@ elif [ "$part" = fa4land2 ]; then   # FA4 present: part fa4land after the landin
       --steps-per-launch 4 --variant '' 'RING_KV_LANDING=0' --iters 20 --wall --json "$out/emulate_land_wall_a.json"
   LIMIT=120 TAIL=12 run emulate_land_wall_b $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
       --steps-per-launch 4 --variant 'RING_KV_LANDING=0' '' --iters 20 --wall --json "$out/emulate_land_wall_b.json"
-  LIMIT=80 TAIL=3 run fa4_ring_tests_add_rows env DISTLAB_RING_DKV_ADD_ROWS=1 $py -m pytest -q -m gpu \
+  LIMIT=80 TAIL=3 run fa4_ring_tests_add_rows env DISTLAB_RING_DKV_ADD_ROWS=1 DISTLAB_RING_ZERO_AHEAD=1 $py -m pytest -q -m gpu \
       tests/test_fa4_ring_backward.py -p no:cacheprovider
   LIMIT=80 TAIL=8 run emulate_zero_ahead_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 \
-      --steps-per-launch 4 --variant 'RING_ZERO_AHEAD=0' '' 'RING_DKV_ADD_ROWS=1' --iters 20 \
+      --steps-per-launch 4 --variant '' 'RING_ZERO_AHEAD=1' 'RING_DKV_ADD_ROWS=1' --iters 20 \
       --json "$out/emulate_zero_ahead_gpu.json"
   for rank in 0 7; do
     LIMIT=90 TAIL=8 run emulate_land_gpu_rank$rank $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 \

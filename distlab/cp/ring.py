@@ -16,8 +16,9 @@ up to n K/V blocks beyond the current group are in flight, each forwarded as soo
 (``distlab.kernels.triton_attention.flash_forward_blocks``, up to four steps): one accumulate epilogue per group and
 a longer key loop, where the step kernels of a short shard lose most of their time. The other backends
 (cuDNN, FA4: no accumulation in their kernels) join a group's blocks over one row range into one call over
-their keys, concatenated (``fuse_plan``; 4 a group is their default too, and the backward goes by the same
-groups: ``distlab.cp.ring_fused``), hold the results back and merge four at a time in one Triton launch
+their keys (``fuse_plan``; 4 a group is their default too, and the backward goes by the same groups:
+``distlab.cp.ring_fused``; on a batch-1 ring each step's K/V are received straight into the fused block's
+buffer, ``distlab.cp.ring_landing``, else concatenated), hold the results back and merge four at a time in one Triton launch
 (``lse_merge_blocks_``): the float32 running result is read and written once per four blocks, not per
 block, and the last merge writes q's dtype (no conversion after).
 

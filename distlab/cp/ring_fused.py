@@ -61,8 +61,8 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
     dq = dkv = dkv_pending = None
     side = _side_stream(q.device) if q.is_cuda and knobs.get("RING_DKV_SIDE_STREAM") != "0" else None
     main = torch.cuda.current_stream(q.device) if side is not None else None
-    if kept is not None and side is not None and knobs.get("RING_ZERO_AHEAD") != "0":   # the later groups' dK/dV
-        # scratch zeroed beside step 0's kernels
+    if kept is not None and side is not None and knobs.get("RING_ZERO_AHEAD") == "1":   # the later groups' dK/dV
+        # scratch zeroed beside step 0's kernels (off by default until timed on a GPU: gpu_host_check.sh fa4land2)
         kept.zero_ahead(blocks[1:], side)
     for g, (steps, plan) in enumerate(groups):
         with phase("ring.exchange"):
