@@ -533,10 +533,10 @@ class RingExchanger:
                 r.record_stream(caller)
         return handle
 
-    def landing_buffer(self, shape, like, t=None, contents=None):
+    def landing_buffer(self, shape, like, contents=None):
         """A buffer to receive K/V into (``distlab.cp.ring_landing``): on CUDA from the side stream's pool, where
         the exchanges that write into it are posted, and marked as used by the caller's stream, which reads it
-        (``t`` and ``contents`` say what it will hold; a stand-in ring fills it from them)."""
+        (``contents`` says what it will hold; a stand-in ring fills it from them)."""
         if not like.is_cuda:
             return torch.empty(shape, dtype=like.dtype, device=like.device)
         caller = torch.cuda.current_stream(like.device)

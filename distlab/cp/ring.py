@@ -195,7 +195,7 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
     pending = [] if group else None
     shape = (ring.rank, ring.size, s, causal, layout, steps_per_launch, fuse_cap() if final is None else 0)
     groups = group_plans(*shape)
-    landing = KVLanding(ring, k, v, shape) if ring.size > 1 and use_landing(k, backend, groups) else None
+    landing = KVLanding(ring, k, v, shape) if ring.size > 1 and use_landing(k, v, backend, groups) else None
     kv = _KVAhead(ring, (k, v), landing)
     ahead = max(len(g) for g, _ in groups)
     block_forward = _block_forward(backend)

@@ -34,11 +34,12 @@ from distlab import knobs
 from distlab.cp.layout import chunks_per_rank
 
 
-def use_landing(k, backend: str, groups) -> bool:
+def use_landing(k, v, backend: str, groups) -> bool:
     """Whether a ring lands its K/V in the fused blocks' buffers: the same answer on every rank (it decides the
-    messages): batch 1, a backend other than ``triton``, some launch group of several steps, the knob on."""
-    return (k.shape[0] == 1 and backend != "triton" and any(len(steps) > 1 for steps, _ in groups)
-            and knobs.get("RING_KV_LANDING") != "0")
+    messages): batch 1, K and V of one shape and dtype (a buffer holds both), a backend other than ``triton``,
+    some launch group of several steps, the knob on."""
+    return (k.shape[0] == 1 and k.shape == v.shape and k.dtype == v.dtype and backend != "triton"
+            and any(len(steps) > 1 for steps, _ in groups) and knobs.get("RING_KV_LANDING") != "0")
 
 
 @functools.lru_cache(maxsize=256)
@@ -102,52 +103,66 @@ def landing_plan(rank: int, world: int, shard: int, causal: bool, layout: str, s
 class KVLanding:
     """One ring pass's landing buffers (``landing_plan``): the receive buffers of each step's messages
     (``recv``), a step's whole K/V where it landed whole (``step_kv``), a fused block's K/V (``run_kv``).
-    Buffers come from ``ring.landing_buffer(shape, like, contents)`` where the exchanger has one (the
-    emulator's ring, filled), else ``torch.empty``."""
+    A buffer holds K and V, ``(2, 1, keys, heads, dim)``; buffers come from ``ring.landing_buffer(shape,
+    like, contents)`` where the exchanger has one (``comm.RingExchanger``: the side stream's pool; the
+    emulator's ring: filled), else ``torch.empty``."""
 
     def __init__(self, ring, k, v, shape):
         """``shape``: the ring's ``group_plans`` arguments (rank, world, shard, causal, layout, steps per
         launch, key cap)."""
-        self.k, self.v, self.shard = k, v, k.shape[1]
-        self.n_chunks = chunks_per_rank(shape[4])
+        self.k, self.shard = k, k.shape[1]
+        self.sizes, self.contents, self.runs, self.slots, self.n_chunks = recv_slots(*shape)
         self.chunk = self.shard // self.n_chunks
-        self.place, self.sizes, self.contents, self.runs = landing_plan(*shape)
         self.alloc = getattr(ring, "landing_buffer", None)
         self.bufs: dict = {}
 
     def messages(self, kv):
-        """A step's K/V as its messages: each tensor cut into its chunks (views)."""
-        return [t[:, i * self.chunk:(i + 1) * self.chunk] for t in kv for i in range(self.n_chunks)]
+        """A step's K/V as its messages: each tensor cut into its chunks (views; ``view`` + ``unbind``, two
+        C++ calls, where the tensor is contiguous)."""
+        c, n = self.chunk, self.n_chunks
+        return [m for t in kv for m in (t.view(n, 1, c, *t.shape[2:]).unbind(0) if t.is_contiguous()
+                                        else [t[:, i * c:(i + 1) * c] for i in range(n)])]
 
-    def _slots(self, key, t):
-        """Buffer ``key``'s K (``t`` 0) or V (1) as its chunk views, allocated at first use (one ``unbind``
-        for all of a buffer's messages: a slice per message cost ~2 µs of host each, four a step)."""
-        got = self.bufs.get((key, t))
-        if got is None:
-            like = (self.k, self.v)[t]
-            shape = (like.shape[0], self.sizes[key], *like.shape[2:])
-            buf = (self.alloc(shape, like, t, self.contents[key]) if self.alloc is not None
-                   else torch.empty(shape, dtype=like.dtype, device=like.device))
-            b, n, *rest = shape   # its chunks as views, [b, chunk, ...] (contiguous for b = 1); spares are kept to
-            # the pass's end (view + unbind: C++ calls, no Python wrapper as ``Tensor.split`` has)
-            got = self.bufs[(key, t)] = (buf, buf.view(b, n // self.chunk, self.chunk, *rest).unbind(1))
-        return got[1]
+    def _make(self, key):
+        """Buffer ``key`` and its chunk views (K's, then V's: ``[1, chunk, ...]``, contiguous), made at first
+        use; one ``view`` + ``unbind`` for all of a buffer's messages (C++ calls: a slice per message cost
+        ~2 µs of host each, four a step, and ``Tensor.split`` has a Python wrapper). Spares are kept to the
+        pass's end."""
+        k = self.k
+        shape = (2, 1, self.sizes[key], *k.shape[2:])
+        buf = (self.alloc(shape, k, self.contents[key]) if self.alloc is not None
+               else torch.empty(shape, dtype=k.dtype, device=k.device))
+        views = buf.view(2 * self.sizes[key] // self.chunk, 1, self.chunk, *k.shape[2:]).unbind(0)
+        self.bufs[key] = (buf, views)
+        return self.bufs[key]
 
     def recv(self, step):
         """The receive buffers of step ``step``'s messages (K's chunks, then V's)."""
-        place = self.place[step]
-        return [self._slots(key, t)[slot] for t in (0, 1) for key, slot in place]
+        bufs = self.bufs
+        return [(bufs.get(key) or self._make(key))[1][i] for key, i in self.slots[step]]
 
     def step_kv(self, step):
         """Step ``step``'s (K, V) where they landed whole, else None (its keys are read through ``run_kv``)."""
-        key = ("step", step)
-        if (key, 0) not in self.bufs:
-            return None
-        return self.bufs.pop((key, 0))[0], self.bufs.pop((key, 1))[0]
+        got = self.bufs.pop(("step", step), None)
+        return None if got is None else (got[0][0], got[0][1])
 
     def run_kv(self, group: int, run: int):
         """Fused block ``run`` of launch group ``group``: its (K, V) as they landed, or None (concatenate)."""
         key = self.runs.get((group, run))
         if key is None:
             return None
-        return self.bufs.pop((key, 0))[0], self.bufs.pop((key, 1))[0]
+        buf = self.bufs.pop(key)[0]
+        return buf[0], buf[1]
+
+
+@functools.lru_cache(maxsize=256)
+def recv_slots(*shape):
+    """``landing_plan``'s sizes, contents and runs, with per step its messages' ``(buffer key, index among
+    the buffer's chunk views)``, K's then V's (a buffer's views: its K chunks, then its V chunks), and the
+    chunks a shard is cut into; once per ring shape (``landing_plan``'s arguments)."""
+    place, sizes, contents, runs = landing_plan(*shape)
+    n_chunks = chunks_per_rank(shape[4])
+    chunk = shape[2] // n_chunks
+    slots = {step: tuple((key, t * (sizes[key] // chunk) + slot) for t in (0, 1) for key, slot in where)
+             for step, where in place.items()}
+    return sizes, contents, runs, slots, n_chunks
