@@ -88,3 +88,36 @@ def test_the_emulated_rank_lands_its_kv_with_no_concatenation(layout, causal, ra
     out0, dq0, joined0 = _emulated("0", layout, causal, rank)
     assert max(joined0) > 1 and all(n == 1 for n in joined), (joined0, joined)
     assert torch.allclose(out, out0, rtol=0, atol=1e-13) and torch.allclose(dq, dq0, rtol=0, atol=1e-13)
+
+
+def _exchange_into_slices():
+    """On each gloo rank: a bad receive buffer refused before anything is posted; then K's two chunks received
+    into two slices of one buffer, forwarded once more from there (``exchange_after``)."""
+    from distlab import comm
+
+    ring = comm.RingExchanger(None)
+    mine = torch.full((1, 4, 2, 3), float(ring.rank))
+    errors = []
+    for bad in ([torch.empty(1, 3, 2, 3)], [torch.empty(1, 4, 2, 3, dtype=torch.float64)],
+                [torch.empty(1, 4, 3, 2).transpose(2, 3)]):
+        try:
+            ring.exchange([mine], "test", recv=bad)
+        except ValueError as e:
+            errors.append(str(e))
+    buf = torch.full((2, 1, 4, 2, 3), -1.0)   # K and V: chunk 0 and chunk 1 of K land in K's two halves
+    slots = buf.view(4, 1, 2, 2, 3).unbind(0)
+    first = ring.exchange([mine[:, :2], mine[:, 2:]], "test", recv=[slots[0], slots[1]])
+    second = ring.exchange_after(first, "test", recv=[slots[2], slots[3]])
+    second.wait()
+    return errors, buf[0].unique().tolist(), buf[1].unique().tolist()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_exchange_receives_into_given_slices(pools, world):
+    """``comm.RingExchanger.exchange(..., recv=)`` on real gloo ranks: each rank's shard arrives from the
+    previous rank in the given slices (two hops: the second forwards what the first received), and receive
+    buffers of another shape, dtype, or not contiguous are refused with a ValueError before any send."""
+    for rank, (errors, k_values, v_values) in enumerate(pools(world).run(_exchange_into_slices)):
+        assert len(errors) == 3 and all("receive buffers" in e for e in errors), errors
+        assert k_values == [float((rank - 1) % world)], (rank, k_values)
+        assert v_values == [float((rank - 2) % world)], (rank, v_values)

@@ -7,21 +7,24 @@ A backend with no in-kernel accumulation (FA4, cuDNN, torch) computes a launch g
 rows as one block over the steps' keys (``distlab.cp.ring.fuse_plan``). Those keys were concatenated out of
 each step's received K/V: two copies a fused block, forward and backward (H100, W=8 zigzag: 6 µs each at
 S8192, 16–24 µs at S32768 — at S8192 ~7% of the rank's GPU time). Here each step's K/V are instead
-*received* where the fused block reads them: the ring allocates, per launch group, one K and one V buffer a
-fused block (its keys in ``fuse_plan``'s order) and passes their slices to the exchange as receive buffers
-(``comm.RingExchanger.exchange(..., recv=...)``), so the block's K/V are a view and nothing is copied.
+*received* where the fused block reads them: the ring allocates, per launch group, one buffer a fused block
+holding its K and V (its keys in ``fuse_plan``'s order) and passes their slices to the exchange as receive
+buffers (``comm.RingExchanger.exchange(..., recv=...)``), so the block's K/V are views and nothing is copied.
+H100, W=8 zigzag, GPU clock against one FA4 call: S8192 f+b 71 → 77–78%, S32768 +1–4 points (docs/PERF.md).
 
 The messages: a step's K (then V) travels as ``chunks_per_rank(layout)`` messages, one per chunk of the shard
 (zigzag: 2), every hop and every rank alike (a send must match its receive's size). With zigzag a block
 against an earlier rank's K/V reads their first chunk only: that chunk lands in the fused block's buffer and
-the other one, which this rank only forwards, in a buffer of its own. A step whose blocks are not all part of
+the other one, which this rank only forwards, in its group's spare buffer. A step whose blocks are not all part of
 fused blocks lands whole in a shard buffer, and is read as before. Same hops and bytes; 2× the messages of a
 zigzag ring (4 sends and 4 receives a hop, one NCCL group).
 
 Used for a ring of batch 1 (a chunk of a batch-2 shard is not contiguous: the copies stay) with launch groups
 of several steps on a backend other than ``triton``; knob ``DISTLAB_RING_KV_LANDING=0`` turns it off. The
 emulator (``distlab.cp.emulate.ResidentRing``) gives the same buffers already filled (``landing_buffer``):
-no communication is timed there, as before.
+no communication is timed there, as before. On CUDA a real ring's buffers come from its side stream's pool and
+every exchange into them is posted on that stream (``comm.RingExchanger.landing_buffer``); that path has not
+run over NCCL yet (no multi-GPU machine lent); gloo rings run it in the tests.
 """
 
 from __future__ import annotations
