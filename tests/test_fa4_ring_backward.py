@@ -98,8 +98,9 @@ def test_fa4_kept_accumulators_match_one_device_on_stand_in_kernels(world):
                                              ("contiguous", False, 1, "0", "0"), ("zigzag", True, 2, "0", "0"),
                                              ("contiguous", True, (world,), "0", "0"),
                                              ("contiguous", False, (world,), "0", "0"),
-                                             ("zigzag", False, (world,), "0", "0"), ("zigzag", True, (world,), "16", "0"),
-                                             ("zigzag", True, (world,), "0", "1"), ("contiguous", True, (world,), "0", "1")):
+                                             ("zigzag", False, (world,), "0", "0"),
+                                             ("zigzag", True, (world,), "16", "0"), ("zigzag", True, (world,), "0", "1"),
+                                             ("contiguous", True, (world,), "0", "1")):
             results = pool.run(_ring_on_stand_ins, layout, causal, 4, 2, 16 * world, 4, n, cap, rows)
             for res in results:
                 assert res["kept"] == 1, "the fa4 ring backward did not take the kept-accumulator path"

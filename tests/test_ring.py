@@ -85,7 +85,8 @@ def test_ring_with_several_blocks_in_flight_matches_one_device(pools, world, lay
         for rank, res in enumerate(pools(world).run(ring_vs_one_device, 4, 2, causal, layout, steps_per_launch=n,
                                                     batch=batch)):
             for name, err in res["errors"].items():
-                assert err < 1e-5, f"rank {rank}: {name} rel err {err:.2e} (W={world} {layout} causal={causal} {n} B{batch})"
+                assert err < 1e-5, \
+                    f"rank {rank}: {name} rel err {err:.2e} (W={world} {layout} causal={causal} {n} B{batch})"
             assert res["fwd_calls"] == {"ring_kv": world - 1}
             assert res["fwd_bytes"] == {"ring_kv": (world - 1) * res["kv_bytes"]}
             assert res["bwd_calls"] == {"ring_kv": world - 1, "ring_dkv": world}   # the backward by groups too

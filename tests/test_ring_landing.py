@@ -80,9 +80,9 @@ def _emulated(landing: str, layout: str, causal: bool, rank: int):
 @pytest.mark.parametrize("layout,causal,rank", [("zigzag", True, 0), ("zigzag", True, 3), ("zigzag", False, 1),
                                                 ("contiguous", True, 3)])
 def test_the_emulated_rank_lands_its_kv_with_no_concatenation(layout, causal, rank):
-    """``distlab.cp.emulate`` (a rank's schedule, K/V resident) by groups of 3 on W=4 (0 | 1 2 3): with landing its fused
-    blocks read the buffers the exchanges filled (no ``group_kv`` of several steps), and out and dQ are the
-    concatenating path's, in float64 (zigzag's rank 3 reads the first chunk of every earlier rank's K/V and
+    """``distlab.cp.emulate`` (a rank's schedule, K/V resident) by groups of 3 on W=4 (0 | 1 2 3): with landing
+    its fused blocks read the buffers the exchanges filled (no ``group_kv`` of several steps), and out and dQ
+    are the concatenating path's, in float64 (zigzag's rank 3 reads the first chunk of every earlier rank's K/V and
     forwards the other from a spare buffer)."""
     out, dq, joined = _emulated("1", layout, causal, rank)
     out0, dq0, joined0 = _emulated("0", layout, causal, rank)

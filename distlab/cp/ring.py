@@ -18,8 +18,8 @@ a longer key loop, where the step kernels of a short shard lose most of their ti
 (cuDNN, FA4: no accumulation in their kernels) join a group's blocks over one row range into one call over
 their keys (``fuse_plan``; 4 a group is their default too, and the backward goes by the same groups:
 ``distlab.cp.ring_fused``; on a batch-1 ring each step's K/V are received straight into the fused block's
-buffer, ``distlab.cp.ring_landing``, else concatenated), hold the results back and merge four at a time in one Triton launch
-(``lse_merge_blocks_``): the float32 running result is read and written once per four blocks, not per
+buffer, ``distlab.cp.ring_landing``, else concatenated), hold the results back and merge four at a time in
+one Triton launch (``lse_merge_blocks_``): the float32 running result is read and written once per four blocks, not per
 block, and the last merge writes q's dtype (no conversion after).
 
 Backward: K/V travel the ring again, and so does a float32 (dK, dV) accumulator for the block being
@@ -174,8 +174,8 @@ class _KVAhead:
         read from the fused block's buffer)."""
         if step in self.kv:
             return self.kv.pop(step)
-        kv = tuple(self.pending.pop(step).wait())
-        return self.landing.step_kv(step) if self.landing is not None else kv
+        got = self.pending.pop(step).wait()
+        return self.landing.step_kv(step) if self.landing is not None else tuple(got)
 
 
 def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launch=1):
