@@ -121,3 +121,33 @@ def test_exchange_receives_into_given_slices(pools, world):
         assert len(errors) == 3 and all("receive buffers" in e for e in errors), errors
         assert k_values == [float((rank - 1) % world)], (rank, k_values)
         assert v_values == [float((rank - 2) % world)], (rank, v_values)
+
+
+def _ring_on_kv_halves(landing):
+    """On each gloo rank: K and V as the two halves of one projection (strided views, batch 1), a zigzag ring by
+    groups 0 | 1 2 (W=3) in float64, output and gradients against one device."""
+    from distlab.cp.layout import gather_sequence, shard_sequence
+    from distlab.cp.ring import ring_attention
+    from distlab.kernels.attention import attention_reference
+
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(1, 48, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    kv = torch.randn(1, 48, 2, 16, generator=g, dtype=torch.float64)
+    full = [t.clone().requires_grad_(True) for t in (q, kv)]
+    attention_reference(full[0], full[1][..., :8], full[1][..., 8:], causal=True).backward(dout)
+    want = attention_reference(q, kv[..., :8], kv[..., 8:], causal=True)
+    lq, lkv = (shard_sequence(t, None, "zigzag").requires_grad_(True) for t in (q, kv))
+    with knobs.override(RING_KV_LANDING=landing):
+        out = ring_attention(lq, lkv[..., :8], lkv[..., 8:], causal=True, layout="zigzag", backend="torch",
+                             steps_per_launch=(1, 2))
+        out.backward(shard_sequence(dout, None, "zigzag"))
+    got = [gather_sequence(t, None, "zigzag") for t in (out.detach(), lq.grad, lkv.grad)]
+    return [float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, (want, full[0].grad, full[1].grad))]
+
+
+def test_landing_with_strided_kv_matches_one_device(pools):
+    """K and V handed in as strided views (halves of a fused K/V projection): the messages are cut from them
+    and sent as contiguous copies; landing and copying rings both match one device, output and gradients."""
+    for landing in ("1", "0"):
+        for rank, errs in enumerate(pools(3).run(_ring_on_kv_halves, landing)):
+            assert max(errs) < 1e-12, (landing, rank, errs)
