@@ -207,6 +207,7 @@ elif [ "$part" = fa4land2 ]; then   # FA4 present: part fa4land after the landin
   # 0 landing on/off in both orders (wall), the dK/dV scratch zeroed ahead or not and the shares added by rows (GPU
   # tests again with the row adds; GPU clock), rank 0 and 7 on/off (GPU)
   LIMIT=150 TAIL=3 run fa4_ring_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider
+  LIMIT=200 TAIL=3 run emulate_check $py tests/kernel_checks.py emulate --device cuda --dtype bfloat16 --big
   LIMIT=90 TAIL=14 run host_cost_s8k $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 3 \
       --calls 100 --json "$out/host_cost_s8k.json"
   LIMIT=120 TAIL=12 run emulate_land_wall_a $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \

@@ -446,12 +446,14 @@ def check_emulate(device, dtype, big=False):
     # the groupings on real gloo ranks)
     cases = [(layout, rank, mode, n, "triton", world) for layout in ("zigzag", "contiguous")
              for rank in (0, world - 1) for mode in modes for n in (1, 2, 4)]
-    cases += [("zigzag", 3, modes[0], 1, "sdpa-cudnn", world), ("contiguous", 7, modes[0], 4, "sdpa-cudnn", world)]
+    cases += [("zigzag", 3, modes[0], 1, "sdpa-cudnn", world), ("contiguous", 7, modes[0], 4, "sdpa-cudnn", world),
+              ("zigzag", 7, modes[0], 4, "sdpa-cudnn", world)]   # fused blocks on K/V received in place (landing)
     if not big:
         one = modes[0]
         cases = [("zigzag", 0, one, (world,), "triton", world), ("zigzag", world - 1, one, 1, "triton", world),
                  ("contiguous", 0, one, 2, "triton", world), ("contiguous", world - 1, one, (world,), "triton", world),
-                 ("zigzag", 1, one, 1, "torch", 6), ("contiguous", 5, one, 2, "torch", 6)]
+                 ("zigzag", 1, one, 1, "torch", 6), ("contiguous", 5, one, 2, "torch", 6),
+                 ("zigzag", 5, one, 2, "torch", 6)]
     for layout, rank, (graphs, pdl), n, backend, w in cases:
         knobs.set(TRITON_ATTN_PDL=pdl)
         res = emulate_rank(w, seq, h, hk, d, rank, layout, True, backend, dtype, device,
