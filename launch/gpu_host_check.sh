@@ -205,7 +205,7 @@ elif [ "$part" = fa4land ]; then   # FA4 present: each step's K/V received strai
 elif [ "$part" = fa4land2 ]; then   # FA4 present: part fa4land after the landing's host cuts (slots by one unbind,
   # one spare buffer a group): GPU tests, host_cost (fused rows landing vs concatenated, interleaved), the W=8 rank
   # 0 landing on/off in both orders (wall), the dK/dV scratch zeroed ahead or not and the shares added by rows (GPU
-  # tests again with the row adds; GPU clock), rank 0 and 7 on/off (GPU)
+  # tests again with the row adds; GPU clock), a smaller last launch group (GPU), rank 0 and 7 on/off (GPU)
   LIMIT=150 TAIL=3 run fa4_ring_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider
   LIMIT=200 TAIL=3 run emulate_check $py tests/kernel_checks.py emulate --device cuda --dtype bfloat16 --big
   LIMIT=90 TAIL=14 run host_cost_s8k $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 3 \
@@ -219,6 +219,9 @@ elif [ "$part" = fa4land2 ]; then   # FA4 present: part fa4land after the landin
   LIMIT=80 TAIL=8 run emulate_zero_ahead_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 \
       --steps-per-launch 4 --variant '' 'RING_ZERO_AHEAD=1' 'RING_DKV_ADD_ROWS=1' --iters 20 \
       --json "$out/emulate_zero_ahead_gpu.json"
+  # the backward's tail is the last group's dK/dV adds: a smaller last group (1,4,3; 1,3,2,2) against 1,3,4
+  LIMIT=80 TAIL=8 run emulate_groups_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 \
+      --steps-per-launch 4 1,4,3 1,3,2,2 --iters 20 --json "$out/emulate_groups_gpu.json"
   for rank in 0 7; do
     LIMIT=90 TAIL=8 run emulate_land_gpu_rank$rank $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 \
         --backend fa4 --rank $rank --steps-per-launch 4 --variant 'RING_KV_LANDING=0' '' --iters 20 \
