@@ -497,19 +497,19 @@ class RingExchanger:
         landing buffer is then on the stream whose pool it came from."""
         if self.size == 1:
             raise RuntimeError("a ring of one rank has nobody to exchange with")
+        if recv and recv[0].is_cuda and torch.cuda.current_stream(recv[0].device) != self._side_stream(recv[0].device):
+            side = self._side_stream(recv[0].device)
+            side.wait_stream(torch.cuda.current_stream(recv[0].device))
+            for t in tensors:   # the caller's tensors, sent (or made contiguous, then sent) on the side stream
+                t.record_stream(side)
+            with torch.cuda.stream(side):
+                return self.exchange(tensors, op, recv)
         tensors = [t.contiguous() for t in tensors]
         if recv is None:
             recv = [torch.empty_like(t) for t in tensors]
         elif len(recv) != len(tensors) or any(r.shape != t.shape or r.dtype != t.dtype or not r.is_contiguous()
                                               for r, t in zip(recv, tensors)):
             raise ValueError("ring exchange: receive buffers must be contiguous and of the sent shapes and dtypes")
-        elif recv[0].is_cuda and torch.cuda.current_stream(recv[0].device) != self._side_stream(recv[0].device):
-            side = self._side_stream(recv[0].device)
-            side.wait_stream(torch.cuda.current_stream(recv[0].device))
-            for t in tensors:   # the caller's tensors, sent on the side stream
-                t.record_stream(side)
-            with torch.cuda.stream(side):
-                return self.exchange(tensors, op, recv)
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in recv]
         record(op, sum(_nbytes(t) for t in tensors))
