@@ -203,19 +203,17 @@ elif [ "$part" = fa4land ]; then   # FA4 present: each step's K/V received strai
         --steps-per-launch 4 --iters 5 --timeline --json "$out/timeline_s${seq}_land.json"
   done
 elif [ "$part" = fa4land2 ]; then   # FA4 present: part fa4land after the landing's host cuts (slots by one unbind,
-  # one spare buffer a group): GPU tests, host_cost (fused rows landing vs concatenated, interleaved), the W=8 rank
-  # 0 landing on/off in both orders (wall), the dK/dV scratch zeroed ahead or not and the shares added by rows (GPU
-  # tests again with the row adds; GPU clock), a smaller last launch group (GPU), rank 0 and 7 on/off (GPU)
+  # one spare buffer a group), in order of need (a run cut at the device's limit keeps what came first): GPU tests,
+  # the W=8 rank 0 landing on/off in both orders (wall), host_cost (fused rows landing vs concatenated), the dK/dV
+  # scratch zeroed ahead or not and the shares added by rows (GPU clock), a smaller last launch group (GPU), rank 0
+  # and 7 on/off (GPU), the GPU tests again with the row adds, the emulated rank's kernels at real size (bf16)
   LIMIT=150 TAIL=3 run fa4_ring_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider
-  LIMIT=200 TAIL=3 run emulate_check $py tests/kernel_checks.py emulate --device cuda --dtype bfloat16 --big
-  LIMIT=90 TAIL=14 run host_cost_s8k $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 3 \
-      --calls 100 --json "$out/host_cost_s8k.json"
   LIMIT=120 TAIL=12 run emulate_land_wall_a $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
       --steps-per-launch 4 --variant '' 'RING_KV_LANDING=0' --iters 20 --wall --json "$out/emulate_land_wall_a.json"
   LIMIT=120 TAIL=12 run emulate_land_wall_b $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
       --steps-per-launch 4 --variant 'RING_KV_LANDING=0' '' --iters 20 --wall --json "$out/emulate_land_wall_b.json"
-  LIMIT=80 TAIL=3 run fa4_ring_tests_add_rows env DISTLAB_RING_DKV_ADD_ROWS=1 DISTLAB_RING_ZERO_AHEAD=1 $py -m pytest -q -m gpu \
-      tests/test_fa4_ring_backward.py -p no:cacheprovider
+  LIMIT=90 TAIL=14 run host_cost_s8k $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 3 \
+      --calls 100 --json "$out/host_cost_s8k.json"
   LIMIT=80 TAIL=8 run emulate_zero_ahead_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 \
       --steps-per-launch 4 --variant '' 'RING_ZERO_AHEAD=1' 'RING_DKV_ADD_ROWS=1' --iters 20 \
       --json "$out/emulate_zero_ahead_gpu.json"
@@ -227,6 +225,9 @@ elif [ "$part" = fa4land2 ]; then   # FA4 present: part fa4land after the landin
         --backend fa4 --rank $rank --steps-per-launch 4 --variant 'RING_KV_LANDING=0' '' --iters 20 \
         --json "$out/emulate_land_gpu_rank$rank.json"
   done
+  LIMIT=80 TAIL=3 run fa4_ring_tests_add_rows env DISTLAB_RING_DKV_ADD_ROWS=1 DISTLAB_RING_ZERO_AHEAD=1 $py -m pytest \
+      -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider
+  LIMIT=200 TAIL=3 run emulate_check $py tests/kernel_checks.py emulate --device cuda --dtype bfloat16 --big
 elif [ "$part" = fa4wall ]; then   # FA4 present: why the fused rank's S8192 wall reads slower than its host time and GPU
   # clock say: groups of 4 before 1 (order), and with the dK/dV adds on the compute stream (no side stream)
   LIMIT=60 TAIL=6 run emulate_s8k_wall $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
