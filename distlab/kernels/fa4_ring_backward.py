@@ -202,6 +202,8 @@ class FA4RingBackward:
         fused blocks: 8 + 13 µs at S8192, 31 + 43 µs at S32768 on the H100, W=8). The buffers come from
         ``stream``'s pool and are marked as used by the compute stream, which waits for their fill."""
         main = torch.cuda.current_stream(self.q.device)
+        stream.wait_stream(main)   # forked from the compute stream: what is queued there comes first, and a CUDA
+        # graph's capture follows the fills onto the side stream (unforked, its capture fails: H100, 2026-12-05)
         for rows, cols, causal in blocks:
             key = (rows.start, rows.stop, cols.start, cols.stop, causal)
             shapes = self._rec(rows.stop - rows.start, cols.stop - cols.start, causal)[3]
