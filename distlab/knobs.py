@@ -77,10 +77,10 @@ KNOBS = {
     "RING_FUSE_MAX_KEYS": Knob("0", "keys at most in one fused ring block of FA4/cuDNN/torch (a launch group's "
                                        "blocks over one row range joined, distlab.cp.ring.fuse_plan); 0: no cap"),
     "RING_DKV_ADD_ROWS": Knob("0", "1: a fused FA4 ring block's dK/dV share (strided) added row by row in one "
-                                   "multi-tensor launch (0: one strided add)"),
+                                   "multi-tensor launch (0: one strided add; H100 GPU clock: 1 loses at S8192, ties at S32768)"),
     "RING_ZERO_AHEAD": Knob("0", "1: a fused FA4 ring backward zeroes the later blocks' dK/dV scratch at its start, on "
-                                 "the side stream (0: each on the compute stream right before its block; 1 is not yet "
-                                 "run on a GPU)"),
+                                 "the side stream (0: each on the compute stream right before its block; 1 passed the GPU "
+                                 "test; its graph capture fixed since, not yet timed)"),
     "RING_KV_LANDING": Knob("1", "0: a fused ring block's K/V concatenated from the steps' (1: received straight into "
                                  "its buffer, distlab.cp.ring_landing)"),
     "RING_MERGE_BLOCKS": Knob("4", "block results a ring forward of cuDNN/FA4 blocks merges per Triton launch (1-4; "
