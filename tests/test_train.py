@@ -41,8 +41,11 @@ def dp_step_vs_one_device(moe):
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_data_parallel_step_equals_one_device(pools, world, moe):
+    # The weights' bound is AdamW's, not the all-reduce's: its first step moves an element by lr·g/(|g|+eps),
+    # so where a gradient cancels to |g| ≲ eps the reduction order's rounding of the summed terms (~1e-16 of
+    # max|g| ≈ 2) moves the weight by up to lr·2e-16/eps ≈ 6e-11 of it (one CI run: 1.6e-12, MoE, W=4).
     for loss_diff, weight_err in pools(world).run(dp_step_vs_one_device, moe):
-        assert loss_diff < 1e-12 and weight_err < 1e-12, (loss_diff, weight_err)
+        assert loss_diff < 1e-12 and weight_err < 1e-10, (loss_diff, weight_err)
 
 
 def test_loss_falls_on_the_shipped_corpus(tmp_path):
