@@ -35,9 +35,9 @@ def _inputs(batch, seq, heads, kv_heads, head_dim, seed=0):
 
 
 def ring_vs_one_device(heads, kv_heads, causal, layout, dtype=torch.float32, seq=SEQ, batch=2, head_dim=8,
-                       backend="auto", steps_per_launch=None):
+                       backend="auto", steps_per_launch=None, seed=0):
     """Runs on every rank: ring attention on shards vs float64 attention on the full tensors."""
-    q, k, v, dout = _inputs(batch, seq, heads, kv_heads, head_dim)
+    q, k, v, dout = _inputs(batch, seq, heads, kv_heads, head_dim, seed)
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
     want_out = attention_reference(*full, causal=causal)
     want_out.backward(dout)
@@ -90,6 +90,37 @@ def test_ring_with_several_blocks_in_flight_matches_one_device(pools, world, lay
             assert res["fwd_calls"] == {"ring_kv": world - 1}
             assert res["fwd_bytes"] == {"ring_kv": (world - 1) * res["kv_bytes"]}
             assert res["bwd_calls"] == {"ring_kv": world - 1, "ring_dkv": world}   # the backward by groups too
+
+
+def ring_passes_on_kept_landing_buffers(layout):
+    """Runs on every rank: three ring passes (forward and backward) of one shape on other inputs each, K/V
+    landing in the buffers kept for that shape (``ring_landing.kv_landing``): each pass's errors, the kept
+    buffers' addresses after each, and what releasing them frees."""
+    from distlab.cp import ring_landing
+
+    ring_landing.release_landing_buffers()
+    errors, kept = [], []
+    for seed in (1, 2, 3):
+        res = ring_vs_one_device(4, 2, True, layout, batch=1, steps_per_launch=2, seed=seed)
+        errors.append(res["errors"])
+        kept.append(sorted(b.data_ptr() for landing in ring_landing._KEPT.values() for b in landing.buffers))
+    return {"errors": errors, "kept": kept, "freed": ring_landing.release_landing_buffers(),
+            "left": len(ring_landing._KEPT)}
+
+
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_passes_reuse_their_landing_buffers(pools, world, layout):
+    """A ring shape's landing buffers are made once and kept (``ring_landing.kv_landing``): the second and
+    third passes of one shape, on other K/V, receive into the same memory as the first (forward and backward
+    share them) and still match one device — nothing of an earlier pass is read; releasing them frees
+    their bytes."""
+    for rank, res in enumerate(pools(world).run(ring_passes_on_kept_landing_buffers, layout)):
+        for i, errors in enumerate(res["errors"]):
+            for name, err in errors.items():
+                assert err < 1e-5, f"rank {rank}, pass {i}: {name} rel err {err:.2e} (W={world} {layout})"
+        assert res["kept"][0] and res["kept"][0] == res["kept"][1] == res["kept"][2], (rank, res["kept"])
+        assert res["freed"] > 0 and res["left"] == 0
 
 
 def test_fuse_plan_joins_a_groups_blocks_over_one_row_range():

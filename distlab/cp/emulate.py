@@ -65,7 +65,7 @@ class ResidentRing:
 
     def __init__(self, world, rank, kv_by_step):
         self.size, self.rank, self.kv = world, rank, kv_by_step
-        self._landed = {}   # landing_buffer's filled buffers
+        self.landing_cache = {}   # this ring's own ``ring_landing.kv_landing`` buffers (filled from its K/V)
 
     def exchange(self, tensors, tag, recv=None):
         if recv is not None:   # buffers from ``landing_buffer``: "received" already
@@ -80,17 +80,13 @@ class ResidentRing:
 
     def landing_buffer(self, shape, like, contents):
         """A K/V buffer of ``distlab.cp.ring_landing`` (``(2, 1, keys, ...)``: K, V) as the exchanges would fill
-        it: its ``(step, start, length, offset)`` pieces of the resident K/V, filled once per buffer layout and
-        handed out again on every call (nothing writes into received K/V)."""
-        key = (shape, id(contents))   # (hashing the contents cost ~5 µs a buffer that a real ring does not pay;
-        hit = self._landed.get(key)   # the entry holds ``contents``, so its id is not reused while it is here)
-        if hit is None or hit[0] is not contents:
-            buf = torch.empty(shape, dtype=like.dtype, device=like.device)
-            for step, start, n, offset in contents:
-                for t in (0, 1):
-                    buf[t][:, offset:offset + n] = self.kv[step][t][:, start:start + n]
-            hit = self._landed[key] = (contents, buf)
-        return hit[1]
+        it: its ``(step, start, length, offset)`` pieces of the resident K/V (made once per ring shape and
+        kept, ``ring_landing.kv_landing``; nothing writes into received K/V)."""
+        buf = torch.empty(shape, dtype=like.dtype, device=like.device)
+        for step, start, n, offset in contents:
+            for t in (0, 1):
+                buf[t][:, offset:offset + n] = self.kv[step][t][:, start:start + n]
+        return buf
 
 
 def rank_rows(rank, world, seq, layout):

@@ -48,7 +48,7 @@ import torch
 from distlab import comm, knobs
 from distlab.cp.documents import Documents, cached_plan, check_call_everywhere
 from distlab.cp.layout import check_layout, shard_positions
-from distlab.cp.ring_landing import KVLanding, use_landing
+from distlab.cp.ring_landing import kv_landing, use_landing
 from distlab.kernels.lse_merge import MERGE_BLOCKS, lse_merge_, merge_attention, merge_into
 from distlab.profiling import phase
 from distlab.kernels.attention import (attention_backward, attention_forward, available_backends, check_qkv,
@@ -195,7 +195,7 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
     pending = [] if group else None
     shape = (ring.rank, ring.size, s, causal, layout, steps_per_launch, fuse_cap() if final is None else 0)
     groups = group_plans(*shape)
-    landing = KVLanding(ring, k, v, shape) if ring.size > 1 and use_landing(k, v, backend, groups) else None
+    landing = kv_landing(ring, k, shape) if ring.size > 1 and use_landing(k, v, backend, groups) else None
     kv = _KVAhead(ring, (k, v), landing)
     ahead = max(len(g) for g, _ in groups)
     block_forward = _block_forward(backend)
@@ -217,7 +217,7 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
                 out, lse = _block_into(out, lse, q, k_blk, v_blk, rows, blk_causal, scale, backend)
                 continue
             with phase("ring.block"):
-                o, l = block_forward(q[:, rows], k_blk, v_blk, blk_causal, scale)
+                o, l = block_forward(_seq_part(q, rows), k_blk, v_blk, blk_causal, scale)
             if len(pending) == group:   # a full group merges once another block follows it: the last group
                 out, lse = _merge_pending(out, lse, pending, q, last=False)   # merges writing q's dtype (H100:
                 # a W=8 rank's last 4 blocks merged, then converted alone, 49 + 35 µs at S32768)

@@ -34,7 +34,7 @@ import functools
 import torch
 
 from distlab import knobs
-from distlab.cp.ring_landing import KVLanding, use_landing
+from distlab.cp.ring_landing import kv_landing, use_landing
 from distlab.cp.ring import (_KVAhead, _accumulate, _fa4_kept, _seq_part, fuse_cap, group_kv,
                              group_plans)
 from distlab.kernels.attention import attention_backward
@@ -55,7 +55,7 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
         blocks = _fused_blocks(*shape, fa4_ring_backward.TILE)
         if blocks is not None:
             kept = _fa4_kept(dout, q, k, out, lse, scale, causal, blocks)
-    landing = KVLanding(ring, k, v, shape) if ring.size > 1 and use_landing(k, v, backend, groups) else None
+    landing = kv_landing(ring, k, shape) if ring.size > 1 and use_landing(k, v, backend, groups) else None
     kv = _KVAhead(ring, (k, v), landing)
     ahead = max(len(steps) for steps, _ in groups)
     dq = dkv = dkv_pending = None

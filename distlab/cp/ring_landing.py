@@ -11,6 +11,11 @@ S8192, 16–24 µs at S32768 — at S8192 ~7% of the rank's GPU time). Here each
 holding its K and V (its keys in ``fuse_plan``'s order) and passes their slices to the exchange as receive
 buffers (``comm.RingExchanger.exchange(..., recv=...)``), so the block's K/V are views and nothing is copied.
 H100, W=8 zigzag, GPU clock against one FA4 call: S8192 f+b 71 → 77–78%, S32768 +1–4 points (docs/PERF.md).
+The buffers and every view of them are made once per ring shape and kept (``kv_landing``; the forward and
+the backward share them): made afresh, they cost a W=8 forward ~35 µs of host time on this project's CPU
+machine (a view each of 28 messages, an ``unbind`` per buffer) — with the kernels stubbed, the forward's
+bookkeeping went from 75 to 35 µs a pass (rank 0; rank 7 82 → 32). Their memory is what a pass held at its
+peak anyway; ``release_landing_buffers()`` hands it back.
 
 The messages: a step's K (then V) travels as ``chunks_per_rank(layout)`` messages, one per chunk of the shard
 (zigzag: 2), every hop and every rank alike (a send must match its receive's size). With zigzag a block
@@ -29,6 +34,7 @@ run over NCCL yet (no multi-GPU machine lent); gloo rings run it in the tests.
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import torch
@@ -103,59 +109,100 @@ def landing_plan(rank: int, world: int, shard: int, causal: bool, layout: str, s
     return place, sizes, {k: tuple(v) for k, v in contents.items()}, runs
 
 
-class KVLanding:
-    """One ring pass's landing buffers (``landing_plan``): the receive buffers of each step's messages
-    (``recv``), a step's whole K/V where it landed whole (``step_kv``), a fused block's K/V (``run_kv``).
-    A buffer holds K and V, ``(2, 1, keys, heads, dim)``; buffers come from ``ring.landing_buffer(shape,
-    like, contents)`` where the exchanger has one (``comm.RingExchanger``: the side stream's pool; the
-    emulator's ring: filled), else ``torch.empty``."""
+# Landing buffers kept per ring shape (``kv_landing``): a ring pass made and cut its buffers into views afresh,
+# ~35 µs of host time a W=8 forward on this CPU (of ~75 µs of bookkeeping with the kernels stubbed; a view costs
+# ~0.5 µs and a W=8 zigzag pass receives 28 messages). The buffers' memory is what a pass held at its peak anyway
+# (with groups 0 | 1 2 3 | 4 5 6 7 every step's K/V are in flight at once), now kept between passes.
+KEPT_SHAPES = 4
+_KEPT: collections.OrderedDict = collections.OrderedDict()
 
-    def __init__(self, ring, k, v, shape):
+
+class KVLanding:
+    """A ring shape's landing buffers (``landing_plan``), made once and kept (``kv_landing``): the receive
+    buffers of each step's messages (``recv``), a step's whole K/V where it landed whole (``step_kv``), a
+    fused block's K/V (``run_kv``), all views made up front. A buffer holds K and V, ``(2, 1, keys, heads,
+    dim)``; buffers come from ``ring.landing_buffer(shape, like, contents)`` where the exchanger has one
+    (``comm.RingExchanger``: the side stream's pool; the emulator's ring: filled), else ``torch.empty``.
+
+    Why reusing them is safe: a pass's first exchange sends this rank's own K/V, so on CUDA its side stream
+    first waits for everything the compute stream has queued — the previous pass's reads of these buffers
+    included — and every later receive of the pass is queued behind it on that stream; on CPU a pass's
+    blocks are computed before it returns. Passes never overlap on the host (one ``_ring_forward`` or
+    ``_ring_backward`` runs to its end before the next starts)."""
+
+    def __init__(self, ring, k, shape):
         """``shape``: the ring's ``group_plans`` arguments (rank, world, shard, causal, layout, steps per
         launch, key cap)."""
-        self.k, self.shard = k, k.shape[1]
-        self.sizes, self.contents, self.runs, self.slots, self.n_chunks = recv_slots(*shape)
-        self.chunk = self.shard // self.n_chunks
-        self.alloc = getattr(ring, "landing_buffer", None)
-        self.bufs: dict = {}
+        sizes, contents, runs, slots, n_chunks = recv_slots(*shape)
+        chunk = shape[2] // n_chunks
+        alloc = getattr(ring, "landing_buffer", None)
+        bufs, views = {}, {}
+        for key, size in sizes.items():
+            buf_shape = (2, 1, size, *k.shape[2:])
+            bufs[key] = (alloc(buf_shape, k, contents[key]) if alloc is not None
+                         else torch.empty(buf_shape, dtype=k.dtype, device=k.device))
+            views[key] = bufs[key].view(2 * size // chunk, 1, chunk, *k.shape[2:]).unbind(0)
+        self.recv_views = {step: [views[key][i] for key, i in where] for step, where in slots.items()}
+        self.whole = {key[1]: (buf[0], buf[1]) for key, buf in bufs.items() if key[0] == "step"}
+        self.runs = {run: (bufs[key][0], bufs[key][1]) for run, key in runs.items()}
+        self.message_shape = (n_chunks, 1, chunk, *k.shape[2:])
+        self.chunk, self.n_chunks = chunk, n_chunks
+        self.buffers = list(bufs.values())
+        self.nbytes = sum(buf.numel() * buf.element_size() for buf in self.buffers)
 
     def messages(self, kv):
         """A step's K/V as its messages: each tensor cut into its chunks (views; ``view`` + ``unbind``, two
         C++ calls, where the tensor is contiguous)."""
-        c, n = self.chunk, self.n_chunks
-        return [m for t in kv for m in (t.view(n, 1, c, *t.shape[2:]).unbind(0) if t.is_contiguous()
-                                        else [t[:, i * c:(i + 1) * c] for i in range(n)])]
-
-    def _make(self, key):
-        """Buffer ``key`` and its chunk views (K's, then V's: ``[1, chunk, ...]``, contiguous), made at first
-        use; one ``view`` + ``unbind`` for all of a buffer's messages (C++ calls: a slice per message cost
-        ~2 µs of host each, four a step, and ``Tensor.split`` has a Python wrapper). Spares are kept to the
-        pass's end."""
-        k = self.k
-        shape = (2, 1, self.sizes[key], *k.shape[2:])
-        buf = (self.alloc(shape, k, self.contents[key]) if self.alloc is not None
-               else torch.empty(shape, dtype=k.dtype, device=k.device))
-        views = buf.view(2 * self.sizes[key] // self.chunk, 1, self.chunk, *k.shape[2:]).unbind(0)
-        self.bufs[key] = (buf, views)
-        return self.bufs[key]
+        k, v = kv
+        if k.is_contiguous() and v.is_contiguous():
+            return [*k.view(self.message_shape).unbind(0), *v.view(self.message_shape).unbind(0)]
+        c = self.chunk
+        return [t[:, i * c:(i + 1) * c] for t in kv for i in range(self.n_chunks)]
 
     def recv(self, step):
         """The receive buffers of step ``step``'s messages (K's chunks, then V's)."""
-        bufs = self.bufs
-        return [(bufs.get(key) or self._make(key))[1][i] for key, i in self.slots[step]]
+        return self.recv_views[step]
 
     def step_kv(self, step):
         """Step ``step``'s (K, V) where they landed whole, else None (its keys are read through ``run_kv``)."""
-        got = self.bufs.pop(("step", step), None)
-        return None if got is None else (got[0][0], got[0][1])
+        return self.whole.get(step)
 
     def run_kv(self, group: int, run: int):
         """Fused block ``run`` of launch group ``group``: its (K, V) as they landed, or None (concatenate)."""
-        key = self.runs.get((group, run))
-        if key is None:
-            return None
-        buf = self.bufs.pop(key)[0]
-        return buf[0], buf[1]
+        return self.runs.get((group, run))
+
+
+def kv_landing(ring, k, shape) -> KVLanding:
+    """The landing buffers of ring shape ``shape`` (``KVLanding``) for K/V like ``k``: kept in the ring's own
+    ``landing_cache`` where it has one (the emulator's ring fills its buffers from its resident K/V), else
+    among the last ``KEPT_SHAPES`` shapes of this process (``release_landing_buffers`` frees them)."""
+    cache = getattr(ring, "landing_cache", None)
+    kept = _KEPT if cache is None else cache
+    key = (shape, k.shape[2:], k.dtype, k.device)
+    landing = kept.get(key)
+    if landing is None:
+        landing = kept[key] = KVLanding(ring, k, shape)
+        if cache is None and len(_KEPT) > KEPT_SHAPES:
+            _release(_KEPT.popitem(last=False)[1])
+    elif cache is None:
+        _KEPT.move_to_end(key)
+    return landing
+
+
+def release_landing_buffers() -> int:
+    """Drop the kept landing buffers of every ring shape (``kv_landing``); returns the bytes they held."""
+    freed = 0
+    while _KEPT:
+        freed += _release(_KEPT.popitem()[1])
+    return freed
+
+
+def _release(landing: KVLanding) -> int:
+    """On CUDA, wait for the device first: receives queued on a ring's side stream may still write into the
+    buffers (they were allocated on the first pass's side stream; the later passes' streams are not recorded)."""
+    if landing.buffers and landing.buffers[0].is_cuda:
+        torch.cuda.synchronize(landing.buffers[0].device)
+    return landing.nbytes
 
 
 @functools.lru_cache(maxsize=256)
