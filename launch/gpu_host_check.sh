@@ -25,7 +25,8 @@
 #                                                  # (ring_landing) vs concatenated: GPU tests, host, W=8 rank 0 / 7
 #                                                  # (fa4land2: after its host cuts, both orders, rank 0 and 7)
 #   bash launch/gpu_host_check.sh OUTDIR fa4keep   # FA4 present: the landing buffers kept per ring shape: GPU
-#                                                  # tests, W=8 rank landing on/off wall, host_cost, zero-ahead
+#                                                  # tests, W=8 rank landing on/off wall, host_cost (fa4zero: the
+#                                                  # dK/dV scratch zeroed ahead: tests, GPU clock, wall)
 #   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
 #                                                  # launch keys checked; part triton: then host_cost and the Triton
 #                                                  # ring rank (emulate, wall and GPU)
@@ -232,15 +233,16 @@ elif [ "$part" = fa4land2 ]; then   # FA4 present: part fa4land after the landin
   LIMIT=200 TAIL=3 run emulate_check $py tests/kernel_checks.py emulate --device cuda --dtype bfloat16 --big
 elif [ "$part" = fa4keep ]; then   # FA4 present (2026-12-06): the landing buffers kept per ring shape (made once, not
   # every pass: the stubbed W=8 forward's bookkeeping 75 -> 35 µs on the CPU machine), in order of need: GPU tests,
-  # the W=8 rank landing on/off wall in both orders, host_cost's fused rows, then the dK/dV scratch zeroed ahead
-  # (forked from the compute stream since its first GPU run failed in a graph's capture): tests, GPU clock, wall
-  LIMIT=150 TAIL=3 run fa4_ring_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider
+  # the W=8 rank landing on/off wall, host_cost's fused rows, the wall in the other order (~6 min in all)
+  LIMIT=120 TAIL=3 run fa4_ring_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider
   LIMIT=110 TAIL=12 run emulate_keep_wall_a $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
       --steps-per-launch 4 --variant '' 'RING_KV_LANDING=0' --iters 20 --wall --json "$out/emulate_keep_wall_a.json"
-  LIMIT=110 TAIL=12 run emulate_keep_wall_b $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
-      --steps-per-launch 4 --variant 'RING_KV_LANDING=0' '' --iters 20 --wall --json "$out/emulate_keep_wall_b.json"
   LIMIT=80 TAIL=14 run host_cost_s8k $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 3 \
       --calls 100 --json "$out/host_cost_s8k.json"
+  LIMIT=110 TAIL=12 run emulate_keep_wall_b $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
+      --steps-per-launch 4 --variant 'RING_KV_LANDING=0' '' --iters 20 --wall --json "$out/emulate_keep_wall_b.json"
+elif [ "$part" = fa4zero ]; then   # FA4 present: the dK/dV scratch zeroed ahead on the side stream (forked from the
+  # compute stream since its first GPU run failed in a graph's capture): GPU tests with it, GPU clock, wall
   LIMIT=60 TAIL=3 run fa4_ring_tests_zero env DISTLAB_RING_ZERO_AHEAD=1 $py -m pytest -q -m gpu \
       tests/test_fa4_ring_backward.py -p no:cacheprovider
   LIMIT=70 TAIL=8 run emulate_zero_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 \
