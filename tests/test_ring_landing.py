@@ -166,3 +166,30 @@ def test_landing_with_strided_kv_matches_one_device(pools):
     for landing in ("1", "0"):
         for rank, errs in enumerate(pools(3).run(_ring_on_kv_halves, landing)):
             assert max(errs) < 1e-12, (landing, rank, errs)
+
+
+def test_landing_buffers_are_kept_per_shape_and_released():
+    """``kv_landing`` makes a ring shape's buffers once: the same object for the same shape and K/V dtype, a new
+    one for another; at most ``KEPT_SHAPES`` shapes are kept (the least recently used goes); made under
+    inference mode (a prefill) they are still plain tensors, which a later training pass may receive into;
+    ``release_landing_buffers`` frees all and says how many bytes."""
+    from distlab.cp import ring_landing
+
+    class Ring:   # no landing_buffer / landing_cache: plain ``torch.empty`` buffers, kept by the module
+        pass
+
+    ring_landing.release_landing_buffers()
+    k = torch.zeros(1, 8, 2, 4)
+    shapes = [(0, 4, 8 * (i + 1), True, "zigzag", (1, 3), 0) for i in range(ring_landing.KEPT_SHAPES + 1)]
+    with torch.inference_mode():
+        first = ring_landing.kv_landing(Ring(), torch.zeros(1, 8, 2, 4), shapes[0])
+    assert not first.buffers[0].is_inference()
+    first.buffers[0].add_(1)   # a training pass's write: allowed
+    assert ring_landing.kv_landing(Ring(), k, shapes[0]) is first
+    assert ring_landing.kv_landing(Ring(), k.double(), shapes[0]) is not first
+    for shape in shapes[1:]:
+        ring_landing.kv_landing(Ring(), k, shape)
+    assert len(ring_landing._KEPT) == ring_landing.KEPT_SHAPES
+    assert ring_landing.kv_landing(Ring(), k, shapes[0]) is not first   # the oldest was let go
+    want = sum(landing.nbytes for landing in ring_landing._KEPT.values())
+    assert want > 0 and ring_landing.release_landing_buffers() == want and not ring_landing._KEPT

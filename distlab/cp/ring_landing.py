@@ -181,7 +181,8 @@ def kv_landing(ring, k, shape) -> KVLanding:
     key = (shape, k.shape[2:], k.dtype, k.device)
     landing = kept.get(key)
     if landing is None:
-        landing = kept[key] = KVLanding(ring, k, shape)
+        with torch.inference_mode(False):   # plain tensors, even when made by a pass under inference mode (a
+            landing = kept[key] = KVLanding(ring, k, shape)   # prefill): a later training pass writes them
         if cache is None and len(_KEPT) > KEPT_SHAPES:
             _release(_KEPT.popitem(last=False)[1])
     elif cache is None:
