@@ -109,11 +109,7 @@ def landing_plan(rank: int, world: int, shard: int, causal: bool, layout: str, s
     return place, sizes, {k: tuple(v) for k, v in contents.items()}, runs
 
 
-# Landing buffers kept per ring shape (``kv_landing``): a ring pass made and cut its buffers into views afresh,
-# ~35 µs of host time a W=8 forward on this CPU (of ~75 µs of bookkeeping with the kernels stubbed; a view costs
-# ~0.5 µs and a W=8 zigzag pass receives 28 messages). The buffers' memory is what a pass held at its peak anyway
-# (with groups 0 | 1 2 3 | 4 5 6 7 every step's K/V are in flight at once), now kept between passes.
-KEPT_SHAPES = 4
+KEPT_SHAPES = 4   # ring shapes whose landing buffers ``kv_landing`` keeps (why: the module's docstring)
 _KEPT: collections.OrderedDict = collections.OrderedDict()
 
 
