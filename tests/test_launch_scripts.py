@@ -60,3 +60,17 @@ def test_gpu_host_check_commands_parse(tmp_path, part):
     parsed, skipped, errors = dry_run(tmp_path, "launch/gpu_host_check.sh", part)
     assert not errors, errors
     assert parsed, skipped
+
+
+def test_ring_bookkeeping_cpu_runs(tmp_path):
+    """``launch/ring_bookkeeping_cpu.py`` (the stubbed ring forward's host time behind a PERF figure) still runs
+    against today's ring, in its own process (it replaces module functions), and refuses without the
+    interpreter's flag."""
+    script = os.path.join(ROOT, "launch", "ring_bookkeeping_cpu.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, script, "--passes", "3", "--rounds", "1"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "µs a pass" in proc.stdout, proc.stdout + proc.stderr
+    env.pop("TRITON_INTERPRET")
+    proc = subprocess.run([sys.executable, script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "TRITON_INTERPRET=1" in proc.stderr

@@ -1,0 +1,65 @@
+"""Host time of one ring rank's forward with its kernels stubbed out: what the ring's own Python costs a pass
+(schedule, exchanges posted on the emulator's ring, K/V landing, merge entries), on any CPU, no GPU needed.
+FA4's forward and the Triton merge are replaced by stand-ins that return kept tensors (TRITON_INTERPRET=1 only
+lets the merge path be taken on CPU; nothing runs under the interpreter). W=8 zigzag, 32 q / 8 kv heads,
+D128, launch groups 1 | 3 | 4 — S8192's shapes (docs/PERF.md, #24).
+
+    TRITON_INTERPRET=1 python3 launch/ring_bookkeeping_cpu.py --rank 0 --seq 8192
+"""
+import argparse
+import math
+import os
+import time
+
+import torch
+
+import distlab.kernels.fa4 as fa4
+import distlab.kernels.lse_merge as lse_merge
+from distlab.cp.emulate import ResidentRing
+from distlab.cp.ring import _ring_forward
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=8)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--passes", type=int, default=1000)
+    p.add_argument("--rounds", type=int, default=7)
+    a = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("set TRITON_INTERPRET=1 (the merge path is taken only where Triton could run)")
+    kept = {}
+
+    def forward_stub(q, k, v, causal, scale):   # FA4's forward: kept (out, lse) per shape, no work
+        if q.shape not in kept:
+            kept[q.shape] = (torch.empty(q.shape), torch.empty(q.shape[0], q.shape[2], q.shape[1]))
+        return kept[q.shape]
+
+    fa4.fa4_forward = forward_stub
+    lse_merge.lse_merge_blocks_ = lambda out, lse, pending, has_acc, final: (final if final is not None else out,
+                                                                               lse)
+    s, d = a.seq // a.world, 128
+    q = torch.randn(1, s, 32, d)
+    kv = [(torch.randn(1, s, 8, d), torch.randn(1, s, 8, d)) for _ in range(a.world)]
+    ring = ResidentRing(a.world, a.rank, kv)
+
+    def one():
+        _ring_forward(q, *kv[0], ring, True, "zigzag", 1 / math.sqrt(d), "fa4", (1, 3, a.world - 4))
+
+    for _ in range(min(50, a.passes)):
+        one()
+    times = []
+    for _ in range(a.rounds):
+        t = time.perf_counter()
+        for _ in range(a.passes):
+            one()
+        times.append(1e6 * (time.perf_counter() - t) / a.passes)
+    times.sort()
+    print(f"W={a.world} rank {a.rank} S{a.seq}: ring forward bookkeeping, kernels stubbed: best {times[0]:.1f} "
+          f"µs a pass, median {times[len(times) // 2]:.1f} ({a.rounds} rounds of {a.passes})")
+    return times[0]
+
+
+if __name__ == "__main__":
+    main()
