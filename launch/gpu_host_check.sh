@@ -234,13 +234,18 @@ elif [ "$part" = fa4land2 ]; then   # FA4 present: part fa4land after the landin
 elif [ "$part" = fa4keep ]; then   # FA4 present (2026-12-06): the landing buffers kept per ring shape (made once, not
   # every pass: the stubbed W=8 forward's bookkeeping 75 -> 35 µs on the CPU machine), in order of need: GPU tests,
   # the W=8 rank landing on/off wall, host_cost's fused rows, the wall in the other order (~6 min in all)
+  # (the zero-ahead knob rides along as a third variant: part fa4zero's questions in the same call)
   LIMIT=120 TAIL=3 run fa4_ring_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider
-  LIMIT=110 TAIL=12 run emulate_keep_wall_a $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
-      --steps-per-launch 4 --variant '' 'RING_KV_LANDING=0' --iters 20 --wall --json "$out/emulate_keep_wall_a.json"
+  LIMIT=60 TAIL=3 run fa4_ring_tests_zero env DISTLAB_RING_ZERO_AHEAD=1 $py -m pytest -q -m gpu \
+      tests/test_fa4_ring_backward.py -p no:cacheprovider
+  LIMIT=150 TAIL=14 run emulate_keep_wall_a $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
+      --steps-per-launch 4 --variant '' 'RING_KV_LANDING=0' 'RING_ZERO_AHEAD=1' --iters 20 --wall \
+      --json "$out/emulate_keep_wall_a.json"
   LIMIT=80 TAIL=14 run host_cost_s8k $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 3 \
       --calls 100 --json "$out/host_cost_s8k.json"
-  LIMIT=110 TAIL=12 run emulate_keep_wall_b $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
-      --steps-per-launch 4 --variant 'RING_KV_LANDING=0' '' --iters 20 --wall --json "$out/emulate_keep_wall_b.json"
+  LIMIT=150 TAIL=14 run emulate_keep_wall_b $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
+      --steps-per-launch 4 --variant 'RING_ZERO_AHEAD=1' 'RING_KV_LANDING=0' '' --iters 20 --wall \
+      --json "$out/emulate_keep_wall_b.json"
 elif [ "$part" = fa4zero ]; then   # FA4 present: the dK/dV scratch zeroed ahead on the side stream (forked from the
   # compute stream since its first GPU run failed in a graph's capture): GPU tests with it, GPU clock, wall
   LIMIT=60 TAIL=3 run fa4_ring_tests_zero env DISTLAB_RING_ZERO_AHEAD=1 $py -m pytest -q -m gpu \
