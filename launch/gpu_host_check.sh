@@ -27,6 +27,7 @@
 #   bash launch/gpu_host_check.sh OUTDIR fa4keep   # FA4 present: the landing buffers kept per ring shape: GPU
 #                                                  # tests, W=8 rank landing on/off wall, host_cost (fa4zero: the
 #                                                  # dK/dV scratch zeroed ahead: tests, GPU clock, wall)
+#   bash launch/gpu_host_check.sh OUTDIR fa4keepmin # the same, S8192 and S32768 landing on/off wall and host_cost only
 #   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
 #                                                  # launch keys checked; part triton: then host_cost and the Triton
 #                                                  # ring rank (emulate, wall and GPU)
@@ -246,6 +247,12 @@ elif [ "$part" = fa4keep ]; then   # FA4 present (2026-12-06): the landing buffe
   LIMIT=150 TAIL=14 run emulate_keep_wall_b $py -m distlab.cp.emulate --world 8 --seq 8192 16384 32768 --backend fa4 \
       --steps-per-launch 4 --variant 'RING_ZERO_AHEAD=1' 'RING_KV_LANDING=0' '' --iters 20 --wall \
       --json "$out/emulate_keep_wall_b.json"
+elif [ "$part" = fa4keepmin ]; then   # part fa4keep cut to its first questions, for a short device budget (~3 min)
+  LIMIT=60 TAIL=3 run fa4_ring_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider
+  LIMIT=100 TAIL=10 run emulate_keep_wall_a $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 \
+      --steps-per-launch 4 --variant '' 'RING_KV_LANDING=0' --iters 20 --wall --json "$out/emulate_keep_wall_a.json"
+  LIMIT=60 TAIL=14 run host_cost_s8k $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 3 \
+      --calls 100 --json "$out/host_cost_s8k.json"
 elif [ "$part" = fa4zero ]; then   # FA4 present: the dK/dV scratch zeroed ahead on the side stream (forked from the
   # compute stream since its first GPU run failed in a graph's capture): GPU tests with it, GPU clock, wall
   LIMIT=60 TAIL=3 run fa4_ring_tests_zero env DISTLAB_RING_ZERO_AHEAD=1 $py -m pytest -q -m gpu \
