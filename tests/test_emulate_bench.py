@@ -79,3 +79,17 @@ def test_host_cost_with_launches_skipped_on_cpu(tmp_path):
     assert {("ring step W3, triton, 4 steps a launch", "fwd"), ("ring step W3, triton, 1 step a launch", "fwd"),
             ("ring step W3, triton", "bwd"), ("triton launch", "fwd")} <= set(rows), sorted(rows)
     assert all(r["host_s"] > 0 for r in rows.values())
+
+
+def test_host_cost_profile_row_is_named_before_any_timing():
+    """``host_cost --profile`` takes ``name`` or ``name/pass``; a name that is no row is a ValueError listing the
+    rows (checked before the timing rounds, which take a minute on a GPU)."""
+    from distlab.kernels.host_cost import _profiled_row
+
+    specs = [("fa4", "fwd", "f", {}, 1), ("fa4", "bwd", "b", {}, 1), ("ring step W8, fa4, 4 steps fused", "fwd",
+                                                                       "r", {}, 8)]
+    assert _profiled_row(specs, "fa4")[2] == "f"
+    assert _profiled_row(specs, "fa4/bwd")[2] == "b"
+    assert _profiled_row(specs, "ring step W8, fa4, 4 steps fused/fwd")[2] == "r"
+    with pytest.raises(ValueError, match="no such row.*ring step W8, fa4, 4 steps fused"):
+        _profiled_row(specs, "ring step W8, fa4, 4 steps fused fwd")

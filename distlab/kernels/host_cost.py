@@ -171,6 +171,8 @@ def main(argv=None):
 
     dtype = to_dtype(a.dtype)
     specs = _rows(a, device, dtype)
+    if a.profile:
+        _profiled_row(specs, a.profile)   # a wrong name fails now, not after the timing rounds
     print(f"host time per call, {torch.cuda.get_device_name(device)}: S{a.seq}, {a.heads} q / {a.kv_heads} kv "
           f"heads, D{a.head_dim}, causal, {a.dtype}; fastest of {a.rounds} interleaved rounds of {a.calls} calls")
     host = {i: [] for i in range(len(specs))}
@@ -224,15 +226,21 @@ def _skip_launches(a):
         write_json(a.json, {"args": vars(a), "device": "cpu, launches skipped", "rows": rows})
 
 
+def _profiled_row(specs, which):
+    """The row ``--profile`` names (``name`` or ``name/pass``), or a ValueError listing the rows."""
+    name, _, pass_ = which.partition("/")
+    found = [s for s in specs if s[0] == name and (not pass_ or s[1] == pass_)]
+    if not found:
+        raise ValueError(f"--profile {which!r}: no such row (name, or 'name/pass'); rows: "
+                         f"{sorted({s[0] for s in specs})}")
+    return found[0]
+
+
 def _profile(specs, which, calls, device):
     import cProfile
     import pstats
 
-    name, _, pass_ = which.partition("/")
-    found = [s for s in specs if s[0] == name and (not pass_ or s[1] == pass_)]
-    if not found:
-        raise ValueError(f"--profile {which!r}: no such row; rows: {sorted({s[0] for s in specs})}")
-    _, _, fn, over, _ = found[0]
+    _, _, fn, over, _ = _profiled_row(specs, which)
     with knobs.override(**over):
         fn()
         torch.cuda.synchronize(device)
