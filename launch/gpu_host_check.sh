@@ -28,6 +28,7 @@
 #                                                  # tests, W=8 rank landing on/off wall, host_cost (fa4zero: the
 #                                                  # dK/dV scratch zeroed ahead: tests, GPU clock, wall)
 #   bash launch/gpu_host_check.sh OUTDIR fa4keepmin # the same, S8192 and S32768 landing on/off wall and host_cost only
+#   bash launch/gpu_host_check.sh OUTDIR fa4cudnn  # the FA4 rank against cuDNN's one call, both orders, wall
 #   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
 #                                                  # launch keys checked; part triton: then host_cost and the Triton
 #                                                  # ring rank (emulate, wall and GPU)
@@ -253,6 +254,12 @@ elif [ "$part" = fa4keepmin ]; then   # part fa4keep cut to its first questions,
       --steps-per-launch 4 --variant '' 'RING_KV_LANDING=0' --iters 20 --wall --json "$out/emulate_keep_wall_a.json"
   LIMIT=60 TAIL=14 run host_cost_s8k $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 3 \
       --calls 100 --json "$out/host_cost_s8k.json"
+elif [ "$part" = fa4cudnn ]; then   # FA4 present (2026-12-06): the FA4 rank (kept landing buffers) against cuDNN's
+  # one H/W call in the same process, both orders (#24's >= 100% of cuDNN at S32768), S8192 beside it
+  LIMIT=120 TAIL=12 run emulate_fa4_cudnn_wall $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 \
+      sdpa-cudnn --steps-per-launch 4 --iters 20 --wall --json "$out/emulate_fa4_cudnn_wall.json"
+  LIMIT=120 TAIL=12 run emulate_cudnn_fa4_wall $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend \
+      sdpa-cudnn fa4 --steps-per-launch 4 --iters 20 --wall --json "$out/emulate_cudnn_fa4_wall.json"
 elif [ "$part" = fa4zero ]; then   # FA4 present: the dK/dV scratch zeroed ahead on the side stream (forked from the
   # compute stream since its first GPU run failed in a graph's capture): GPU tests with it, GPU clock, wall
   LIMIT=60 TAIL=3 run fa4_ring_tests_zero env DISTLAB_RING_ZERO_AHEAD=1 $py -m pytest -q -m gpu \
