@@ -235,7 +235,7 @@ elif [ "$part" = fa4land2 ]; then   # FA4 present: part fa4land after the landin
   LIMIT=200 TAIL=3 run emulate_check $py tests/kernel_checks.py emulate --device cuda --dtype bfloat16 --big
 elif [ "$part" = fa4keep ]; then   # FA4 present (2026-12-06): the landing buffers kept per ring shape (made once, not
   # every pass: the stubbed W=8 forward's bookkeeping 75 -> 35 µs on the CPU machine), in order of need: GPU tests,
-  # the W=8 rank landing on/off wall, host_cost's fused rows, the wall in the other order (~6 min in all)
+  # the W=8 rank landing on/off wall, host_cost's fused rows, the wall in the other order (~4 min on the H100)
   # (the zero-ahead knob rides along as a third variant: part fa4zero's questions in the same call)
   LIMIT=120 TAIL=3 run fa4_ring_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider
   LIMIT=60 TAIL=3 run fa4_ring_tests_zero env DISTLAB_RING_ZERO_AHEAD=1 $py -m pytest -q -m gpu \

@@ -83,7 +83,7 @@ def test_host_cost_with_launches_skipped_on_cpu(tmp_path):
 
 def test_host_cost_profile_row_is_named_before_any_timing():
     """``host_cost --profile`` takes ``name`` or ``name/pass``; a name that is no row is a ValueError listing the
-    rows (checked before the timing rounds, which take a minute on a GPU)."""
+    rows (``main`` looks the row up before its timing rounds, which take a minute on a GPU: a CPU cannot run it)."""
     from distlab.kernels.host_cost import _profiled_row
 
     specs = [("fa4", "fwd", "f", {}, 1), ("fa4", "bwd", "b", {}, 1), ("ring step W8, fa4, 4 steps fused", "fwd",
