@@ -29,6 +29,7 @@
 #                                                  # dK/dV scratch zeroed ahead: tests, GPU clock, wall)
 #   bash launch/gpu_host_check.sh OUTDIR fa4keepmin # the same, S8192 and S32768 landing on/off wall and host_cost only
 #   bash launch/gpu_host_check.sh OUTDIR fa4cudnn  # the FA4 rank against cuDNN's one call, both orders, wall
+#   bash launch/gpu_host_check.sh OUTDIR fa4s8k    # the S8192 rank's wall in four processes (after a warm-up row)
 #   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
 #                                                  # launch keys checked; part triton: then host_cost and the Triton
 #                                                  # ring rank (emulate, wall and GPU)
@@ -260,6 +261,12 @@ elif [ "$part" = fa4cudnn ]; then   # FA4 present (2026-12-06): the FA4 rank (ke
       sdpa-cudnn --steps-per-launch 4 --iters 20 --wall --json "$out/emulate_fa4_cudnn_wall.json"
   LIMIT=120 TAIL=12 run emulate_cudnn_fa4_wall $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend \
       sdpa-cudnn fa4 --steps-per-launch 4 --iters 20 --wall --json "$out/emulate_cudnn_fa4_wall.json"
+elif [ "$part" = fa4s8k ]; then   # FA4 present (2026-12-06): #24's S8192 wall in separate processes, the default
+  # timed twice after a warm-up row (the copies), to see how reliably it clears 75% (the wall moves by process)
+  for i in 1 2 3 4; do
+    LIMIT=60 TAIL=4 run emulate_s8k_wall_$i $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
+        --steps-per-launch 4 --variant 'RING_KV_LANDING=0' '' '' --iters 20 --wall --json "$out/emulate_s8k_wall_$i.json"
+  done
 elif [ "$part" = fa4zero ]; then   # FA4 present: the dK/dV scratch zeroed ahead on the side stream (forked from the
   # compute stream since its first GPU run failed in a graph's capture): GPU tests with it, GPU clock, wall
   LIMIT=60 TAIL=3 run fa4_ring_tests_zero env DISTLAB_RING_ZERO_AHEAD=1 $py -m pytest -q -m gpu \
