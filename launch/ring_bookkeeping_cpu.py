@@ -5,8 +5,12 @@ lets the merge path be taken on CPU; nothing runs under the interpreter). W=8 zi
 D128, launch groups 1 | 3 | 4 — S8192's shapes (docs/PERF.md, #24).
 
     TRITON_INTERPRET=1 python3 launch/ring_bookkeeping_cpu.py --rank 0 --seq 8192
+    TRITON_INTERPRET=1 python3 launch/ring_bookkeeping_cpu.py --heap 3000000 [--freeze]   # a big live heap (as
+        # FA4's CuTe DSL and cuDNN leave one): does Python's garbage collector move the pass time? (it prints the
+        # collections of each generation during the run)
 """
 import argparse
+import gc
 import math
 import os
 import time
@@ -26,9 +30,15 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--passes", type=int, default=1000)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--heap", type=int, default=0, help="small live Python objects to hold during the run")
+    p.add_argument("--freeze", action="store_true", help="gc.freeze() the heap first (out of the collector's view)")
     a = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("set TRITON_INTERPRET=1 (the merge path is taken only where Triton could run)")
+    heap = [{"i": [i]} for i in range(a.heap)]
+    if a.freeze:
+        gc.freeze()
+    collections = [g["collections"] for g in gc.get_stats()]
     kept = {}
 
     def forward_stub(q, k, v, causal, scale):   # FA4's forward: kept (out, lse) per shape, no work
@@ -58,6 +68,9 @@ def main(argv=None):
     times.sort()
     print(f"W={a.world} rank {a.rank} S{a.seq}: ring forward bookkeeping, kernels stubbed: best {times[0]:.1f} "
           f"µs a pass, median {times[len(times) // 2]:.1f} ({a.rounds} rounds of {a.passes})")
+    done = [g["collections"] - c for g, c in zip(gc.get_stats(), collections)]
+    print(f"garbage collections during the run, by generation: {done} ({len(heap)} objects held"
+          f"{', frozen' if a.freeze else ''})")
     return times[0]
 
 

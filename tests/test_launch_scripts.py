@@ -68,9 +68,10 @@ def test_ring_bookkeeping_cpu_runs(tmp_path):
     interpreter's flag."""
     script = os.path.join(ROOT, "launch", "ring_bookkeeping_cpu.py")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, script, "--passes", "3", "--rounds", "1"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, script, "--passes", "3", "--rounds", "1", "--heap", "1000", "--freeze"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "µs a pass" in proc.stdout, proc.stdout + proc.stderr
+    assert "by generation: [" in proc.stdout and "1000 objects held, frozen" in proc.stdout, proc.stdout
     env.pop("TRITON_INTERPRET")
     proc = subprocess.run([sys.executable, script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "TRITON_INTERPRET=1" in proc.stderr
