@@ -83,6 +83,8 @@ KNOBS = {
                                  "test; its graph capture fixed since, not yet timed)"),
     "RING_KV_LANDING": Knob("1", "0: a fused ring block's K/V concatenated from the steps' (1: received straight into "
                                  "its buffer, distlab.cp.ring_landing)"),
+    "RING_KEEP_OUTPUTS": Knob("1", "0: a ring forward of FA4 blocks allocates each block's out/LSE and builds each "
+                                   "merge's key every pass (1: kept and bound per ring shape, distlab.cp.ring_kept)"),
     "RING_MERGE_BLOCKS": Knob("4", "block results a ring forward of cuDNN/FA4 blocks merges per Triton launch (1-4; "
                                    "0: one lse_merge_ per block, the float32 result converted after)"),
     # grouped GEMM (distlab.kernels.grouped_gemm)

@@ -163,3 +163,68 @@ def run_in_triton_interpreter(code: str, timeout_s: float = 300):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s, env=env)
+
+
+def install_fa4_stand_in(compute: bool = True) -> dict:
+    """Put a stand-in of FlashAttention-4's forward interface in ``sys.modules`` (``flash_attn.cute.interface``)
+    for CPU tests and host-time checks of the code that records and replays FA4's compiled kernel
+    (``distlab.kernels.fa4``, ``distlab.cp.ring_kept``): ``_flash_attn_fwd(q, k, v, softmax_scale, causal,
+    return_lse)`` allocates out and a float32 LSE ``(batch, heads, seq)``, finds its "compiled kernel" in
+    ``_flash_attn_fwd.compile_cache`` (made on the first call of a key, as FA4 compiles) and calls it with
+    ``(q, k, v, out, lse, scale, causal)`` — FA4's contract as the recorder relies on it. The kernel computes
+    the attention with the ``torch`` backend (``compute=False``: nothing, for host timing). Returns the
+    stand-in's counters (``calls``: interface calls, ``kernel``: kernel calls); ``remove_fa4_stand_in()``
+    takes it out."""
+    import sys
+    import types
+
+    import torch
+
+    counts = {"calls": 0, "kernel": 0}
+
+    def compiled(q, k, v, out, lse, scale, causal):
+        counts["kernel"] += 1
+        if compute:
+            from distlab.kernels.attention import attention_forward
+
+            o, l = attention_forward(q, k, v, causal, scale, backend="torch")
+            out.copy_(o)
+            lse.copy_(l)
+
+    def _flash_attn_fwd(q, k, v, softmax_scale=None, causal=False, return_lse=False, **_):
+        counts["calls"] += 1
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+        key = (q.dtype, q.shape[2] // k.shape[2], causal)
+        cache = _flash_attn_fwd.compile_cache
+        if key not in cache:
+            cache[key] = compiled
+        cache[key](q, k, v, out, lse, softmax_scale, causal)
+        return out, lse
+
+    _flash_attn_fwd.compile_cache = {}
+    top, cute, interface = (types.ModuleType(n) for n in ("flash_attn", "flash_attn.cute", "flash_attn.cute.interface"))
+    interface._flash_attn_fwd = _flash_attn_fwd
+    top.cute, cute.interface = cute, interface
+    for name in (top.__name__, cute.__name__, interface.__name__):   # what was there before the first stand-in
+        _SAVED_MODULES.setdefault(name, sys.modules.get(name))
+    sys.modules.update({m.__name__: m for m in (top, cute, interface)})
+    return counts
+
+
+_SAVED_MODULES: dict = {}
+
+
+def remove_fa4_stand_in():
+    """Undo ``install_fa4_stand_in`` (the modules it replaced, if any, are put back); forget FA4's replays."""
+    import sys
+
+    from distlab.kernels import fa4
+
+    for name, module in _SAVED_MODULES.items():
+        if module is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = module
+    _SAVED_MODULES.clear()
+    fa4._REPLAYS.clear()

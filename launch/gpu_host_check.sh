@@ -30,6 +30,9 @@
 #   bash launch/gpu_host_check.sh OUTDIR fa4keepmin # the same, S8192 and S32768 landing on/off wall and host_cost only
 #   bash launch/gpu_host_check.sh OUTDIR fa4cudnn  # the FA4 rank against cuDNN's one call, both orders, wall
 #   bash launch/gpu_host_check.sh OUTDIR fa4s8k    # the S8192 rank's wall in four processes (after a warm-up row)
+#   bash launch/gpu_host_check.sh OUTDIR fa4kept   # FA4 present: the block outputs kept, merges bound (ring_kept):
+#                                                  # GPU tests, W=8 rank on/off wall both orders, GPU clock, the
+#                                                  # fused forward's host profile, the S8192 wall in 3 processes
 #   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
 #                                                  # launch keys checked; part triton: then host_cost and the Triton
 #                                                  # ring rank (emulate, wall and GPU)
@@ -266,6 +269,26 @@ elif [ "$part" = fa4s8k ]; then   # FA4 present (2026-12-06): #24's S8192 wall i
   for i in 1 2 3 4; do
     LIMIT=60 TAIL=4 run emulate_s8k_wall_$i $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
         --steps-per-launch 4 --variant 'RING_KV_LANDING=0' '' '' --iters 20 --wall --json "$out/emulate_s8k_wall_$i.json"
+  done
+elif [ "$part" = fa4kept ]; then   # FA4 present (2026-12-06, 19th session): each fused block's FA4 kernel writes
+  # into outputs kept per ring shape and the merges are launches bound once (distlab.cp.ring_kept; the stubbed
+  # forward on the CPU: ~134 -> ~101 µs a pass): GPU tests (bits equal to the knob off), on/off wall both orders,
+  # the GPU clock, the fused forward's host profile, then the S8192 wall in three more processes
+  LIMIT=180 TAIL=3 run fa4_kept_tests $py -m pytest -q -m gpu tests/test_ring_kept.py tests/test_fa4_ring_backward.py \
+      -p no:cacheprovider
+  LIMIT=120 TAIL=10 run emulate_kept_wall_a $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 \
+      --steps-per-launch 4 --variant 'RING_KEEP_OUTPUTS=0' '' 'RING_KEEP_OUTPUTS=0' '' --iters 20 --wall \
+      --json "$out/emulate_kept_wall_a.json"
+  LIMIT=120 TAIL=10 run emulate_kept_wall_b $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 \
+      --steps-per-launch 4 --variant '' 'RING_KEEP_OUTPUTS=0' '' 'RING_KEEP_OUTPUTS=0' --iters 20 --wall \
+      --json "$out/emulate_kept_wall_b.json"
+  LIMIT=100 TAIL=6 run emulate_kept_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 \
+      --steps-per-launch 4 --variant '' 'RING_KEEP_OUTPUTS=0' --iters 20 --json "$out/emulate_kept_gpu.json"
+  LIMIT=80 TAIL=40 run host_profile_kept_fwd $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 \
+      --rounds 3 --calls 100 --profile "ring step W8, fa4, 4 steps fused/fwd" --json "$out/host_cost_kept.json"
+  for i in 1 2 3; do
+    LIMIT=60 TAIL=4 run emulate_s8k_wall_$i $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
+        --steps-per-launch 4 --variant 'RING_KEEP_OUTPUTS=0' '' '' --iters 20 --wall --json "$out/emulate_s8k_wall_$i.json"
   done
 elif [ "$part" = fa4zero ]; then   # FA4 present: the dK/dV scratch zeroed ahead on the side stream (forked from the
   # compute stream since its first GPU run failed in a graph's capture): GPU tests with it, GPU clock, wall

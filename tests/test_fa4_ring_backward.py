@@ -193,7 +193,8 @@ def _ring_rank_on_fa4(seq, world, heads, kv_heads, layout, batch=1, steps_per_la
         want_dk = sum(full[1].grad[:, shard[(rank - i) % world]] for i in range(world))
         want_dv = sum(full[2].grad[:, shard[(rank - i) % world]] for i in range(world))
         errs.append([((a.float() - b).abs().max() / b.abs().max()).item()
-                     for a, b in ((dq, want_dq), (dk, want_dk), (dv, want_dv))])
+                     for a, b in ((out, out_ref.detach()[:, shard[rank]]), (dq, want_dq), (dk, want_dk),
+                                  (dv, want_dv))])
     return errs
 
 

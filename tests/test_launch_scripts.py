@@ -55,7 +55,7 @@ def test_one_gpu_check_commands_parse(tmp_path, script):
     assert parsed, skipped
 
 
-@pytest.mark.parametrize("part", ["kernels", "timing", "verify", "fa4land", "fa4land2", "fa4keep", "fa4zero"])
+@pytest.mark.parametrize("part", ["kernels", "timing", "verify", "fa4land", "fa4land2", "fa4keep", "fa4zero", "fa4kept", "fa4s8k"])
 def test_gpu_host_check_commands_parse(tmp_path, part):
     parsed, skipped, errors = dry_run(tmp_path, "launch/gpu_host_check.sh", part)
     assert not errors, errors
@@ -72,6 +72,10 @@ def test_ring_bookkeeping_cpu_runs(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "µs a pass" in proc.stdout, proc.stdout + proc.stderr
     assert "by generation: [" in proc.stdout and "1000 objects held, frozen" in proc.stdout, proc.stdout
+    proc = subprocess.run([sys.executable, script, "--passes", "3", "--rounds", "1", "--stub", "kernels"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "kept outputs (default): best" in proc.stdout \
+        and "DISTLAB_RING_KEEP_OUTPUTS=0: best" in proc.stdout, proc.stdout + proc.stderr
     env.pop("TRITON_INTERPRET")
     proc = subprocess.run([sys.executable, script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "TRITON_INTERPRET=1" in proc.stderr

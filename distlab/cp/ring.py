@@ -48,6 +48,7 @@ import torch
 from distlab import comm, knobs
 from distlab.cp.documents import Documents, cached_plan, check_call_everywhere
 from distlab.cp.layout import check_layout, shard_positions
+from distlab.cp.ring_kept import kept_forward
 from distlab.cp.ring_landing import kv_landing, use_landing
 from distlab.kernels.lse_merge import MERGE_BLOCKS, lse_merge_, merge_attention, merge_into
 from distlab.profiling import phase
@@ -199,6 +200,8 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
     kv = _KVAhead(ring, (k, v), landing)
     ahead = max(len(g) for g, _ in groups)
     block_forward = _block_forward(backend)
+    kept = kept_forward(shape, q, k, scale) if backend == "fa4" and pending is not None else None   # ring_kept
+    n_block = n_merge = 0
     for g, (steps, plan) in enumerate(groups):
         with phase("ring.exchange"):
             kv.post_through(steps[-1] + ahead)   # the next groups' K/V, while this one computes
@@ -217,12 +220,23 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
                 out, lse = _block_into(out, lse, q, k_blk, v_blk, rows, blk_causal, scale, backend)
                 continue
             with phase("ring.block"):
-                o, l = block_forward(_seq_part(q, rows), k_blk, v_blk, blk_causal, scale)
+                if kept is not None:
+                    o, l = kept.block(n_block, _seq_part(q, rows), k_blk, v_blk, blk_causal, scale)
+                    n_block += 1
+                else:
+                    o, l = block_forward(_seq_part(q, rows), k_blk, v_blk, blk_causal, scale)
             if len(pending) == group:   # a full group merges once another block follows it: the last group
-                out, lse = _merge_pending(out, lse, pending, q, last=False)   # merges writing q's dtype (H100:
-                # a W=8 rank's last 4 blocks merged, then converted alone, 49 + 35 µs at S32768)
+                # merges writing q's dtype (H100: a W=8 rank's last 4 blocks merged, then converted alone, 49 + 35
+                # µs at S32768)
+                if kept is not None:
+                    out, lse = kept.merge(n_merge, out, lse, pending, q, last=False)
+                    n_merge += 1
+                else:
+                    out, lse = _merge_pending(out, lse, pending, q, last=False)
             pending.append((o if o.stride(-1) == 1 else o.contiguous(), l if l.stride(-1) == 1 else l.contiguous(),
                             rows.start, rows.stop))
+    if kept is not None:
+        return kept.merge(n_merge, out, lse, pending, q, last=True)
     if pending is not None:
         return _merge_pending(out, lse, pending, q, last=True)
     return (final if final is not None else out.to(q.dtype)), lse

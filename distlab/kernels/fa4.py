@@ -104,6 +104,34 @@ def fa4_forward(q, k, v, causal, scale):
     return out, lse
 
 
+def fa4_forward_kept(q, k, v, causal, scale):
+    """``fa4_forward`` for a caller that makes the same call again and again (a ring step of a ring shape):
+    returns ``(out, lse, again)`` where ``again(q, k, v)`` computes the same shapes into *these* out and lse
+    (FA4's compiled kernel called straight: no key, no allocation; each call overwrites the last one's result,
+    so the caller must be done reading it — in stream order, on CUDA) and returns them. ``again`` is None when
+    the shape is not replayed (``fa4_forward``'s conditions). ``again`` on inputs whose contiguity or 16-byte
+    alignment differs from the first call's goes through ``fa4_forward`` (fresh out and lse)."""
+    out, lse = fa4_forward(q, k, v, causal, scale)
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        return out, lse, None
+    align = (q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16)
+    replay = _REPLAYS.get((q.shape, k.shape, v.shape, q.dtype, q.device, *align, causal, scale))
+    if replay is None or knobs.get("FA4_REPLAY") == "0":
+        return out, lse, None
+    fn, rest = replay[0], replay[1]
+
+    def again(q, k, v):
+        if (q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16) != align or not (
+                q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+            return fa4_forward(q, k, v, causal, scale)
+        if q.requires_grad or k.requires_grad or v.requires_grad:
+            q, k, v = q.detach(), k.detach(), v.detach()
+        fn(q, k, v, out, lse, *rest)
+        REPLAYED[0] += 1
+        return out, lse
+    return out, lse, again
+
+
 _REPLAYS: dict = {}
 REPLAYED = [0]   # forward calls that went straight to the compiled kernel (the tests read it)
 

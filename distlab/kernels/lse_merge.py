@@ -148,6 +148,32 @@ def lse_merge_blocks_(out, lse, blocks, has_acc=True, final=None):
 _BLOCK_PLANS: dict = {}
 
 
+def bind_merge_blocks(out, lse, blocks, has_acc=True, final=None):
+    """``lse_merge_blocks_(out, lse, blocks, has_acc, final)``'s launch with its plan worked out once and the
+    block results fixed: returns ``launch(out, lse, final)``, which merges those very block tensors (the
+    ring's kept FA4 outputs, ``distlab.cp.ring_kept``) into an ``out``/``lse``/``final`` laid out as these are
+    (same shapes, strides, dtypes; ``final`` None or not as here). Per call it reads three pointers'
+    alignment and launches: the layout key of up to four blocks is not rebuilt (#24: host time a ring pass)."""
+    fo = final if final is not None else out
+    key = (out.shape, out.stride(), out.dtype, lse.shape, lse.stride(), lse.dtype, has_acc,
+           None if final is None else (final.shape, final.stride(), final.dtype),
+           tuple((bo.shape, bo.stride(), bo.dtype, bl.shape, bl.stride(), bl.dtype, lo, hi) for bo, bl, lo, hi in blocks),
+           knob("MERGE_BLOCK", 32), num_warps(4))
+    grid, scalars, kwargs = _merge_blocks_plan(out, lse, blocks, has_acc, final, fo)
+    fixed = tuple(t for bo, bl, _, _ in blocks for t in (bo, bl))
+    fixed_aligned = sum(1 << (3 + i) for i, t in enumerate(fixed) if t.data_ptr() % 16 == 0)
+    tail = (*fixed, *[None] * (2 * (MERGE_BLOCKS - len(blocks))), *scalars)
+    _, kernel = _kernel()
+
+    def launch(out, lse, final=None):
+        fo = final if final is not None else out
+        aligned = fixed_aligned | (out.data_ptr() % 16 == 0) | (lse.data_ptr() % 16 == 0) << 1 \
+            | (fo.data_ptr() % 16 == 0) << 2
+        kernel((key, aligned), grid, (out, lse, fo, *tail), kwargs)
+        return fo, lse
+    return launch
+
+
 def _merge_blocks_plan(out, lse, blocks, has_acc, final, fo):
     """``lse_merge_blocks_``'s checks, then its launch's grid, integer arguments and options."""
     b, s, h, d = out.shape
