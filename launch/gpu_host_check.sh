@@ -30,6 +30,8 @@
 #   bash launch/gpu_host_check.sh OUTDIR fa4keepmin # the same, S8192 and S32768 landing on/off wall and host_cost only
 #   bash launch/gpu_host_check.sh OUTDIR fa4cudnn  # the FA4 rank against cuDNN's one call, both orders, wall
 #   bash launch/gpu_host_check.sh OUTDIR fa4s8k    # the S8192 rank's wall in four processes (after a warm-up row)
+#   bash launch/gpu_host_check.sh OUTDIR fa4confirm # FA4 present: every FA4 GPU test, the S8192 rank's wall in four
+#                                                  # processes, the rank against cuDNN's one call at S32768
 #   bash launch/gpu_host_check.sh OUTDIR fa4kept   # FA4 present: the block outputs kept, merges bound (ring_kept):
 #                                                  # GPU tests, W=8 rank on/off wall both orders, GPU clock, the
 #                                                  # fused forward's host profile, the S8192 wall in 3 processes
@@ -290,6 +292,17 @@ elif [ "$part" = fa4kept ]; then   # FA4 present (2026-12-06, 19th session): eac
     LIMIT=60 TAIL=4 run emulate_s8k_wall_$i $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
         --steps-per-launch 4 --variant 'RING_KEEP_OUTPUTS=0' '' '' --iters 20 --wall --json "$out/emulate_s8k_wall_$i.json"
   done
+elif [ "$part" = fa4confirm ]; then   # FA4 present (2026-12-06, 19th session): the kept outputs on another lease —
+  # every FA4 GPU test, #24's S8192 wall in four fresh processes (a warm-up row, then the default twice), and the
+  # rank against cuDNN's one call at S32768 (#24's >= 100%)
+  LIMIT=240 TAIL=3 run fa4_gpu_tests $py -m pytest -q -m gpu tests/test_ring_kept.py tests/test_fa4_ring_backward.py \
+      tests/test_fa4_varlen.py tests/test_attention_kernels.py -k "fa4 or kept or varlen" -p no:cacheprovider
+  for i in 1 2 3 4; do
+    LIMIT=60 TAIL=4 run emulate_s8k_wall_$i $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
+        --steps-per-launch 4 --variant 'RING_KEEP_OUTPUTS=0' '' '' --iters 20 --wall --json "$out/emulate_s8k_wall_$i.json"
+  done
+  LIMIT=120 TAIL=8 run emulate_fa4_cudnn_wall $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
+      sdpa-cudnn --steps-per-launch 4 --iters 20 --wall --json "$out/emulate_fa4_cudnn_wall.json"
 elif [ "$part" = fa4zero ]; then   # FA4 present: the dK/dV scratch zeroed ahead on the side stream (forked from the
   # compute stream since its first GPU run failed in a graph's capture): GPU tests with it, GPU clock, wall
   LIMIT=60 TAIL=3 run fa4_ring_tests_zero env DISTLAB_RING_ZERO_AHEAD=1 $py -m pytest -q -m gpu \
