@@ -76,9 +76,6 @@ KNOBS = {
                                       "(1: on a side stream, beside the next launch group's kernels)"),
     "RING_FUSE_MAX_KEYS": Knob("0", "keys at most in one fused ring block of FA4/cuDNN/torch (a launch group's "
                                        "blocks over one row range joined, distlab.cp.ring.fuse_plan); 0: no cap"),
-    "RING_DKV_ADD": Knob("auto", "how a fused FA4 ring block's strided dK/dV share is added into the travelling "
-                                 "accumulator: auto (a Triton launch, vectorized, for shares of 4 MiB or more), triton, "
-                                 "torch (PyTorch's strided add); distlab.kernels.strided_add"),
     "RING_DKV_ADD_ROWS": Knob("0", "1: a fused FA4 ring block's dK/dV share (strided) added row by row in one "
                                    "multi-tensor launch (0: one strided add; H100 GPU clock: 1 loses at S8192, ties at S32768)"),
     "RING_ZERO_AHEAD": Knob("0", "1: a fused FA4 ring backward zeroes the later blocks' dK/dV scratch at its start, on "

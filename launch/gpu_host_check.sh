@@ -30,8 +30,6 @@
 #   bash launch/gpu_host_check.sh OUTDIR fa4keepmin # the same, S8192 and S32768 landing on/off wall and host_cost only
 #   bash launch/gpu_host_check.sh OUTDIR fa4cudnn  # the FA4 rank against cuDNN's one call, both orders, wall
 #   bash launch/gpu_host_check.sh OUTDIR fa4s8k    # the S8192 rank's wall in four processes (after a warm-up row)
-#   bash launch/gpu_host_check.sh OUTDIR fa4add    # FA4 present: the dK/dV shares added by a vectorized Triton kernel
-#                                                  # (strided_add): GPU tests, checks, wall both orders, GPU, timeline
 #   bash launch/gpu_host_check.sh OUTDIR fa4confirm # FA4 present: every FA4 GPU test, the S8192 rank's wall in four
 #                                                  # processes, the rank against cuDNN's one call at S32768
 #   bash launch/gpu_host_check.sh OUTDIR fa4kept   # FA4 present: the block outputs kept, merges bound (ring_kept):
@@ -305,23 +303,6 @@ elif [ "$part" = fa4confirm ]; then   # FA4 present (2026-12-06, 19th session): 
   done
   LIMIT=120 TAIL=8 run emulate_fa4_cudnn_wall $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
       sdpa-cudnn --steps-per-launch 4 --iters 20 --wall --json "$out/emulate_fa4_cudnn_wall.json"
-elif [ "$part" = fa4add ]; then   # FA4 present (2026-12-06, 19th session): a fused FA4 ring block's strided dK/dV
-  # shares added by distlab.kernels.strided_add's vectorized Triton kernel instead of PyTorch's generic strided
-  # add (40-66 µs a 32 MiB share at S32768): GPU tests, the kernel checks at real size, wall both orders, GPU clock,
-  # and the S32768 rank's kernel timeline
-  LIMIT=150 TAIL=3 run fa4_add_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py tests/test_ring_kept.py \
-      -p no:cacheprovider
-  LIMIT=150 TAIL=4 run checks_merge $py tests/kernel_checks.py merge --device cuda --dtype bfloat16 --big
-  LIMIT=120 TAIL=10 run emulate_add_wall_a $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 \
-      --steps-per-launch 4 --variant 'RING_DKV_ADD=torch' '' 'RING_DKV_ADD=torch' '' --iters 20 --wall \
-      --json "$out/emulate_add_wall_a.json"
-  LIMIT=120 TAIL=10 run emulate_add_wall_b $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 \
-      --steps-per-launch 4 --variant '' 'RING_DKV_ADD=torch' '' 'RING_DKV_ADD=torch' --iters 20 --wall \
-      --json "$out/emulate_add_wall_b.json"
-  LIMIT=100 TAIL=6 run emulate_add_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 \
-      --steps-per-launch 4 --variant '' 'RING_DKV_ADD=torch' --iters 20 --json "$out/emulate_add_gpu.json"
-  LIMIT=90 TAIL=60 run timeline_s32k_add $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
-      --steps-per-launch 4 --iters 5 --timeline --json "$out/timeline_s32k_add.json"
 elif [ "$part" = fa4zero ]; then   # FA4 present: the dK/dV scratch zeroed ahead on the side stream (forked from the
   # compute stream since its first GPU run failed in a graph's capture): GPU tests with it, GPU clock, wall
   LIMIT=60 TAIL=3 run fa4_ring_tests_zero env DISTLAB_RING_ZERO_AHEAD=1 $py -m pytest -q -m gpu \

@@ -379,36 +379,7 @@ def check_merge(device, dtype, big=False):
     ok = ~torch.isnan(want_o)
     assert (lse[fin] - want_l[fin]).abs().max() < 1e-5 and rel(out[ok], want_o[ok]) < 1e-5
     check_merge_blocks(device, dtype, big)
-    check_strided_add(device, dtype, big)
     print("OK merge")
-
-
-def check_strided_add(device, dtype, big=False):
-    """``strided_add_`` (a ring backward's dK/dV share, a key range of a fused block's scratch, added into the
-    travelling accumulator) equals PyTorch's add bit for bit, through the Triton kernel (knob ``triton``) and
-    through the rule (``auto``); ``rows_of`` reads rows where they are and refuses what is not rows."""
-    from distlab import knobs
-    from distlab.kernels.strided_add import rows_of, strided_add_
-
-    heads, keys, dim, total = (3, 5, 16, 12) if not big else (8, 4096, 128, 16384)
-    scratch = rand(2, 1, heads, total * dim, dtype=dtype, device=device, seed=5)
-    share = scratch[..., 3 * dim:(3 + keys) * dim]
-    assert rows_of(share) == (2 * heads, keys * dim, total * dim) and rows_of(share.transpose(1, 2)) is not None
-    assert rows_of(scratch.transpose(-1, -2)) is None and rows_of(scratch.as_strided((2, 4), (1, 1))) is None
-    assert rows_of(scratch[:, :, ::2]) is None if heads > 2 else True   # rows 2 apart, then 1: not one stride
-    for mode in ("triton", "auto", "torch"):
-        acc = rand(2, 1, heads, keys * dim, dtype=dtype, device=device, seed=6)
-        want = acc.clone().add_(share)
-        with knobs.override(RING_DKV_ADD=mode):
-            got = strided_add_(acc, share)
-        assert got is acc and torch.equal(acc, want), (mode, (acc - want).abs().max())
-        half = rand(2, 1, heads, total * dim, dtype=dtype, device=device, seed=7)   # both strided: a key range
-        want = half.clone()
-        want[..., dim:(1 + keys) * dim] += share
-        with knobs.override(RING_DKV_ADD=mode):
-            strided_add_(half[..., dim:(1 + keys) * dim], share)
-        assert torch.equal(half, want), mode   # the keys outside the range untouched
-    print("OK strided_add")
 
 
 def check_merge_blocks(device, dtype, big=False):

@@ -9,8 +9,6 @@ reference (``gpu`` marker)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -55,8 +53,7 @@ def _fake_record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal,
             [(post, (None, None, scale)), (post, (None, None, scale)), (post, (None, None, 1.0))], shapes)
 
 
-def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_launch=1, cap="0", add_rows="0",
-                       add="auto"):
+def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_launch=1, cap="0", add_rows="0"):
     from distlab import knobs
     from distlab.cp.ring import _ring_backward, _ring_forward
     from distlab.kernels import fa4, fa4_ring_backward as frb
@@ -74,7 +71,7 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
         made = []
         real = frb.FA4RingBackward
         frb.FA4RingBackward = lambda *a: made.append(real(*a)) or made[-1]
-        with knobs.override(RING_FUSE_MAX_KEYS=cap, RING_DKV_ADD_ROWS=add_rows, RING_DKV_ADD=add):
+        with knobs.override(RING_FUSE_MAX_KEYS=cap, RING_DKV_ADD_ROWS=add_rows):
             out, lse = _ring_forward(*local[:3], ring, causal, layout, scale, "torch", steps_per_launch)
             grads = _ring_backward(local[3], *local[:3], out, lse, ring, causal, layout, scale, "fa4",
                                    steps_per_launch)
@@ -94,11 +91,8 @@ def test_fa4_kept_accumulators_match_one_device_on_stand_in_kernels(world):
     (``distlab.cp.ring_fused``: a group's blocks over one row range fused, each step's dK/dV cut out of the
     fused scratch by key range): groups of 2, and one group of every step (step 0 fused with the others in the
     non-causal ring, so its accumulator starts as a slice), and with a cap of 16 keys a fused block (zigzag's
-    8-key half blocks in pairs, the 16-key blocks alone); the shares added row by row (``RING_DKV_ADD_ROWS=1``).
-    At W=3 the workers run Triton's CPU interpreter, and the fused rings also add their strided shares with
-    ``distlab.kernels.strided_add``'s Triton kernel (``RING_DKV_ADD=triton``)."""
-    interpreted = world == 3 and importlib.util.find_spec("triton") is not None
-    pool = ProcessGroupPool(world, env={"TRITON_INTERPRET": "1"} if interpreted else None)
+    8-key half blocks in pairs, the 16-key blocks alone); the shares added row by row (``RING_DKV_ADD_ROWS=1``)."""
+    pool = ProcessGroupPool(world)
     try:
         for layout, causal, n, cap, rows in (("zigzag", True, 1, "0", "0"), ("contiguous", True, 1, "0", "0"),
                                              ("contiguous", False, 1, "0", "0"), ("zigzag", True, 2, "0", "0"),
@@ -107,11 +101,10 @@ def test_fa4_kept_accumulators_match_one_device_on_stand_in_kernels(world):
                                              ("zigzag", False, (world,), "0", "0"),
                                              ("zigzag", True, (world,), "16", "0"), ("zigzag", True, (world,), "0", "1"),
                                              ("contiguous", True, (world,), "0", "1")):
-            for add in ("auto", "triton") if interpreted and n != 1 and rows == "0" else ("auto",):
-                results = pool.run(_ring_on_stand_ins, layout, causal, 4, 2, 16 * world, 4, n, cap, rows, add)
-                for res in results:
-                    assert res["kept"] == 1, "the fa4 ring backward did not take the kept-accumulator path"
-                    assert max(res["errors"]) < 1e-12, (layout, causal, n, add, res)
+            results = pool.run(_ring_on_stand_ins, layout, causal, 4, 2, 16 * world, 4, n, cap, rows)
+            for res in results:
+                assert res["kept"] == 1, "the fa4 ring backward did not take the kept-accumulator path"
+                assert max(res["errors"]) < 1e-12, (layout, causal, n, res)
             if layout == "zigzag" and causal and world > 2:   # a middle rank has all three row sets
                 assert max(len(res["row_sets"]) for res in results) == 3, [r["row_sets"] for r in results]
     finally:

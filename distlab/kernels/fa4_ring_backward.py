@@ -41,7 +41,6 @@ import torch
 
 from distlab import knobs
 from distlab.kernels import fa4
-from distlab.kernels.strided_add import strided_add_
 
 TILE = 128   # FA4's largest row / key tile of the sm90 backward at head_dim 128 (n-block 128, m-block 64 or 80)
 _RECORDED: dict = {}
@@ -167,8 +166,8 @@ class FA4RingBackward:
             # a share cut out of a fused block is strided (rows of one head's keys): one add per row, all in one
             # multi-tensor launch, is vectorized where the strided add is not (H100 S32768: 40-65 µs an add)
             torch._foreach_add_(view.flatten(0, -2).unbind(0), part.flatten(0, -2).unbind(0))
-        else:   # vectorized where the share is strided (H100 S32768: 40-66 µs a PyTorch strided add)
-            strided_add_(view, part)
+        else:
+            view.add_(part)
 
     def block(self, k, v, rows: slice, cols: slice, causal: bool):
         """Run the block (rows × cols of this rank's q against k, v); dQ goes into its row set's accumulator;
