@@ -11,7 +11,10 @@ and each merge of up to four block results builds a layout key over all of them
 (``distlab.kernels.lse_merge.lse_merge_blocks_``). Here the ring keeps, per ring shape (and CUDA stream), a
 ``KeptForward``: block n of the pass calls ``fa4_forward_kept``'s ``again`` (FA4's kernel straight into block
 n's kept out/LSE), and merge m calls ``bind_merge_blocks``'s launch (its key made once over the kept blocks).
-The pass's first call of a shape goes through the plain path and records both.
+The pass's first call of a shape goes through the plain path and records both. Measured (docs/PERF.md, H100,
+2026-12-06, W=8 zigzag rank 0, 32 q / 8 kv heads): the S8192 forward's wall 0.141–0.158 → 0.124–0.129 ms, its
+GPU clock (0.124); the f+b wall 72–75 → 75–77% of one FA4 call (median 76%); the stubbed forward on the CPU
+machine (``launch/ring_bookkeeping_cpu.py --stub kernels``) 130–134 → 100–103 µs a pass. S32768: no change.
 
 What stays fresh each pass: the LSE the merges write (the forward returns it, the backward keeps it) and the
 output in q's dtype. What is kept: the block outputs (at S8192, W=8 zigzag rank 0: 2048 rows of 32 heads × 128,
