@@ -153,3 +153,16 @@ def test_kept_fa4_outputs_give_the_bits_of_plain_calls_on_a_gpu():
                 (world, layout, p)
         plan = next(iter(ring_kept._KEPT.values()))
         assert plan.bound == 2 * len(plan.merges) and plan.merges and all(plan.again.values()), (world, plan.again)
+
+
+def test_kept_cache_builds_once_and_drops_the_least_recently_used():
+    """``distlab.lru.kept`` (the ring's kept plans and the packed-document plans): a key is built once, a use
+    moves it to the back, and beyond ``size`` the least recently used goes."""
+    import collections
+
+    from distlab.lru import kept
+
+    cache, built = collections.OrderedDict(), []
+    make = lambda name: (lambda: built.append(name) or name.upper())   # noqa: E731
+    assert [kept(cache, n, make(n), 2) for n in ("a", "b", "a", "c")] == ["A", "B", "A", "C"]
+    assert built == ["a", "b", "c"] and list(cache) == ["a", "c"]   # b, the least recently used, went

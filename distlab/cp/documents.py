@@ -19,8 +19,8 @@ import math
 import torch
 
 from distlab import comm
-
 from distlab.kernels.masks import KeyMask, check_cu_seqlens, check_window, document_mask
+from distlab.lru import kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,14 +69,7 @@ def cached_plan(what: str, docs: Documents, *key, build):
     ``PLAN_CACHE_SIZE`` plans are kept; a kept mask keeps its kernels' tile tables (``KeyMask.memo``) too."""
     cu = None if docs.cu_seqlens is None else tuple(docs.cu_seqlens.tolist())
     k = (what, docs.total, docs.causal, docs.window, cu, *key)
-    plan = _PLANS.get(k)
-    if plan is None:
-        plan = _PLANS[k] = build()
-        while len(_PLANS) > PLAN_CACHE_SIZE:
-            _PLANS.popitem(last=False)
-    else:
-        _PLANS.move_to_end(k)
-    return plan
+    return kept(_PLANS, k, build, PLAN_CACHE_SIZE)
 
 
 def check_call_everywhere(what: str, group, q, k, v, causal=False, layout="contiguous", cu_seqlens=None,

@@ -32,6 +32,7 @@ import torch
 
 from distlab import knobs
 from distlab.kernels import fa4, lse_merge
+from distlab.lru import kept
 
 KEPT_PLANS = 4   # ring shapes (with tensor layouts and stream) whose outputs are kept, the most recent ones
 _KEPT: collections.OrderedDict = collections.OrderedDict()
@@ -104,14 +105,7 @@ def kept_forward(shape, q, k, scale):
             return None
         stream = torch._C._cuda_getCurrentRawStream(q.get_device())   # what Triton's launcher reads (~1 µs)
     key = (shape, q.shape, q.stride(), k.shape, k.stride(), q.dtype, q.device, scale, stream)
-    plan = _KEPT.get(key)
-    if plan is None:
-        plan = _KEPT[key] = KeptForward()
-        if len(_KEPT) > KEPT_PLANS:
-            _KEPT.popitem(last=False)
-    else:
-        _KEPT.move_to_end(key)
-    return plan
+    return kept(_KEPT, key, KeptForward, KEPT_PLANS)
 
 
 def release_kept_forward() -> int:
