@@ -78,8 +78,6 @@ KNOBS = {
                                        "blocks over one row range joined, distlab.cp.ring.fuse_plan); 0: no cap"),
     "RING_DKV_ADD_ROWS": Knob("0", "1: a fused FA4 ring block's dK/dV share (strided) added row by row in one "
                                    "multi-tensor launch (0: one strided add; H100 GPU clock: 1 loses at S8192, ties at S32768)"),
-    "RING_BWD_PRIORITY": Knob("0", "1: a fused FA4/cuDNN ring backward runs its kernels on a stream of the highest "
-                                   "priority, the side stream's dK/dV adds filling the SMs it leaves (CUDA; untimed)"),
     "RING_ZERO_AHEAD": Knob("0", "1: a fused FA4 ring backward zeroes the later blocks' dK/dV scratch at its start, on "
                                  "the side stream (0: each on the compute stream right before its block; 1 passed the GPU "
                                  "test; its graph capture fixed since, not yet timed)"),

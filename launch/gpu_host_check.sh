@@ -30,8 +30,6 @@
 #   bash launch/gpu_host_check.sh OUTDIR fa4keepmin # the same, S8192 and S32768 landing on/off wall and host_cost only
 #   bash launch/gpu_host_check.sh OUTDIR fa4cudnn  # the FA4 rank against cuDNN's one call, both orders, wall
 #   bash launch/gpu_host_check.sh OUTDIR fa4s8k    # the S8192 rank's wall in four processes (after a warm-up row)
-#   bash launch/gpu_host_check.sh OUTDIR fa4prio   # FA4 present: the backward on a high-priority stream and its
-#                                                  # preprocesses/fills ahead: GPU tests, GPU clock, wall, timeline
 #   bash launch/gpu_host_check.sh OUTDIR fa4confirm # FA4 present: every FA4 GPU test, the S8192 rank's wall in four
 #                                                  # processes, the rank against cuDNN's one call at S32768
 #   bash launch/gpu_host_check.sh OUTDIR fa4kept   # FA4 present: the block outputs kept, merges bound (ring_kept):
@@ -305,20 +303,6 @@ elif [ "$part" = fa4confirm ]; then   # FA4 present (2026-12-06, 19th session): 
   done
   LIMIT=120 TAIL=8 run emulate_fa4_cudnn_wall $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
       sdpa-cudnn --steps-per-launch 4 --iters 20 --wall --json "$out/emulate_fa4_cudnn_wall.json"
-elif [ "$part" = fa4prio ]; then   # FA4 present (2026-12-06, 19th session): the fused backward's kernels on a stream
-  # of the highest priority (RING_BWD_PRIORITY=1), with and without the later blocks' fills and row sets'
-  # preprocesses run ahead on the side stream (RING_ZERO_AHEAD=1): GPU tests with both on, GPU clock, wall, timeline
-  LIMIT=120 TAIL=3 run fa4_prio_tests env DISTLAB_RING_ZERO_AHEAD=1 DISTLAB_RING_BWD_PRIORITY=1 $py -m pytest -q \
-      -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider
-  LIMIT=120 TAIL=10 run emulate_prio_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 \
-      --steps-per-launch 4 --variant '' 'RING_BWD_PRIORITY=1' 'RING_ZERO_AHEAD=1' 'RING_BWD_PRIORITY=1;RING_ZERO_AHEAD=1' \
-      --iters 20 --json "$out/emulate_prio_gpu.json"
-  LIMIT=120 TAIL=10 run emulate_prio_wall $py -m distlab.cp.emulate --world 8 --seq 8192 32768 --backend fa4 \
-      --steps-per-launch 4 --variant 'RING_BWD_PRIORITY=1;RING_ZERO_AHEAD=1' '' 'RING_BWD_PRIORITY=1' \
-      'RING_BWD_PRIORITY=1;RING_ZERO_AHEAD=1' '' --iters 20 --wall --json "$out/emulate_prio_wall.json"
-  LIMIT=90 TAIL=40 run timeline_s32k_prio env DISTLAB_RING_ZERO_AHEAD=1 DISTLAB_RING_BWD_PRIORITY=1 $py -m \
-      distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --steps-per-launch 4 --iters 5 --timeline \
-      --json "$out/timeline_s32k_prio.json"
 elif [ "$part" = fa4zero ]; then   # FA4 present: the dK/dV scratch zeroed ahead on the side stream (forked from the
   # compute stream since its first GPU run failed in a graph's capture): GPU tests with it, GPU clock, wall
   LIMIT=60 TAIL=3 run fa4_ring_tests_zero env DISTLAB_RING_ZERO_AHEAD=1 $py -m pytest -q -m gpu \

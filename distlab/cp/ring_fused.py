@@ -43,30 +43,7 @@ from distlab.profiling import phase
 
 def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, backend, steps_per_launch):
     """``distlab.cp.ring._ring_backward`` for a backend other than ``triton`` whose launch groups
-    (``steps_per_launch``) hold several steps: returns (dq, dk, dv) of this rank's shard.
-
-    Knob ``DISTLAB_RING_BWD_PRIORITY=1`` (CUDA, off by default until timed): the backward's kernels go on a
-    stream of the highest priority, so the side stream's dK/dV adds of one group (and anything else queued
-    beside) take the SMs only where the next group's kernel leaves them free, instead of holding its start
-    back (H100 S32768 timeline: ~100 µs between the second and third blocks, the adds and a fill). The
-    caller's stream waits for it at the end, and the results are marked as used there."""
-    if not (q.is_cuda and knobs.get("RING_BWD_PRIORITY") == "1"):
-        return _groups(dout, q, k, v, out, lse, ring, causal, layout, scale, backend, steps_per_launch)
-    user = torch.cuda.current_stream(q.device)
-    high = _high_stream(q.device)
-    high.wait_stream(user)
-    torch.cuda.set_stream(high)
-    try:
-        grads = _groups(dout, q, k, v, out, lse, ring, causal, layout, scale, backend, steps_per_launch)
-    finally:
-        torch.cuda.set_stream(user)
-    user.wait_stream(high)   # before the inputs can be freed and their memory handed out again on this stream
-    for t in grads:
-        t.record_stream(user)
-    return grads
-
-
-def _groups(dout, q, k, v, out, lse, ring, causal, layout, scale, backend, steps_per_launch):
+    (``steps_per_launch``) hold several steps: returns (dq, dk, dv) of this rank's shard."""
     s = q.shape[1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     shape = (ring.rank, ring.size, s, causal, layout, steps_per_launch, fuse_cap())
@@ -167,13 +144,6 @@ def _fused_blocks(rank, world, seq, causal, layout, steps_per_launch, max_keys, 
 
 
 _SIDE: dict = {}   # one side stream per CUDA device for the dK/dV adds and sends (a stream, not parallel state)
-_HIGH: dict = {}   # one stream of the highest priority per CUDA device (``DISTLAB_RING_BWD_PRIORITY``)
-
-
-def _high_stream(device):
-    if device not in _HIGH:
-        _HIGH[device] = torch.cuda.Stream(device, priority=-1)   # PyTorch maps it into the device's range
-    return _HIGH[device]
 
 
 def _side_stream(device):

@@ -134,7 +134,6 @@ class FA4RingBackward:
         self.sets: dict = {}
         self.plans: dict = {}
         self.zeroed: dict = {}   # block key -> [(zeroed scratch, its fill's event)] (``zero_ahead``)
-        self.ready: dict = {}    # row set key -> the event of its preprocess run ahead (``zero_ahead``)
         self.add_rows = knobs.get("RING_DKV_ADD_ROWS") == "1"
 
     def prepare(self, blocks):
@@ -188,10 +187,6 @@ class FA4RingBackward:
         n, shape, acc, main_fn, q, dout, rs, rest = plan
         if n != k.shape[1]:
             k, v = k[:, cols], v[:, cols]
-        if self.ready:   # its row set's preprocess ran ahead on a side stream
-            done = self.ready.pop((rows.start, rows.stop, causal), None)
-            if done is not None:
-                torch.cuda.current_stream(k.device).wait_event(done)
         ahead = self.zeroed.get(key)
         if ahead:   # zeroed beforehand on a side stream (``zero_ahead``)
             buf, done = ahead.pop(0)
@@ -218,18 +213,6 @@ class FA4RingBackward:
                 done.record(stream)
             buf.record_stream(main)
             self.zeroed.setdefault(key, []).append((buf, done))
-        for rows, cols, causal in blocks:   # and the later row sets' preprocesses (delta, the base-2 LSE, dQ's
-            # accumulator zeroed: 7 µs at S8192, 28 at S32768 before the second block, H100)
-            key = (rows.start, rows.stop, causal)
-            if key in self.sets:
-                continue
-            with torch.cuda.stream(stream):
-                rs = self._row_set(rows, cols.stop - cols.start, causal)
-                done = torch.cuda.Event()
-                done.record(stream)
-            for t in (rs.dpsum, rs.lse_log2, rs.dq_accum):
-                t.record_stream(main)
-            self.ready[key] = done
 
     def dq(self):
         """The rank's dQ in q's dtype: each row set's accumulator converted by FA4's postprocess (scaled); the
