@@ -128,10 +128,7 @@ def lse_merge_blocks_(out, lse, blocks, has_acc=True, final=None):
     a call with a layout seen before only reads the pointers' alignment and launches (CPU, launches skipped:
     34 → 9.7 µs a call, four blocks at S1024, 32 heads)."""
     fo = final if final is not None else out
-    key = (out.shape, out.stride(), out.dtype, lse.shape, lse.stride(), lse.dtype, has_acc,
-           None if final is None else (final.shape, final.stride(), final.dtype),
-           tuple((bo.shape, bo.stride(), bo.dtype, bl.shape, bl.stride(), bl.dtype, lo, hi) for bo, bl, lo, hi in blocks),
-           knob("MERGE_BLOCK", 32), num_warps(4))
+    key = _layout_key(out, lse, blocks, has_acc, final)
     plan = _BLOCK_PLANS.get(key)
     if plan is None:
         plan = _BLOCK_PLANS[key] = _merge_blocks_plan(out, lse, blocks, has_acc, final, fo)
@@ -148,6 +145,15 @@ def lse_merge_blocks_(out, lse, blocks, has_acc=True, final=None):
 _BLOCK_PLANS: dict = {}
 
 
+def _layout_key(out, lse, blocks, has_acc, final):
+    """What ``lse_merge_blocks_``'s plan and its compiled kernel depend on: every argument's shape, strides and
+    dtype, the blocks' row ranges, ``has_acc``, ``final``'s layout and the launch knobs."""
+    return (out.shape, out.stride(), out.dtype, lse.shape, lse.stride(), lse.dtype, has_acc,
+            None if final is None else (final.shape, final.stride(), final.dtype),
+            tuple((bo.shape, bo.stride(), bo.dtype, bl.shape, bl.stride(), bl.dtype, lo, hi) for bo, bl, lo, hi in blocks),
+            knob("MERGE_BLOCK", 32), num_warps(4))
+
+
 def bind_merge_blocks(out, lse, blocks, has_acc=True, final=None):
     """``lse_merge_blocks_(out, lse, blocks, has_acc, final)``'s launch with its plan worked out once and the
     block results fixed: returns ``launch(out, lse, final)``, which merges those very block tensors (the
@@ -155,10 +161,7 @@ def bind_merge_blocks(out, lse, blocks, has_acc=True, final=None):
     (same shapes, strides, dtypes; ``final`` None or not as here). Per call it reads three pointers'
     alignment and launches: the layout key of up to four blocks is not rebuilt (#24: host time a ring pass)."""
     fo = final if final is not None else out
-    key = (out.shape, out.stride(), out.dtype, lse.shape, lse.stride(), lse.dtype, has_acc,
-           None if final is None else (final.shape, final.stride(), final.dtype),
-           tuple((bo.shape, bo.stride(), bo.dtype, bl.shape, bl.stride(), bl.dtype, lo, hi) for bo, bl, lo, hi in blocks),
-           knob("MERGE_BLOCK", 32), num_warps(4))
+    key = _layout_key(out, lse, blocks, has_acc, final)
     grid, scalars, kwargs = _merge_blocks_plan(out, lse, blocks, has_acc, final, fo)
     fixed = tuple(t for bo, bl, _, _ in blocks for t in (bo, bl))
     fixed_aligned = sum(1 << (3 + i) for i, t in enumerate(fixed) if t.data_ptr() % 16 == 0)
