@@ -25,10 +25,12 @@ WORLDS = (3, 4)
 def kept_ring_passes(layout, causal, steps_per_launch, keep, seq, heads=4, kv_heads=2, dim=16, passes=3):
     """Runs on every rank: ``passes`` forwards of one ring shape (new inputs each) on FA4's stand-in with the
     knob ``RING_KEEP_OUTPUTS=keep``: each pass's errors of out and LSE against float64 attention, the
-    stand-in's interface and kernel calls, the replays, and the kept plan's block outputs (ids per pass)."""
+    stand-in's interface and kernel calls, the replays, and the kept plan's block outputs (ids per pass). Each
+    pass's out and LSE then go through the ring's backward (``torch`` blocks): dq/dk/dv against float64
+    autograd, so what the kept forward hands the backward is checked too."""
     from distlab import knobs
     from distlab.cp import ring_kept
-    from distlab.cp.ring import _ring_forward
+    from distlab.cp.ring import _ring_backward, _ring_forward
     from distlab.kernels import fa4
     from distlab.testing import install_fa4_stand_in, remove_fa4_stand_in
 
@@ -42,14 +44,22 @@ def kept_ring_passes(layout, causal, steps_per_launch, keep, seq, heads=4, kv_he
                 g = torch.Generator().manual_seed(10 + p)
                 q = torch.randn(1, seq, heads, dim, generator=g, dtype=torch.float64)
                 k, v = (torch.randn(1, seq, kv_heads, dim, generator=g, dtype=torch.float64) for _ in range(2))
-                want = attention_reference(q, k, v, causal=causal)
+                dout = torch.randn(1, seq, heads, dim, generator=g, dtype=torch.float64)
+                full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+                want = attention_reference(*full, causal=causal)
+                want.backward(dout)
+                want = want.detach()
                 _, want_lse = attention_forward(q, k, v, causal, scale, backend="torch")
                 local = [shard_sequence(t.float(), None, layout) for t in (q, k, v)]
                 out, lse = _ring_forward(*local, ring, causal, layout, scale, "fa4", steps_per_launch)
                 got = gather_sequence(out, None, layout).double()
                 got_lse = gather_sequence(lse.transpose(1, 2), None, layout).transpose(1, 2).double()
+                grads = _ring_backward(shard_sequence(dout.float(), None, layout), *local, out, lse, ring, causal,
+                                       layout, scale, "torch", steps_per_launch)
+                grad_err = max(((gather_sequence(a, None, layout).double() - t.grad).abs().max() / t.grad.abs().max())
+                               .item() for a, t in zip(grads, full))
                 errors.append(((got - want).abs().max().item(), (got_lse - want_lse).abs().max().item(),
-                               str(out.dtype)))
+                               str(out.dtype), grad_err))
                 plan = next(iter(ring_kept._KEPT.values()), None)
                 kept_ids.append(sorted(plan.kept) if plan else [])
                 calls.append(counts["calls"])
@@ -86,8 +96,9 @@ def test_ring_forward_on_kept_fa4_outputs_matches_one_device(interpreted_pools, 
     for layout, causal, n in (("zigzag", True, (1, world - 1)), ("contiguous", False, 1)):
         case = f"W={world} {layout} causal={causal} groups {n}"
         for rank, res in enumerate(pool.run(kept_ring_passes, layout, causal, n, "1", 4 * world)):
-            for p, (err, err_lse, dtype) in enumerate(res["errors"]):
+            for p, (err, err_lse, dtype, grad_err) in enumerate(res["errors"]):
                 assert err < 1e-5 and err_lse < 1e-5, f"rank {rank} pass {p}: {err:.2e} {err_lse:.2e} ({case})"
+                assert grad_err < 1e-5, f"rank {rank} pass {p}: gradients {grad_err:.2e} ({case})"
                 assert dtype == "torch.float32"
             per_pass = res["calls"]["kernel"] // 3
             assert res["calls"]["kernel"] == 3 * per_pass and per_pass >= 1, (res, case)
@@ -108,8 +119,9 @@ def test_ring_forward_with_more_merges_than_one_and_the_knob_off(interpreted_poo
     pool = interpreted_pools(3)
     for keep in ("1", "0"):
         for rank, res in enumerate(pool.run(_with_merge_blocks, "2", kept_ring_passes, "zigzag", False, 1, keep, 12)):
-            for p, (err, err_lse, _) in enumerate(res["errors"]):
-                assert err < 1e-5 and err_lse < 1e-5, f"rank {rank} pass {p} keep={keep}: {err:.2e} {err_lse:.2e}"
+            for p, (err, err_lse, _, grad_err) in enumerate(res["errors"]):
+                assert err < 1e-5 and err_lse < 1e-5 and grad_err < 1e-5, \
+                    f"rank {rank} pass {p} keep={keep}: {err:.2e} {err_lse:.2e} {grad_err:.2e}"
             if keep == "1":
                 assert res["interface_calls"] == [1] * 3 and res["merges"] == 2, res
             else:
@@ -131,7 +143,7 @@ def test_kept_fa4_outputs_give_the_bits_of_plain_calls_on_a_gpu():
     from distlab import knobs
     from distlab.cp import ring_kept
     from distlab.cp.emulate import ResidentRing
-    from distlab.cp.ring import _ring_forward
+    from distlab.cp.ring import _ring_backward, _ring_forward
     from distlab.kernels import fa4
 
     if not torch.cuda.is_available() or not fa4.runs_on(torch.device("cuda"), torch.bfloat16):
