@@ -4,7 +4,7 @@
 
 Starting W processes costs seconds, so tests keep a pool per world size and send it work:
 ``pool.run(fn, *args)`` calls ``fn(*args)`` on every rank (after ``init_process_group``) and
-returns the per-rank results in rank order. ``fn`` must be importable by name (a module-level function
+returns the per-rank results in rank order (``pool.map(fn, jobs)`` deals one-process jobs out over the ranks). ``fn`` must be importable by name (a module-level function
 of a test module or package). If any rank raises, ``run`` raises ``RankErrors`` holding every rank's
 error; ``pool.run_all(fn, ...)`` returns ``(ok, value_or_error_text)`` per rank instead, for tests that
 expect every rank to refuse an input. A task that does not finish in ``timeout_s`` kills the pool (its
@@ -138,6 +138,13 @@ class ProcessGroupPool:
             raise RankErrors(errors)
         return [v for _, v in outcome]
 
+    def map(self, fn, jobs, timeout_s: float = 180.0) -> list:
+        """``fn(*job)`` for each of ``jobs`` (tuples of arguments), dealt out over the ranks (rank r takes jobs
+        r, r + W, ...): one-process work (no collectives) run W at a time. The results in job order."""
+        jobs = [tuple(job) for job in jobs]
+        done = dict(pair for share in self.run(_share_of_jobs, fn, jobs, timeout_s=timeout_s) for pair in share)
+        return [done[i] for i in range(len(jobs))]
+
     def close(self, kill: bool = False) -> None:
         for p, t in zip(self.procs, self.tasks):
             if p.is_alive() and not kill:
@@ -147,6 +154,14 @@ class ProcessGroupPool:
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def _share_of_jobs(fn, jobs):
+    """This rank's share of ``ProcessGroupPool.map``: ``[(job index, fn(*job))]``."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return [(i, fn(*jobs[i])) for i in range(rank, len(jobs), world)]
 
 
 def run_in_triton_interpreter(code: str, timeout_s: float = 300):

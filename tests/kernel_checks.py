@@ -492,7 +492,9 @@ def check_masked(device, dtype, big=False):
         # in between no row sees (``key_gaps``: skipped)
         (torch.cat([torch.arange(24), torch.arange(80, t)]) if not big else
          torch.cat([torch.arange(1000), torch.arange(6000, t)]), torch.arange(t), True, None)]
-    for i, (qp, kp, causal, window) in enumerate(cases):
+    if device.type == "cpu" and dtype != torch.float32:   # float16 on the CPU checks the dtype's rounding, not
+        cases = [cases[i] for i in (1, 3, 6)]             # the indexing (float32 runs every case): a window,
+    for i, (qp, kp, causal, window) in enumerate(cases):  # a ring block, a straddling query tile
         mask = document_mask(qp, kp, cu, causal, window, t).to(device)
         q = rand(2, len(qp), h, d, dtype=dtype, device=device, seed=i)
         k = rand(2, len(kp), hk, d, dtype=dtype, device=device, seed=10 + i)

@@ -352,18 +352,11 @@ def triton_methods_vs_one_device(case):
 
 
 @pytest.mark.parametrize("case", ["tiny_docs", "window_over_shards", "full_in_docs"])
-def test_methods_with_the_masked_triton_kernel(case):
-    """The masked Triton kernel under the ring, all-gather and Ulysses on real gloo ranks (a fresh pool:
-    the interpreter is switched on before the workers define the kernels)."""
-    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
-    from distlab.testing import ProcessGroupPool
-
-    pool = ProcessGroupPool(2, env={"TRITON_INTERPRET": "1"})
-    try:
-        for errors in pool.run(triton_methods_vs_one_device, case, timeout_s=400):
-            assert errors and all(e < 2e-5 for e in errors.values()), errors
-    finally:
-        pool.close()
+def test_methods_with_the_masked_triton_kernel(interpreted_pools, case):
+    """The masked Triton kernel under the ring, all-gather and Ulysses on real gloo ranks (the interpreter is
+    switched on before the workers define the kernels)."""
+    for errors in interpreted_pools(2).run(triton_methods_vs_one_device, case, timeout_s=400):
+        assert errors and all(e < 2e-5 for e in errors.values()), errors
 
 
 def triton_ring_blocks_vs_torch(case, layout):
@@ -392,21 +385,15 @@ def triton_ring_blocks_vs_torch(case, layout):
     return worst, counts
 
 
-def test_triton_ring_steps_of_one_and_of_several_blocks():
+def test_triton_ring_steps_of_one_and_of_several_blocks(interpreted_pools):
     """The fused packed ring's backward: a step's only block writes its keys' dK/dV (no zero fill), a step of
     several adds into zeros; both equal the torch backend's sums (Triton's interpreter, float32)."""
-    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
-    from distlab.testing import ProcessGroupPool
-
-    pool = ProcessGroupPool(1, env={"TRITON_INTERPRET": "1"})
-    try:
-        for case, layout in (("window_in_doc", "balanced"), ("full_in_docs", "zigzag")):
-            [(worst, counts)] = pool.run(triton_ring_blocks_vs_torch, case, layout, timeout_s=400)
-            steps = [n for rank in counts for n in rank[1:]]
-            assert 1 in steps and max(steps) >= 2, counts   # both kinds of step are exercised
-            assert worst < 2e-5, (case, layout, worst)
-    finally:
-        pool.close()
+    jobs = [("window_in_doc", "balanced"), ("full_in_docs", "zigzag")]
+    for (case, layout), (worst, counts) in zip(jobs, interpreted_pools(2).map(triton_ring_blocks_vs_torch, jobs,
+                                                                             timeout_s=400)):
+        steps = [n for rank in counts for n in rank[1:]]
+        assert 1 in steps and max(steps) >= 2, counts   # both kinds of step are exercised
+        assert worst < 2e-5, (case, layout, worst)
 
 
 def triton_ring_forward_orders(case, layout):
@@ -438,20 +425,14 @@ def triton_ring_forward_orders(case, layout):
     return same, worst
 
 
-def test_masked_forward_longest_tiles_first_is_the_same_computation():
+def test_masked_forward_longest_tiles_first_is_the_same_computation(interpreted_pools):
     """``DISTLAB_TRITON_MASKED_ORDER`` (lpt, the default for ring blocks) only changes which program the GPU
     starts first: the packed ring's forward gives bit-identical results in both orders, equal to the torch
     backend (Triton's interpreter)."""
-    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
-    from distlab.testing import ProcessGroupPool
-
-    pool = ProcessGroupPool(1, env={"TRITON_INTERPRET": "1"})
-    try:
-        for case, layout in (("window_in_doc", "balanced"), ("full_in_docs", "zigzag")):
-            [(same, worst)] = pool.run(triton_ring_forward_orders, case, layout, timeout_s=400)
-            assert same and worst < 2e-5, (case, layout, same, worst)
-    finally:
-        pool.close()
+    jobs = [("window_in_doc", "balanced"), ("full_in_docs", "zigzag")]
+    for (case, layout), (same, worst) in zip(jobs, interpreted_pools(2).map(triton_ring_forward_orders, jobs,
+                                                                           timeout_s=400)):
+        assert same and worst < 2e-5, (case, layout, same, worst)
 
 
 def triton_ring_forward_accumulators(case, layout):
@@ -494,23 +475,17 @@ def triton_ring_forward_accumulators(case, layout):
     return worst, merged
 
 
-def test_triton_ring_two_forward_accumulators():
+def test_triton_ring_two_forward_accumulators(interpreted_pools):
     """The packed ring's forward on two streams (``DISTLAB_PACKED_FWD_STREAMS=2``): my own step's blocks and
     the later steps' each into a running result, the rows both cover merged at the end — its output and the
     backward's gradients from it equal one device (float64 reference), as with one running result, and as
     with the later steps in one launch group (0 | 1 2: their keys gathered, the forward numbered by groups,
     the backward by steps) (Triton's interpreter, float32, in order on the CPU)."""
-    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
-    from distlab.testing import ProcessGroupPool
-
-    pool = ProcessGroupPool(1, env={"TRITON_INTERPRET": "1"})
-    try:
-        for case, layout in (("window_in_doc", "balanced"), ("full_in_docs", "zigzag"), ("one_doc", "contiguous")):
-            [(worst, merged)] = pool.run(triton_ring_forward_accumulators, case, layout, timeout_s=400)
-            assert merged >= 1, (case, layout)   # some rank had rows to merge
-            assert max(worst.values()) < 2e-5, (case, layout, worst)
-    finally:
-        pool.close()
+    jobs = [("window_in_doc", "balanced"), ("full_in_docs", "zigzag"), ("one_doc", "contiguous")]
+    for (case, layout), (worst, merged) in zip(jobs, interpreted_pools(2).map(triton_ring_forward_accumulators, jobs,
+                                                                             timeout_s=400)):
+        assert merged >= 1, (case, layout)   # some rank had rows to merge
+        assert max(worst.values()) < 2e-5, (case, layout, worst)
 
 
 def test_masked_tile_order_knob_refuses_an_unknown_value():
@@ -637,38 +612,33 @@ def allgather_schedule_triton_vs_one_device():
     return errors + [rel_err(dk, dk_w), rel_err(dv, dv_w)]
 
 
-def test_allgather_schedule_on_the_masked_triton_kernel():
+def test_allgather_schedule_on_the_masked_triton_kernel(interpreted_pools):
     """The H200/H100 run of ``emulate_packed --method allgather`` (2026-12-05) failed in the backward: the LSE of
     a kv-head group is a view whose batch stride is the whole tensor's, and the rows' check wanted delta's."""
-    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
-    from distlab.testing import ProcessGroupPool
-
-    pool = ProcessGroupPool(1, env={"TRITON_INTERPRET": "1"})
-    try:
-        (errors,) = pool.run(allgather_schedule_triton_vs_one_device, timeout_s=300)
-        assert errors and all(e < 2e-5 for e in errors), errors
-    finally:
-        pool.close()
+    (errors,) = interpreted_pools(2).map(allgather_schedule_triton_vs_one_device, [()], timeout_s=300)
+    assert errors and all(e < 2e-5 for e in errors), errors
 
 
-def dq_final_on_and_off():
+def dq_final_on_and_off(ring):
     """One process, Triton's interpreter, float32: a rank's backward with ``DISTLAB_RING_DQ_FINAL`` 1 (each row's
     final dQ written by its last block's dQ kernel) and 0 (a float32 dQ converted after the ring) — the dense
     ring (``emulate_rank``, zigzag and contiguous) and the packed ring (every rank of a W=3 pack in the balanced
-    layout, one launch a step and by launch groups 0 | 1 2). Returns, per case, whether the two gradients are
-    the same bit for bit."""
+    layout, one launch a step and by launch groups 0 | 1 2), ``ring`` "dense" or "packed". Returns, per case,
+    whether the two gradients are the same bit for bit."""
     from distlab import knobs
     from distlab.cp.emulate import ResidentRing, emulate_rank
     from distlab.cp.ring_packed import _backward, _forward, step_blocks
 
     same = {}
-    for layout, rank in (("zigzag", 0), ("zigzag", 2), ("contiguous", 1)):
+    for layout, rank in (("zigzag", 0), ("zigzag", 2), ("contiguous", 1)) if ring == "dense" else ():
         got = []
         for flag in ("1", "0"):
             with knobs.override(RING_DQ_FINAL=flag):
                 got.append(emulate_rank(3, 96, 2, 1, 16, rank, layout, True, "triton", torch.float32,
                                         torch.device("cpu"), keep_output=True, iters=1, warmup=0)["dq"])
         same[f"dense {layout} r{rank}"] = torch.equal(*got)
+    if ring == "dense":
+        return same
     cu, causal, window = CASES["tiny_docs"]
     docs = Documents.from_args(T, torch.tensor(cu), causal, window)
     q, k, v, dout = (t[:1].float() for t in _inputs(4, 2, head_dim=16))
@@ -687,18 +657,11 @@ def dq_final_on_and_off():
     return same
 
 
-def test_the_final_dq_from_the_last_block_is_the_converted_accumulator():
+def test_the_final_dq_from_the_last_block_is_the_converted_accumulator(interpreted_pools):
     """``DISTLAB_RING_DQ_FINAL`` 1 (the default) and 0 give the same gradients bit for bit (float32 on the CPU;
     the one-device parity tests of both rings run with 1)."""
-    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
-    from distlab.testing import ProcessGroupPool
-
-    pool = ProcessGroupPool(1, env={"TRITON_INTERPRET": "1"})
-    try:
-        (same,) = pool.run(dq_final_on_and_off, timeout_s=300)
-        assert same and all(same.values()), same
-    finally:
-        pool.close()
+    same = interpreted_pools(2).map(dq_final_on_and_off, [("dense",), ("packed",)], timeout_s=300)
+    assert all(case and all(case.values()) for case in same), same
 
 
 def test_packed_emulator_refuses_unknown_layouts_before_any_clock():

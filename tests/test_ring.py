@@ -14,7 +14,6 @@ import torch
 from distlab import comm
 from distlab.cp.layout import gather_sequence, shard_sequence
 from distlab.cp.ring import ring_attention
-from distlab.testing import ProcessGroupPool
 from distlab.kernels.attention import attention_reference
 
 WORLDS = [1, 2, 3, 4, 8]
@@ -199,60 +198,52 @@ def _with_knobs(values, fn, *args, **kwargs):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_ring_with_the_triton_kernels_matches_one_device(world):
+def test_ring_with_the_triton_kernels_matches_one_device(interpreted_pools, world):
     """The ``triton`` backend's ring path (in-kernel accumulation forward, dQ added and dK/dV written in
     float32 by the backward kernels, the backward rows computed once) on real gloo ranks, the kernels run
-    by Triton's CPU interpreter (switched on in the workers before they define the kernels, so a fresh pool)."""
-    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
-    pool = ProcessGroupPool(world, env={"TRITON_INTERPRET": "1"})
-    try:
-        # dQ from its own kernel (added in place), or added by the dK/dV kernel's atomics into the ring's dQ
-        # several ring steps per forward launch (with 64-row shards zigzag's half blocks start on a query
-        # tile): all W steps in one launch (W blocks), or the first two (a pair, then single steps)
-        # dK/dV per kv head (split 0) or summed from per-q-head partials straight into the received accumulator
-        # (W=3, the odd world, runs the cases marked True: both layouts, a split, every step in one launch, a pair
-        # of steps then single steps)
-        cases = [(True, "zigzag", True, (4, 2), "kernel", "0", 1, 24),
-                 (False, "contiguous", True, (4, 4), "kernel", "0", 1, 24),
-                 (True, "contiguous", False, (4, 2), "kernel", "1", 1, 24),
-                 (False, "zigzag", True, (4, 2), "atomic", "1", 1, 24),
-                 (True, "zigzag", True, (4, 2), "kernel", "0", (world,), 64),
-                 (True, "contiguous", False, (2, 1), "kernel", "0", (2,) + (1,) * (world - 2), 32)]
-        for layout, causal, (heads, kv_heads), dq_mode, split, n, shard in (c[1:] for c in cases if world == 2 or c[0]):
-            case = f"W={world} {layout} causal={causal} dq {dq_mode} split {split} steps/launch {n}"
-            # split partials summed by the dQ kernel's programs (the default; kernel_checks.py also checks the
-            # separate summing launch, SPLIT_SUM=kernel, against the reference)
-            values = {"TRITON_ATTN_DQ_MODE": dq_mode, "TRITON_ATTN_SPLIT_GROUPS": split}
-            for rank, res in enumerate(pool.run(_with_knobs, values,
-                                                ring_vs_one_device, heads, kv_heads, causal, layout, seq=shard * world,
-                                                head_dim=16, backend="triton", steps_per_launch=n)):
-                for name, err in res["errors"].items():
-                    assert err < 1e-5, f"rank {rank}: {name} rel err {err:.2e} ({case})"
-                assert res["bwd_calls"] == {"ring_kv": world - 1, "ring_dkv": world}
-    finally:
-        pool.close()
+    by Triton's CPU interpreter (switched on in the workers before they define the kernels)."""
+    pool = interpreted_pools(world)
+    # dQ from its own kernel (added in place), or added by the dK/dV kernel's atomics into the ring's dQ
+    # several ring steps per forward launch (with 64-row shards zigzag's half blocks start on a query
+    # tile): all W steps in one launch (W blocks), or the first two (a pair, then single steps)
+    # dK/dV per kv head (split 0) or summed from per-q-head partials straight into the received accumulator
+    # (W=3, the odd world, runs the cases marked True: both layouts, a split, every step in one launch, a pair
+    # of steps then single steps)
+    cases = [(True, "zigzag", True, (4, 2), "kernel", "0", 1, 24),
+             (False, "contiguous", True, (4, 4), "kernel", "0", 1, 24),
+             (True, "contiguous", False, (4, 2), "kernel", "1", 1, 24),
+             (False, "zigzag", True, (4, 2), "atomic", "1", 1, 24),
+             (True, "zigzag", True, (4, 2), "kernel", "0", (world,), 64),
+             (True, "contiguous", False, (2, 1), "kernel", "0", (2,) + (1,) * (world - 2), 32)]
+    for layout, causal, (heads, kv_heads), dq_mode, split, n, shard in (c[1:] for c in cases if world == 2 or c[0]):
+        case = f"W={world} {layout} causal={causal} dq {dq_mode} split {split} steps/launch {n}"
+        # split partials summed by the dQ kernel's programs (the default; kernel_checks.py also checks the
+        # separate summing launch, SPLIT_SUM=kernel, against the reference)
+        values = {"TRITON_ATTN_DQ_MODE": dq_mode, "TRITON_ATTN_SPLIT_GROUPS": split}
+        for rank, res in enumerate(pool.run(_with_knobs, values,
+                                            ring_vs_one_device, heads, kv_heads, causal, layout, seq=shard * world,
+                                            head_dim=16, backend="triton", steps_per_launch=n)):
+            for name, err in res["errors"].items():
+                assert err < 1e-5, f"rank {rank}: {name} rel err {err:.2e} ({case})"
+            assert res["bwd_calls"] == {"ring_kv": world - 1, "ring_dkv": world}
 
 
-def test_ring_merging_block_results_four_at_a_time_matches_one_device():
+def test_ring_merging_block_results_four_at_a_time_matches_one_device(interpreted_pools):
     """A backend that cannot accumulate (here ``torch``; cuDNN and FA4 on a GPU) holds its block results back
     and merges them four at a time in one Triton launch, the last merge writing q's dtype
     (``lse_merge_blocks_``, run by Triton's CPU interpreter): on W=5 real gloo ranks (five blocks: two
     merges), both layouts, causal and not, GQA, one and two steps a group."""
-    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
     world = 5
-    pool = ProcessGroupPool(world, env={"TRITON_INTERPRET": "1"})
-    try:
-        # merged 4 + 1 (the default), 3 + 2, or one lse_merge_ per block (0: the schedule before)
-        for layout, causal, n, group in (("zigzag", True, 1, "4"), ("contiguous", True, 2, "4"),
-                                         ("zigzag", False, 1, "4"), ("zigzag", True, 2, "3"), ("zigzag", True, 1, "0")):
-            for rank, res in enumerate(pool.run(_with_knobs, {"RING_MERGE_BLOCKS": group}, ring_vs_one_device, 4, 2,
-                                                causal, layout, seq=16 * world, head_dim=16, backend="torch",
-                                                steps_per_launch=n)):
-                for name, err in res["errors"].items():
-                    assert err < 1e-5, f"rank {rank}: {name} {err:.2e} ({layout} causal={causal} n={n} {group})"
-                assert res["dtypes"] == ["torch.float32"] * 4
-    finally:
-        pool.close()
+    pool = interpreted_pools(world)
+    # merged 4 + 1 (the default), 3 + 2, or one lse_merge_ per block (0: the schedule before)
+    for layout, causal, n, group in (("zigzag", True, 1, "4"), ("contiguous", True, 2, "4"),
+                                     ("zigzag", False, 1, "4"), ("zigzag", True, 2, "3"), ("zigzag", True, 1, "0")):
+        for rank, res in enumerate(pool.run(_with_knobs, {"RING_MERGE_BLOCKS": group}, ring_vs_one_device, 4, 2,
+                                            causal, layout, seq=16 * world, head_dim=16, backend="torch",
+                                            steps_per_launch=n)):
+            for name, err in res["errors"].items():
+                assert err < 1e-5, f"rank {rank}: {name} {err:.2e} ({layout} causal={causal} n={n} {group})"
+            assert res["dtypes"] == ["torch.float32"] * 4
 
 
 def post_and_compute_order(world_causal, steps_per_launch=1):

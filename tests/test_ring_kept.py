@@ -17,7 +17,6 @@ import torch
 from distlab import comm
 from distlab.cp.layout import gather_sequence, shard_sequence
 from distlab.kernels.attention import attention_forward, attention_reference
-from distlab.testing import ProcessGroupPool
 
 WORLDS = (3, 4)
 
@@ -69,21 +68,6 @@ def kept_ring_passes(layout, causal, steps_per_launch, keep, seq, heads=4, kv_he
                 "freed": ring_kept.release_kept_forward(), "left": len(ring_kept._KEPT)}
     finally:
         remove_fa4_stand_in()
-
-
-@pytest.fixture(scope="module")
-def interpreted_pools():
-    """gloo pools whose workers run Triton's CPU interpreter (set before the kernels are defined)."""
-    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
-    made = {}
-
-    def get(world):
-        if world not in made:
-            made[world] = ProcessGroupPool(world, env={"TRITON_INTERPRET": "1"})
-        return made[world]
-    yield get
-    for pool in made.values():
-        pool.close()
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -143,7 +127,7 @@ def test_kept_fa4_outputs_give_the_bits_of_plain_calls_on_a_gpu():
     from distlab import knobs
     from distlab.cp import ring_kept
     from distlab.cp.emulate import ResidentRing
-    from distlab.cp.ring import _ring_backward, _ring_forward
+    from distlab.cp.ring import _ring_forward
     from distlab.kernels import fa4
 
     if not torch.cuda.is_available() or not fa4.runs_on(torch.device("cuda"), torch.bfloat16):
