@@ -106,3 +106,14 @@ def uneven_reduce_scatter():
 def test_reduce_scatter_refuses_indivisible_dim_on_every_rank(pools):
     outcome = pools(3).run_all(uneven_reduce_scatter, timeout_s=30)
     assert all(not ok and "not divisible by group size 3" in msg for ok, msg in outcome)
+
+
+def _job_and_rank(i):
+    import torch.distributed as dist
+
+    return i, dist.get_rank()
+
+
+def test_pool_map_deals_the_jobs_over_the_ranks_and_keeps_their_order(pools):
+    assert pools(3).map(_job_and_rank, [(i,) for i in range(7)]) == [(i, i % 3) for i in range(7)]
+    assert pools(3).map(_job_and_rank, []) == []
