@@ -328,9 +328,10 @@ def test_invalid_documents_fail_on_every_rank_before_any_exchange(pools, what):
 
 
 def triton_methods_vs_one_device(case):
-    """Every method with the masked Triton kernel (Triton's CPU interpreter, float32, head_dim 16)."""
+    """Every method with the masked Triton kernel (Triton's CPU interpreter, float32, head_dim 16; batch 1: the
+    kernel's batch strides are checked by ``kernel_checks.py masked``, the methods' by the float64 tests)."""
     cu, causal, window = CASES[case]
-    q, k, v, dout = _inputs(4, 2, head_dim=16)
+    q, k, v, dout = _inputs(4, 2, head_dim=16, batch=1)
     want = reference(q, k, v, dout, cu, causal, window)
     cu_t, world, errors = torch.tensor(cu), comm.group_size(), {}
     for name, fn, sh, ga in methods(world, 4):
