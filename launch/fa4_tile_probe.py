@@ -1,0 +1,93 @@
+"""Does FA4's sm90 backward run a full (non-causal) ring block as fast with 64-row tiles as with its 80? (#24)
+
+    python3 launch/fa4_tile_probe.py --json OUT.json          # H100/H200 with FA4 (../shared/tools/fa4-carry)
+
+FA4 tiles the backward's rows by 80 for a full block and by 64 for a causal or local one (head_dim 128), and
+its float32 dQ accumulator is laid out in those tiles. A zigzag ring rank's blocks therefore need one
+accumulator (and one preprocess, one conversion) per row set: the causal step 0's rows and the later steps'
+second half, which starts at row 2048 at S32768, W=8 — off the 80-row tiles, on the 64-row ones. A full block
+asked for as *local* with a window wider than its keys (``window_size=(None, keys)``: nothing masked) gets the
+64-row tiles; if its main kernel runs as fast, one accumulator could serve every row set (~110 µs of
+preprocess, conversion and sum saved a backward at S32768 by the timeline). This probe times the main kernel
+of the rank-0 block shapes both ways (torch.profiler, kernel time only) and checks they compute the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+
+def main_kernel_us(fn, iters):
+    """Mean GPU time of the backward's main kernel (name holds ``bwd_sm90``) over ``iters`` calls, and of all."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    main = total = 0.0
+    for e in prof.key_averages():
+        t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        total += t
+        if "bwd_sm90" in e.key:
+            main += t
+    return main / iters, total / iters
+
+
+def probe(rows, keys, heads, kv_heads, dim, iters):
+    from flash_attn.cute import interface as fi
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, rows, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(1, keys, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    dout = torch.randn_like(q)
+    out, lse, *_ = fi._flash_attn_fwd(q, k, v, causal=False, return_lse=True)
+    runs = {"full (80-row tiles)": {}, "local, window over every key (64-row tiles)":
+            {"window_size_left": None, "window_size_right": keys}}
+    res, grads = {}, {}
+    for name, kw in runs.items():
+        def call(kw=kw):
+            return fi._flash_attn_bwd(q, k, v, out, dout, lse, causal=False, **kw)[:3]
+        grads[name] = call()
+        res[name] = main_kernel_us(call, iters)
+    (a, b) = grads.values()
+    err = max(((x.float() - y.float()).abs().max() / y.float().abs().max()).item() for x, y in zip(a, b))
+    flops = 2.5 * 4 * rows * keys * heads * dim   # backward = 2.5 x forward's 4·S·K·H·D
+    out = {"rows": rows, "keys": keys, "max_rel_diff": err}
+    for name, (main, total) in res.items():
+        out[name] = {"main_us": main, "all_kernels_us": total, "main_tflops": flops / main / 1e6}
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="2048x12288,2048x16384,2048x4096,4096x8192")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    rows = []
+    print(f"{'rows x keys':>14} | {'full main us':>12} {'TFLOP/s':>8} | {'local main us':>13} {'TFLOP/s':>8} | "
+          f"{'local/full':>10} | {'all kernels full / local us':>28} | max rel diff")
+    for shape in a.shapes.split(","):
+        r, k = map(int, shape.split("x"))
+        row = probe(r, k, a.heads, a.kv_heads, a.dim, a.iters)
+        full, local = (row[n] for n in row if isinstance(row[n], dict))
+        print(f"{shape:>14} | {full['main_us']:12.1f} {full['main_tflops']:8.1f} | {local['main_us']:13.1f} "
+              f"{local['main_tflops']:8.1f} | {local['main_us'] / full['main_us']:10.3f} | "
+              f"{full['all_kernels_us']:13.1f} / {local['all_kernels_us']:12.1f} | {row['max_rel_diff']:.2e}")
+        rows.append(row)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
