@@ -1,6 +1,7 @@
 """Does FA4's sm90 backward run a full (non-causal) ring block as fast with 64-row tiles as with its 80? (#24)
 
     python3 launch/fa4_tile_probe.py --json OUT.json          # H100/H200 with FA4 (../shared/tools/fa4-carry)
+    python3 launch/fa4_tile_probe.py --mha --json OUT.json    # GQA blocks against K/V repeated to MHA
 
 FA4 tiles the backward's rows by 80 for a full block and by 64 for a causal or local one (head_dim 128), and
 its float32 dQ accumulator is laid out in those tiles. A zigzag ring rank's blocks therefore need one
@@ -64,6 +65,39 @@ def probe(rows, keys, heads, kv_heads, dim, iters):
     return out
 
 
+def probe_mha(rows, keys, heads, kv_heads, dim, iters):
+    """GQA against MHA on the same block: FA4's backward with ``kv_heads`` K/V heads (dK/dV added by atomics into
+    float32 scratch, converted after) and with K/V repeated to ``heads`` (each q head's dK/dV written straight
+    in bf16), plus what MHA would cost a ring around the kernel: the K/V repeat and the sum of a kv head's
+    q-head dK/dV into a float32 accumulator."""
+    from flash_attn.cute import interface as fi
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, rows, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(1, keys, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    dout = torch.randn_like(q)
+    out, lse, *_ = fi._flash_attn_fwd(q, k, v, causal=False, return_lse=True)
+    group = heads // kv_heads
+    k_rep, v_rep = (t.repeat_interleave(group, dim=2) for t in (k, v))
+    acc = torch.zeros(1, keys, kv_heads, dim, device="cuda", dtype=torch.float32)
+    gqa = lambda: fi._flash_attn_bwd(q, k, v, out, dout, lse, causal=False)[:3]          # noqa: E731
+    mha = lambda: fi._flash_attn_bwd(q, k_rep, v_rep, out, dout, lse, causal=False)[:3]  # noqa: E731
+    rep = lambda: (k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2))  # noqa: E731
+    dk_mha = mha()[1]
+    add = lambda: acc.add_(dk_mha.view(1, keys, kv_heads, group, dim).sum(3, dtype=torch.float32))  # noqa: E731
+    a, b = gqa(), mha()
+    b = (b[0], *(t.float().view(1, keys, kv_heads, group, dim).sum(3) for t in b[1:]))
+    err = max(((x.float() - y.float()).abs().max() / y.float().abs().max()).item() for x, y in zip(a, b))
+    flops = 2.5 * 4 * rows * keys * heads * dim
+    res = {"rows": rows, "keys": keys, "max_rel_diff": err}
+    for name, fn in (("gqa", gqa), ("mha", mha)):
+        main, total = main_kernel_us(fn, iters)
+        res[name] = {"main_us": main, "all_kernels_us": total, "main_tflops": flops / main / 1e6}
+    for name, fn in (("repeat_kv_us", rep), ("sum_one_of_dk_dv_us", add)):
+        res[name] = main_kernel_us(fn, iters)[1]
+    return res
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="2048x12288,2048x16384,2048x4096,4096x8192")
@@ -72,8 +106,23 @@ def main(argv=None):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json")
+    p.add_argument("--mha", action="store_true", help="GQA against K/V repeated to MHA instead")
     a = p.parse_args(argv)
     rows = []
+    if a.mha:
+        print(f"{'rows x keys':>14} | {'GQA main us':>11} {'all':>7} | {'MHA main us':>11} {'all':>7} | "
+              f"{'repeat K,V us':>13} | {'sum dK us':>9} | max rel diff")
+        for shape in a.shapes.split(","):
+            r, k = map(int, shape.split("x"))
+            row = probe_mha(r, k, a.heads, a.kv_heads, a.dim, a.iters)
+            print(f"{shape:>14} | {row['gqa']['main_us']:11.1f} {row['gqa']['all_kernels_us']:7.1f} | "
+                  f"{row['mha']['main_us']:11.1f} {row['mha']['all_kernels_us']:7.1f} | {row['repeat_kv_us']:13.1f} | "
+                  f"{row['sum_one_of_dk_dv_us']:9.1f} | {row['max_rel_diff']:.2e}")
+            rows.append(row)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "mode": "mha", "rows": rows}, f, indent=1)
+        return
     print(f"{'rows x keys':>14} | {'full main us':>12} {'TFLOP/s':>8} | {'local main us':>13} {'TFLOP/s':>8} | "
           f"{'local/full':>10} | {'all kernels full / local us':>28} | max rel diff")
     for shape in a.shapes.split(","):
