@@ -35,6 +35,8 @@
 #   bash launch/gpu_host_check.sh OUTDIR fa4kept   # FA4 present: the block outputs kept, merges bound (ring_kept):
 #                                                  # GPU tests, W=8 rank on/off wall both orders, GPU clock, the
 #                                                  # fused forward's host profile, the S8192 wall in 3 processes
+#   bash launch/gpu_host_check.sh OUTDIR fa4waves  # FA4 present: the launch groups against FA4's backward waves
+#                                                  # (1|3|4, 1|2|5, 1|5|2, 1|7 at S32768, wall and GPU; rank 7; S8192)
 #   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
 #                                                  # launch keys checked; part triton: then host_cost and the Triton
 #                                                  # ring rank (emulate, wall and GPU)
@@ -292,6 +294,22 @@ elif [ "$part" = fa4kept ]; then   # FA4 present (2026-12-06, 19th session): eac
     LIMIT=60 TAIL=4 run emulate_s8k_wall_$i $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
         --steps-per-launch 4 --variant 'RING_KEEP_OUTPUTS=0' '' '' --iters 20 --wall --json "$out/emulate_s8k_wall_$i.json"
   done
+elif [ "$part" = fa4waves ]; then   # FA4 present (2026-12-06, 20th session): FA4's backward is not persistent (one
+  # 128-key tile of one head a CTA, one CTA an SM): rank 0's later blocks at S32768 make 1024 CTAs a step, 7.76
+  # waves of 132, so 1|3|4 leaves 0.73 + 0.97 of a wave idle at its two launches' ends and 1|2|5 0.48 + 0.21.
+  # The FA4 ring's GPU test first (a W=8 ring by 1|2|5 in it), then the groups timed against each other, wall and
+  # GPU clock, rank 7, S8192, and one timeline of 1|2|5
+  LIMIT=150 TAIL=3 run fa4_ring_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider
+  LIMIT=150 TAIL=9 run emulate_waves_wall_a $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
+      --steps-per-launch 1,3,4 1,2,5 1,5,2 1,7 1,3,4 1,2,5 --iters 20 --wall --json "$out/emulate_waves_wall_a.json"
+  LIMIT=120 TAIL=9 run emulate_waves_gpu $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
+      --steps-per-launch 1,2,5 1,3,4 1,7 1,2,5 1,3,4 --iters 20 --json "$out/emulate_waves_gpu.json"
+  LIMIT=100 TAIL=9 run emulate_waves_rank7 $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --rank 7 \
+      --steps-per-launch 1,3,4 1,2,5 1,3,4 1,2,5 --iters 20 --wall --json "$out/emulate_waves_rank7.json"
+  LIMIT=60 TAIL=8 run emulate_waves_s8k $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
+      --steps-per-launch 1,3,4 1,2,5 1,3,4 1,2,5 --iters 20 --wall --json "$out/emulate_waves_s8k.json"
+  LIMIT=90 TAIL=3 run timeline_s32k_125 $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
+      --steps-per-launch 1,2,5 --iters 5 --timeline --json "$out/timeline_s32k_125.json"
 elif [ "$part" = fa4confirm ]; then   # FA4 present (2026-12-06, 19th session): the kept outputs on another lease —
   # every FA4 GPU test, #24's S8192 wall in four fresh processes (a warm-up row, then the default twice), and the
   # rank against cuDNN's one call at S32768 (#24's >= 100%)

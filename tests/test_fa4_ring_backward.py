@@ -111,6 +111,14 @@ def test_fa4_kept_accumulators_match_one_device_on_stand_in_kernels(world):
         pool.close()
 
 
+def test_fa4_kept_accumulators_in_a_launch_group_of_five_steps(pools):
+    """float64 stand-ins, W=6: groups 0 | 1 2 3 4 5 (a fused group of five, as the GPU's W=8 1|2|5 has) and every
+    step in one group: one-device gradients to rounding."""
+    for layout, causal, n in (("zigzag", True, (1, 5)), ("contiguous", False, (1, 5)), ("zigzag", True, (6,))):
+        for res in pools(6).run(_ring_on_stand_ins, layout, causal, 4, 2, 16 * 6, 4, n):
+            assert res["kept"] == 1 and max(res["errors"]) < 1e-12, (layout, causal, n, res)
+
+
 def _refused_recording(world, steps_per_launch=1):
     from distlab.cp.ring import _ring_backward, _ring_forward
     from distlab.kernels import fa4, fa4_ring_backward as frb
@@ -203,14 +211,15 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
     """FA4's real kernels (sm90+, the fa4 extra): every rank of a W=4 zigzag ring (three row sets), a W=2
     contiguous ring and a W=2 zigzag ring of batch 2 (row views strided by the batch), bf16 against float32,
     with the kept accumulators and without (the knob); and the W=4 zigzag ring by launch groups of 3
-    (``distlab.cp.ring_fused``: 0 | 1 2 3, the later steps fused into one FA4 call per row range)."""
+    (``distlab.cp.ring_fused``: 0 | 1 2 3, the later steps fused into one FA4 call per row range), and every
+    rank of a W=8 zigzag ring by groups 1|2|5 (a fused group of five)."""
     from distlab import knobs
     from distlab.kernels import fa4
 
     if not torch.cuda.is_available() or not fa4.runs_on(torch.device("cuda"), torch.bfloat16):
         pytest.skip("needs FA4 on an sm90+ GPU")
     for layout, world, batch, n in (("zigzag", 4, 1, 1), ("contiguous", 2, 1, 1), ("zigzag", 2, 2, 1),
-                                    ("zigzag", 4, 1, 3), ("contiguous", 4, 2, 3)):
+                                    ("zigzag", 4, 1, 3), ("contiguous", 4, 2, 3), ("zigzag", 8, 1, (1, 2, 5))):
         for accum in ("1", "0"):
             with knobs.override(FA4_RING_ACCUM=accum):
                 for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, layout, batch, n)):

@@ -91,6 +91,23 @@ def test_ring_with_several_blocks_in_flight_matches_one_device(pools, world, lay
             assert res["bwd_calls"] == {"ring_kv": world - 1, "ring_dkv": world}   # the backward by groups too
 
 
+def test_ring_with_a_launch_group_of_more_than_four_steps_matches_one_device(pools):
+    """A backend whose launch group is fused into one call (here ``torch``; FA4 and cuDNN on a GPU) takes groups
+    of any size (W=6: 0 | 1 2 3 4 5, 0 | 1 | 2 3 4 5, every step in one group; on the GPU, W=8, 1|2|5 fills
+    FA4's backward waves better than 1|3|4); Triton's launch takes at most four steps."""
+    from distlab.cp.ring import check_steps_per_launch
+
+    assert check_steps_per_launch("1,5", "torch", 6) == (1, 5)
+    with pytest.raises(ValueError, match="at most 4 a group for triton"):
+        check_steps_per_launch("1,5", "triton", 6)
+    for layout, causal, n in (("zigzag", True, (1, 5)), ("contiguous", True, (1, 1, 4)), ("zigzag", False, (6,))):
+        for rank, res in enumerate(pools(6).run(ring_vs_one_device, 4, 2, causal, layout, steps_per_launch=n,
+                                                backend="torch")):
+            for name, err in res["errors"].items():
+                assert err < 1e-5, f"rank {rank}: {name} rel err {err:.2e} ({layout} causal={causal} {n})"
+            assert res["bwd_calls"] == {"ring_kv": 5, "ring_dkv": 6}
+
+
 def ring_passes_on_kept_landing_buffers(layout):
     """Runs on every rank: three ring passes (forward and backward) of one shape on other inputs each, K/V
     landing in the buffers kept for that shape (``ring_landing.kv_landing``): each pass's errors, the kept

@@ -563,11 +563,15 @@ def check_steps_per_launch(steps_per_launch=None, backend=None, world=None, pack
     defaults = PACKED_STEPS_PER_LAUNCH if packed else STEPS_PER_LAUNCH
     value = steps_per_launch if steps_per_launch is not None else defaults.get(backend, 1)
     sizes = str(value).split(",") if isinstance(value, (int, str)) else [str(x) for x in value]
-    if not all(x.strip().isdigit() and 1 <= int(x) <= MAX_STEPS_PER_LAUNCH for x in sizes) \
+    # Triton's launch takes at most MAX_STEPS_PER_LAUNCH blocks; a backend whose group is fused into one call
+    # (FA4, cuDNN, torch: ``fuse_plan``) takes a group of any size
+    cap = MAX_STEPS_PER_LAUNCH if packed or backend in (None, "triton") or world is None else max(world, 1)
+    if not all(x.strip().isdigit() and 1 <= int(x) <= cap for x in sizes) \
             or (len(sizes) > 1 or not isinstance(value, (int, str))) and world is not None \
             and sum(map(int, sizes)) != world:   # a tuple of one size too: (3,) on W=4 would drop step 3
-        raise ValueError(f"ring steps per launch: an integer from 1 to {MAX_STEPS_PER_LAUNCH}, or group sizes "
-                         f"adding up to the ring size{f' ({world})' if world is not None else ''}; got {value!r}")
+        raise ValueError(f"ring steps per launch: an integer from 1 to {cap}, or group sizes adding up to the "
+                         f"ring size{f' ({world})' if world is not None else ''}"
+                         f"{', at most 4 a group for triton' if cap == MAX_STEPS_PER_LAUNCH else ''}; got {value!r}")
     return int(sizes[0]) if len(sizes) == 1 and isinstance(value, (int, str)) else tuple(map(int, sizes))
 
 
