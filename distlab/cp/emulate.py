@@ -245,7 +245,8 @@ def main(argv=None):
     p.add_argument("--no-backward", action="store_true")
     p.add_argument("--steps-per-launch", nargs="+", default=[None], metavar="N|SIZES",
                    help="the forward's steps per group (distlab.cp.ring.launch_groups; triton: one kernel launch a "
-                        "group): n from 1 to 4, or group sizes adding up to W such as 1,1,2,4 (default: "
+                        "group): n from 1 to 4, or group sizes adding up to W such as 1,1,2,4 (more than 4 a group for the "
+                        "fused backends: 1,2,5; default: "
                         "distlab.cp.ring's, 4 for triton, fa4 and sdpa-cudnn, 1 for the others)")
     p.add_argument("--variant", nargs="+", default=[""], metavar="K=V;K=V",
                    help="time the rank once per variant: ';'-separated knob settings in force for that run "
