@@ -108,35 +108,35 @@ def main(argv=None):
     p.add_argument("--json")
     p.add_argument("--mha", action="store_true", help="GQA against K/V repeated to MHA instead")
     a = p.parse_args(argv)
-    rows = []
     if a.mha:
-        print(f"{'rows x keys':>14} | {'GQA main us':>11} {'all':>7} | {'MHA main us':>11} {'all':>7} | "
-              f"{'repeat K,V us':>13} | {'sum dK us':>9} | max rel diff")
-        for shape in a.shapes.split(","):
-            r, k = map(int, shape.split("x"))
-            row = probe_mha(r, k, a.heads, a.kv_heads, a.dim, a.iters)
-            print(f"{shape:>14} | {row['gqa']['main_us']:11.1f} {row['gqa']['all_kernels_us']:7.1f} | "
-                  f"{row['mha']['main_us']:11.1f} {row['mha']['all_kernels_us']:7.1f} | {row['repeat_kv_us']:13.1f} | "
-                  f"{row['sum_one_of_dk_dv_us']:9.1f} | {row['max_rel_diff']:.2e}")
-            rows.append(row)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "mode": "mha", "rows": rows}, f, indent=1)
-        return
-    print(f"{'rows x keys':>14} | {'full main us':>12} {'TFLOP/s':>8} | {'local main us':>13} {'TFLOP/s':>8} | "
-          f"{'local/full':>10} | {'all kernels full / local us':>28} | max rel diff")
+        fn, header = probe_mha, (f"{'GQA main us':>11} {'all':>7} | {'MHA main us':>11} {'all':>7} | "
+                                 f"{'repeat K,V us':>13} | {'sum dK us':>9}")
+    else:
+        fn, header = probe, (f"{'full main us':>12} {'TFLOP/s':>8} | {'local main us':>13} {'TFLOP/s':>8} | "
+                             f"{'local/full':>10} | {'all kernels full / local us':>28}")
+    print(f"{'rows x keys':>14} | {header} | max rel diff")
+    rows = []
     for shape in a.shapes.split(","):
         r, k = map(int, shape.split("x"))
-        row = probe(r, k, a.heads, a.kv_heads, a.dim, a.iters)
-        full, local = (row[n] for n in row if isinstance(row[n], dict))
-        print(f"{shape:>14} | {full['main_us']:12.1f} {full['main_tflops']:8.1f} | {local['main_us']:13.1f} "
-              f"{local['main_tflops']:8.1f} | {local['main_us'] / full['main_us']:10.3f} | "
-              f"{full['all_kernels_us']:13.1f} / {local['all_kernels_us']:12.1f} | {row['max_rel_diff']:.2e}")
+        row = fn(r, k, a.heads, a.kv_heads, a.dim, a.iters)
+        print(f"{shape:>14} | {_columns(row, a.mha)} | {row['max_rel_diff']:.2e}")
         rows.append(row)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "mode": "mha" if a.mha else "tiles", "rows": rows},
+                      f, indent=1)
 
+
+def _columns(row, mha):
+    """One row of the table: the two kernels' times (and, for MHA, what a ring would add around it)."""
+    if mha:
+        gqa, m = row["gqa"], row["mha"]
+        return (f"{gqa['main_us']:11.1f} {gqa['all_kernels_us']:7.1f} | {m['main_us']:11.1f} "
+                f"{m['all_kernels_us']:7.1f} | {row['repeat_kv_us']:13.1f} | {row['sum_one_of_dk_dv_us']:9.1f}")
+    full, local = (row[n] for n in row if isinstance(row[n], dict))
+    return (f"{full['main_us']:12.1f} {full['main_tflops']:8.1f} | {local['main_us']:13.1f} "
+            f"{local['main_tflops']:8.1f} | {local['main_us'] / full['main_us']:10.3f} | "
+            f"{full['all_kernels_us']:13.1f} / {local['all_kernels_us']:12.1f}")
 
 if __name__ == "__main__":
     main()
