@@ -4,11 +4,12 @@
 
 Starting W processes costs seconds, so tests keep a pool per world size and send it work:
 ``pool.run(fn, *args)`` calls ``fn(*args)`` on every rank (after ``init_process_group``) and
-returns the per-rank results in rank order (``pool.map(fn, jobs)`` deals one-process jobs out over the ranks). ``fn`` must be importable by name (a module-level function
-of a test module or package). If any rank raises, ``run`` raises ``RankErrors`` holding every rank's
-error; ``pool.run_all(fn, ...)`` returns ``(ok, value_or_error_text)`` per rank instead, for tests that
-expect every rank to refuse an input. A task that does not finish in ``timeout_s`` kills the pool (its
-process group may be stuck in a collective), and the error says which ranks did not answer.
+returns the per-rank results in rank order (``pool.map(fn, jobs)`` deals one-process jobs out over the
+ranks). ``fn`` must be importable by name (a module-level function of a test module or package). If any
+rank raises, ``run`` raises ``RankErrors`` holding every rank's error; ``pool.run_all(fn, ...)`` returns
+``(ok, value_or_error_text)`` per rank instead, for tests that expect every rank to refuse an input. A
+task that does not finish in ``timeout_s`` kills the pool (its process group may be stuck in a collective),
+and the error says which ranks did not answer.
 
 Workers use one thread each (a 2-core machine runs 8 of them) and the group's collectives time out
 after ``group_timeout_s`` so a bug fails instead of hanging. The process groups a task creates (a

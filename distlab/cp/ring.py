@@ -625,12 +625,12 @@ def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backe
 
     q: ``(batch, seq/W, heads, head_dim)``; k, v: ``(batch, seq/W, kv_heads, head_dim)``. Returns this
     rank's shard of the output (and, with ``return_lse``, its float32 ``(batch, heads, seq/W)`` LSE).
-    ``steps_per_launch`` (1 to 4, or group sizes adding up to W, at most 4 a group for ``triton``): the forward's steps per group (``launch_groups``)
-    — with ``triton`` one kernel launch each; with FA4, cuDNN and torch each run of blocks over one row range
-    one call, forward and backward (``fuse_plan``) — and the K/V blocks in flight; default 4 for ``triton``,
-    ``fa4`` and ``sdpa-cudnn``, 1 for the others. With documents (default 1 for every backend: groups measured slower,
-    ``PACKED_STEPS_PER_LAUNCH``) each group's seen keys are gathered and computed as one block, whatever the
-    backend (``distlab.cp.packed_groups``).
+    ``steps_per_launch`` (1 to 4, or group sizes adding up to W, at most 4 a group for ``triton``): the
+    forward's steps per group (``launch_groups``) — with ``triton`` one kernel launch each; with FA4, cuDNN and
+    torch each run of blocks over one row range one call, forward and backward (``fuse_plan``) — and the K/V
+    blocks in flight; default 4 for ``triton``, ``fa4`` and ``sdpa-cudnn``, 1 for the others. With documents
+    (default 1 for every backend: groups measured slower, ``PACKED_STEPS_PER_LAUNCH``) each group's seen keys
+    are gathered and computed as one block, whatever the backend (``distlab.cp.packed_groups``).
     ``cu_seqlens`` (global document boundaries, the same on every rank) and ``window`` (keys at most that
     many positions back; causal only): packed documents, see ``distlab.cp.documents``.
     """
