@@ -378,6 +378,30 @@ def time_wall(fn, iters: int, warmup: int, device: torch.device, rounds: int = 3
     return statistics.median(times)
 
 
+def time_alternating(fns: dict, iters: int, warmup: int, device: torch.device, mode: str = "gpu",
+                     rounds: int = 5) -> dict:
+    """Median seconds per call of each of ``fns`` (``{name: fn}``), timed in ``rounds`` rounds that take the
+    functions in turn — round i starts at the i-th, so none always goes first — each round ``iters`` calls of
+    one function (``timeit``'s way for ``mode``: "gpu" or "wall"). Functions compared this way share the
+    device's state: a GPU runs its clocks high when cool and lower under a sustained load, so an anchor
+    timed once before a schedule and the schedule timed after it are not timed at the same clock."""
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: at least 1")
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    times: dict = {name: [] for name in names}
+    for i in range(rounds):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            fn = fns[name]
+            if mode == "wall":
+                times[name].append(time_wall(fn, iters, 0, device, rounds=1))
+            else:
+                times[name].append(timeit(fn, iters, 1, device, mode))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def write_json(path: str, result) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)

@@ -37,6 +37,8 @@
 #                                                  # fused forward's host profile, the S8192 wall in 3 processes
 #   bash launch/gpu_host_check.sh OUTDIR fa4waves  # FA4 present: the launch groups against FA4's backward waves
 #                                                  # (1|3|4, 1|2|5, 1|5|2, 1|7 at S32768, wall and GPU; rank 7; S8192)
+#   bash launch/gpu_host_check.sh OUTDIR fa4paired # FA4 present: the W=8 rank and the H/W anchor timed in turn
+#                                                  # (emulate --paired), wall and GPU, rank 0 and 7, the SM clock
 #   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
 #                                                  # launch keys checked; part triton: then host_cost and the Triton
 #                                                  # ring rank (emulate, wall and GPU)
@@ -310,6 +312,21 @@ elif [ "$part" = fa4waves ]; then   # FA4 present (2026-12-06, 20th session): FA
       --steps-per-launch 1,3,4 1,2,5 1,3,4 1,2,5 --iters 20 --wall --json "$out/emulate_waves_s8k.json"
   LIMIT=90 TAIL=3 run timeline_s32k_125 $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
       --steps-per-launch 1,2,5 --iters 5 --timeline --json "$out/timeline_s32k_125.json"
+elif [ "$part" = fa4paired ]; then   # FA4 present (2026-12-06, 21st session): the H/W anchor is timed once, first,
+  # on a cooler GPU than the ring rank timed after it (the larger 'fused H' call between them reads 6-10% under it,
+  # a re-timed anchor 0-4% under it); --paired times the rank and the anchor in turn. The SM clock, power and
+  # temperature logged beside it (nvidia-smi, read only)
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+      --format=csv -lms 250 > "$out/smi_clocks.csv" 2>&1 & smi=$!
+  for i in a b; do
+    LIMIT=150 TAIL=10 run emulate_paired_wall_$i $py -m distlab.cp.emulate --world 8 --seq 32768 8192 --backend fa4 \
+        --steps-per-launch 1,3,4 1,3,4 --iters 20 --wall --paired 5 --json "$out/emulate_paired_wall_$i.json"
+  done
+  LIMIT=120 TAIL=10 run emulate_paired_gpu $py -m distlab.cp.emulate --world 8 --seq 32768 8192 --backend fa4 \
+      --steps-per-launch 1,3,4 1,3,4 --iters 20 --paired 5 --json "$out/emulate_paired_gpu.json"
+  LIMIT=100 TAIL=8 run emulate_paired_rank7 $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --rank 7 \
+      --steps-per-launch 1,3,4 1,3,4 --iters 20 --wall --paired 5 --json "$out/emulate_paired_rank7.json"
+  kill $smi 2>/dev/null
 elif [ "$part" = fa4confirm ]; then   # FA4 present (2026-12-06, 19th session): the kept outputs on another lease —
   # every FA4 GPU test, #24's S8192 wall in four fresh processes (a warm-up row, then the default twice), and the
   # rank against cuDNN's one call at S32768 (#24's >= 100%)

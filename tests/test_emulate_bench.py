@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from distlab.cp.emulate import rank_rows, schedule_flops
 
@@ -27,7 +28,8 @@ def test_emulate_and_bench_commands_write_their_json(tmp_path):
     # two step groupings (one step a launch; step 0, then the other three together) and two knob variants
     out = subprocess.run([sys.executable, "-m", "distlab.cp.emulate", "--world", "4", "--seq", "256", "--iters", "1",
                           "--layout", "zigzag", "contiguous", "--steps-per-launch", "1", "1,3",
-                          "--variant", "", "SPLIT_GROUPS=1", "--json", str(em)], capture_output=True, text=True,
+                          "--variant", "", "SPLIT_GROUPS=1", "--paired", "2", "--json", str(em)], capture_output=True,
+                         text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     results = json.loads(em.read_text())["results"]
@@ -37,6 +39,13 @@ def test_emulate_and_bench_commands_write_their_json(tmp_path):
     assert [r["variant"] for r in results[:4]] == ["", "SPLIT_GROUPS=1"] * 2
     assert all(r["fwd_s"] > 0 and r["bwd_s"] > 0 and r["backend"] == "torch" for r in results)
     assert "1|3" in out.stdout and "[SPLIT_GROUPS=1]" in out.stdout
+    for r in results:   # --paired: the rank and the H/W anchor timed again, in turn
+        pr = r["paired"]
+        assert pr["rounds"] == 2 and min(pr["fwd_s"], pr["bwd_s"], pr["anchor_fwd_s"], pr["anchor_bwd_s"]) > 0
+        want = r["flops_fwd"] / (pr["fwd_s"] + pr["bwd_s"]) / (r["anchor"]["flops_fwd"] / (pr["anchor_fwd_s"]
+                                                                                           + pr["anchor_bwd_s"]))
+        assert pr["efficiency_fwd_bwd"] == pytest.approx(want)
+    assert out.stdout.count("timed in turn with it (2 rounds)") == len(results)
     bad = subprocess.run([sys.executable, "-m", "distlab.cp.emulate", "--world", "4", "--seq", "256", "--iters", "1",
                           "--steps-per-launch", "2,1"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "group sizes adding up to the ring size (4)" in bad.stderr, bad.stderr[-2000:]
@@ -46,6 +55,21 @@ def test_emulate_and_bench_commands_write_their_json(tmp_path):
     rows = json.loads(be.read_text())["results"]
     assert {(r["kernel"], r["pass"]) for r in rows} == {("attention torch", p) for p in ("fwd", "bwd", "fwd wall",
                                                                                          "bwd wall")}
+
+
+def test_time_alternating_takes_the_functions_in_turn():
+    from distlab.bench import time_alternating
+
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    t = time_alternating(fns, iters=2, warmup=1, device=torch.device("cpu"), mode="wall", rounds=4)
+    assert set(t) == set("abc") and all(s >= 0 for s in t.values())
+    assert calls[:3] == list("abc")   # the warm-up calls, then four rounds, each starting one further on
+    rounds = [calls[3 + 6 * i:3 + 6 * (i + 1)] for i in range(4)]
+    assert [r[::2] for r in rounds] == [list("abc"), list("bca"), list("cab"), list("abc")]
+    assert all(r[0::2] == r[1::2] for r in rounds) and len(calls) == 3 + 24
+    with pytest.raises(ValueError, match="rounds=0"):
+        time_alternating(fns, 1, 0, torch.device("cpu"), rounds=0)
 
 
 SKIPPED_LAUNCH = """

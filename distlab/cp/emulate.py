@@ -47,8 +47,8 @@ from distlab.cp.layout import check_divisible, chunks_per_rank, rank_chunks
 from distlab.cp.local_kernels import block_flops
 from distlab.cp.ring import _ring_backward, _ring_forward, check_steps_per_launch, launch_groups, ring_blocks
 from distlab.kernels.attention import attention_backward, attention_forward, resolve_backend
-from distlab.bench import timeit
-from distlab.bench import DTYPES, StudyParser, dtype_arg, run_study
+from distlab.bench import time_alternating, timeit
+from distlab.bench import DTYPES, StudyParser, dtype_arg, nonnegative_int, run_study
 
 
 class _Ready:
@@ -153,6 +153,7 @@ def emulate_rank(world, seq, heads, kv_heads, head_dim, rank, layout, causal, ba
         result.update(q=q, k=k, v=v, rows=shard[rank].cpu(), dout=dout, out=run_f()[0].to(dtype))
         if backward:
             result["dq"] = run_b()[0]
+    result["calls"] = (run_f, run_b if backward else None)   # the timed calls, for ``--paired`` (not written to JSON)
     return result
 
 
@@ -193,12 +194,28 @@ def fused_anchor(world, seq, heads, kv_heads, head_dim, causal, dtype, device, i
     fwd = lambda: attention_forward(q, k, v, causal, backend=backend)   # noqa: E731
     bwd = lambda: attention_backward(dout, q, k, v, out, lse, causal, backend=backend)   # noqa: E731
     result = {"backend": backend, "flops_fwd": flops, "fwd_s": timeit(fwd, iters, warmup, device, mode),
-              "bwd_s": timeit(bwd, iters, warmup, device, mode)}
+              "bwd_s": timeit(bwd, iters, warmup, device, mode), "calls": (fwd, bwd)}
     if timeline and device.type == "cuda":
         from distlab.profiling.timeline import kernel_timeline
 
         result.update(timeline_fwd=kernel_timeline(fwd), timeline_bwd=kernel_timeline(bwd))
     return result
+
+
+def paired_timing(r, calls, anchor, anchor_calls, iters, device, mode, rounds):
+    """The rank's calls (``calls``: forward, backward or None) and the anchor's timed in turn
+    (``time_alternating``), and the rank's efficiency against that anchor: fwd and f+b."""
+    fns = {"rank_fwd": calls[0], "anchor_fwd": anchor_calls[0]}
+    if calls[1] is not None:
+        fns.update(rank_bwd=calls[1], anchor_bwd=anchor_calls[1])
+    t = time_alternating(fns, iters, 1, device, mode, rounds)
+    pr = {"rounds": rounds, "fwd_s": t["rank_fwd"], "anchor_fwd_s": t["anchor_fwd"],
+          "efficiency_fwd": (r["flops_fwd"] / t["rank_fwd"]) / (anchor["flops_fwd"] / t["anchor_fwd"])}
+    if calls[1] is not None:
+        pr.update(bwd_s=t["rank_bwd"], anchor_bwd_s=t["anchor_bwd"],
+                  efficiency_fwd_bwd=(r["flops_fwd"] / (t["rank_fwd"] + t["rank_bwd"]))
+                  / (anchor["flops_fwd"] / (t["anchor_fwd"] + t["anchor_bwd"])))
+    return pr
 
 
 def _print_timelines(r, own, seq, layout, a):
@@ -252,6 +269,10 @@ def main(argv=None):
                    help="time the rank once per variant: ';'-separated knob settings in force for that run "
                         "(names without DISTLAB_ are DISTLAB_TRITON_ATTN_ knobs), e.g. 'SPLIT_SUM=dq;TMA=fwd,dq'; "
                         "'' is the environment as it is")
+    p.add_argument("--paired", type=nonnegative_int, default=0, metavar="ROUNDS",
+                   help="also time the rank and the H/W anchor in turn, ROUNDS rounds of --iters calls each "
+                        "(distlab.bench.time_alternating), and print the efficiency against that anchor: both timed "
+                        "at the same clock (the anchor on its own is timed first, on a cooler GPU)")
     p.add_argument("--timeline", action="store_true",
                    help="GPU: print each kernel of one forward / backward (duration, gap before it), rank and anchor")
     p.add_argument("--json", metavar="PATH")
@@ -272,6 +293,8 @@ def main(argv=None):
     for seq in a.seq:
         anchor = fused_anchor(a.world, seq, a.heads, a.kv_heads, a.head_dim, a.causal, dtype, device, a.iters, mode=mode)
         whole = fused_anchor(1, seq, a.heads, a.kv_heads, a.head_dim, a.causal, dtype, device, a.iters, mode=mode)
+        anchor_calls = anchor.pop("calls")
+        whole.pop("calls")
         a_f = anchor["flops_fwd"] / anchor["fwd_s"]
         a_fb = 3.5 * anchor["flops_fwd"] / (anchor["fwd_s"] + anchor["bwd_s"])
         w_f = whole["flops_fwd"] / whole["fwd_s"]
@@ -292,6 +315,10 @@ def main(argv=None):
                         own = anchor if backend == anchor["backend"] and not a.timeline else fused_anchor(
                             a.world, seq, a.heads, a.kv_heads, a.head_dim, a.causal, dtype, device, a.iters,
                             backend=backend, timeline=a.timeline, mode=mode)
+                        own.pop("calls", None)
+                        calls = r.pop("calls")
+                        if a.paired:
+                            r["paired"] = paired_timing(r, calls, anchor, anchor_calls, a.iters, device, mode, a.paired)
                 except (RuntimeError, ValueError) as e:   # a backend that cannot run (or be captured) here
                     print(f"{seq:>6} {layout:>10} {backend:>11}: failed: {str(e).splitlines()[0][:100]}", flush=True)
                     continue
@@ -313,6 +340,15 @@ def main(argv=None):
                              f"H/W call ({o_f / 1e12:.0f} / {o_fb / 1e12:.0f} TFLOP/s): {100 * f / o_f:.1f}% / "
                              f"{100 * fb / o_fb:.1f}%")
                 print(line + (f"   [{variant}]" if variant else ""), flush=True)
+                if "paired" in r:
+                    pr = r["paired"]
+                    print(f"{'':>6} {'paired':>10} {'':>11} {'':>9} {'':>5} | {pr['fwd_s'] * 1e3:>8.3f} {'':>8} "
+                          f"{100 * pr['efficiency_fwd']:>5.1f}%" + ("" if a.no_backward else
+                          f" | {(pr['fwd_s'] + pr['bwd_s']) * 1e3:>8.3f} {'':>8} {100 * pr['efficiency_fwd_bwd']:>5.1f}%")
+                          + f"   against the H/W call timed in turn with it ({pr['rounds']} rounds): "
+                          f"{pr['anchor_fwd_s'] * 1e3:.3f}"
+                          + ("" if a.no_backward else f" / {(pr['anchor_fwd_s'] + pr['anchor_bwd_s']) * 1e3:.3f}")
+                          + " ms", flush=True)
                 if "timeline_fwd" in r:
                     _print_timelines(r, own, seq, layout, a)
                 rows.append(r)
