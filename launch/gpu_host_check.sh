@@ -39,6 +39,7 @@
 #                                                  # (1|3|4, 1|2|5, 1|5|2, 1|7 at S32768, wall and GPU; rank 7; S8192)
 #   bash launch/gpu_host_check.sh OUTDIR fa4paired # FA4 present: the W=8 rank and the H/W anchor timed in turn
 #                                                  # (emulate --paired), wall and GPU, rank 0 and 7, the SM clock
+#   bash launch/gpu_host_check.sh OUTDIR fa4ranks  # FA4 present: every rank of the W=8 ring, paired, wall and GPU
 #   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
 #                                                  # launch keys checked; part triton: then host_cost and the Triton
 #                                                  # ring rank (emulate, wall and GPU)
@@ -327,6 +328,15 @@ elif [ "$part" = fa4paired ]; then   # FA4 present (2026-12-06, 21st session): t
   LIMIT=100 TAIL=8 run emulate_paired_rank7 $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --rank 7 \
       --steps-per-launch 1,3,4 1,3,4 --iters 20 --wall --paired 5 --json "$out/emulate_paired_rank7.json"
   kill $smi 2>/dev/null
+elif [ "$part" = fa4ranks ]; then   # FA4 present (2026-12-06, 21st session): a real ring runs at its slowest rank's
+  # pace, and zigzag's ranks share the FLOPs but not the block shapes (rank 0's later blocks: 2048 rows x 4096 keys;
+  # rank 7's: 4096 x 2048) — every rank of the W=8 ring, paired with the H/W anchor, wall and GPU clock
+  LIMIT=360 TAIL=18 run emulate_ranks_wall $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
+      --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --wall --paired 5 --json "$out/emulate_ranks_wall.json"
+  LIMIT=200 TAIL=18 run emulate_ranks_gpu $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
+      --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --paired 5 --json "$out/emulate_ranks_gpu.json"
+  LIMIT=150 TAIL=18 run emulate_ranks_s8k $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
+      --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --wall --paired 5 --json "$out/emulate_ranks_s8k.json"
 elif [ "$part" = fa4confirm ]; then   # FA4 present (2026-12-06, 19th session): the kept outputs on another lease —
   # every FA4 GPU test, #24's S8192 wall in four fresh processes (a warm-up row, then the default twice), and the
   # rank against cuDNN's one call at S32768 (#24's >= 100%)

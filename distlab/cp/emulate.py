@@ -255,7 +255,9 @@ def main(argv=None):
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=gpu, help="replay as a CUDA graph")
     p.add_argument("--wall", action="store_true", help="wall clock: back-to-back calls from Python, launch latency "
                    "included, no spin kernel and no graph (what a real ring over NCCL pays), rank and anchors alike")
-    p.add_argument("--rank", type=int, default=None, help="default: the busiest rank (W-1 contiguous, 0 zigzag)")
+    p.add_argument("--rank", type=int, nargs="+", default=None,
+                   help="the ranks to time, one row each (default: the busiest, W-1 contiguous, 0 zigzag; a real ring "
+                        "runs at its slowest rank's pace)")
     p.add_argument("--dtype", type=dtype_arg("bfloat16", "float16", "float32"), default="bfloat16" if gpu else "float32",
                    help="bf16, fp16 or fp32")
     p.add_argument("--iters", type=int, default=20 if gpu else 2)
@@ -277,6 +279,8 @@ def main(argv=None):
                    help="GPU: print each kernel of one forward / backward (duration, gap before it), rank and anchor")
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
+    if a.rank is not None and any(not 0 <= rank < a.world for rank in a.rank):
+        raise ValueError(f"--rank {a.rank}: the ranks of a ring of {a.world} are 0 to {a.world - 1}")
     device = torch.device("cuda" if gpu else "cpu")
     dtype = DTYPES[a.dtype]
     mode = "wall" if a.wall else "gpu"
@@ -304,8 +308,8 @@ def main(argv=None):
                   f"{100 * f_ / a_f:>5.1f}% | {(an['fwd_s'] + an['bwd_s']) * 1e3:>8.3f} {fb_ / 1e12:>8.1f} "
                   f"{100 * fb_ / a_fb:>5.1f}%")
         for layout in a.layout:
-            rank = a.rank if a.rank is not None else (a.world - 1 if layout == "contiguous" else 0)
-            for backend, n, variant in itertools.product(a.backend, a.steps_per_launch, a.variant):
+            ranks = a.rank if a.rank is not None else [a.world - 1 if layout == "contiguous" else 0]
+            for rank, backend, n, variant in itertools.product(ranks, a.backend, a.steps_per_launch, a.variant):
                 n = check_steps_per_launch(n if n is not None else knobs.get("RING_STEPS_PER_LAUNCH"), backend, a.world)
                 try:
                     with knobs.override(**variant_knobs(variant)):
@@ -329,7 +333,8 @@ def main(argv=None):
                 r.update(anchor=anchor, whole=whole, own_anchor=own, tflops_fwd=f / 1e12, efficiency_fwd=f / a_f,
                          efficiency_fwd_vs_whole=f / w_f, efficiency_fwd_vs_own=f / o_f)
                 groups = "|".join(str(len(g)) for g in launch_groups(a.world, n))
-                line = (f"{seq:>6} {layout:>10} {r['backend']:>11} {groups:>9} {'yes' if r['graphs'] else 'no':>5} | "
+                where = layout + (f" r{rank}" if a.rank is not None else "")   # the rank when asked for
+                line = (f"{seq:>6} {where:>10} {r['backend']:>11} {groups:>9} {'yes' if r['graphs'] else 'no':>5} | "
                         f"{r['fwd_s'] * 1e3:>8.3f} {f / 1e12:>8.1f} {100 * f / a_f:>5.1f}%")
                 if not a.no_backward:
                     fb = 3.5 * r["flops_fwd"] / (r["fwd_s"] + r["bwd_s"])
