@@ -40,6 +40,7 @@
 #   bash launch/gpu_host_check.sh OUTDIR fa4paired # FA4 present: the W=8 rank and the H/W anchor timed in turn
 #                                                  # (emulate --paired), wall and GPU, rank 0 and 7, the SM clock
 #   bash launch/gpu_host_check.sh OUTDIR fa4ranks  # FA4 present: every rank of the W=8 ring, paired, wall and GPU
+#                                                  # (fa4ranks8k: S8192's ranks, GPU clock and two wall processes)
 #   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
 #                                                  # launch keys checked; part triton: then host_cost and the Triton
 #                                                  # ring rank (emulate, wall and GPU)
@@ -337,6 +338,14 @@ elif [ "$part" = fa4ranks ]; then   # FA4 present (2026-12-06, 21st session): a 
       --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --paired 5 --json "$out/emulate_ranks_gpu.json"
   LIMIT=150 TAIL=18 run emulate_ranks_s8k $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
       --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --wall --paired 5 --json "$out/emulate_ranks_s8k.json"
+elif [ "$part" = fa4ranks8k ]; then   # FA4 present: S8192's every rank on the GPU clock, and its wall in two processes
+  LIMIT=150 TAIL=18 run emulate_ranks_s8k_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
+      --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --paired 5 --json "$out/emulate_ranks_s8k_gpu.json"
+  for i in a b; do
+    LIMIT=150 TAIL=18 run emulate_ranks_s8k_wall_$i $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
+        --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --wall --paired 5 \
+        --json "$out/emulate_ranks_s8k_wall_$i.json"
+  done
 elif [ "$part" = fa4confirm ]; then   # FA4 present (2026-12-06, 19th session): the kept outputs on another lease —
   # every FA4 GPU test, #24's S8192 wall in four fresh processes (a warm-up row, then the default twice), and the
   # rank against cuDNN's one call at S32768 (#24's >= 100%)
