@@ -51,13 +51,19 @@ def test_emulate_and_bench_commands_write_their_json(tmp_path):
     assert bad.returncode != 0 and "group sizes adding up to the ring size (4)" in bad.stderr, bad.stderr[-2000:]
     two = tmp_path / "ranks.json"   # --rank: one row a rank; a rank outside the ring refused before any timing
     out = subprocess.run([sys.executable, "-m", "distlab.cp.emulate", "--world", "3", "--seq", "96", "--iters", "1",
-                          "--rank", "0", "2", "--no-backward", "--json", str(two)], capture_output=True, text=True,
+                          "--rank", "all", "--no-backward", "--json", str(two)], capture_output=True, text=True,
                          timeout=300)
-    assert out.returncode == 0 and [r["rank"] for r in json.loads(two.read_text())["results"]] == [0, 2], out.stderr
-    assert "zigzag r2" in out.stdout
+    assert out.returncode == 0, out.stderr[-2000:]
+    ranks = json.loads(two.read_text())["results"]
+    assert [r["rank"] for r in ranks] == [0, 1, 2] and "zigzag r2" in out.stdout
+    low = min(ranks, key=lambda r: r["efficiency_fwd"])   # the ring's pace: its slowest rank
+    assert f"slowest of ranks [0, 1, 2]: rank {low['rank']}, fwd {100 * low['efficiency_fwd']:.1f}%" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "distlab.cp.emulate", "--world", "3", "--seq", "96", "--rank", "3"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "ranks of a ring of 3 are 0 to 2" in bad.stderr and "fused" not in bad.stdout
+    bad = subprocess.run([sys.executable, "-m", "distlab.cp.emulate", "--world", "3", "--seq", "96", "--rank", "x"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "ring ranks (0 to 2) or 'all'" in bad.stderr
     out = subprocess.run([sys.executable, "-m", "distlab.kernels.bench", "--seq", "128", "--iters", "1", "--warmup", "0",
                           "--only", "attention", "--json", str(be)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -25,6 +25,14 @@ start while the previous step's last wave finishes (programmatic dependent launc
 
     DISTLAB_TRITON_ATTN_PDL=1 DISTLAB_TRITON_ATTN_FWD=64,64,4,3 python -m distlab.cp.emulate --seq 8192 32768
 
+A real ring runs at its slowest rank's pace, and zigzag's ranks share the FLOPs but not the block shapes
+(W=8, S32768: rank 0's later blocks are 2048 rows × 4096 keys, rank 7's 4096 × 2048; the middle ranks mix
+both, so their launch groups hold two row sets): ``--rank all`` times every rank and prints the slowest.
+``--paired 5`` times the rank and the H/W anchor again in turn, five rounds (the anchor alone is timed once,
+first, on a GPU whose clock the power cap has not yet pulled down):
+
+    python -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --rank all --paired 5 --wall
+
 ``--variant 'SPLIT_SUM=dq' 'TMA=fwd,dq'`` times the rank once per set of launch knobs, in one process
 against the same anchors. ``--steps-per-launch 1 2 4 1,1,2,4`` times the forward's step groups
 (``distlab.cp.ring.launch_groups``: with ``triton`` one kernel launch a group). The stand-in exchanger has
@@ -218,6 +226,22 @@ def paired_timing(r, calls, anchor, anchor_calls, iters, device, mode, rounds):
     return pr
 
 
+def _print_slowest(rows, seq, layout):
+    """Per configuration (backend, launch groups, variant), the rank with the lowest efficiency: the ring's pace."""
+    key = "efficiency_fwd_bwd" if "efficiency_fwd_bwd" in rows[0] else "efficiency_fwd"
+    configs: dict = {}
+    for r in rows:
+        configs.setdefault((r["backend"], str(r["steps_per_launch"]), r["variant"]), []).append(r)
+    for (backend, groups, variant), rs in configs.items():
+        low = min(rs, key=lambda r: r[key])
+        line = (f"{seq:>6} {layout:>10} {backend:>11}: slowest of ranks {[r['rank'] for r in rs]}: rank {low['rank']}, "
+                f"{'f+b' if key.endswith('bwd') else 'fwd'} {100 * low[key]:.1f}%")
+        if "paired" in low:
+            paired = min(rs, key=lambda r: r["paired"][key])
+            line += f"; paired: rank {paired['rank']}, {100 * paired['paired'][key]:.1f}%"
+        print(line + (f"   [{variant}]" if variant else ""), flush=True)
+
+
 def _print_timelines(r, own, seq, layout, a):
     from distlab.profiling.timeline import format_timeline
 
@@ -255,9 +279,10 @@ def main(argv=None):
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=gpu, help="replay as a CUDA graph")
     p.add_argument("--wall", action="store_true", help="wall clock: back-to-back calls from Python, launch latency "
                    "included, no spin kernel and no graph (what a real ring over NCCL pays), rank and anchors alike")
-    p.add_argument("--rank", type=int, nargs="+", default=None,
-                   help="the ranks to time, one row each (default: the busiest, W-1 contiguous, 0 zigzag; a real ring "
-                        "runs at its slowest rank's pace)")
+    p.add_argument("--rank", nargs="+", default=None, metavar="R|all",
+                   help="the ranks to time, one row each, or 'all', and the slowest of them (default: the busiest, W-1 "
+                        "contiguous, 0 zigzag — zigzag's ranks share the FLOPs, not the block shapes; a real ring runs "
+                        "at its slowest rank's pace)")
     p.add_argument("--dtype", type=dtype_arg("bfloat16", "float16", "float32"), default="bfloat16" if gpu else "float32",
                    help="bf16, fp16 or fp32")
     p.add_argument("--iters", type=int, default=20 if gpu else 2)
@@ -279,8 +304,12 @@ def main(argv=None):
                    help="GPU: print each kernel of one forward / backward (duration, gap before it), rank and anchor")
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
-    if a.rank is not None and any(not 0 <= rank < a.world for rank in a.rank):
-        raise ValueError(f"--rank {a.rank}: the ranks of a ring of {a.world} are 0 to {a.world - 1}")
+    if a.rank is not None:
+        if a.rank != ["all"] and not all(x.isdigit() for x in a.rank):
+            raise ValueError(f"--rank {' '.join(a.rank)}: ring ranks (0 to {a.world - 1}) or 'all'")
+        a.rank = list(range(a.world)) if a.rank == ["all"] else [int(x) for x in a.rank]
+        if any(not 0 <= rank < a.world for rank in a.rank):
+            raise ValueError(f"--rank {a.rank}: the ranks of a ring of {a.world} are 0 to {a.world - 1}")
     device = torch.device("cuda" if gpu else "cpu")
     dtype = DTYPES[a.dtype]
     mode = "wall" if a.wall else "gpu"
@@ -357,6 +386,8 @@ def main(argv=None):
                 if "timeline_fwd" in r:
                     _print_timelines(r, own, seq, layout, a)
                 rows.append(r)
+            if len(ranks) > 1:
+                _print_slowest([r for r in rows if r["seq"] == seq and r["layout"] == layout], seq, layout)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if gpu else "cpu", "args": vars(a), "knobs": set_now,
