@@ -2,6 +2,7 @@
 
     python3 launch/fa4_tile_probe.py --json OUT.json          # H100/H200 with FA4 (../shared/tools/fa4-carry)
     python3 launch/fa4_tile_probe.py --mha --json OUT.json    # GQA blocks against K/V repeated to MHA
+    python3 launch/fa4_tile_probe.py --fold --json OUT.json   # GQA blocks against their q heads folded into rows
 
 FA4 tiles the backward's rows by 80 for a full block and by 64 for a causal or local one (head_dim 128), and
 its float32 dQ accumulator is laid out in those tiles. A zigzag ring rank's blocks therefore need one
@@ -98,6 +99,53 @@ def probe_mha(rows, keys, heads, kv_heads, dim, iters):
     return res
 
 
+def fold_heads(t, kv_heads):
+    """``(B, rows, H, D)`` -> ``(B, G·rows, Hkv, D)``: each kv head's G q heads stacked as rows (row g·rows + i is
+    q head hkv·G + g's row i). For a block with no mask this is the same attention, as MHA over Hkv heads."""
+    b, rows, heads, dim = t.shape
+    group = heads // kv_heads
+    return t.view(b, rows, kv_heads, group, dim).permute(0, 3, 1, 2, 4).reshape(b, group * rows, kv_heads, dim)
+
+
+def unfold_heads(t, heads):
+    b, grows, kv_heads, dim = t.shape
+    group = heads // kv_heads
+    return t.view(b, group, grows // group, kv_heads, dim).permute(0, 2, 3, 1, 4).reshape(b, grows // group, heads, dim)
+
+
+def probe_fold(rows, keys, heads, kv_heads, dim, iters):
+    """GQA against the q heads folded into rows (MHA over the kv heads, G times the rows a CTA loops over; dK/dV
+    written straight in bf16, no float32 scratch), on a full block: FA4 4.0.0b36 has no packed-GQA backward,
+    and its CTAs each own a key tile and loop over the rows, so a ring's short row sets (2048 at S32768, W=8)
+    pay each CTA's prologue and epilogue over few rows. Plus the folds a ring would add: Q, dO, O (once per
+    row set) and dQ back."""
+    from flash_attn.cute import interface as fi
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, rows, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(1, keys, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    dout = torch.randn_like(q)
+    out, lse, *_ = fi._flash_attn_fwd(q, k, v, causal=False, return_lse=True)
+    group = heads // kv_heads
+    qf, of, df = (fold_heads(t, kv_heads) for t in (q, out, dout))
+    lf = lse.view(1, kv_heads, group, rows).reshape(1, kv_heads, group * rows)
+    gqa = lambda: fi._flash_attn_bwd(q, k, v, out, dout, lse, causal=False)[:3]      # noqa: E731
+    fold = lambda: fi._flash_attn_bwd(qf, k, v, of, df, lf, causal=False)[:3]       # noqa: E731
+    a, b = gqa(), fold()
+    b = (unfold_heads(b[0], heads), *b[1:])
+    err = max(((x.float() - y.float()).abs().max() / y.float().abs().max()).item() for x, y in zip(a, b))
+    flops = 2.5 * 4 * rows * keys * heads * dim
+    res = {"rows": rows, "keys": keys, "max_rel_diff": err}
+    for name, fn in (("gqa", gqa), ("fold", fold)):
+        main, total = main_kernel_us(fn, iters)
+        res[name] = {"main_us": main, "all_kernels_us": total, "main_tflops": flops / main / 1e6}
+    dq_f = b[0].new_empty(qf.shape)
+    for name, fn in (("fold_q_dout_out_us", lambda: [fold_heads(t, kv_heads) for t in (q, out, dout)]),
+                     ("unfold_dq_us", lambda: unfold_heads(dq_f, heads))):
+        res[name] = main_kernel_us(fn, iters)[1]
+    return res
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="2048x12288,2048x16384,2048x4096,4096x8192")
@@ -107,8 +155,12 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json")
     p.add_argument("--mha", action="store_true", help="GQA against K/V repeated to MHA instead")
+    p.add_argument("--fold", action="store_true", help="GQA against the q heads folded into rows instead")
     a = p.parse_args(argv)
-    if a.mha:
+    if a.fold:
+        fn, header = probe_fold, (f"{'GQA main us':>11} {'all':>7} | {'fold main us':>12} {'all':>7} | "
+                                  f"{'fold Q,O,dO us':>14} | {'unfold dQ us':>12}")
+    elif a.mha:
         fn, header = probe_mha, (f"{'GQA main us':>11} {'all':>7} | {'MHA main us':>11} {'all':>7} | "
                                  f"{'repeat K,V us':>13} | {'sum dK us':>9}")
     else:
@@ -119,16 +171,21 @@ def main(argv=None):
     for shape in a.shapes.split(","):
         r, k = map(int, shape.split("x"))
         row = fn(r, k, a.heads, a.kv_heads, a.dim, a.iters)
-        print(f"{shape:>14} | {_columns(row, a.mha)} | {row['max_rel_diff']:.2e}")
+        print(f"{shape:>14} | {_columns(row, a.mha, a.fold)} | {row['max_rel_diff']:.2e}", flush=True)
         rows.append(row)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "mode": "mha" if a.mha else "tiles", "rows": rows},
+            json.dump({"device": torch.cuda.get_device_name(),
+                       "mode": "fold" if a.fold else "mha" if a.mha else "tiles", "rows": rows},
                       f, indent=1)
 
 
-def _columns(row, mha):
-    """One row of the table: the two kernels' times (and, for MHA, what a ring would add around it)."""
+def _columns(row, mha, fold=False):
+    """One row of the table: the two kernels' times (and, for MHA or folds, what a ring would add around it)."""
+    if fold:
+        gqa, f = row["gqa"], row["fold"]
+        return (f"{gqa['main_us']:11.1f} {gqa['all_kernels_us']:7.1f} | {f['main_us']:12.1f} "
+                f"{f['all_kernels_us']:7.1f} | {row['fold_q_dout_out_us']:14.1f} | {row['unfold_dq_us']:12.1f}")
     if mha:
         gqa, m = row["gqa"], row["mha"]
         return (f"{gqa['main_us']:11.1f} {gqa['all_kernels_us']:7.1f} | {m['main_us']:11.1f} "
