@@ -41,6 +41,8 @@
 #                                                  # (emulate --paired), wall and GPU, rank 0 and 7, the SM clock
 #   bash launch/gpu_host_check.sh OUTDIR fa4ranks  # FA4 present: every rank of the W=8 ring, paired, wall and GPU
 #                                                  # (fa4ranks8k: S8192's ranks, GPU clock and two wall processes)
+#   bash launch/gpu_host_check.sh OUTDIR fa4fold   # FA4 present: unmasked ring blocks folded into MHA: GPU tests,
+#                                                  # bf16 errors, A/B wall and GPU, every rank, a timeline
 #   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
 #                                                  # launch keys checked; part triton: then host_cost and the Triton
 #                                                  # ring rank (emulate, wall and GPU)
@@ -346,6 +348,29 @@ elif [ "$part" = fa4ranks8k ]; then   # FA4 present: S8192's every rank on the G
         --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --wall --paired 5 \
         --json "$out/emulate_ranks_s8k_wall_$i.json"
   done
+elif [ "$part" = fa4fold ]; then   # FA4 present (2026-12-06, 21st session): the ring backward's unmasked blocks with
+  # each kv head's q heads folded into rows (MHA over the kv heads: DISTLAB_FA4_RING_FOLD, on by default) — the
+  # FA4 GPU tests, the bf16 error of every rank folded and not, the A/B (wall, paired), every rank, a timeline
+  LIMIT=240 TAIL=3 run fa4_ring_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py tests/test_ring_kept.py \
+      -p no:cacheprovider
+  LIMIT=120 TAIL=12 run fold_errors $py -c "
+import sys; sys.path.insert(0, 'tests')
+from distlab import knobs
+from test_fa4_ring_backward import _ring_rank_on_fa4
+for fold in ('1', '0'):
+    with knobs.override(FA4_RING_FOLD=fold):
+        errs = _ring_rank_on_fa4(2048, 8, 8, 2, 'zigzag', 1, (1, 3, 4))
+    print('fold', fold, 'max rel err over ranks (out, dq, dk, dv):', [f'{max(e[i] for e in errs):.2e}' for i in range(4)])
+"
+  LIMIT=150 TAIL=10 run emulate_fold_wall $py -m distlab.cp.emulate --world 8 --seq 32768 8192 --backend fa4 \
+      --steps-per-launch 1,3,4 --variant '' 'FA4_RING_FOLD=0' '' 'FA4_RING_FOLD=0' --iters 20 --wall --paired 5 \
+      --json "$out/emulate_fold_wall.json"
+  LIMIT=150 TAIL=10 run emulate_fold_gpu $py -m distlab.cp.emulate --world 8 --seq 32768 8192 --backend fa4 \
+      --steps-per-launch 1,3,4 --variant '' 'FA4_RING_FOLD=0' --iters 20 --paired 5 --json "$out/emulate_fold_gpu.json"
+  LIMIT=240 TAIL=20 run emulate_fold_ranks $py -m distlab.cp.emulate --world 8 --seq 32768 8192 --backend fa4 \
+      --rank all --steps-per-launch 1,3,4 --iters 20 --wall --paired 5 --json "$out/emulate_fold_ranks.json"
+  LIMIT=90 TAIL=3 run timeline_s32k_fold $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
+      --steps-per-launch 1,3,4 --iters 5 --timeline --json "$out/timeline_s32k_fold.json"
 elif [ "$part" = fa4confirm ]; then   # FA4 present (2026-12-06, 19th session): the kept outputs on another lease —
   # every FA4 GPU test, #24's S8192 wall in four fresh processes (a warm-up row, then the default twice), and the
   # rank against cuDNN's one call at S32768 (#24's >= 100%)

@@ -40,6 +40,11 @@ def _fake_record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal,
         out = dout * (dpsum.transpose(1, 2) / (dout * dout).sum(-1)).unsqueeze(-1)
         dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal, sc, backend="torch")
         dq_accum += _heads_major(dq) / sc
+        if heads == kv_heads:   # MHA (a folded block): dK, dV written as they are, in q's dtype
+            assert dk_accum.shape == dk.shape and dk_accum.dtype == q.dtype
+            dk_accum.copy_(dk)
+            dv_accum.copy_(dv)
+            return
         dk_accum += _heads_major(dk) / sc
         dv_accum += _heads_major(dv)
 
@@ -49,11 +54,13 @@ def _fake_record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal,
 
     shapes = {"dpsum": (batch, heads, rows), "dq_accum": (batch, heads, rows * dim),
               "dkv_accum": (batch, kv_heads, cols * dim)}
-    return ((pre, (None,) * 6 + (None,) * 8), (main, (None,) * 9 + (scale, None)),
-            [(post, (None, None, scale)), (post, (None, None, scale)), (post, (None, None, 1.0))], shapes)
+    posts = [(post, (None, None, scale))] + ([] if heads == kv_heads else
+                                             [(post, (None, None, scale)), (post, (None, None, 1.0))])
+    return ((pre, (None,) * 6 + (None,) * 8), (main, (None,) * 9 + (scale, None)), posts, shapes)
 
 
-def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_launch=1, cap="0", add_rows="0"):
+def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_launch=1, cap="0", add_rows="0",
+                       fold="1"):
     from distlab import knobs
     from distlab.cp.ring import _ring_backward, _ring_forward
     from distlab.kernels import fa4, fa4_ring_backward as frb
@@ -71,7 +78,7 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
         made = []
         real = frb.FA4RingBackward
         frb.FA4RingBackward = lambda *a: made.append(real(*a)) or made[-1]
-        with knobs.override(RING_FUSE_MAX_KEYS=cap, RING_DKV_ADD_ROWS=add_rows):
+        with knobs.override(RING_FUSE_MAX_KEYS=cap, RING_DKV_ADD_ROWS=add_rows, FA4_RING_FOLD=fold):
             out, lse = _ring_forward(*local[:3], ring, causal, layout, scale, "torch", steps_per_launch)
             grads = _ring_backward(local[3], *local[:3], out, lse, ring, causal, layout, scale, "fa4",
                                    steps_per_launch)
@@ -80,7 +87,8 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
         frb.FA4RingBackward = real
     got = [gather_sequence(t, None, layout) for t in grads]
     errs = [((a - t.grad).abs().max() / t.grad.abs().max()).item() for a, t in zip(got, full)]
-    return {"errors": errs, "kept": len(made), "row_sets": sorted(made[0].sets) if made else []}
+    return {"errors": errs, "kept": len(made), "row_sets": sorted(made[0].sets) if made else [],
+            "folded": sorted(key for key, rs in made[0].sets.items() if rs.fold) if made else []}
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -94,19 +102,22 @@ def test_fa4_kept_accumulators_match_one_device_on_stand_in_kernels(world):
     8-key half blocks in pairs, the 16-key blocks alone); the shares added row by row (``RING_DKV_ADD_ROWS=1``)."""
     pool = ProcessGroupPool(world)
     try:
-        for layout, causal, n, cap, rows in (("zigzag", True, 1, "0", "0"), ("contiguous", True, 1, "0", "0"),
-                                             ("contiguous", False, 1, "0", "0"), ("zigzag", True, 2, "0", "0"),
-                                             ("contiguous", True, (world,), "0", "0"),
-                                             ("contiguous", False, (world,), "0", "0"),
-                                             ("zigzag", False, (world,), "0", "0"),
-                                             ("zigzag", True, (world,), "16", "0"), ("zigzag", True, (world,), "0", "1"),
-                                             ("contiguous", True, (world,), "0", "1")):
-            results = pool.run(_ring_on_stand_ins, layout, causal, 4, 2, 16 * world, 4, n, cap, rows)
+        cases = (("zigzag", True, 1, "0", "0"), ("contiguous", True, 1, "0", "0"), ("contiguous", False, 1, "0", "0"),
+                 ("zigzag", True, 2, "0", "0"), ("contiguous", True, (world,), "0", "0"),
+                 ("contiguous", False, (world,), "0", "0"), ("zigzag", False, (world,), "0", "0"),
+                 ("zigzag", True, (world,), "16", "0"), ("zigzag", True, (world,), "0", "1"),
+                 ("contiguous", True, (world,), "0", "1"))
+        for (layout, causal, n, cap, rows), fold in [(c, "1") for c in cases] + [(c, "0") for c in cases[:8]]:
+            results = pool.run(_ring_on_stand_ins, layout, causal, 4, 2, 16 * world, 4, n, cap, rows, fold)
             for res in results:
                 assert res["kept"] == 1, "the fa4 ring backward did not take the kept-accumulator path"
-                assert max(res["errors"]) < 1e-12, (layout, causal, n, res)
+                assert max(res["errors"]) < 1e-12, (layout, causal, n, fold, res)
+                # folded: every row set of unmasked blocks (a causal ring's later steps; a non-causal ring's all)
+                assert res["folded"] == (sorted(k for k in res["row_sets"] if not k[2]) if fold == "1" else []), res
             if layout == "zigzag" and causal and world > 2:   # a middle rank has all three row sets
                 assert max(len(res["row_sets"]) for res in results) == 3, [r["row_sets"] for r in results]
+            if fold == "1" and (world > 1 or not causal):
+                assert any(res["folded"] for res in results), (layout, causal, n, results)
     finally:
         pool.close()
 
@@ -210,7 +221,8 @@ def _ring_rank_on_fa4(seq, world, heads, kv_heads, layout, batch=1, steps_per_la
 def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
     """FA4's real kernels (sm90+, the fa4 extra): every rank of a W=4 zigzag ring (three row sets), a W=2
     contiguous ring and a W=2 zigzag ring of batch 2 (row views strided by the batch), bf16 against float32,
-    with the kept accumulators and without (the knob); and the W=4 zigzag ring by launch groups of 3
+    with the kept accumulators (unmasked blocks folded into MHA, and not) and without (the knobs); and the W=4
+    zigzag ring by launch groups of 3
     (``distlab.cp.ring_fused``: 0 | 1 2 3, the later steps fused into one FA4 call per row range), and every
     rank of a W=8 zigzag ring by groups 1|2|5 (a fused group of five)."""
     from distlab import knobs
@@ -220,10 +232,10 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
         pytest.skip("needs FA4 on an sm90+ GPU")
     for layout, world, batch, n in (("zigzag", 4, 1, 1), ("contiguous", 2, 1, 1), ("zigzag", 2, 2, 1),
                                     ("zigzag", 4, 1, 3), ("contiguous", 4, 2, 3), ("zigzag", 8, 1, (1, 2, 5))):
-        for accum in ("1", "0"):
-            with knobs.override(FA4_RING_ACCUM=accum):
+        for accum, fold in (("1", "1"), ("1", "0"), ("0", "1")):
+            with knobs.override(FA4_RING_ACCUM=accum, FA4_RING_FOLD=fold):
                 for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, layout, batch, n)):
-                    assert max(errs) < 2e-2, (layout, world, batch, n, accum, rank, errs)
+                    assert max(errs) < 2e-2, (layout, world, batch, n, accum, fold, rank, errs)
 
 
 def test_fa4_key_ranges_of_an_accumulator_are_its_tiles_in_order():

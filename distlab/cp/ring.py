@@ -472,7 +472,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
                 if step > 0:
                     parts.append((cols, dkv_b, None))
                 elif dk_blk is None and cols == slice(0, k.shape[1]):   # my own block starts the accumulator
-                    dk_blk = dkv_b
+                    dk_blk = kept.own_accumulator(dkv_b)
                 else:
                     raise RuntimeError("the ring's first backward step must be one block over every local key")
                 continue

@@ -82,14 +82,13 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
                                                           lse[:, :, rows], blk_causal, scale, backend)
                     dq = _accumulate(dq, dq_b, rows, q, acc)
             results += (dk_b,) if dv_b is None else (dk_b, dv_b)
-            per_key = dk_b.shape[-1] // k_blk.shape[1] if kept is not None else None
             start = 0
             for step, cols in pieces:
                 n = cols.stop - cols.start
                 if len(pieces) == 1:
                     share = (dk_b, dv_b)
                 elif kept is not None:
-                    share = (dk_b[..., start * per_key:(start + n) * per_key], None)
+                    share = (kept.share(dk_b, k_blk.shape[1], start, n), None)
                 else:
                     share = (dk_b[:, start:start + n], dv_b[:, start:start + n])
                 parts[step].append((cols, *share))
@@ -158,7 +157,7 @@ def _own_accumulator(parts, k, v, acc, kept):
     if kept is not None:   # dK and dV in one tensor (FA4RingBackward.block)
         if len(parts) != 1 or parts[0][0] != slice(0, k.shape[1]):
             raise RuntimeError("the ring's first backward step must be one block over every local key")
-        return (parts[0][1].contiguous(),)
+        return (kept.own_accumulator(parts[0][1]),)
     dk = dv = None
     for cols, dk_b, dv_b in parts:
         whole = cols.start == 0 and cols.stop == k.shape[1]

@@ -27,6 +27,17 @@ scratch only the add waits (as in distlab's Triton ring).
 Memory: a float32 dQ accumulator per row set (zigzag: one and a half shards' worth more than a single float32
 dQ; 160 MiB against 64 at S32768, W=8, 32 heads) and the block's dK/dV scratch.
 
+**Folded blocks** (knob ``DISTLAB_FA4_RING_FOLD``, on by default). FA4's sm90 backward gives each CTA one
+128-key tile of one q head and loops it over the block's rows, so a ring's short row sets (2048 rows at
+S32768, W=8; 512 at S8192) pay each CTA's prologue and its float32 dK/dV atomics over few rows, and FA4
+4.0.0b36 has no packed-GQA backward. A block with no mask (every later block of a causal ring) is the same
+attention with each kv head's G q heads stacked as rows (``fold_heads``): MHA over the kv heads, G times the
+rows a CTA loops over, dK/dV written straight in q's dtype (no scratch, no fill). H100, 2026-12-06
+(``launch/fa4_tile_probe.py --fold``): main kernel 2048 × 16384 2114 → 2007 µs, 512 × 4096 200 → 137. Then
+every block's dK/dV come back as ``(2, batch, keys, kv_heads, dim)`` in q's dtype (a causal block's converted
+by FA4's postprocess), rounded once a block as any per-block backend's are, and the travelling accumulator is
+that layout in float32; Q, out and dO are folded once per row set and dQ unfolded at the end.
+
 Used by ``distlab.cp.ring``'s backward for ``backend="fa4"`` when ``usable`` says so: GQA (with one q head
 per kv head FA4 writes dK/dV directly, no accumulators), batch-contiguous bshd, every block's rows and keys
 in whole tiles of 128 (FA4's kernels round sequence lengths up to their tile); otherwise the per-block
@@ -58,8 +69,9 @@ def usable(q, k, blocks, dtype) -> bool:
 
 def _record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal, scale):
     """The compiled kernels of one ``_flash_attn_bwd`` call on a block of this shape, and their arguments:
-    ``(preprocess, main, [postprocess dQ, dK, dV], buffer shapes)``, each ``(fn, args)``; recorded once per
-    shape (one FA4 call on zeros)."""
+    ``(preprocess, main, [postprocess dQ, dK, dV], buffer shapes)``, each ``(fn, args)`` (MHA, ``heads ==
+    kv_heads``: the main kernel writes dK/dV itself, one postprocess, dQ's); recorded once per shape (one FA4
+    call on zeros)."""
     key = (batch, rows, cols, heads, kv_heads, dim, dtype, device, causal, scale)
     if key in _RECORDED:
         return _RECORDED[key]
@@ -73,25 +85,29 @@ def _record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal, scal
     for f, r in zip(funcs, recorders):
         f.compile_cache = r
     try:
-        fi._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=causal)
+        got = fi._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=causal)
     finally:
         for f, r in zip(funcs, recorders):
             f.compile_cache = r.cache
     pre, main, post = recorders[0].calls, recorders[1].calls, recorders[2].calls
-    ok = len(pre) == 1 and len(main) == 1 and len(post) == 3
+    mha = heads == kv_heads
+    ok = len(pre) == 1 and len(main) == 1 and len(post) == (1 if mha else 3)
     if ok:
         (pre,), (main,) = pre, main
         ok = (all(_same(a, b) for a, b in zip((pre[1][i] for i in (0, 1, 3)), (out, dout, lse)))
               and all(_same(a, b) for a, b in zip(main[1][:4], (q, k, v, dout)))
               and main[1][4] is pre[1][4] and main[1][5] is pre[1][2] and main[1][6] is pre[1][5]
-              and all(p[1][0] is main[1][i] for p, i in zip(post, (6, 7, 8)))
               and not any(isinstance(a, torch.Tensor) for a in main[1][9:]))
+        if mha:   # dK, dV: the tensors the call returned
+            ok = ok and post[0][1][0] is main[1][6] and _same(main[1][7], got[1]) and _same(main[1][8], got[2])
+        else:
+            ok = ok and all(p[1][0] is main[1][i] for p, i in zip(post, (6, 7, 8)))
     if not ok:
         raise RuntimeError("FA4's backward did not run the kernels FA4RingBackward expects (flash-attn-4 "
-                           "4.0.0b36's preprocess, main kernel and three postprocesses); set "
+                           "4.0.0b36's preprocess, main kernel and three postprocesses, one with MHA); set "
                            "DISTLAB_FA4_RING_ACCUM=0")
     shapes = {"dpsum": pre[1][2].shape, "dq_accum": pre[1][5].shape, "dkv_accum": main[1][7].shape}
-    if main[1][8].shape != main[1][7].shape:
+    if not mha and main[1][8].shape != main[1][7].shape:
         raise RuntimeError("FA4RingBackward: dK's and dV's accumulators differ in shape (head_dim_v != head_dim)")
     _RECORDED[key] = rec = (pre, main, post, shapes)
     return rec
@@ -108,13 +124,29 @@ def _acc_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-class _RowSet:
-    """One row set's preprocess results and its float32 dQ accumulator (FA4's layout for its kernel)."""
+def fold_heads(t, kv_heads: int):
+    """``(B, rows, H, D)`` -> ``(B, G·rows, kv_heads, D)``, contiguous: kv head h's q heads hG … hG+G−1 stacked
+    as rows (row g·rows + i is q head hG + g's row i). With no mask, the same attention as MHA over the kv heads."""
+    b, rows, heads, dim = t.shape
+    group = heads // kv_heads
+    return t.reshape(b, rows, kv_heads, group, dim).permute(0, 3, 1, 2, 4).reshape(b, group * rows, kv_heads, dim)
 
-    def __init__(self, rec, out, dout, lse):
+
+def unfold_heads(t, heads: int):
+    """``fold_heads`` undone: ``(B, G·rows, kv_heads, D)`` -> ``(B, rows, heads, D)``."""
+    b, grows, kv_heads, dim = t.shape
+    group = heads // kv_heads
+    return t.view(b, group, grows // group, kv_heads, dim).permute(0, 2, 3, 1, 4).reshape(b, grows // group, heads, dim)
+
+
+class _RowSet:
+    """One row set's preprocess results and its float32 dQ accumulator (FA4's layout for its kernel); ``q`` and
+    ``dout`` as its kernels take them (folded: ``fold_heads``)."""
+
+    def __init__(self, rec, q, out, dout, lse, fold):
         (pre_fn, pre_args), _, _, shapes = rec
         dev, acc = out.device, _acc_dtype(out.dtype)
-        self.rec = rec
+        self.rec, self.q, self.dout, self.fold = rec, q, dout, fold
         self.dpsum = torch.empty(shapes["dpsum"], dtype=acc, device=dev)
         self.lse_log2 = torch.empty(shapes["dpsum"], dtype=acc, device=dev)
         self.dq_accum = torch.empty(shapes["dq_accum"], dtype=acc, device=dev)
@@ -135,26 +167,52 @@ class FA4RingBackward:
         self.plans: dict = {}
         self.zeroed: dict = {}   # block key -> [(zeroed scratch, its fill's event)] (``zero_ahead``)
         self.add_rows = knobs.get("RING_DKV_ADD_ROWS") == "1"
+        # every rank decides alike (shapes and a knob): the travelling accumulator's layout depends on it
+        self.fold = knobs.get("FA4_RING_FOLD") != "0" and q.shape[2] > k.shape[2]
 
     def prepare(self, blocks):
         """Record FA4's kernels for every block shape of the ring (``[(rows, cols, causal)]``) now, before the
         ring's first exchange: a recording FA4 refuses raises on every rank before any collective."""
         self._rec(self.q.shape[1], self.keys, self.causal)
         for rows, cols, causal in blocks:
-            self._rec(rows.stop - rows.start, cols.stop - cols.start, causal)
+            self._rec(rows.stop - rows.start, cols.stop - cols.start, causal, self.fold and not causal)
 
-    def _rec(self, rows: int, cols: int, causal: bool):
+    def _rec(self, rows: int, cols: int, causal: bool, fold: bool = False):
+        """FA4's kernels for a block of ``rows`` × ``cols`` (``fold``: its q heads folded into rows, MHA)."""
         q = self.q
-        return _record(q.shape[0], rows, cols, q.shape[2], self.kv_heads, q.shape[3], q.dtype, q.device, causal,
-                       self.scale)
+        group = q.shape[2] // self.kv_heads if fold else 1
+        return _record(q.shape[0], rows * group, cols, q.shape[2] // group, self.kv_heads, q.shape[3], q.dtype,
+                       q.device, causal, self.scale)
 
     def _row_set(self, rows: slice, cols: int, causal: bool) -> _RowSet:
         key = (rows.start, rows.stop, causal)
         rs = self.sets.get(key)
         if rs is None:
-            rec = self._rec(rows.stop - rows.start, cols, causal)
-            rs = self.sets[key] = _RowSet(rec, self.out[:, rows], self.dout[:, rows], self.lse[:, :, rows])
+            whole = rows.stop - rows.start == self.q.shape[1]
+            q, out, dout, lse = ((self.q, self.out, self.dout, self.lse) if whole else
+                                 (self.q[:, rows], self.out[:, rows], self.dout[:, rows], self.lse[:, :, rows]))
+            fold = self.fold and not causal
+            if fold:   # once per row set: the blocks of this set all take these
+                q, out, dout = (fold_heads(t, self.kv_heads) for t in (q, out, dout))
+                lse = lse.reshape(lse.shape[0], self.kv_heads, -1)   # (B, H, rows) -> (B, Hkv, G·rows)
+            rec = self._rec(rows.stop - rows.start, cols, causal, fold)
+            rs = self.sets[key] = _RowSet(rec, q, out, dout, lse, fold)
         return rs
+
+    def share(self, part, keys: int, start: int, n: int):
+        """The keys ``start`` … ``start + n`` of a block result ``part`` over ``keys`` keys (``block``'s return)."""
+        if part.ndim == 5:
+            return part[:, :, start:start + n]
+        per_key = part.shape[-1] // keys
+        return part[..., start * per_key:(start + n) * per_key]
+
+    def own_accumulator(self, part):
+        """The travelling accumulator that this rank's own block result ``part`` starts (fresh memory: ``part``
+        may be a view into a fused block's result): FA4's float32 scratch as it is, a folded block's result in
+        float32."""
+        if part.ndim == 5:
+            return part.to(_acc_dtype(part.dtype), copy=True)
+        return part.contiguous()
 
     def add_into(self, acc, cols: slice, part):
         """``acc``'s keys ``cols`` += ``part`` (a block's scratch for those keys; FA4's accumulator layout keeps
@@ -162,6 +220,9 @@ class FA4RingBackward:
         ``part`` hold dK and dV along a leading dimension of 2, so one add does both)."""
         per_key = acc.shape[-1] // self.keys
         view = acc if cols.start == 0 and cols.stop == self.keys else acc[..., cols.start * per_key:cols.stop * per_key]
+        if acc.ndim == 5:   # folded blocks' layout (2, B, keys, Hkv, D): a key range is a slice of dim 2
+            (acc if cols.start == 0 and cols.stop == self.keys else acc[:, :, cols]).add_(part)
+            return
         if self.add_rows and not (view.is_contiguous() and part.is_contiguous()):
             # a share cut out of a fused block is strided (rows of one head's keys): one add per row, all in one
             # multi-tensor launch, is vectorized where the strided add is not (H100 S32768: 40-65 µs an add)
@@ -179,21 +240,29 @@ class FA4RingBackward:
         if plan is None:
             n = cols.stop - cols.start
             rs = self._row_set(rows, n, causal)
-            _, (main_fn, main_args), _, shapes = self._rec(rows.stop - rows.start, n, causal)
-            whole = rows.stop - rows.start == self.q.shape[1]
-            q, dout = (self.q, self.dout) if whole else (self.q[:, rows], self.dout[:, rows])
-            plan = self.plans[key] = (n, (2, *shapes["dkv_accum"]), _acc_dtype(k.dtype), main_fn, q, dout, rs,
-                                      main_args[9:])
-        n, shape, acc, main_fn, q, dout, rs, rest = plan
+            rec = self._rec(rows.stop - rows.start, n, causal, rs.fold)
+            _, (main_fn, main_args), _, shapes = rec
+            plain = (2, self.q.shape[0], n, self.kv_heads, self.q.shape[3])   # folded: dK/dV in q's dtype, bshd
+            shape, acc = (plain, self.q.dtype) if rs.fold else ((2, *shapes["dkv_accum"]), _acc_dtype(k.dtype))
+            plan = self.plans[key] = (n, shape, acc, main_fn, rs, main_args[9:],
+                                      rec[2] if self.fold and not rs.fold else None, plain)
+        n, shape, acc, main_fn, rs, rest, convert, plain = plan
         if n != k.shape[1]:
             k, v = k[:, cols], v[:, cols]
         ahead = self.zeroed.get(key)
         if ahead:   # zeroed beforehand on a side stream (``zero_ahead``)
             buf, done = ahead.pop(0)
             torch.cuda.current_stream(k.device).wait_event(done)
+        elif rs.fold:   # written whole by the kernel
+            buf = torch.empty(shape, dtype=acc, device=k.device)
         else:
             buf = torch.zeros(shape, dtype=acc, device=k.device)
-        main_fn(q, k, v, dout, rs.lse_log2, rs.dpsum, rs.dq_accum, buf[0], buf[1], *rest)
+        main_fn(rs.q, k, v, rs.dout, rs.lse_log2, rs.dpsum, rs.dq_accum, buf[0], buf[1], *rest)
+        if convert is not None:   # a causal block in a folding ring: its scratch in the folded blocks' layout
+            out = torch.empty(plain, dtype=self.q.dtype, device=k.device)
+            for i in (0, 1):
+                convert[1 + i][0](buf[i], out[i], *convert[1 + i][1][2:])
+            return out
         return buf
 
     def zero_ahead(self, blocks, stream):
@@ -205,6 +274,8 @@ class FA4RingBackward:
         stream.wait_stream(main)   # forked from the compute stream: what is queued there comes first, and a CUDA
         # graph's capture follows the fills onto the side stream (unforked, its capture fails: H100, 2026-12-05)
         for rows, cols, causal in blocks:
+            if self.fold and not causal:   # a folded block's dK/dV need no zeroing
+                continue
             key = (rows.start, rows.stop, cols.start, cols.stop, causal)
             shapes = self._rec(rows.stop - rows.start, cols.stop - cols.start, causal)[3]
             with torch.cuda.stream(stream):
@@ -224,8 +295,10 @@ class FA4RingBackward:
         for (start, stop, _), rs in self.sets.items():
             post_fn, post_args = rs.rec[2][0]
             whole = (start, stop) == (0, self.q.shape[1])
-            part = torch.empty_like(self.q if whole else self.q[:, start:stop], memory_format=torch.contiguous_format)
+            part = torch.empty_like(rs.q, memory_format=torch.contiguous_format)
             post_fn(rs.dq_accum, part, *post_args[2:])
+            if rs.fold:
+                part = unfold_heads(part, self.q.shape[2])
             if total is None and whole:
                 total = part
                 continue
@@ -236,7 +309,9 @@ class FA4RingBackward:
 
     def finish_dkv(self, acc, k, v):
         """A travelling dK/dV accumulator (``acc[0]`` dK, ``acc[1]`` dV), home: converted to k's and v's dtype (dK scaled) by FA4's
-        postprocess."""
+        postprocess (a folded ring's, ``(2, B, keys, Hkv, D)`` float32, already scaled: converted)."""
+        if acc.ndim == 5:
+            return acc[0].to(k.dtype), acc[1].to(v.dtype)
         post = self._rec(self.q.shape[1], self.keys, self.causal)[2]
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
