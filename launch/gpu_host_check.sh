@@ -43,6 +43,7 @@
 #                                                  # (fa4ranks8k: S8192's ranks, GPU clock and two wall processes)
 #   bash launch/gpu_host_check.sh OUTDIR fa4fold   # FA4 present: unmasked ring blocks folded into MHA: GPU tests,
 #                                                  # bf16 errors, A/B wall and GPU, every rank, a timeline
+#                                                  # (fa4fold2: the auto policy, every rank against fold off)
 #   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
 #                                                  # launch keys checked; part triton: then host_cost and the Triton
 #                                                  # ring rank (emulate, wall and GPU)
@@ -371,6 +372,25 @@ for fold in ('1', '0'):
       --rank all --steps-per-launch 1,3,4 --iters 20 --wall --paired 5 --json "$out/emulate_fold_ranks.json"
   LIMIT=90 TAIL=3 run timeline_s32k_fold $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
       --steps-per-launch 1,3,4 --iters 5 --timeline --json "$out/timeline_s32k_fold.json"
+elif [ "$part" = fa4fold2 ]; then   # FA4 present: FA4_RING_FOLD=auto (folded where the shard has >= 2048 rows, its row
+  # sets of <= 2048 rows): GPU tests, bf16 errors of a ring mixing folded and GQA blocks (limits scaled down to a
+  # 4096-token W=8 ring), every rank at S32768 auto against 0 (wall, paired)
+  LIMIT=240 TAIL=3 run fa4_ring_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider
+  LIMIT=120 TAIL=12 run fold_errors $py -c "
+import sys; sys.path.insert(0, 'tests')
+from distlab import knobs
+from distlab.kernels import fa4_ring_backward as frb
+from test_fa4_ring_backward import _ring_rank_on_fa4
+frb.FOLD_MIN_SHARD, frb.FOLD_MAX_ROWS = 512, 256   # a 4096-token W=8 zigzag ring: the half-shard sets fold
+for fold in ('auto', '1', '0'):
+    with knobs.override(FA4_RING_FOLD=fold):
+        errs = _ring_rank_on_fa4(4096, 8, 8, 2, 'zigzag', 1, (1, 3, 4))
+    print('fold', fold, 'max rel err over ranks (out, dq, dk, dv):', [f'{max(e[i] for e in errs):.2e}' for i in range(4)])
+    assert max(max(e) for e in errs) < 2e-2
+"
+  LIMIT=300 TAIL=24 run emulate_fold2_ranks $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
+      --rank all --steps-per-launch 1,3,4 --variant '' 'FA4_RING_FOLD=0' --iters 20 --wall --paired 5 \
+      --json "$out/emulate_fold2_ranks.json"
 elif [ "$part" = fa4confirm ]; then   # FA4 present (2026-12-06, 19th session): the kept outputs on another lease —
   # every FA4 GPU test, #24's S8192 wall in four fresh processes (a warm-up row, then the default twice), and the
   # rank against cuDNN's one call at S32768 (#24's >= 100%)

@@ -72,8 +72,10 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
     attention_reference(*full, causal=causal).backward(dout)
     local = [shard_sequence(t, None, layout) for t in (q, k, v, dout)]
     ring, scale = comm.RingExchanger(None), 8 ** -0.5
-    saved = frb._record, frb.TILE, fa4.runs_on
+    saved = frb._record, frb.TILE, fa4.runs_on, frb.FOLD_MIN_SHARD, frb.FOLD_MAX_ROWS
     frb._record, frb.TILE, fa4.runs_on = _fake_record, tile, (lambda device, dtype: True)
+    if isinstance(fold, tuple):   # ("auto", the least shard that folds, the most rows a folded row set has)
+        fold, frb.FOLD_MIN_SHARD, frb.FOLD_MAX_ROWS = fold
     try:
         made = []
         real = frb.FA4RingBackward
@@ -83,7 +85,7 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
             grads = _ring_backward(local[3], *local[:3], out, lse, ring, causal, layout, scale, "fa4",
                                    steps_per_launch)
     finally:
-        frb._record, frb.TILE, fa4.runs_on = saved
+        frb._record, frb.TILE, fa4.runs_on, frb.FOLD_MIN_SHARD, frb.FOLD_MAX_ROWS = saved
         frb.FA4RingBackward = real
     got = [gather_sequence(t, None, layout) for t in grads]
     errs = [((a - t.grad).abs().max() / t.grad.abs().max()).item() for a, t in zip(got, full)]
@@ -118,6 +120,12 @@ def test_fa4_kept_accumulators_match_one_device_on_stand_in_kernels(world):
                 assert max(len(res["row_sets"]) for res in results) == 3, [r["row_sets"] for r in results]
             if fold == "1" and (world > 1 or not causal):
                 assert any(res["folded"] for res in results), (layout, causal, n, results)
+        # auto, at limits scaled to these shards (16 rows): the half-shard row sets folded, the whole-shard ones
+        # not — in one ring, blocks of both kinds adding into the same (folded layout) accumulators
+        for n in (1, 2):
+            for res in pool.run(_ring_on_stand_ins, "zigzag", True, 4, 2, 16 * world, 4, n, "0", "0", ("auto", 16, 8)):
+                assert max(res["errors"]) < 1e-12, (n, res)
+                assert res["folded"] == [k for k in res["row_sets"] if not k[2] and k[1] - k[0] <= 8], res
     finally:
         pool.close()
 
@@ -236,6 +244,28 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
             with knobs.override(FA4_RING_ACCUM=accum, FA4_RING_FOLD=fold):
                 for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, layout, batch, n)):
                     assert max(errs) < 2e-2, (layout, world, batch, n, accum, fold, rank, errs)
+
+
+def test_fa4_ring_fold_auto_folds_the_short_unmasked_row_sets_of_long_shards():
+    """``FA4_RING_FOLD=auto``: a shard of 2048 rows or more folds its unmasked row sets of up to 2048 rows (zigzag
+    rank 0's later half at S32768, W=8) and not its 4096-row ones, causal blocks, MHA, or a 1024-row shard; ``1``
+    folds every unmasked block of a GQA ring, ``0`` none."""
+    from distlab import knobs
+    from distlab.kernels import fa4_ring_backward as frb
+
+    def kept(rows, heads=4, kv_heads=2):
+        q, k = torch.zeros(1, rows, heads, 1), torch.zeros(1, rows, kv_heads, 1)
+        return frb.FA4RingBackward(q, q, q, None, k, 1.0, True)
+
+    with knobs.override(FA4_RING_FOLD="auto"):
+        big, small = kept(4096), kept(1024)
+        assert big.fold and [big.folds(n, False) for n in (2048, 4096)] == [True, False]
+        assert not big.folds(2048, True) and not small.fold and not small.folds(512, False)
+        assert not kept(4096, heads=2).fold   # MHA: nothing to fold
+    with knobs.override(FA4_RING_FOLD="1"):
+        assert kept(1024).folds(1024, False) and kept(4096).folds(4096, False) and not kept(4096).folds(4096, True)
+    with knobs.override(FA4_RING_FOLD="0"):
+        assert not kept(4096).fold and not kept(4096).folds(2048, False)
 
 
 def test_fa4_key_ranges_of_an_accumulator_are_its_tiles_in_order():

@@ -27,7 +27,7 @@ scratch only the add waits (as in distlab's Triton ring).
 Memory: a float32 dQ accumulator per row set (zigzag: one and a half shards' worth more than a single float32
 dQ; 160 MiB against 64 at S32768, W=8, 32 heads) and the block's dK/dV scratch.
 
-**Folded blocks** (knob ``DISTLAB_FA4_RING_FOLD``, on by default). FA4's sm90 backward gives each CTA one
+**Folded blocks** (knob ``DISTLAB_FA4_RING_FOLD``: ``auto`` by default, ``FOLD_MIN_SHARD`` and ``FOLD_MAX_ROWS``). FA4's sm90 backward gives each CTA one
 128-key tile of one q head and loops it over the block's rows, so a ring's short row sets (2048 rows at
 S32768, W=8; 512 at S8192) pay each CTA's prologue and its float32 dK/dV atomics over few rows, and FA4
 4.0.0b36 has no packed-GQA backward. A block with no mask (every later block of a causal ring) is the same
@@ -54,6 +54,14 @@ from distlab import knobs
 from distlab.kernels import fa4
 
 TILE = 128   # FA4's largest row / key tile of the sm90 backward at head_dim 128 (n-block 128, m-block 64 or 80)
+# ``FA4_RING_FOLD=auto``: fold where the shard has this many rows or more (a shard of 1024 at S8192, W=8, is
+# host-bound: H100 2026-12-06, f+b wall 74.3-75.4% folded against 76.5-76.6 not, GPU clock 81.9 against 77.2;
+# 4096 at S32768 gains on both clocks: wall 87.7 / 90.2 against 85.8 / 86.6), and only row sets of at most
+# this many rows (the 4096-row blocks of zigzag's later ranks loop long enough already: main kernel 4096 x
+# 8192 2092 -> 2004 µs folded, against 2114 -> 2007 for 2048 x 16384, and their folds of Q, out and dO cost
+# twice as much)
+FOLD_MIN_SHARD = 2048
+FOLD_MAX_ROWS = 2048
 _RECORDED: dict = {}
 
 
@@ -168,14 +176,21 @@ class FA4RingBackward:
         self.zeroed: dict = {}   # block key -> [(zeroed scratch, its fill's event)] (``zero_ahead``)
         self.add_rows = knobs.get("RING_DKV_ADD_ROWS") == "1"
         # every rank decides alike (shapes and a knob): the travelling accumulator's layout depends on it
-        self.fold = knobs.get("FA4_RING_FOLD") != "0" and q.shape[2] > k.shape[2]
+        mode = knobs.get("FA4_RING_FOLD")
+        self.fold = q.shape[2] > k.shape[2] and (mode == "1" or mode == "auto" and q.shape[1] >= FOLD_MIN_SHARD)
+        self.fold_rows = FOLD_MAX_ROWS if mode == "auto" else None
+
+    def folds(self, rows: int, causal: bool) -> bool:
+        """A block of ``rows`` rows runs folded: a folding ring's unmasked block, short enough a row set
+        (``auto``) that FA4's CTAs loop over few rows."""
+        return self.fold and not causal and (self.fold_rows is None or rows <= self.fold_rows)
 
     def prepare(self, blocks):
         """Record FA4's kernels for every block shape of the ring (``[(rows, cols, causal)]``) now, before the
         ring's first exchange: a recording FA4 refuses raises on every rank before any collective."""
         self._rec(self.q.shape[1], self.keys, self.causal)
         for rows, cols, causal in blocks:
-            self._rec(rows.stop - rows.start, cols.stop - cols.start, causal, self.fold and not causal)
+            self._rec(rows.stop - rows.start, cols.stop - cols.start, causal, self.folds(rows.stop - rows.start, causal))
 
     def _rec(self, rows: int, cols: int, causal: bool, fold: bool = False):
         """FA4's kernels for a block of ``rows`` × ``cols`` (``fold``: its q heads folded into rows, MHA)."""
@@ -191,7 +206,7 @@ class FA4RingBackward:
             whole = rows.stop - rows.start == self.q.shape[1]
             q, out, dout, lse = ((self.q, self.out, self.dout, self.lse) if whole else
                                  (self.q[:, rows], self.out[:, rows], self.dout[:, rows], self.lse[:, :, rows]))
-            fold = self.fold and not causal
+            fold = self.folds(rows.stop - rows.start, causal)
             if fold:   # once per row set: the blocks of this set all take these
                 q, out, dout = (fold_heads(t, self.kv_heads) for t in (q, out, dout))
                 lse = lse.reshape(lse.shape[0], self.kv_heads, -1)   # (B, H, rows) -> (B, Hkv, G·rows)
@@ -274,7 +289,7 @@ class FA4RingBackward:
         stream.wait_stream(main)   # forked from the compute stream: what is queued there comes first, and a CUDA
         # graph's capture follows the fills onto the side stream (unforked, its capture fails: H100, 2026-12-05)
         for rows, cols, causal in blocks:
-            if self.fold and not causal:   # a folded block's dK/dV need no zeroing
+            if self.folds(rows.stop - rows.start, causal):   # a folded block's dK/dV need no zeroing
                 continue
             key = (rows.start, rows.stop, cols.start, cols.stop, causal)
             shapes = self._rec(rows.stop - rows.start, cols.stop - cols.start, causal)[3]
