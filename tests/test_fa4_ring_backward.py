@@ -247,9 +247,10 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
 
 
 def test_fa4_ring_fold_auto_folds_the_short_unmasked_row_sets_of_long_shards():
-    """``FA4_RING_FOLD=auto``: a shard of 2048 rows or more folds its unmasked row sets of up to 2048 rows (zigzag
-    rank 0's later half at S32768, W=8) and not its 4096-row ones, causal blocks, MHA, or a 1024-row shard; ``1``
-    folds every unmasked block of a GQA ring, ``0`` none."""
+    """``FA4_RING_FOLD=auto``: a shard of 4096 rows (S32768, W=8) folds its unmasked row sets of up to 2048 rows
+    (zigzag rank 0's later half) and not its 4096-row ones, causal blocks, MHA, or shards of 2048 (S16384, where
+    zigzag's later ranks lost to it) or 8192 (half sets of 4096 rows); ``1`` folds every unmasked block of a GQA
+    ring, ``0`` none."""
     from distlab import knobs
     from distlab.kernels import fa4_ring_backward as frb
 
@@ -258,9 +259,10 @@ def test_fa4_ring_fold_auto_folds_the_short_unmasked_row_sets_of_long_shards():
         return frb.FA4RingBackward(q, q, q, None, k, 1.0, True)
 
     with knobs.override(FA4_RING_FOLD="auto"):
-        big, small = kept(4096), kept(1024)
+        big, small = kept(4096), kept(2048)
         assert big.fold and [big.folds(n, False) for n in (2048, 4096)] == [True, False]
-        assert not big.folds(2048, True) and not small.fold and not small.folds(512, False)
+        assert not big.folds(2048, True) and not small.fold and not small.folds(1024, False)
+        assert not kept(8192).fold and not kept(8192).folds(2048, False)
         assert not kept(4096, heads=2).fold   # MHA: nothing to fold
     with knobs.override(FA4_RING_FOLD="1"):
         assert kept(1024).folds(1024, False) and kept(4096).folds(4096, False) and not kept(4096).folds(4096, True)

@@ -54,13 +54,15 @@ from distlab import knobs
 from distlab.kernels import fa4
 
 TILE = 128   # FA4's largest row / key tile of the sm90 backward at head_dim 128 (n-block 128, m-block 64 or 80)
-# ``FA4_RING_FOLD=auto``: fold where the shard has this many rows or more (a shard of 1024 at S8192, W=8, is
-# host-bound: H100 2026-12-06, f+b wall 74.3-75.4% folded against 76.5-76.6 not, GPU clock 81.9 against 77.2;
-# 4096 at S32768 gains on both clocks: wall 87.7 / 90.2 against 85.8 / 86.6), and only row sets of at most
-# this many rows (the 4096-row blocks of zigzag's later ranks loop long enough already: main kernel 4096 x
-# 8192 2092 -> 2004 µs folded, against 2114 -> 2007 for 2048 x 16384, and their folds of Q, out and dO cost
-# twice as much)
-FOLD_MIN_SHARD = 2048
+# ``FA4_RING_FOLD=auto``: a folding ring where the shard has FOLD_MIN_SHARD rows or more and its half row sets
+# (zigzag's later blocks on rank 0) FOLD_MAX_ROWS or fewer, folding the row sets of at most FOLD_MAX_ROWS rows.
+# H100, 2026-12-06, W=8 zigzag, f+b wall against FA4's H/W call (docs/PERF.md): shard 4096 (S32768) folded /
+# not, slowest of the 8 ranks 86.8 / 85.2% (rank 0 92.0 / 86.8); shard 2048 (S16384, everything folded) rank 0
+# 81.1 / 76.9% but ranks 3 and 7 69.8 / 73.6 and 74.4 / 78.4 (each folded row set costs its folds of Q, out
+# and dO, ~75 µs at 2048 rows, and a GQA block in a folding ring its conversion); shard 1024 (S8192) rank 0
+# 75.4 / 76.6% (host-bound), though 81.9 / 77.2% on the GPU clock. Main kernel alone (fa4_tile_probe --fold):
+# 2048 x 16384 2114 -> 2007 µs, 4096 x 8192 2092 -> 2004: the 4096-row blocks gain too little for their folds.
+FOLD_MIN_SHARD = 4096
 FOLD_MAX_ROWS = 2048
 _RECORDED: dict = {}
 
@@ -177,7 +179,8 @@ class FA4RingBackward:
         self.add_rows = knobs.get("RING_DKV_ADD_ROWS") == "1"
         # every rank decides alike (shapes and a knob): the travelling accumulator's layout depends on it
         mode = knobs.get("FA4_RING_FOLD")
-        self.fold = q.shape[2] > k.shape[2] and (mode == "1" or mode == "auto" and q.shape[1] >= FOLD_MIN_SHARD)
+        self.fold = q.shape[2] > k.shape[2] and (mode == "1" or mode == "auto" and
+                                                  FOLD_MIN_SHARD <= q.shape[1] <= 2 * FOLD_MAX_ROWS)
         self.fold_rows = FOLD_MAX_ROWS if mode == "auto" else None
 
     def folds(self, rows: int, causal: bool) -> bool:
