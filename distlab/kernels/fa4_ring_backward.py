@@ -27,16 +27,17 @@ scratch only the add waits (as in distlab's Triton ring).
 Memory: a float32 dQ accumulator per row set (zigzag: one and a half shards' worth more than a single float32
 dQ; 160 MiB against 64 at S32768, W=8, 32 heads) and the block's dK/dV scratch.
 
-**Folded blocks** (knob ``DISTLAB_FA4_RING_FOLD``: ``auto`` by default, ``FOLD_MIN_SHARD`` and ``FOLD_MAX_ROWS``). FA4's sm90 backward gives each CTA one
-128-key tile of one q head and loops it over the block's rows, so a ring's short row sets (2048 rows at
-S32768, W=8; 512 at S8192) pay each CTA's prologue and its float32 dK/dV atomics over few rows, and FA4
-4.0.0b36 has no packed-GQA backward. A block with no mask (every later block of a causal ring) is the same
-attention with each kv head's G q heads stacked as rows (``fold_heads``): MHA over the kv heads, G times the
-rows a CTA loops over, dK/dV written straight in q's dtype (no scratch, no fill). H100, 2026-12-06
-(``launch/fa4_tile_probe.py --fold``): main kernel 2048 × 16384 2114 → 2007 µs, 512 × 4096 200 → 137. Then
-every block's dK/dV come back as ``(2, batch, keys, kv_heads, dim)`` in q's dtype (a causal block's converted
-by FA4's postprocess), rounded once a block as any per-block backend's are, and the travelling accumulator is
-that layout in float32; Q, out and dO are folded once per row set and dQ unfolded at the end.
+**Folded blocks** (knob ``DISTLAB_FA4_RING_FOLD``: ``auto`` by default, see ``FOLD_MIN_SHARD``). FA4's sm90
+backward gives each CTA one 128-key tile of one q head and loops it over the block's rows, so a ring's short
+row sets (2048 rows at S32768, W=8; 512 at S8192) pay each CTA's prologue and its float32 dK/dV atomics over
+few rows, and FA4 4.0.0b36 has no packed-GQA backward. A block with no mask (every later block of a causal
+ring) is the same attention with each kv head's G q heads stacked as rows (``fold_heads``): MHA over the kv
+heads, G times the rows a CTA loops over, dK/dV written straight in q's dtype (no scratch, no fill). H100,
+2026-12-06 (``launch/fa4_tile_probe.py --fold``): main kernel 2048 × 16384 2114 → 2007 µs, 512 × 4096 200 →
+137. Then every block's dK/dV come back as ``(2, batch, keys, kv_heads, dim)`` in q's dtype (a causal block's
+converted by FA4's postprocess), rounded once a block as any per-block backend's are, and the travelling
+accumulator is that layout in float32; Q, out and dO are folded once per row set and dQ unfolded at the end.
+The W=8 rank at S32768 (docs/PERF.md): rank 0 86.8 → 92.0% f+b wall, the slowest rank 85.2 → 86.8%.
 
 Used by ``distlab.cp.ring``'s backward for ``backend="fa4"`` when ``usable`` says so: GQA (with one q head
 per kv head FA4 writes dK/dV directly, no accumulators), batch-contiguous bshd, every block's rows and keys
@@ -193,7 +194,8 @@ class FA4RingBackward:
         ring's first exchange: a recording FA4 refuses raises on every rank before any collective."""
         self._rec(self.q.shape[1], self.keys, self.causal)
         for rows, cols, causal in blocks:
-            self._rec(rows.stop - rows.start, cols.stop - cols.start, causal, self.folds(rows.stop - rows.start, causal))
+            n = rows.stop - rows.start
+            self._rec(n, cols.stop - cols.start, causal, self.folds(n, causal))
 
     def _rec(self, rows: int, cols: int, causal: bool, fold: bool = False):
         """FA4's kernels for a block of ``rows`` × ``cols`` (``fold``: its q heads folded into rows, MHA)."""
@@ -236,11 +238,12 @@ class FA4RingBackward:
         """``acc``'s keys ``cols`` += ``part`` (a block's scratch for those keys; FA4's accumulator layout keeps
         each head's keys in order, in whole tiles: a key range is a slice of the last dimension; ``acc`` and
         ``part`` hold dK and dV along a leading dimension of 2, so one add does both)."""
-        per_key = acc.shape[-1] // self.keys
-        view = acc if cols.start == 0 and cols.stop == self.keys else acc[..., cols.start * per_key:cols.stop * per_key]
+        whole = cols.start == 0 and cols.stop == self.keys
         if acc.ndim == 5:   # folded blocks' layout (2, B, keys, Hkv, D): a key range is a slice of dim 2
-            (acc if cols.start == 0 and cols.stop == self.keys else acc[:, :, cols]).add_(part)
+            (acc if whole else acc[:, :, cols]).add_(part)
             return
+        per_key = acc.shape[-1] // self.keys
+        view = acc if whole else acc[..., cols.start * per_key:cols.stop * per_key]
         if self.add_rows and not (view.is_contiguous() and part.is_contiguous()):
             # a share cut out of a fused block is strided (rows of one head's keys): one add per row, all in one
             # multi-tensor launch, is vectorized where the strided add is not (H100 S32768: 40-65 µs an add)
