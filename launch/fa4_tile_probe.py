@@ -21,6 +21,8 @@ import json
 
 import torch
 
+from distlab.kernels.fa4_ring_backward import fold_heads, unfold_heads
+
 
 def main_kernel_us(fn, iters):
     """Mean GPU time of the backward's main kernel (name holds ``bwd_sm90``) over ``iters`` calls, and of all."""
@@ -41,7 +43,8 @@ def main_kernel_us(fn, iters):
     return main / iters, total / iters
 
 
-def probe(rows, keys, heads, kv_heads, dim, iters):
+def _block(rows, keys, heads, kv_heads, dim):
+    """FA4's interface and one full block's bf16 inputs, forward output and LSE (seeded)."""
     from flash_attn.cute import interface as fi
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -49,6 +52,11 @@ def probe(rows, keys, heads, kv_heads, dim, iters):
     k, v = (torch.randn(1, keys, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     dout = torch.randn_like(q)
     out, lse, *_ = fi._flash_attn_fwd(q, k, v, causal=False, return_lse=True)
+    return fi, q, k, v, dout, out, lse
+
+
+def probe(rows, keys, heads, kv_heads, dim, iters):
+    fi, q, k, v, dout, out, lse = _block(rows, keys, heads, kv_heads, dim)
     runs = {"full (80-row tiles)": {}, "local, window over every key (64-row tiles)":
             {"window_size_left": None, "window_size_right": keys}}
     res, grads = {}, {}
@@ -71,13 +79,7 @@ def probe_mha(rows, keys, heads, kv_heads, dim, iters):
     float32 scratch, converted after) and with K/V repeated to ``heads`` (each q head's dK/dV written straight
     in bf16), plus what MHA would cost a ring around the kernel: the K/V repeat and the sum of a kv head's
     q-head dK/dV into a float32 accumulator."""
-    from flash_attn.cute import interface as fi
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, rows, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(1, keys, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    dout = torch.randn_like(q)
-    out, lse, *_ = fi._flash_attn_fwd(q, k, v, causal=False, return_lse=True)
+    fi, q, k, v, dout, out, lse = _block(rows, keys, heads, kv_heads, dim)
     group = heads // kv_heads
     k_rep, v_rep = (t.repeat_interleave(group, dim=2) for t in (k, v))
     acc = torch.zeros(1, keys, kv_heads, dim, device="cuda", dtype=torch.float32)
@@ -99,33 +101,13 @@ def probe_mha(rows, keys, heads, kv_heads, dim, iters):
     return res
 
 
-def fold_heads(t, kv_heads):
-    """``(B, rows, H, D)`` -> ``(B, G·rows, Hkv, D)``: each kv head's G q heads stacked as rows (row g·rows + i is
-    q head hkv·G + g's row i). For a block with no mask this is the same attention, as MHA over Hkv heads."""
-    b, rows, heads, dim = t.shape
-    group = heads // kv_heads
-    return t.view(b, rows, kv_heads, group, dim).permute(0, 3, 1, 2, 4).reshape(b, group * rows, kv_heads, dim)
-
-
-def unfold_heads(t, heads):
-    b, grows, kv_heads, dim = t.shape
-    group = heads // kv_heads
-    return t.view(b, group, grows // group, kv_heads, dim).permute(0, 2, 3, 1, 4).reshape(b, grows // group, heads, dim)
-
-
 def probe_fold(rows, keys, heads, kv_heads, dim, iters):
     """GQA against the q heads folded into rows (MHA over the kv heads, G times the rows a CTA loops over; dK/dV
     written straight in bf16, no float32 scratch), on a full block: FA4 4.0.0b36 has no packed-GQA backward,
     and its CTAs each own a key tile and loop over the rows, so a ring's short row sets (2048 at S32768, W=8)
     pay each CTA's prologue and epilogue over few rows. Plus the folds a ring would add: Q, dO, O (once per
     row set) and dQ back."""
-    from flash_attn.cute import interface as fi
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, rows, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(1, keys, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    dout = torch.randn_like(q)
-    out, lse, *_ = fi._flash_attn_fwd(q, k, v, causal=False, return_lse=True)
+    fi, q, k, v, dout, out, lse = _block(rows, keys, heads, kv_heads, dim)
     group = heads // kv_heads
     qf, of, df = (fold_heads(t, kv_heads) for t in (q, out, dout))
     lf = lse.view(1, kv_heads, group, rows).reshape(1, kv_heads, group * rows)
