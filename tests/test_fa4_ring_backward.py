@@ -247,16 +247,16 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
 
 
 def test_fa4_ring_fold_auto_folds_the_short_unmasked_row_sets_of_long_shards():
-    """``FA4_RING_FOLD=auto``: a shard of 4096 rows (S32768, W=8) folds its unmasked row sets of up to 2048 rows
-    (zigzag rank 0's later half) and not its 4096-row ones, causal blocks, MHA, or shards of 2048 (S16384, where
-    zigzag's later ranks lost to it) or 8192 (half sets of 4096 rows); ``1`` folds every unmasked block of a GQA
-    ring, ``0`` none."""
+    """``FA4_RING_FOLD=auto``: a causal zigzag ring's shard of 4096 rows (S32768, W=8) folds its unmasked row sets
+    of up to 2048 rows (the later half) and not its 4096-row ones, causal blocks, MHA, shards of 2048 (S16384,
+    where zigzag's later ranks lost to it) or 8192 (half sets of 4096 rows), contiguous or non-causal rings;
+    ``1`` folds every unmasked block of a GQA ring, ``0`` none."""
     from distlab import knobs
     from distlab.kernels import fa4_ring_backward as frb
 
-    def kept(rows, heads=4, kv_heads=2):
+    def kept(rows, heads=4, kv_heads=2, causal=True, layout="zigzag"):
         q, k = torch.zeros(1, rows, heads, 1), torch.zeros(1, rows, kv_heads, 1)
-        return frb.FA4RingBackward(q, q, q, None, k, 1.0, True)
+        return frb.FA4RingBackward(q, q, q, None, k, 1.0, causal, layout)
 
     with knobs.override(FA4_RING_FOLD="auto"):
         big, small = kept(4096), kept(2048)
@@ -264,6 +264,8 @@ def test_fa4_ring_fold_auto_folds_the_short_unmasked_row_sets_of_long_shards():
         assert not big.folds(2048, True) and not small.fold and not small.folds(1024, False)
         assert not kept(8192).fold and not kept(8192).folds(2048, False)
         assert not kept(4096, heads=2).fold   # MHA: nothing to fold
+        # no half row sets to fold: a contiguous or a non-causal ring would only pay the conversions
+        assert not kept(4096, layout="contiguous").fold and not kept(4096, causal=False).fold
     with knobs.override(FA4_RING_FOLD="1"):
         assert kept(1024).folds(1024, False) and kept(4096).folds(4096, False) and not kept(4096).folds(4096, True)
     with knobs.override(FA4_RING_FOLD="0"):

@@ -419,7 +419,7 @@ def backward_schedule(rank: int, world: int, seq: int, causal: bool, layout: str
         for step, blocks in enumerate(schedule))
 
 
-def _fa4_kept(dout, q, k, out, lse, scale, causal, blocks):
+def _fa4_kept(dout, q, k, out, lse, scale, causal, blocks, layout=None):
     """``FA4RingBackward`` (``distlab.kernels.fa4_ring_backward``: FA4's kernels one by one, dQ's float32
     accumulator kept across the steps, dK/dV travelling in FA4's accumulator layout) where it applies, else
     None (the per-block ``attention_backward``). ``blocks``: every ``(rows, cols, causal)`` the ring will run."""
@@ -427,7 +427,7 @@ def _fa4_kept(dout, q, k, out, lse, scale, causal, blocks):
 
     if not fa4_ring_backward.usable(q, k, blocks, q.dtype):
         return None
-    kept = fa4_ring_backward.FA4RingBackward(dout, q, out, lse, k, scale, causal)
+    kept = fa4_ring_backward.FA4RingBackward(dout, q, out, lse, k, scale, causal, layout)
     kept.prepare(blocks)
     return kept
 
@@ -452,7 +452,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)   # written by step 0's dQ kernel
         if dq_kernel_mode():   # each row's final dQ written in q's dtype by its last block's dQ kernel
             dq_final = torch.empty_like(q, memory_format=torch.contiguous_format)
-    kept = _fa4_kept(dout, q, k, out, lse, scale, causal, [blk[:3] for step in schedule for blk in step]) \
+    kept = _fa4_kept(dout, q, k, out, lse, scale, causal, [blk[:3] for step in schedule for blk in step], layout) \
         if backend == "fa4" else None
     for step in range(ring.size):
         with phase("ring.exchange"):

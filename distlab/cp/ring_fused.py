@@ -54,7 +54,7 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
 
         blocks = _fused_blocks(*shape, fa4_ring_backward.TILE)
         if blocks is not None:
-            kept = _fa4_kept(dout, q, k, out, lse, scale, causal, blocks)
+            kept = _fa4_kept(dout, q, k, out, lse, scale, causal, blocks, layout)
     landing = kv_landing(ring, k, shape) if ring.size > 1 and use_landing(k, v, backend, groups) else None
     kv = _KVAhead(ring, (k, v), landing)
     ahead = max(len(steps) for steps, _ in groups)

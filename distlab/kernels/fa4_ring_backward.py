@@ -56,7 +56,8 @@ from distlab.kernels import fa4
 
 TILE = 128   # FA4's largest row / key tile of the sm90 backward at head_dim 128 (n-block 128, m-block 64 or 80)
 # ``FA4_RING_FOLD=auto``: a folding ring where the shard has FOLD_MIN_SHARD rows or more and its half row sets
-# (zigzag's later blocks on rank 0) FOLD_MAX_ROWS or fewer, folding the row sets of at most FOLD_MAX_ROWS rows.
+# (a causal zigzag ring's later blocks on every rank but the last; a contiguous or non-causal ring has none,
+# and would only pay the conversions) FOLD_MAX_ROWS or fewer, folding the row sets of at most FOLD_MAX_ROWS rows.
 # H100, 2026-12-06, W=8 zigzag, f+b wall against FA4's H/W call (docs/PERF.md): shard 4096 (S32768) folded /
 # not, slowest of the 8 ranks 86.8 / 85.2% (rank 0 92.0 / 86.8); shard 2048 (S16384, everything folded) rank 0
 # 81.1 / 76.9% but ranks 3 and 7 69.8 / 73.6 and 74.4 / 78.4 (each folded row set costs its folds of Q, out
@@ -171,7 +172,7 @@ class FA4RingBackward:
     ``causal``: the ring's (its first block, all rows against all local keys, starts the travelling
     accumulator and sets its shape)."""
 
-    def __init__(self, dout, q, out, lse, k, scale, causal):
+    def __init__(self, dout, q, out, lse, k, scale, causal, layout=None):
         self.dout, self.q, self.out, self.lse, self.scale, self.causal = dout, q, out, lse, scale, causal
         self.kv_heads, self.keys = k.shape[2], k.shape[1]
         self.sets: dict = {}
@@ -180,8 +181,8 @@ class FA4RingBackward:
         self.add_rows = knobs.get("RING_DKV_ADD_ROWS") == "1"
         # every rank decides alike (shapes and a knob): the travelling accumulator's layout depends on it
         mode = knobs.get("FA4_RING_FOLD")
-        self.fold = q.shape[2] > k.shape[2] and (mode == "1" or mode == "auto" and
-                                                  FOLD_MIN_SHARD <= q.shape[1] <= 2 * FOLD_MAX_ROWS)
+        self.fold = q.shape[2] > k.shape[2] and (mode == "1" or mode == "auto" and causal and layout == "zigzag"
+                                                  and FOLD_MIN_SHARD <= q.shape[1] <= 2 * FOLD_MAX_ROWS)
         self.fold_rows = FOLD_MAX_ROWS if mode == "auto" else None
 
     def folds(self, rows: int, causal: bool) -> bool:
