@@ -29,7 +29,8 @@ A real ring runs at its slowest rank's pace, and zigzag's ranks share the FLOPs 
 (W=8, S32768: rank 0's later blocks are 2048 rows × 4096 keys, rank 7's 4096 × 2048; the middle ranks mix
 both, so their launch groups hold two row sets): ``--rank all`` times every rank and prints the slowest.
 ``--paired 5`` times the rank and the H/W anchor again in turn, five rounds (the anchor alone is timed once,
-first, on a GPU whose clock the power cap has not yet pulled down):
+before every rank, and the power cap moves an H100's SM clock between 1590 and 1980 MHz as the load changes:
+the paired anchor read 0-4% off the first one, either way):
 
     python -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --rank all --paired 5 --wall
 
@@ -299,7 +300,7 @@ def main(argv=None):
     p.add_argument("--paired", type=nonnegative_int, default=0, metavar="ROUNDS",
                    help="also time the rank and the H/W anchor in turn, ROUNDS rounds of --iters calls each "
                         "(distlab.bench.time_alternating), and print the efficiency against that anchor: both timed "
-                        "at the same clock (the anchor on its own is timed first, on a cooler GPU)")
+                        "under the same load (the anchor on its own is timed once, before every rank)")
     p.add_argument("--timeline", action="store_true",
                    help="GPU: print each kernel of one forward / backward (duration, gap before it), rank and anchor")
     p.add_argument("--json", metavar="PATH")
