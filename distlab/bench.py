@@ -383,8 +383,9 @@ def time_alternating(fns: dict, iters: int, warmup: int, device: torch.device, m
     """Median seconds per call of each of ``fns`` (``{name: fn}``), timed in ``rounds`` rounds that take the
     functions in turn — round i starts at the i-th, so none always goes first — each round ``iters`` calls of
     one function (``timeit``'s way for ``mode``: "gpu" or "wall"). Functions compared this way share the
-    device's state: a GPU runs its clocks high when cool and lower under a sustained load, so an anchor
-    timed once before a schedule and the schedule timed after it are not timed at the same clock."""
+    device's state: a GPU's clock moves with its load (an H100 under FA4's kernels: 1590-1980 MHz, its power
+    cap holding it down, 2026-12-06), so an anchor timed once before a schedule and the schedule timed after
+    it need not run at the same clock."""
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: at least 1")
     names = list(fns)
