@@ -6,7 +6,8 @@ A folded block (``distlab.kernels.fa4_ring_backward``) returns dK and dV as one 
 tensor in bf16; a ring step's share is a key range of it, which for dK and dV together is two separate
 chunks: PyTorch adds such a view with its generic strided kernel (45 µs a share at S32768 in the H100
 timeline, against ~30 for the bytes). This times the one add against one add each for dK and dV
-(contiguous), at S32768's and S8192's shapes (W=8, 8 kv heads, head_dim 128), by CUDA events over many calls.
+(contiguous), and the one sum of 8 bf16 partials an owner would run if each
+share went straight to its owner instead of into a travelling accumulator, at S32768's and S8192's shapes (W=8, 8 kv heads, head_dim 128), by CUDA events over many calls.
 """
 
 from __future__ import annotations
@@ -47,8 +48,11 @@ def main(argv=None):
         acc.zero_()
         two()
         assert torch.equal(acc, part.float())   # the two adds land where the one does
+        # direct delivery (no travelling accumulator): the owner sums W=8 bf16 partials of its keys at the end
+        parts = torch.randn(8, 2, 1, keys, 8, 128, device="cuda").bfloat16()
+        final = lambda: parts.sum(0, dtype=torch.float32).to(torch.bfloat16)   # noqa: E731
         row = {"keys": keys, "one_add_us": time_us(one), "two_adds_us": time_us(two),
-               "float32_share_us": time_us(old)}
+               "float32_share_us": time_us(old), "sum_of_8_bf16_partials_us": time_us(final)}
         print(row, flush=True)
         rows.append(row)
     if a.json:

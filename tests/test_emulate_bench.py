@@ -132,3 +132,30 @@ def test_host_cost_profile_row_is_named_before_any_timing():
     assert _profiled_row(specs, "ring step W8, fa4, 4 steps fused/fwd")[2] == "r"
     with pytest.raises(ValueError, match="no such row.*ring step W8, fa4, 4 steps fused"):
         _profiled_row(specs, "ring step W8, fa4, 4 steps fused fwd")
+
+
+def test_the_dkv_adds_timing_probe_is_refused_on_a_real_ring():
+    """``RING_DKV_ADDS=0`` leaves dK/dV wrong: only the emulator's stand-in ring may time it; any other ring
+    object is refused before its first exchange, and the emulator's rank still runs with it."""
+    import types
+
+    import torch
+
+    from distlab import knobs
+    from distlab.cp.emulate import emulate_rank
+    from distlab.cp.ring_fused import ring_backward_groups
+
+    t = torch.zeros(1, 8, 2, 4)
+    ring = types.SimpleNamespace(rank=0, size=2)   # no ``stand_in``: it would be a real exchanger
+    with knobs.override(RING_DKV_ADDS="0"):
+        with pytest.raises(ValueError, match="timing probe"):
+            ring_backward_groups(t, t, t, t, t, torch.zeros(1, 2, 8), ring, True, "zigzag", 0.5, "torch", 2)
+        probed = emulate_rank(4, 64, 2, 2, 4, 0, "zigzag", True, "torch", torch.float32, torch.device("cpu"),
+                              iters=1, steps_per_launch=(1, 3))
+        dq_p, dk_p, _ = probed["calls"][1]()
+    full = emulate_rank(4, 64, 2, 2, 4, 0, "zigzag", True, "torch", torch.float32, torch.device("cpu"), iters=1,
+                        steps_per_launch=(1, 3))
+    dq, dk, _ = full["calls"][1]()
+    assert probed["bwd_s"] > 0
+    torch.testing.assert_close(dq_p, dq)   # dQ is the same; the step's dK/dV share was not added
+    assert not torch.allclose(dk_p, dk)

@@ -74,6 +74,7 @@ class ResidentRing:
 
     def __init__(self, world, rank, kv_by_step):
         self.size, self.rank, self.kv = world, rank, kv_by_step
+        self.stand_in = True   # timing probes that leave results wrong are allowed here only (knobs RING_DKV_ADDS)
         self.landing_cache = {}   # this ring's own ``ring_landing.kv_landing`` buffers (filled from its K/V)
 
     def exchange(self, tensors, tag, recv=None):

@@ -59,6 +59,9 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
     kv = _KVAhead(ring, (k, v), landing)
     ahead = max(len(steps) for steps, _ in groups)
     dq = dkv = dkv_pending = None
+    skip_adds = knobs.get("RING_DKV_ADDS") == "0"   # a timing bound only: how much do the adds cost the rank?
+    if skip_adds and not getattr(ring, "stand_in", False):
+        raise ValueError("DISTLAB_RING_DKV_ADDS=0 is a timing probe of distlab.cp.emulate only: it leaves dK/dV wrong")
     side = _side_stream(q.device) if q.is_cuda and knobs.get("RING_DKV_SIDE_STREAM") != "0" else None
     main = torch.cuda.current_stream(q.device) if side is not None else None
     if kept is not None and side is not None and knobs.get("RING_ZERO_AHEAD") == "1":   # the later groups' dK/dV
@@ -106,7 +109,7 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
                     dkv = _own_accumulator(parts[0], k, v, acc, kept)
                 else:           # the accumulator of this step's K/V, from the previous rank
                     dkv = dkv_pending.wait()
-                    for cols, dk_b, dv_b in parts[step]:
+                    for cols, dk_b, dv_b in ([] if skip_adds else parts[step]):
                         if kept is not None:   # dK and dV in one add
                             kept.add_into(dkv[0], cols, dk_b)
                         else:
