@@ -515,6 +515,22 @@ class RingExchanger:
         record(op, sum(_nbytes(t) for t in tensors))
         return _Pending(dist.batch_isend_irecv(ops), recv)
 
+    def shift_exchange(self, tensors, shift: int, recv, op: str = "ring_shift") -> "_Pending":
+        """Send ``tensors`` to rank − ``shift`` of the group and receive into ``recv`` (contiguous tensors,
+        sized by the caller: the other side's shapes) from rank + ``shift``; either list may be empty. Every
+        rank posts the same shift at the same point of its program (a ring backward's step sending each dK/dV
+        share straight to its owner: ``distlab.cp.ring_dkv_direct``). On CUDA posted on the current stream."""
+        pg = self.group if self.group is not None else dist.group.WORLD
+        to = dist.get_global_rank(pg, (self.rank - shift) % self.size)
+        frm = dist.get_global_rank(pg, (self.rank + shift) % self.size)
+        if any(not r.is_contiguous() for r in recv):
+            raise ValueError("shift exchange: receive buffers must be contiguous")
+        tensors = [t.contiguous() for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, frm, self.group) for r in recv]
+        record(op, sum(_nbytes(t) for t in tensors))
+        return _Pending(dist.batch_isend_irecv(ops), recv)
+
     def exchange_after(self, pending: "_Pending", op: str = "ring_sendrecv", recv=None) -> "_Pending":
         """Post the exchange that forwards what ``pending`` receives, without making the caller's stream
         wait for it: on CUDA the wait and the new sends go on a side stream, so they are ordered after that

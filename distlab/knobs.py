@@ -74,6 +74,9 @@ KNOBS = {
     "KERNEL_MERGE_BLOCK": Knob(None, "rows per program of the LSE merge (default 32)"),
     "RING_DKV_SIDE_STREAM": Knob("1", "0: a fused ring backward's dK/dV adds and sends stay on the compute stream "
                                       "(1: on a side stream, beside the next launch group's kernels)"),
+    "RING_DKV_ROUTE": Knob("ring", "the ring studies' and the emulator's dK/dV route: ring (a float32 accumulator one "
+                                   "hop a step) or direct (each share sent to its owner, summed there once: "
+                                   "distlab.cp.ring_dkv_direct; fused backward only)"),
     "RING_DKV_ADDS": Knob("1", "0: a timing probe of the emulator only (distlab.cp.emulate --variant): a fused ring "
                                "backward skips its dK/dV adds (dK/dV wrong; refused on a real ring)"),
     "RING_FUSE_MAX_KEYS": Knob("0", "keys at most in one fused ring block of FA4/cuDNN/torch (a launch group's "

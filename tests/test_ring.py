@@ -34,7 +34,7 @@ def _inputs(batch, seq, heads, kv_heads, head_dim, seed=0):
 
 
 def ring_vs_one_device(heads, kv_heads, causal, layout, dtype=torch.float32, seq=SEQ, batch=2, head_dim=8,
-                       backend="auto", steps_per_launch=None, seed=0):
+                       backend="auto", steps_per_launch=None, seed=0, dkv_route="ring"):
     """Runs on every rank: ring attention on shards vs float64 attention on the full tensors."""
     q, k, v, dout = _inputs(batch, seq, heads, kv_heads, head_dim, seed)
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
@@ -44,7 +44,8 @@ def ring_vs_one_device(heads, kv_heads, causal, layout, dtype=torch.float32, seq
 
     local = [shard_sequence(t.to(dtype), None, layout).requires_grad_(True) for t in (q, k, v)]
     with comm.CommLog() as log_fwd:
-        out = ring_attention(*local, causal=causal, layout=layout, backend=backend, steps_per_launch=steps_per_launch)
+        out = ring_attention(*local, causal=causal, layout=layout, backend=backend, steps_per_launch=steps_per_launch,
+                             dkv_route=dkv_route)
     with comm.CommLog() as log_bwd:
         out.backward(shard_sequence(dout.to(dtype), None, layout))
     got = [gather_sequence(t, None, layout) for t in (out.detach(), *(x.grad for x in local))]
@@ -52,7 +53,7 @@ def ring_vs_one_device(heads, kv_heads, causal, layout, dtype=torch.float32, seq
     return {"errors": {n: rel_err(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), got, want)},
             "dtypes": [str(t.dtype) for t in (out, *(x.grad for x in local))],
             "fwd_calls": dict(log_fwd.calls), "bwd_calls": dict(log_bwd.calls),
-            "fwd_bytes": dict(log_fwd.bytes), "kv_bytes": kv_bytes}
+            "fwd_bytes": dict(log_fwd.bytes), "bwd_bytes": dict(log_bwd.bytes), "kv_bytes": kv_bytes}
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -89,6 +90,51 @@ def test_ring_with_several_blocks_in_flight_matches_one_device(pools, world, lay
             assert res["fwd_calls"] == {"ring_kv": world - 1}
             assert res["fwd_bytes"] == {"ring_kv": (world - 1) * res["kv_bytes"]}
             assert res["bwd_calls"] == {"ring_kv": world - 1, "ring_dkv": world}   # the backward by groups too
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_ring_with_dkv_sent_straight_to_their_owners_matches_one_device(pools, world, layout, causal):
+    """``dkv_route="direct"`` (``distlab.cp.ring_dkv_direct``): K/V still travel the ring, but each step's dK/dV
+    share goes straight to the rank that owns those keys, in the shares' dtype, and the owner sums them once.
+    Same answer; no ``ring_dkv`` hop; at most W − 1 sends a rank of at most one shard's K/V bytes each
+    (a causal zigzag step's share is half a shard or a whole one). Groups of 2 and of every step, batch 1
+    (the shares sent as they are) and 2 (strided shares, copied to send)."""
+    for n, batch in ((2 if world > 2 else (world,), 1), ((world,), 2)):   # W=2: 0 | 1 would not be fused
+        for rank, res in enumerate(pools(world).run(ring_vs_one_device, 4, 2, causal, layout, steps_per_launch=n,
+                                                    batch=batch, backend="torch", dkv_route="direct")):
+            for name, err in res["errors"].items():
+                assert err < 1e-5, \
+                    f"rank {rank}: {name} rel err {err:.2e} (W={world} {layout} causal={causal} {n} B{batch})"
+            assert res["fwd_calls"] == {"ring_kv": world - 1}
+            assert set(res["bwd_calls"]) == {"ring_kv", "ring_dkv_direct"}
+            assert res["bwd_calls"]["ring_kv"] == world - 1
+            assert 1 <= res["bwd_calls"]["ring_dkv_direct"] <= world - 1
+            assert res["bwd_bytes"]["ring_dkv_direct"] <= (world - 1) * res["kv_bytes"]
+            if layout == "zigzag" or not causal:   # every rank sends a share every step after the first
+                assert res["bwd_calls"]["ring_dkv_direct"] == world - 1
+                lo = (world - 1) * res["kv_bytes"] // (2 if causal else 1)
+                assert res["bwd_bytes"]["ring_dkv_direct"] >= lo
+
+
+def _direct_refused(backend, steps_per_launch, route="direct"):
+    q = torch.zeros(1, 8, 2, 4)
+    try:
+        ring_attention(q, q, q, causal=True, backend=backend, steps_per_launch=steps_per_launch, dkv_route=route)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_ring_dkv_route_is_checked_on_every_rank_before_any_exchange(pools):
+    """A route name that does not exist, and ``direct`` where the backward is not the fused one (one step a
+    launch; Triton's too), raise the same ValueError on every rank before the forward's first exchange."""
+    for args, match in ((("torch", 2, "sideways"), "one of ring, direct"),
+                        (("torch", 1), "needs the fused ring backward"),
+                        (("torch", (1, 1)), "needs the fused ring backward")):
+        for msg in pools(2).run(_direct_refused, *args):
+            assert msg is not None and match in msg, msg
 
 
 def test_ring_with_a_launch_group_of_more_than_four_steps_matches_one_device(pools):

@@ -55,6 +55,7 @@ from distlab import knobs
 from distlab.cp.layout import check_divisible, chunks_per_rank, rank_chunks
 from distlab.cp.local_kernels import block_flops
 from distlab.cp.ring import _ring_backward, _ring_forward, check_steps_per_launch, launch_groups, ring_blocks
+from distlab.cp.ring_dkv_direct import check_route
 from distlab.kernels.attention import attention_backward, attention_forward, resolve_backend
 from distlab.bench import time_alternating, timeit
 from distlab.bench import DTYPES, StudyParser, dtype_arg, nonnegative_int, run_study
@@ -87,6 +88,11 @@ class ResidentRing:
 
     def exchange_after(self, pending, tag, recv=None):
         return self.exchange(pending.recv, tag, recv)
+
+    def shift_exchange(self, tensors, shift, recv, tag):
+        """dK/dV shares sent straight to their owners (``ring_dkv_direct``): the receive buffers stay as they
+        are (what other ranks would send them is not computed here; the owner's sum still reads them)."""
+        return _Ready(recv)
 
     def landing_buffer(self, shape, like, contents):
         """A K/V buffer of ``distlab.cp.ring_landing`` (``(2, 1, keys, ...)``: K, V) as the exchanges would fill
@@ -139,9 +145,11 @@ def emulate_rank(world, seq, heads, kv_heads, head_dim, rank, layout, causal, ba
     out, lse = fwd()
     out = out.to(dtype)
 
+    route = check_route(knobs.get("RING_DKV_ROUTE"))   # read here: ``--variant RING_DKV_ROUTE=direct`` is an A/B
+
     def bwd():
         return _ring_backward(dout, q_r, *kv_by_step[0], out, lse, ring, causal, layout, scale, backend,
-                              steps_per_launch)
+                              steps_per_launch, route)
 
     run_f, run_b = fwd, bwd
     if graphs and device.type == "cuda":

@@ -432,14 +432,18 @@ def _fa4_kept(dout, q, k, out, lse, scale, causal, blocks, layout=None):
     return kept
 
 
-def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend, steps_per_launch=1):
+def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend, steps_per_launch=1,
+                   dkv_route="ring"):
     """(dq, dk, dv) of this rank's shard. ``steps_per_launch``: as the forward's; for a backend other than
     ``triton`` launch groups of several steps run by ``distlab.cp.ring_fused`` (fused blocks), else step by
-    step."""
-    if backend != "triton" and any(len(g) > 1 for g in launch_groups(ring.size, steps_per_launch)):
+    step. ``dkv_route``: ``ring`` or ``direct`` (fused only, ``distlab.cp.ring_dkv_direct``)."""
+    if fused_backward(backend, ring.size, steps_per_launch):
         from distlab.cp.ring_fused import ring_backward_groups
 
-        return ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, backend, steps_per_launch)
+        return ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, backend, steps_per_launch,
+                                    dkv_route)
+    if dkv_route != "ring" and ring.size > 1:
+        raise ValueError(f"dkv_route={dkv_route!r} needs the fused ring backward ({FUSED_HELP})")
     s = q.shape[1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq, kv, dkv_pending, back_rows, row_views, steps = None, (k, v), None, None, {}, None
@@ -506,12 +510,20 @@ def _ring_backward(dout, q, k, v, out, lse, ring, causal, layout, scale, backend
     return (dq_final if dq_final is not None else dq.to(q.dtype)), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
+FUSED_HELP = "a backend other than triton, launch groups of several steps: steps_per_launch > 1"
+
+
+def fused_backward(backend, world, steps_per_launch) -> bool:
+    """The ring backward goes by fused launch groups (``distlab.cp.ring_fused``)."""
+    return backend != "triton" and any(len(g) > 1 for g in launch_groups(world, steps_per_launch))
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, causal, layout, scale, backend, steps_per_launch):
+    def forward(ctx, q, k, v, ring, causal, layout, scale, backend, steps_per_launch, dkv_route="ring"):
         out, lse = _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launch)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (ring, causal, layout, scale, backend, steps_per_launch)
+        ctx.args = (ring, causal, layout, scale, backend, steps_per_launch, dkv_route)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -519,7 +531,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 # Steps per launch where it was measured to pay (docs/PERF-archive.md, ring16: the triton forward of one W8 rank,
@@ -620,7 +632,7 @@ def pick_packed_ring_backend(backend: str, resolved: str, layout: str, present) 
 
 
 def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backend="auto", softmax_scale=None,
-                   return_lse=False, steps_per_launch=None, cu_seqlens=None, window=None):
+                   return_lse=False, steps_per_launch=None, cu_seqlens=None, window=None, dkv_route="ring"):
     """Attention over the whole sequence, given this rank's shards (``distlab.cp.layout.shard_sequence``).
 
     q: ``(batch, seq/W, heads, head_dim)``; k, v: ``(batch, seq/W, kv_heads, head_dim)``. Returns this
@@ -632,13 +644,21 @@ def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backe
     (default 1 for every backend: groups measured slower, ``PACKED_STEPS_PER_LAUNCH``) each group's seen keys
     are gathered and computed as one block, whatever the backend (``distlab.cp.packed_groups``).
     ``cu_seqlens`` (global document boundaries, the same on every rank) and ``window`` (keys at most that
-    many positions back; causal only): packed documents, see ``distlab.cp.documents``.
+    many positions back; causal only): packed documents, see ``distlab.cp.documents``. ``dkv_route``: how the
+    backward's dK/dV reach their owner — ``ring`` (a float32 accumulator one hop a step) or ``direct`` (each
+    rank's share sent straight to the owner and summed there: ``distlab.cp.ring_dkv_direct``; fused backward
+    only, no documents).
     """
+    from distlab.cp.ring_dkv_direct import check_route
+
+    check_route(dkv_route)
     check_call_everywhere("ring_attention", group, q, k, v, causal, layout, cu_seqlens, window)
     ring = comm.RingExchanger(group)
     total = q.shape[1] * ring.size
     docs = Documents.from_args(total, cu_seqlens, causal, window)
     if docs.masked or layout == "balanced":
+        if dkv_route != "ring":
+            raise ValueError(f"dkv_route={dkv_route!r}: a packed or balanced ring sends dK/dV by the ring only")
         backend = check_ring_inputs(q, k, v, ring.size, causal, layout, backend, masked=True)
         steps_per_launch = check_steps_per_launch(steps_per_launch, backend, ring.size, packed=True)
         from distlab.cp.ring_packed import PackedRingAttention, step_blocks
@@ -653,8 +673,11 @@ def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", backe
         return (out, lse) if return_lse else out
     backend = check_ring_inputs(q, k, v, ring.size, causal, layout, backend)
     steps_per_launch = check_steps_per_launch(steps_per_launch, backend, ring.size)
+    if dkv_route != "ring" and ring.size > 1 and not fused_backward(backend, ring.size, steps_per_launch):
+        raise ValueError(f"dkv_route={dkv_route!r} needs the fused ring backward ({FUSED_HELP}; backend "
+                         f"{backend!r}, steps_per_launch {steps_per_launch})")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out, lse = _RingAttention.apply(q, k, v, ring, causal, layout, scale, backend, steps_per_launch)
+    out, lse = _RingAttention.apply(q, k, v, ring, causal, layout, scale, backend, steps_per_launch, dkv_route)
     return (out, lse) if return_lse else out
 
 

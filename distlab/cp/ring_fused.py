@@ -34,6 +34,7 @@ import functools
 import torch
 
 from distlab import knobs
+from distlab.cp.ring_dkv_direct import DirectDkv
 from distlab.cp.ring_landing import kv_landing, use_landing
 from distlab.cp.ring import (_KVAhead, _accumulate, _fa4_kept, _seq_part, fuse_cap, group_kv,
                              group_plans)
@@ -41,9 +42,11 @@ from distlab.kernels.attention import attention_backward
 from distlab.profiling import phase
 
 
-def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, backend, steps_per_launch):
+def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, backend, steps_per_launch,
+                         dkv_route="ring"):
     """``distlab.cp.ring._ring_backward`` for a backend other than ``triton`` whose launch groups
-    (``steps_per_launch``) hold several steps: returns (dq, dk, dv) of this rank's shard."""
+    (``steps_per_launch``) hold several steps: returns (dq, dk, dv) of this rank's shard. ``dkv_route``:
+    ``ring`` (the travelling accumulator) or ``direct`` (each share sent to its owner, ``ring_dkv_direct``)."""
     s = q.shape[1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     shape = (ring.rank, ring.size, s, causal, layout, steps_per_launch, fuse_cap())
@@ -55,6 +58,11 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
         blocks = _fused_blocks(*shape, fa4_ring_backward.TILE)
         if blocks is not None:
             kept = _fa4_kept(dout, q, k, out, lse, scale, causal, blocks, layout)
+    direct = dkv_route == "direct" and ring.size > 1
+    if direct and kept is not None and not kept.fold:
+        raise ValueError("dkv_route='direct' with fa4 needs folded blocks (DISTLAB_FA4_RING_FOLD, a shard of "
+                         f"{fa4_ring_backward.FOLD_MIN_SHARD}+ rows in a causal zigzag ring, or =1): FA4's float32 "
+                         "dK/dV layout cuts a key range into strided pieces; use dkv_route='ring'")
     landing = kv_landing(ring, k, shape) if ring.size > 1 and use_landing(k, v, backend, groups) else None
     kv = _KVAhead(ring, (k, v), landing)
     ahead = max(len(steps) for steps, _ in groups)
@@ -107,6 +115,10 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
             for step in steps:
                 if step == 0:   # my own K/V: its blocks start the accumulator that travels the ring
                     dkv = _own_accumulator(parts[0], k, v, acc, kept)
+                    if direct:   # ... or stays home, where the others' shares come (the shares' dtype: step 0's)
+                        direct = DirectDkv(ring, shape, k, parts[0][0][1].dtype)
+                elif direct:
+                    direct.send(step, parts[step])
                 else:           # the accumulator of this step's K/V, from the previous rank
                     dkv = dkv_pending.wait()
                     for cols, dk_b, dv_b in ([] if skip_adds else parts[step]):
@@ -115,7 +127,7 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
                         else:
                             _seq_part(dkv[0], cols).add_(dk_b)
                             _seq_part(dkv[1], cols).add_(dv_b)
-                if ring.size > 1:
+                if ring.size > 1 and not direct:
                     dkv_pending = ring.exchange(dkv, "ring_dkv")
         finally:
             if beside:
@@ -124,6 +136,8 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
     dq = kept.dq() if kept is not None else dq.to(q.dtype)
     if side is not None:   # the home accumulator is read on the compute stream
         main.wait_stream(side)
+    if direct:
+        return (dq, *direct.finish(dkv[0] if kept is not None else dkv, acc))
     if dkv_pending is not None:
         dkv = dkv_pending.wait()
     if side is not None:

@@ -140,8 +140,9 @@ def build_method(algorithm, args, world, rank, device, backend, ulysses=1, ring=
         check_divisible(args.seq, world, layout)
         if algorithm == "ring":
             steps = knobs.get("RING_STEPS_PER_LAUNCH")   # a launch knob of the study (distlab.knobs)
+            route = knobs.get("RING_DKV_ROUTE")
             attn = lambda q, k, v: ring_attention(q, k, v, g, args.causal, layout, backend,  # noqa: E731
-                                                  steps_per_launch=steps, **kw)
+                                                  steps_per_launch=steps, dkv_route=route, **kw)
         else:
             attn = lambda q, k, v: allgather_attention(q, k, v, g, args.causal, layout, backend, **kw)  # noqa: E731
         return CPMethod(f"{algorithm} ({layout})", attn,

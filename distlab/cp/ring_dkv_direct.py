@@ -1,0 +1,96 @@
+"""A fused ring backward's dK/dV sent straight to their owners and summed there once (``dkv_route="direct"``).
+
+    python -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --rank all --variant '' RING_DKV_ROUTE=direct
+    DISTLAB_RING_DKV_ROUTE=direct distlab run --nproc 4 -m distlab.cp.ring --seq 8192 --backend torch --check
+
+The classic ring's backward sends a float32 (dK, dV) accumulator one hop a step: each rank adds its block's
+share into the accumulator of the K/V it holds and passes it on, and after W hops it is home. Every add reads
+the share and the float32 accumulator and writes the accumulator back (W=8, S32768, 8 kv heads of 128: 80 MiB,
+~45 µs on the H100, seven of them a rank), beside the next group's kernels or, for the last group, after them.
+
+Here K/V still travel the ring, but at step s rank r sends its share of rank (r − s)'s dK/dV straight to that
+rank, in the share's own dtype (bf16 for FA4's folded blocks), and receives from rank (r + s) its share of
+this rank's dK/dV, into one buffer per key range. After the last step the owner sums its own share and the
+W − 1 received ones at once (``finish``): one read of each share, one float32 result, converted to k's dtype.
+Traffic a rank: at most W − 1 shares of one shard's K/V size, in q's dtype, against W float32 hops of the
+ring (W=8, bf16: 112 MiB against 256 at S32768). Every rank talks to every other once a backward (an
+all-to-all spread over the steps): fine inside an NVLink/NVSwitch node, not what a ring across nodes wants.
+The answer is the same sum in another order (float64 parity on gloo: ``tests/test_ring.py``).
+
+Only the fused ring backward (``distlab.cp.ring_fused``: FA4, cuDNN, torch with launch groups of several
+steps) has this route; with FA4 only where its blocks return plain ``(2, B, keys, kv_heads, dim)`` shares
+(folded rings, ``FA4RingBackward.fold``): FA4's float32 accumulator layout cuts a key range into strided
+pieces that would need a copy to be sent.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distlab.cp.ring import group_plans
+
+ROUTES = ("ring", "direct")
+
+
+def check_route(route):
+    if route not in ROUTES:
+        raise ValueError(f"dkv_route={route!r}: one of {', '.join(ROUTES)}")
+    return route
+
+
+class DirectDkv:
+    """One rank's direct dK/dV delivery: ``send(step, parts)`` after a step's blocks, ``finish(own)`` at the
+    end. ``shape``: ``(rank, world, seq, causal, layout, steps_per_launch, max_keys)``, as ``group_plans``
+    takes it; ``k`` this rank's K (batch, keys, kv heads, dim); ``dtype`` the shares' dtype."""
+
+    def __init__(self, ring, shape, k, dtype):
+        rank, world = ring.rank, ring.size
+        self.ring, self.k = ring, k
+        # what rank r + s computed at its step s against this rank's K/V: the key ranges of its shares
+        self.incoming = {}
+        for step in range(1, world):
+            sender = (rank + step) % world
+            cols = [c for steps, plan in group_plans(sender, *shape[1:]) for _, _, pieces in plan
+                    for st, c in pieces if st == step]
+            if cols:
+                self.incoming[step] = cols
+        counts: dict = {}
+        for cols in self.incoming.values():
+            for c in cols:
+                counts[(c.start, c.stop)] = counts.get((c.start, c.stop), 0) + 1
+        b, _, h, d = k.shape   # one receive buffer per key range: the shares summed in one reduction each
+        self.inbox = {key: torch.empty((n, 2, b, key[1] - key[0], h, d), dtype=dtype, device=k.device)
+                      for key, n in counts.items()}
+        self.filled = dict.fromkeys(self.inbox, 0)
+        self.pending = []
+
+    def send(self, step, parts):
+        """Post step ``step``'s exchange: this rank's shares ``parts`` (``[(cols, dK, dV)]``, or ``(cols, both,
+        None)`` with dK and dV along a leading dimension of 2) to their owner, rank − step, and the shares of
+        this rank's keys from rank + step into the inbox."""
+        send = []
+        for _, dk, dv in parts:
+            send += [dk[0], dk[1]] if dv is None else [dk, dv]
+        recv = []
+        for c in self.incoming.get(step, []):
+            key = (c.start, c.stop)
+            slot = self.inbox[key][self.filled[key]]
+            self.filled[key] += 1
+            recv += [slot[0], slot[1]]
+        if send or recv:
+            self.pending.append(self.ring.shift_exchange(send, step, recv, "ring_dkv_direct"))
+
+    def finish(self, own, acc_dtype):
+        """(dK, dV) of this rank's keys in k's dtype: ``own`` (its step-0 accumulator over every key, in
+        ``acc_dtype``, fresh memory: one ``(2, B, keys, Hkv, D)`` tensor, or ``(dK, dV)``) plus every received
+        share, summed in ``acc_dtype``."""
+        for p in self.pending:
+            p.wait()
+        total = own if torch.is_tensor(own) else torch.stack(own)   # fresh memory (``_own_accumulator``)
+        for (start, stop), buf in self.inbox.items():
+            part = buf.sum(0, dtype=acc_dtype)
+            if (start, stop) == (0, self.k.shape[1]):
+                total += part
+            else:
+                total[:, :, start:stop] += part
+        return total[0].to(self.k.dtype), total[1].to(self.k.dtype)
