@@ -60,7 +60,7 @@ def _fake_record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal,
 
 
 def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_launch=1, cap="0", add_rows="0",
-                       fold="1"):
+                       fold="1", route="ring"):
     from distlab import knobs
     from distlab.cp.ring import _ring_backward, _ring_forward
     from distlab.kernels import fa4, fa4_ring_backward as frb
@@ -83,7 +83,7 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
         with knobs.override(RING_FUSE_MAX_KEYS=cap, RING_DKV_ADD_ROWS=add_rows, FA4_RING_FOLD=fold):
             out, lse = _ring_forward(*local[:3], ring, causal, layout, scale, "torch", steps_per_launch)
             grads = _ring_backward(local[3], *local[:3], out, lse, ring, causal, layout, scale, "fa4",
-                                   steps_per_launch)
+                                   steps_per_launch, route)
     finally:
         frb._record, frb.TILE, fa4.runs_on, frb.FOLD_MIN_SHARD, frb.FOLD_MAX_ROWS = saved
         frb.FA4RingBackward = real
@@ -184,6 +184,30 @@ def test_fa4_kept_path_steps_aside_where_it_does_not_apply(monkeypatch):
     assert not frb.usable(q, k, [(slice(0, 192), slice(0, 128))], torch.bfloat16)      # rows off the tiles
     with knobs.override(FA4_RING_ACCUM="0"):
         assert not frb.usable(q, k, blocks, torch.bfloat16)
+
+
+def _direct_on_stand_ins(*args):
+    try:
+        return _ring_on_stand_ins(*args)
+    except ValueError as e:
+        return str(e)
+
+
+def test_fa4_kept_dkv_sent_straight_to_their_owners_on_stand_in_kernels(pools):
+    """``dkv_route="direct"`` on the FA4 kept path (float64 stand-ins): a folded ring's shares (every block's dK/dV
+    as ``(2, B, keys, Hkv, D)``, the causal blocks' converted) sent to their owners and summed there: the
+    one-device gradients to rounding at W 2-4, all unmasked blocks folded or (``auto`` at limits scaled to
+    these shards) only the half-shard sets; a ring that does not fold (FA4's strided float32 layout) refuses
+    the route with a ValueError on every rank."""
+    for world in (2, 3, 4):
+        n = 2 if world > 2 else (world,)
+        for layout, causal, fold in (("zigzag", True, "1"), ("contiguous", False, "1"), ("zigzag", True, ("auto", 16, 8))):
+            for res in pools(world).run(_direct_on_stand_ins, layout, causal, 4, 2, 16 * world, 4, n, "0", "0", fold,
+                                        "direct"):
+                assert isinstance(res, dict) and res["kept"] == 1, res
+                assert max(res["errors"]) < 1e-12, (world, layout, causal, fold, res)
+    for msg in pools(2).run(_direct_on_stand_ins, "zigzag", True, 4, 2, 32, 4, (2,), "0", "0", "0", "direct"):
+        assert isinstance(msg, str) and "needs folded blocks" in msg, msg
 
 
 def _ring_rank_on_fa4(seq, world, heads, kv_heads, layout, batch=1, steps_per_launch=1):
