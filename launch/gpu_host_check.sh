@@ -44,8 +44,9 @@
 #   bash launch/gpu_host_check.sh OUTDIR fa4fold   # FA4 present: unmasked ring blocks folded into MHA: GPU tests,
 #                                                  # bf16 errors, A/B wall and GPU, every rank, a timeline
 #                                                  # (fa4fold2: the auto policy, every rank against fold off)
-#   bash launch/gpu_host_check.sh OUTDIR fa4adds   # FA4 present: every rank with the dK/dV adds and without (a
-#                                                  # timing bound), S32768 and S8192, wall, paired; the adds alone
+#   bash launch/gpu_host_check.sh OUTDIR fa4adds   # FA4 present: every rank with the dK/dV adds, without (a timing
+#                                                  # bound) and by the direct route at S32768, wall, paired; the
+#                                                  # adds alone (fa4adds8k: with and without at S8192)
 #   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
 #                                                  # launch keys checked; part triton: then host_cost and the Triton
 #                                                  # ring rank (emulate, wall and GPU)
@@ -397,9 +398,10 @@ elif [ "$part" = fa4adds ]; then   # FA4 present (2026-12-06, 22nd session): wha
   # each rank — every rank with them and without (RING_DKV_ADDS=0: a timing bound, dK/dV wrong), S32768 and
   # S8192, wall, paired; the adds and an owner's one sum of 8 bf16 partials alone
   LIMIT=60 TAIL=4 run dkv_add_probe $py launch/dkv_add_probe.py --json "$out/dkv_add.json"
-  LIMIT=280 TAIL=24 run emulate_adds_ranks $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
-      --rank all --steps-per-launch 1,3,4 --variant '' 'RING_DKV_ADDS=0' --iters 20 --wall --paired 3 \
-      --json "$out/emulate_adds_ranks.json"
+  LIMIT=420 TAIL=36 run emulate_adds_ranks $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
+      --rank all --steps-per-launch 1,3,4 --variant '' 'RING_DKV_ADDS=0' 'RING_DKV_ROUTE=direct' --iters 20 --wall \
+      --paired 3 --json "$out/emulate_adds_ranks.json"
+elif [ "$part" = fa4adds8k ]; then   # the same at S8192 (not folded there: no direct route)
   LIMIT=150 TAIL=24 run emulate_adds_ranks_s8k $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
       --rank all --steps-per-launch 1,3,4 --variant '' 'RING_DKV_ADDS=0' --iters 20 --wall --paired 3 \
       --json "$out/emulate_adds_ranks_s8k.json"
