@@ -43,7 +43,7 @@ class DirectDkv:
     end. ``shape``: ``(rank, world, seq, causal, layout, steps_per_launch, max_keys)``, as ``group_plans``
     takes it; ``k`` this rank's K (batch, keys, kv heads, dim); ``dtype`` the shares' dtype."""
 
-    def __init__(self, ring, shape, k, dtype):
+    def __init__(self, ring, shape, k, dtype, own_slot=False):
         rank, world = ring.rank, ring.size
         self.ring, self.k = ring, k
         # what rank r + s computed at its step s against this rank's K/V: the key ranges of its shares
@@ -58,6 +58,10 @@ class DirectDkv:
         for cols in self.incoming.values():
             for c in cols:
                 counts[(c.start, c.stop)] = counts.get((c.start, c.stop), 0) + 1
+        self.whole = (0, k.shape[1])
+        self.own_slot = own_slot and self.whole in counts   # own share copied in: one reduction over all of them
+        if self.own_slot:
+            counts[self.whole] += 1
         b, _, h, d = k.shape   # one receive buffer per key range: the shares summed in one reduction each
         self.inbox = {key: torch.empty((n, 2, b, key[1] - key[0], h, d), dtype=dtype, device=k.device)
                       for key, n in counts.items()}
@@ -81,16 +85,26 @@ class DirectDkv:
             self.pending.append(self.ring.shift_exchange(send, step, recv, "ring_dkv_direct"))
 
     def finish(self, own, acc_dtype):
-        """(dK, dV) of this rank's keys in k's dtype: ``own`` (its step-0 accumulator over every key, in
-        ``acc_dtype``, fresh memory: one ``(2, B, keys, Hkv, D)`` tensor, or ``(dK, dV)``) plus every received
-        share, summed in ``acc_dtype``."""
+        """(dK, dV) of this rank's keys in k's dtype: ``own`` (its step-0 share over every key: with ``own_slot``
+        a ``(2, B, keys, Hkv, D)`` tensor in the shares' dtype, else its accumulator in ``acc_dtype``, fresh
+        memory, as one such tensor or ``(dK, dV)``) plus every received share, summed in ``acc_dtype``."""
         for p in self.pending:
             p.wait()
-        total = own if torch.is_tensor(own) else torch.stack(own)   # fresh memory (``_own_accumulator``)
-        for (start, stop), buf in self.inbox.items():
+        if self.own_slot:
+            self.inbox[self.whole][-1].copy_(own)
+            if len(self.inbox) == 1:   # every share over every key: one reduction, rounded once (a reduction of
+                # bf16 adds in float32 on the GPU and the CPU alike)
+                total = self.inbox[self.whole].sum(0, dtype=acc_dtype if acc_dtype == torch.float64 else None)
+                return total[0].to(self.k.dtype), total[1].to(self.k.dtype)
+            total = self.inbox[self.whole].sum(0, dtype=acc_dtype)
+        else:
+            total = own.to(acc_dtype, copy=True) if torch.is_tensor(own) else torch.stack(own)
+        for key, buf in self.inbox.items():
+            if self.own_slot and key == self.whole:
+                continue
             part = buf.sum(0, dtype=acc_dtype)
-            if (start, stop) == (0, self.k.shape[1]):
+            if key == self.whole:
                 total += part
             else:
-                total[:, :, start:stop] += part
+                total[:, :, key[0]:key[1]] += part
         return total[0].to(self.k.dtype), total[1].to(self.k.dtype)

@@ -113,10 +113,14 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
             torch.cuda.set_stream(side)
         try:
             for step in steps:
-                if step == 0:   # my own K/V: its blocks start the accumulator that travels the ring
+                if step == 0 and direct:   # my own K/V: its shares stay home, where the others' come
+                    if kept is not None and (len(parts[0]) != 1 or parts[0][0][0] != slice(0, k.shape[1])):
+                        raise RuntimeError("the ring's first backward step must be one block over every local key")
+                    direct = DirectDkv(ring, shape, k, parts[0][0][1].dtype, own_slot=kept is not None)
+                    # FA4's folded shares: step 0's one (2, B, keys, Hkv, D) share, summed with the others once
+                    dkv = (parts[0][0][1],) if kept is not None else _own_accumulator(parts[0], k, v, acc, kept)
+                elif step == 0:   # my own K/V: its blocks start the accumulator that travels the ring
                     dkv = _own_accumulator(parts[0], k, v, acc, kept)
-                    if direct:   # ... or stays home, where the others' shares come (the shares' dtype: step 0's)
-                        direct = DirectDkv(ring, shape, k, parts[0][0][1].dtype)
                 elif direct:
                     direct.send(step, parts[step])
                 else:           # the accumulator of this step's K/V, from the previous rank
