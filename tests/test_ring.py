@@ -13,7 +13,8 @@ import torch
 
 from distlab import comm
 from distlab.cp.layout import gather_sequence, shard_sequence
-from distlab.cp.ring import ring_attention
+from distlab.cp.ring import check_steps_per_launch, ring_attention
+from distlab.cp.ring_dkv_direct import direct_bytes
 from distlab.kernels.attention import attention_reference
 
 WORLDS = [1, 2, 3, 4, 8]
@@ -112,6 +113,8 @@ def test_ring_with_dkv_sent_straight_to_their_owners_matches_one_device(pools, w
             assert res["bwd_calls"]["ring_kv"] == world - 1
             assert 1 <= res["bwd_calls"]["ring_dkv_direct"] <= world - 1
             assert res["bwd_bytes"]["ring_dkv_direct"] <= (world - 1) * res["kv_bytes"]
+            assert res["bwd_bytes"]["ring_dkv_direct"] == direct_bytes(   # the study's model, exact
+                rank, world, SEQ // world, causal, layout, check_steps_per_launch(n, "torch", world), batch, 2, 8, 4)
             if layout == "zigzag" or not causal:   # every rank sends a share every step after the first
                 assert res["bwd_calls"]["ring_dkv_direct"] == world - 1
                 lo = (world - 1) * res["kv_bytes"] // (2 if causal else 1)

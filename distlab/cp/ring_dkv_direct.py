@@ -38,6 +38,14 @@ def check_route(route):
     return route
 
 
+def direct_bytes(rank, world, shard, causal, layout, steps_per_launch, batch, kv_heads, head_dim, itemsize):
+    """Bytes rank ``rank`` (``shard`` rows) sends by the direct route in one backward: its dK/dV shares of the other ranks' keys
+    (``distlab.cp.cost`` counts the K/V hops; a causal zigzag rank r sends r half shards and W − 1 − r whole)."""
+    keys = sum(c.stop - c.start for steps, plan in group_plans(rank, world, shard, causal, layout, steps_per_launch)
+               for _, _, pieces in plan for st, c in pieces if st > 0)
+    return 2 * batch * keys * kv_heads * head_dim * itemsize
+
+
 class DirectDkv:
     """One rank's direct dK/dV delivery: ``send(step, parts)`` after a step's blocks, ``finish(own)`` at the
     end. ``shape``: ``(rank, world, seq, causal, layout, steps_per_launch, max_keys)``, as ``group_plans``

@@ -138,17 +138,28 @@ def build_method(algorithm, args, world, rank, device, backend, ulysses=1, ring=
     g = dist.group.WORLD
     if algorithm in ("ring", "allgather"):
         check_divisible(args.seq, world, layout)
+        route = knobs.get("RING_DKV_ROUTE")
         if algorithm == "ring":
             steps = knobs.get("RING_STEPS_PER_LAUNCH")   # a launch knob of the study (distlab.knobs)
-            route = knobs.get("RING_DKV_ROUTE")
             attn = lambda q, k, v: ring_attention(q, k, v, g, args.causal, layout, backend,  # noqa: E731
                                                   steps_per_launch=steps, dkv_route=route, **kw)
         else:
             attn = lambda q, k, v: allgather_attention(q, k, v, g, args.causal, layout, backend, **kw)  # noqa: E731
+        model = cp_bytes(algorithm, *shape, ring=world)
+        if algorithm == "ring" and route == "direct" and world > 1:   # the K/V hops, then this rank's shares
+            from distlab.cp.ring import check_steps_per_launch
+            from distlab.cp.ring_dkv_direct import direct_bytes
+
+            n = check_steps_per_launch(steps, backend, world)
+            kv_hops = model["fwd"]
+            model = {"fwd": kv_hops, "bwd": kv_hops + direct_bytes(rank, world, args.seq // world, args.causal, layout, n,
+                                                                   args.batch, args.kv_heads, args.head_dim,
+                                                                   dtype.itemsize)}
+            model["fwd_bwd"] = model["fwd"] + model["bwd"]
         return CPMethod(f"{algorithm} ({layout})", attn,
                         lambda x: shard_sequence(x, g, layout, cu_seqlens=cu),
                         lambda x: gather_sequence(x, g, layout, cu_seqlens=cu),
-                        work_share(docs, world, rank, layout), cp_bytes(algorithm, *shape, ring=world))
+                        work_share(docs, world, rank, layout), model)
     if algorithm == "ulysses":
         check_divisible(args.seq, world, layout)
         kv_replication(args.heads, args.kv_heads, world)
