@@ -27,6 +27,9 @@ visited; each rank adds its contribution to it (computed with the *global* out a
 ``distlab/kernels/attention.py``), and after W hops it is back home. That is W−1 K/V exchanges and W dK/dV
 exchanges. With the ``triton`` backend dQ is added into a float32 accumulator inside the dQ kernel, and each
 row's last block writes its final dQ in q's dtype (``backward_schedule``: no conversion launch at the end).
+``dkv_route="direct"`` (the fused backward only): each rank's dK/dV share goes straight to the rank that owns
+those keys, in the shares' dtype, and is summed there once (``distlab.cp.ring_dkv_direct``): no float32 add a
+step, fewer bytes, every pair of ranks talking once.
 
 Packed documents and sliding windows (``cu_seqlens=``, ``window=``), and the ``balanced`` layout, run the
 same ring with a mask per block built from global positions: ``distlab/cp/ring_packed.py``.

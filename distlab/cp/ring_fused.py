@@ -12,7 +12,8 @@ busiest rank runs W=8 in 3 calls with n=4, not 8). This is the same for the back
 received ahead (``ring._KVAhead``), its fused blocks run once each (dQ for the rows, dK/dV for all the
 group's keys), and each step's share of dK/dV is cut out of the result and added, in step order, into the
 travelling float32 accumulator of that step's K/V when it arrives from the previous rank — the same W dK/dV
-hops and W−1 K/V hops as the step-by-step ring, so the answer and the traffic do not change.
+hops and W−1 K/V hops as the step-by-step ring, so the answer and the traffic do not change (with
+``dkv_route="direct"`` the shares go to their owners instead: ``distlab.cp.ring_dkv_direct``).
 
 The chain, and why the adds go on a side stream: the dK/dV accumulators still go one hop a step, and the add
 of a group's step s+1 waits for the previous rank's add of step s, done after *its* kernel of the same group:
