@@ -18,9 +18,9 @@ all-to-all spread over the steps): fine inside an NVLink/NVSwitch node, not what
 The answer is the same sum in another order (float64 parity on gloo: ``tests/test_ring.py``).
 
 Only the fused ring backward (``distlab.cp.ring_fused``: FA4, cuDNN, torch with launch groups of several
-steps) has this route; with FA4 only where its blocks return plain ``(2, B, keys, kv_heads, dim)`` shares
-(folded rings, ``FA4RingBackward.fold``): FA4's float32 accumulator layout cuts a key range into strided
-pieces that would need a copy to be sent.
+steps) has this route. FA4's shares are bf16 ``(2, B, keys, kv_heads, dim)`` in a folding ring, else its
+float32 accumulator layout, where a fused block's key range is strided (copied to be sent) and the owner's
+sum is converted by FA4's postprocess (``FA4RingBackward.finish_dkv``).
 """
 
 from __future__ import annotations
@@ -49,11 +49,19 @@ def direct_bytes(rank, world, shard, causal, layout, steps_per_launch, batch, kv
 class DirectDkv:
     """One rank's direct dK/dV delivery: ``send(step, parts)`` after a step's blocks, ``finish(own)`` at the
     end. ``shape``: ``(rank, world, seq, causal, layout, steps_per_launch, max_keys)``, as ``group_plans``
-    takes it; ``k`` this rank's K (batch, keys, kv heads, dim); ``dtype`` the shares' dtype."""
+    takes it; ``k`` this rank's K; ``like`` its step-0 share, whose layout and dtype every share has: dK or
+    dV alone ``(B, keys, Hkv, D)`` (the per-block backends, sent as a pair), or both along a leading dimension
+    of 2 (FA4: ``(2, B, keys, Hkv, D)`` folded, or its float32 accumulator layout ``(2, B, Hkv, keys·c)``, a key
+    range a slice of the last dimension). ``own_slot``: the owner's share is summed with the others in one
+    reduction (it is in their dtype)."""
 
-    def __init__(self, ring, shape, k, dtype, own_slot=False):
+    def __init__(self, ring, shape, k, like, own_slot=False):
         rank, world = ring.rank, ring.size
         self.ring, self.k = ring, k
+        base = tuple(like.shape) if own_slot else (2, *like.shape)
+        keys = k.shape[1]
+        # where the keys are: dim 2 of (2, B, keys, Hkv, D); else the last dim, c values a key
+        self.dim, self.per_key = (2, 1) if len(base) == 5 else (len(base) - 1, base[-1] // keys)
         # what rank r + s computed at its step s against this rank's K/V: the key ranges of its shares
         self.incoming = {}
         for step in range(1, world):
@@ -66,20 +74,22 @@ class DirectDkv:
         for cols in self.incoming.values():
             for c in cols:
                 counts[(c.start, c.stop)] = counts.get((c.start, c.stop), 0) + 1
-        self.whole = (0, k.shape[1])
+        self.whole = (0, keys)
         self.own_slot = own_slot and self.whole in counts   # own share copied in: one reduction over all of them
         if self.own_slot:
             counts[self.whole] += 1
-        b, _, h, d = k.shape   # one receive buffer per key range: the shares summed in one reduction each
-        self.inbox = {key: torch.empty((n, 2, b, key[1] - key[0], h, d), dtype=dtype, device=k.device)
-                      for key, n in counts.items()}
+        self.inbox = {}   # one receive buffer per key range: the shares summed in one reduction each
+        for (a, b), n in counts.items():
+            slot = list(base)
+            slot[self.dim] = (b - a) * self.per_key
+            self.inbox[(a, b)] = torch.empty((n, *slot), dtype=like.dtype, device=k.device)
         self.filled = dict.fromkeys(self.inbox, 0)
         self.pending = []
 
     def send(self, step, parts):
         """Post step ``step``'s exchange: this rank's shares ``parts`` (``[(cols, dK, dV)]``, or ``(cols, both,
-        None)`` with dK and dV along a leading dimension of 2) to their owner, rank − step, and the shares of
-        this rank's keys from rank + step into the inbox."""
+        None)``) to their owner, rank − step, and the shares of this rank's keys from rank + step into the
+        inbox (a strided share, as FA4's float32 layout cuts a key range, is copied to be sent)."""
         send = []
         for _, dk, dv in parts:
             send += [dk[0], dk[1]] if dv is None else [dk, dv]
@@ -93,17 +103,17 @@ class DirectDkv:
             self.pending.append(self.ring.shift_exchange(send, step, recv, "ring_dkv_direct"))
 
     def finish(self, own, acc_dtype):
-        """(dK, dV) of this rank's keys in k's dtype: ``own`` (its step-0 share over every key: with ``own_slot``
-        a ``(2, B, keys, Hkv, D)`` tensor in the shares' dtype, else its accumulator in ``acc_dtype``, fresh
-        memory, as one such tensor or ``(dK, dV)``) plus every received share, summed in ``acc_dtype``."""
+        """This rank's dK and dV along a leading dimension of 2, in the shares' layout: ``own`` (its step-0 share
+        over every key: with ``own_slot`` in the shares' dtype, else its accumulator in ``acc_dtype``, fresh
+        memory, as one tensor or ``(dK, dV)``) plus every received share, summed in ``acc_dtype`` (with
+        ``own_slot`` and one key range, one reduction whose bf16 result is rounded once)."""
         for p in self.pending:
             p.wait()
         if self.own_slot:
             self.inbox[self.whole][-1].copy_(own)
-            if len(self.inbox) == 1:   # every share over every key: one reduction, rounded once (a reduction of
-                # bf16 adds in float32 on the GPU and the CPU alike)
-                total = self.inbox[self.whole].sum(0, dtype=acc_dtype if acc_dtype == torch.float64 else None)
-                return total[0].to(self.k.dtype), total[1].to(self.k.dtype)
+            if len(self.inbox) == 1:   # every share over every key: one reduction (bf16 is added in float32 on
+                # the GPU and the CPU alike, and rounded once)
+                return self.inbox[self.whole].sum(0, dtype=acc_dtype if acc_dtype == torch.float64 else None)
             total = self.inbox[self.whole].sum(0, dtype=acc_dtype)
         else:
             total = own.to(acc_dtype, copy=True) if torch.is_tensor(own) else torch.stack(own)
@@ -114,5 +124,5 @@ class DirectDkv:
             if key == self.whole:
                 total += part
             else:
-                total[:, :, key[0]:key[1]] += part
-        return total[0].to(self.k.dtype), total[1].to(self.k.dtype)
+                total.narrow(self.dim, key[0] * self.per_key, (key[1] - key[0]) * self.per_key).add_(part)
+        return total

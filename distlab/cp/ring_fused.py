@@ -60,10 +60,6 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
         if blocks is not None:
             kept = _fa4_kept(dout, q, k, out, lse, scale, causal, blocks, layout)
     direct = dkv_route == "direct" and ring.size > 1
-    if direct and kept is not None and not kept.fold:
-        raise ValueError("dkv_route='direct' with fa4 needs folded blocks (DISTLAB_FA4_RING_FOLD, a shard of "
-                         f"{fa4_ring_backward.FOLD_MIN_SHARD}+ rows in a causal zigzag ring, or =1): FA4's float32 "
-                         "dK/dV layout cuts a key range into strided pieces; use dkv_route='ring'")
     landing = kv_landing(ring, k, shape) if ring.size > 1 and use_landing(k, v, backend, groups) else None
     kv = _KVAhead(ring, (k, v), landing)
     ahead = max(len(steps) for steps, _ in groups)
@@ -128,8 +124,8 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
                 if step == 0 and direct:   # my own K/V: its shares stay home, where the others' come
                     if kept is not None and (len(parts[0]) != 1 or parts[0][0][0] != slice(0, k.shape[1])):
                         raise RuntimeError("the ring's first backward step must be one block over every local key")
-                    direct = DirectDkv(ring, shape, k, parts[0][0][1].dtype, own_slot=kept is not None)
-                    # FA4's folded shares: step 0's one (2, B, keys, Hkv, D) share, summed with the others once
+                    direct = DirectDkv(ring, shape, k, parts[0][0][1], own_slot=kept is not None)
+                    # FA4's shares: step 0's one share of dK and dV, summed with the others once
                     dkv = (parts[0][0][1],) if kept is not None else _own_accumulator(parts[0], k, v, acc, kept)
                 elif step == 0:   # my own K/V: its blocks start the accumulator that travels the ring
                     dkv = _own_accumulator(parts[0], k, v, acc, kept)
@@ -155,7 +151,9 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
     if side is not None:   # the home accumulator is read on the compute stream
         main.wait_stream(side)
     if direct:
-        return (dq, *direct.finish(dkv[0] if kept is not None else dkv, acc))
+        total = direct.finish(dkv[0] if kept is not None else dkv, acc)
+        return (dq, *(kept.finish_dkv(total, k, v) if kept is not None else (total[0].to(k.dtype),
+                                                                            total[1].to(v.dtype))))
     if dkv_pending is not None:
         dkv = dkv_pending.wait()
     if side is not None:
