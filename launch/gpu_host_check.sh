@@ -404,12 +404,15 @@ elif [ "$part" = fa4adds ]; then   # FA4 present (2026-12-06, 22nd session): wha
       --paired 3 --json "$out/emulate_adds_ranks.json"
 elif [ "$part" = fa4early ]; then   # FA4 present (22nd session): each row set's dQ converted once its last block has
   # run (RING_DQ_EARLY=1, side stream) — the FA4 ring's GPU test with it on (bf16 vs float32), then every rank at
-  # S32768 by groups 1|3|4 and 1|4|3: default, early, direct + early (wall, paired)
+  # S32768: default, early, direct + early; at S8192: default, direct, direct + early (wall, paired)
   LIMIT=150 TAIL=3 run fa4_ring_tests_early env DISTLAB_RING_DQ_EARLY=1 $py -m pytest -q -m gpu \
       tests/test_fa4_ring_backward.py -p no:cacheprovider
-  LIMIT=400 TAIL=60 run emulate_early_ranks $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
-      --rank all --steps-per-launch 1,3,4 1,4,3 --variant '' 'RING_DQ_EARLY=1' 'RING_DKV_ROUTE=direct;RING_DQ_EARLY=1' \
+  LIMIT=300 TAIL=30 run emulate_early_ranks $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
+      --rank all --steps-per-launch 1,3,4 --variant '' 'RING_DQ_EARLY=1' 'RING_DKV_ROUTE=direct;RING_DQ_EARLY=1' \
       --iters 20 --wall --paired 3 --json "$out/emulate_early_ranks.json"
+  LIMIT=150 TAIL=30 run emulate_direct_ranks_s8k $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
+      --rank all --steps-per-launch 1,3,4 --variant '' 'RING_DKV_ROUTE=direct' 'RING_DKV_ROUTE=direct;RING_DQ_EARLY=1' \
+      --iters 20 --wall --paired 3 --json "$out/emulate_direct_ranks_s8k.json"
 elif [ "$part" = fa4adds8k ]; then   # the same at S8192 (not folded there: no direct route)
   LIMIT=150 TAIL=24 run emulate_adds_ranks_s8k $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
       --rank all --steps-per-launch 1,3,4 --variant '' 'RING_DKV_ADDS=0' --iters 20 --wall --paired 3 \
