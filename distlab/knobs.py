@@ -77,8 +77,6 @@ KNOBS = {
     "RING_DKV_ROUTE": Knob("ring", "the ring studies' and the emulator's dK/dV route: ring (a float32 accumulator one "
                                    "hop a step) or direct (each share sent to its owner, summed there once: "
                                    "distlab.cp.ring_dkv_direct; fused backward only)"),
-    "RING_DQ_EARLY": Knob("0", "1: a fused FA4 ring backward converts each row set's dQ once its last block has run, "
-                               "on the side stream beside the later kernels (0: every set at the end)"),
     "RING_DKV_ADDS": Knob("1", "0: a timing probe of the emulator only (distlab.cp.emulate --variant): a fused ring "
                                "backward skips its dK/dV adds (dK/dV wrong; refused on a real ring)"),
     "RING_FUSE_MAX_KEYS": Knob("0", "keys at most in one fused ring block of FA4/cuDNN/torch (a launch group's "

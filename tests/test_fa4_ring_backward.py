@@ -60,7 +60,7 @@ def _fake_record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal,
 
 
 def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_launch=1, cap="0", add_rows="0",
-                       fold="1", route="ring", early="0"):
+                       fold="1", route="ring"):
     from distlab import knobs
     from distlab.cp.ring import _ring_backward, _ring_forward
     from distlab.kernels import fa4, fa4_ring_backward as frb
@@ -80,7 +80,7 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
         made = []
         real = frb.FA4RingBackward
         frb.FA4RingBackward = lambda *a: made.append(real(*a)) or made[-1]
-        with knobs.override(RING_FUSE_MAX_KEYS=cap, RING_DKV_ADD_ROWS=add_rows, FA4_RING_FOLD=fold, RING_DQ_EARLY=early):
+        with knobs.override(RING_FUSE_MAX_KEYS=cap, RING_DKV_ADD_ROWS=add_rows, FA4_RING_FOLD=fold):
             out, lse = _ring_forward(*local[:3], ring, causal, layout, scale, "torch", steps_per_launch)
             grads = _ring_backward(local[3], *local[:3], out, lse, ring, causal, layout, scale, "fa4",
                                    steps_per_launch, route)
@@ -90,8 +90,7 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
     got = [gather_sequence(t, None, layout) for t in grads]
     errs = [((a - t.grad).abs().max() / t.grad.abs().max()).item() for a, t in zip(got, full)]
     return {"errors": errs, "kept": len(made), "row_sets": sorted(made[0].sets) if made else [],
-            "folded": sorted(key for key, rs in made[0].sets.items() if rs.fold) if made else [],
-            "early_sets": made[0].early_sets if made else 0}
+            "folded": sorted(key for key, rs in made[0].sets.items() if rs.fold) if made else []}
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -201,23 +200,6 @@ def test_fa4_kept_dkv_sent_straight_to_their_owners_on_stand_in_kernels(pools):
                                         "direct"):
                 assert res["kept"] == 1, res
                 assert max(res["errors"]) < 1e-12, (world, layout, causal, fold, res)
-
-
-def test_fa4_kept_dq_of_a_finished_row_set_converted_early_on_stand_in_kernels(pools):
-    """``RING_DQ_EARLY=1`` (float64 stand-ins): a row set's dQ converted and added into the rank's dQ as soon as
-    its last block has run, not at the end: the one-device gradients to rounding at W 2-4, with the ring route
-    and the direct one, folded and not; in a zigzag ring every set but the last block's goes early."""
-    for world in (2, 3, 4):
-        n = 2 if world > 2 else (world,)
-        for layout, causal, fold, route in (("zigzag", True, "1", "ring"), ("zigzag", True, "0", "ring"),
-                                            ("zigzag", True, ("auto", 16, 8), "direct"),
-                                            ("contiguous", True, "1", "direct")):
-            results = pools(world).run(_ring_on_stand_ins, layout, causal, 4, 2, 16 * world, 4, n, "0", "0", fold,
-                                       route, "1")
-            for res in results:
-                assert res["kept"] == 1 and max(res["errors"]) < 1e-12, (world, layout, fold, route, res)
-            if layout == "zigzag":   # each rank: all its row sets but the one of its last block
-                assert all(res["early_sets"] == len(res["row_sets"]) - 1 for res in results), results
 
 
 def _ring_rank_on_fa4(seq, world, heads, kv_heads, layout, batch=1, steps_per_launch=1):

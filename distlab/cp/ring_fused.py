@@ -72,14 +72,6 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
     if kept is not None and side is not None and knobs.get("RING_ZERO_AHEAD") == "1":   # the later groups' dK/dV
         # scratch zeroed beside step 0's kernels (off by default until timed on a GPU: gpu_host_check.sh fa4land2)
         kept.zero_ahead(blocks[1:], side)
-    # a row set's dQ converted once its last block has run, beside the kernels after it (knob RING_DQ_EARLY)
-    last_of_set = {}   # row set -> the index of its last block, where that is not the ring's last block
-    if kept is not None and knobs.get("RING_DQ_EARLY") == "1":
-        for b, (rows, _, blk_causal) in enumerate(blocks):
-            last_of_set[(rows.start, rows.stop, blk_causal)] = b
-        last_of_set = {key: b for key, b in last_of_set.items() if b < len(blocks) - 1}
-    dq_early = None   # the side stream's event after its last early conversion
-    b = -1
     for g, (steps, plan) in enumerate(groups):
         with phase("ring.exchange"):
             kv.post_through(steps[-1] + ahead)   # the next groups' K/V, while this one computes
@@ -90,12 +82,9 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
         for i, (rows, blk_causal, pieces) in enumerate(plan):
             landed = landing.run_kv(g, i) if landing is not None else None   # received in place (ring_landing)
             k_blk, v_blk = landed if landed is not None else group_kv(got, pieces)
-            b += 1
             with phase("ring.block_backward"):
                 if kept is not None:   # dQ into FA4's float32 accumulator; dK/dV in its layout, keys last, as one
                     dk_b, dv_b = kept.block(k_blk, v_blk, rows, slice(0, k_blk.shape[1]), blk_causal), None
-                    if last_of_set.get((rows.start, rows.stop, blk_causal)) == b:
-                        dq_early = _finish_set_early(kept, (rows.start, rows.stop, blk_causal), side, main)
                 else:
                     dq_b, dk_b, dv_b = attention_backward(dout[:, rows], q[:, rows], k_blk, v_blk, out[:, rows],
                                                           lse[:, :, rows], blk_causal, scale, backend)
@@ -145,8 +134,6 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
             if beside:
                 torch.cuda.set_stream(main)
     # dQ's conversion first: on the compute stream, beside the last group's adds and the last hop home
-    if dq_early is not None:
-        main.wait_event(dq_early)
     dq = kept.dq() if kept is not None else dq.to(q.dtype)
     if side is not None:   # the home accumulator is read on the compute stream
         main.wait_stream(side)
@@ -173,21 +160,6 @@ def _fused_blocks(rank, world, seq, causal, layout, steps_per_launch, max_keys, 
         return None
     return [(rows, slice(0, sum(c.stop - c.start for _, c in pieces)), blk_causal)
             for _, plan in groups for rows, blk_causal, pieces in plan]
-
-
-def _finish_set_early(kept, key, side, main):
-    """``kept.finish_set(key)`` now: on CUDA on the side stream, after the kernels queued so far (returns the
-    event the compute stream waits for before it touches dQ again); on the CPU in line."""
-    if side is None:
-        kept.finish_set(key)
-        return None
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        kept.finish_set(key)
-        done = torch.cuda.Event()
-        done.record(side)
-    kept.dq_total.record_stream(main)
-    return done
 
 
 _SIDE: dict = {}   # one side stream per CUDA device for the dK/dV adds and sends (a stream, not parallel state)

@@ -178,8 +178,6 @@ class FA4RingBackward:
         self.sets: dict = {}
         self.plans: dict = {}
         self.zeroed: dict = {}   # block key -> [(zeroed scratch, its fill's event)] (``zero_ahead``)
-        self.done: set = set()   # row sets whose dQ is converted and added into ``dq_total`` (``finish_set``)
-        self.dq_total = None
         self.add_rows = knobs.get("RING_DKV_ADD_ROWS") == "1"
         # every rank decides alike (shapes and a knob): the travelling accumulator's layout depends on it
         mode = knobs.get("FA4_RING_FOLD")
@@ -314,30 +312,22 @@ class FA4RingBackward:
         sets after the first added in q's dtype (float64 on the CPU's stand-ins). On the H100 (S32768, W=8,
         rank 0's two row sets) the end of the backward went 243 → 90 µs against a float32 sum (a zero fill, the
         adds in float32, a conversion); each set's part is already rounded once by its postprocess, so a bf16
-        sum rounds at most twice more. Sets already done (``finish_set``) are not done again."""
-        self.early_sets = len(self.done)
-        for key in self.sets:
-            if key not in self.done:
-                self.finish_set(key)
-        return self.dq_total
-
-    def finish_set(self, key):
-        """Convert row set ``key``'s dQ accumulator (``(start, stop, causal)``: no block of that set may follow)
-        and add it into the rank's dQ, on the current stream: a ring backward calls this beside its later
-        kernels once a set's last block has run (``RING_DQ_EARLY``), the rest at the end (``dq``)."""
-        (start, stop, _), rs = key, self.sets[key]
-        post_fn, post_args = rs.rec[2][0]
-        part = torch.empty_like(rs.q, memory_format=torch.contiguous_format)
-        post_fn(rs.dq_accum, part, *post_args[2:])
-        if rs.fold:
-            part = unfold_heads(part, self.q.shape[2])
-        self.done.add(key)
-        if self.dq_total is None and (start, stop) == (0, self.q.shape[1]):
-            self.dq_total = part
-            return
-        if self.dq_total is None:
-            self.dq_total = torch.zeros_like(self.q, memory_format=torch.contiguous_format)
-        self.dq_total[:, start:stop] += part
+        sum rounds at most twice more."""
+        total = None
+        for (start, stop, _), rs in self.sets.items():
+            post_fn, post_args = rs.rec[2][0]
+            whole = (start, stop) == (0, self.q.shape[1])
+            part = torch.empty_like(rs.q, memory_format=torch.contiguous_format)
+            post_fn(rs.dq_accum, part, *post_args[2:])
+            if rs.fold:
+                part = unfold_heads(part, self.q.shape[2])
+            if total is None and whole:
+                total = part
+                continue
+            if total is None:
+                total = torch.zeros_like(self.q, memory_format=torch.contiguous_format)
+            total[:, start:stop] += part
+        return total
 
     def finish_dkv(self, acc, k, v):
         """A travelling dK/dV accumulator (``acc[0]`` dK, ``acc[1]`` dV), home: converted to k's and v's dtype (dK scaled) by FA4's
