@@ -46,8 +46,8 @@
 #                                                  # (fa4fold2: the auto policy, every rank against fold off)
 #   bash launch/gpu_host_check.sh OUTDIR fa4adds   # FA4 present: every rank with the dK/dV adds, without (a timing
 #                                                  # bound) and by the direct route at S32768, wall, paired; the
-#                                                  # adds alone (fa4adds8k: with and without at S8192; fa4early:
-#                                                  # each row set's dQ converted early, GPU test, every rank)
+#                                                  # adds alone (fa4adds8k: with and without at S8192; fa4direct:
+#                                                  # the direct route against the ring's, every rank, S32768, S8192)
 #   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
 #                                                  # launch keys checked; part triton: then host_cost and the Triton
 #                                                  # ring rank (emulate, wall and GPU)
@@ -402,17 +402,14 @@ elif [ "$part" = fa4adds ]; then   # FA4 present (2026-12-06, 22nd session): wha
   LIMIT=420 TAIL=36 run emulate_adds_ranks $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
       --rank all --steps-per-launch 1,3,4 --variant '' 'RING_DKV_ADDS=0' 'RING_DKV_ROUTE=direct' --iters 20 --wall \
       --paired 3 --json "$out/emulate_adds_ranks.json"
-elif [ "$part" = fa4early ]; then   # FA4 present (22nd session): each row set's dQ converted once its last block has
-  # run (RING_DQ_EARLY=1, side stream) — the FA4 ring's GPU test with it on (bf16 vs float32), then every rank at
-  # S32768: default, early, direct + early; at S8192: default, direct, direct + early (wall, paired)
-  LIMIT=150 TAIL=3 run fa4_ring_tests_early env DISTLAB_RING_DQ_EARLY=1 $py -m pytest -q -m gpu \
-      tests/test_fa4_ring_backward.py -p no:cacheprovider
-  LIMIT=300 TAIL=30 run emulate_early_ranks $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
-      --rank all --steps-per-launch 1,3,4 --variant '' 'RING_DQ_EARLY=1' 'RING_DKV_ROUTE=direct;RING_DQ_EARLY=1' \
-      --iters 20 --wall --paired 3 --json "$out/emulate_early_ranks.json"
-  LIMIT=150 TAIL=30 run emulate_direct_ranks_s8k $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
-      --rank all --steps-per-launch 1,3,4 --variant '' 'RING_DKV_ROUTE=direct' 'RING_DKV_ROUTE=direct;RING_DQ_EARLY=1' \
-      --iters 20 --wall --paired 3 --json "$out/emulate_direct_ranks_s8k.json"
+elif [ "$part" = fa4direct ]; then   # FA4 present (22nd session): the direct dK/dV route (ring_dkv_direct) against the
+  # ring's — every rank at S32768 (wall, paired) and at S8192 on the GPU clock (a stalling host hides it in wall)
+  LIMIT=200 TAIL=8 run emulate_direct_ranks $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
+      --rank all --steps-per-launch 1,3,4 --variant '' 'RING_DKV_ROUTE=direct' --iters 20 --wall --paired 3 \
+      --json "$out/emulate_direct_ranks.json"
+  LIMIT=150 TAIL=8 run emulate_direct_ranks_s8k_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
+      --rank all --steps-per-launch 1,3,4 --variant '' 'RING_DKV_ROUTE=direct' --iters 20 --paired 3 \
+      --json "$out/emulate_direct_ranks_s8k_gpu.json"
 elif [ "$part" = fa4adds8k ]; then   # the same at S8192 (not folded there: no direct route)
   LIMIT=150 TAIL=24 run emulate_adds_ranks_s8k $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
       --rank all --steps-per-launch 1,3,4 --variant '' 'RING_DKV_ADDS=0' --iters 20 --wall --paired 3 \
