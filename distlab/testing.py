@@ -23,6 +23,7 @@ plus ``env``, which each worker sets before it imports anything else (e.g. ``TRI
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import multiprocessing as mp
@@ -229,6 +230,28 @@ def install_fa4_stand_in(compute: bool = True) -> dict:
 
 
 _SAVED_MODULES: dict = {}
+
+
+@contextlib.contextmanager
+def fa4_pretended(interface=None):
+    """FA4 taken as present on every device and dtype of this process (``fa4.runs_on`` true; ``interface``, if
+    given, is what ``fa4._interface()`` returns), for CPU tests of the code around FA4's kernels. The backend
+    lookups that ``distlab.kernels.attention`` caches are forgotten on the way in and on the way out: a pool's
+    worker serves many tests, and one that cached ``fa4`` for CPU float64 made later tests' ``auto`` pick it."""
+    from distlab.kernels import attention, fa4
+
+    saved = fa4.runs_on, fa4._interface
+    fa4.runs_on = lambda device, dtype: True
+    if interface is not None:
+        fa4._interface = lambda: interface
+    attention._available.cache_clear()
+    attention._resolve.cache_clear()
+    try:
+        yield
+    finally:
+        fa4.runs_on, fa4._interface = saved
+        attention._available.cache_clear()
+        attention._resolve.cache_clear()
 
 
 def remove_fa4_stand_in():

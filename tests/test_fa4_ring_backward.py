@@ -15,7 +15,7 @@ import torch
 from distlab import comm
 from distlab.cp.layout import gather_sequence, shard_sequence
 from distlab.kernels.attention import attention_reference
-from distlab.testing import ProcessGroupPool
+from distlab.testing import ProcessGroupPool, fa4_pretended
 
 LOG2E = 1.4426950408889634
 
@@ -63,7 +63,7 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
                        fold="1", route="ring"):
     from distlab import knobs
     from distlab.cp.ring import _ring_backward, _ring_forward
-    from distlab.kernels import fa4, fa4_ring_backward as frb
+    from distlab.kernels import fa4_ring_backward as frb
 
     g = torch.Generator().manual_seed(0)
     q, dout = (torch.randn(1, seq, heads, 8, generator=g, dtype=torch.float64) for _ in range(2))
@@ -72,20 +72,20 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
     attention_reference(*full, causal=causal).backward(dout)
     local = [shard_sequence(t, None, layout) for t in (q, k, v, dout)]
     ring, scale = comm.RingExchanger(None), 8 ** -0.5
-    saved = frb._record, frb.TILE, fa4.runs_on, frb.FOLD_MIN_SHARD, frb.FOLD_MAX_ROWS
-    frb._record, frb.TILE, fa4.runs_on = _fake_record, tile, (lambda device, dtype: True)
+    saved = frb._record, frb.TILE, frb.FOLD_MIN_SHARD, frb.FOLD_MAX_ROWS
+    frb._record, frb.TILE = _fake_record, tile
     if isinstance(fold, tuple):   # ("auto", the least shard that folds, the most rows a folded row set has)
         fold, frb.FOLD_MIN_SHARD, frb.FOLD_MAX_ROWS = fold
+    made = []
+    real = frb.FA4RingBackward
+    frb.FA4RingBackward = lambda *a: made.append(real(*a)) or made[-1]
     try:
-        made = []
-        real = frb.FA4RingBackward
-        frb.FA4RingBackward = lambda *a: made.append(real(*a)) or made[-1]
-        with knobs.override(RING_FUSE_MAX_KEYS=cap, RING_DKV_ADD_ROWS=add_rows, FA4_RING_FOLD=fold):
+        with fa4_pretended(), knobs.override(RING_FUSE_MAX_KEYS=cap, RING_DKV_ADD_ROWS=add_rows, FA4_RING_FOLD=fold):
             out, lse = _ring_forward(*local[:3], ring, causal, layout, scale, "torch", steps_per_launch)
             grads = _ring_backward(local[3], *local[:3], out, lse, ring, causal, layout, scale, "fa4",
                                    steps_per_launch, route)
     finally:
-        frb._record, frb.TILE, fa4.runs_on, frb.FOLD_MIN_SHARD, frb.FOLD_MAX_ROWS = saved
+        frb._record, frb.TILE, frb.FOLD_MIN_SHARD, frb.FOLD_MAX_ROWS = saved
         frb.FA4RingBackward = real
     got = [gather_sequence(t, None, layout) for t in grads]
     errs = [((a - t.grad).abs().max() / t.grad.abs().max()).item() for a, t in zip(got, full)]
@@ -140,7 +140,7 @@ def test_fa4_kept_accumulators_in_a_launch_group_of_five_steps(pools):
 
 def _refused_recording(world, steps_per_launch=1):
     from distlab.cp.ring import _ring_backward, _ring_forward
-    from distlab.kernels import fa4, fa4_ring_backward as frb
+    from distlab.kernels import fa4_ring_backward as frb
 
     def refuse(*args):
         raise RuntimeError("FA4's backward did not run the kernels FA4RingBackward expects")
@@ -148,16 +148,16 @@ def _refused_recording(world, steps_per_launch=1):
     q, k = torch.randn(1, 16, 4, 8, dtype=torch.float64), torch.randn(1, 16, 2, 8, dtype=torch.float64)
     ring = comm.RingExchanger(None)
     out, lse = _ring_forward(q, k, k, ring, True, "zigzag", 0.3, "torch")
-    saved = frb._record, frb.TILE, fa4.runs_on
-    frb._record, frb.TILE, fa4.runs_on = refuse, 4, (lambda device, dtype: True)
+    saved = frb._record, frb.TILE
+    frb._record, frb.TILE = refuse, 4
     try:
-        with comm.CommLog() as log:
+        with fa4_pretended(), comm.CommLog() as log:
             try:
                 _ring_backward(q, q, k, k, out, lse, ring, True, "zigzag", 0.3, "fa4", steps_per_launch)
             except RuntimeError as e:
                 return str(e), dict(log.calls)
     finally:
-        frb._record, frb.TILE, fa4.runs_on = saved
+        frb._record, frb.TILE = saved
     return None, dict(log.calls)
 
 
@@ -200,6 +200,15 @@ def test_fa4_kept_dkv_sent_straight_to_their_owners_on_stand_in_kernels(pools):
                                         "direct"):
                 assert res["kept"] == 1, res
                 assert max(res["errors"]) < 1e-12, (world, layout, causal, fold, res)
+        # these workers serve later tests: pretending FA4 is present must not outlive the test
+        assert pools(world).run(_auto_on_cpu) == [("torch", "torch")] * world
+
+
+def _auto_on_cpu():
+    """What ``auto`` resolves to for CPU float64 attention, plain and masked (``torch`` on any CPU machine)."""
+    from distlab.kernels.attention import resolve_backend
+
+    return tuple(resolve_backend("auto", "cpu", torch.float64, masked) for masked in (False, True))
 
 
 def _ring_rank_on_fa4(seq, world, heads, kv_heads, layout, batch=1, steps_per_launch=1):

@@ -193,15 +193,11 @@ def methods_on_fa4_semantics(cu, causal, window):
     shards — FA4's varlen rule standing in for FA4, and the reference backend for the blocks that are not
     FA4 sequences — against whole-matrix masked attention on one device. Returns (errors, FA4 calls)."""
     from distlab.cp import allgather_attention, gather_sequence, ring_attention, shard_sequence, ulysses_attention
-    from distlab.kernels import attention, fa4
     from distlab.kernels.masks import document_mask
+    from distlab.testing import fa4_pretended
 
-    saved = fa4.runs_on, fa4._interface
     fake = _FA4VarlenSemantics()
-    fa4.runs_on, fa4._interface = (lambda device, dtype: True), (lambda: fake)
-    attention._available.cache_clear()
-    attention._resolve.cache_clear()
-    try:
+    with fa4_pretended(fake):
         total, cu = 96, torch.tensor(cu)
         g = torch.Generator().manual_seed(0)
         q, dout = (torch.randn(1, total, 6, 8, generator=g, dtype=torch.float64) for _ in range(2))
@@ -221,10 +217,6 @@ def methods_on_fa4_semantics(cu, causal, window):
             got = [gather_sequence(x, None, layout, cu_seqlens=cu) for x in (out.detach(), *(t.grad for t in local))]
             errors[name] = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want))
         return errors, len(fake.calls)
-    finally:
-        fa4.runs_on, fa4._interface = saved
-        attention._available.cache_clear()
-        attention._resolve.cache_clear()
 
 
 @pytest.mark.parametrize("cu,causal,window", [([0, 5, 40, 41, 96], True, None), ([0, 30, 96], True, 12),
