@@ -86,6 +86,68 @@ def test_overlap_rules():
     assert fg.exposed == fg.comm and bg.exposed == bg.comm
 
 
+@pytest.mark.parametrize("world,layout,causal", [(3, "contiguous", False), (4, "zigzag", True), (8, "zigzag", True)])
+def test_launch_groups_and_the_direct_route_move_the_rings_bytes(world, layout, causal):
+    """With time = bytes: launch groups move the step-by-step ring's bytes (distlab.cp.cost, = CommLog); the
+    direct route moves the K/V hops plus, per group, the busiest rank's shares — at least the shares of any one
+    rank (``direct_bytes``, = CommLog on gloo in tests/test_ring.py), at most W − 1 whole shards, and exactly
+    one rank's where every rank sends the same (a non-causal ring)."""
+    from distlab.cp.ring_dkv_direct import direct_bytes
+
+    shape = AttnShape(1, 32 * world, 4, 2, 8, layout=layout, causal=causal)
+    k, want = Kernels(flat_calibration()), cp_bytes("ring", 1, 32 * world, 4, 2, 8, torch.bfloat16, ring=world)
+    for spl in (1, 2, (1, world - 1)):
+        f, b = ring_cost(shape, world, 4, 2, k, BYTES, steps_per_launch=spl)
+        assert f.comm == pytest.approx(want["fwd"]) and b.comm == pytest.approx(want["bwd"]), spl
+        for itemsize in (2, 4):
+            f, b = ring_cost(shape, world, 4, 2, k, BYTES, steps_per_launch=spl, dkv_route="direct",
+                             share_itemsize=itemsize)
+            sent = [direct_bytes(r, world, 32, causal, layout, spl, 1, 2, 8, itemsize) for r in range(world)]
+            assert max(sent) <= b.comm - f.comm + 1e-6 <= (world - 1) * 2 * 32 * 2 * 8 * itemsize + 1e-6, spl
+            if not causal:
+                assert b.comm - f.comm == pytest.approx(sent[0]), spl
+
+
+def test_a_real_ring_pays_its_last_groups_dkv():
+    """Compute slow enough to hide every hop but the last: by the ring's route the last launch group's dK/dV
+    go rank to rank, one hop a step, then home (W=8: 1 | 3 | 4 leaves 4 hops after the last kernel, 1 | 5 | 2
+    two, one step a launch one); by the direct route the last group's shares leave at once. The forward's
+    K/V hops hide."""
+    shape, k = AttnShape(1, 256, 4, 2, 8, layout="zigzag"), Kernels(flat_calibration(rate=1e3))
+    link = Link("l", 0.0, 1.0, "1 GB/s")
+    hop = 2 * 32 * 2 * 8 * 4 / 1e9                        # a float32 dK/dV shard
+    for spl, hops in ((None, 1), (4, 4), ((1, 5, 2), 2), ((1, 6, 1), 1)):
+        f, b = ring_cost(shape, 8, 4, 2, k, link, steps_per_launch=spl)
+        assert f.exposed == 0 and b.exposed == pytest.approx(hops * hop), spl
+    for spl, shards in ((4, 4), ((1, 5, 2), 2)):           # rank 0 sends whole shards at every later step
+        _, b = ring_cost(shape, 8, 4, 2, k, link, steps_per_launch=spl, dkv_route="direct", share_itemsize=2)
+        assert b.exposed == pytest.approx(shards * hop / 2), spl
+    with pytest.raises(ValueError, match="one of"):
+        ring_cost(shape, 8, 4, 2, k, link, dkv_route="straight")
+
+
+def test_ring_tail_prints_the_planners_exposure_per_grouping_and_route(tmp_path, capsys):
+    """``python -m distlab.plan.ring_tail``: a row per grouping and route that fits the ring, each the planner's
+    own figures; a sequence that does not split into 2W chunks or an unknown link is refused by name."""
+    from distlab.bench import UsageError
+    from distlab.plan import ring_tail
+
+    out = tmp_path / "tail.json"
+    ring_tail.main(["--world", "4", "--seq", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
+                    "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["groups"], r["route"]) for r in rows] == [("1 a launch", "ring"), (4, "ring"), (4, "direct"),
+                                                        (4, "direct")]   # 1,5,2 and 1,6,1 need W=8
+    k = Kernels(Calibration.load(os.path.join(plan_cli.CALIBRATIONS, "h200.json")))
+    f, b = ring_cost(AttnShape(1, 256, 4, 2, 8), 4, 4, 2, k, LINKS["nvlink4"], steps_per_launch=4,
+                     dkv_route="direct", share_itemsize=2)
+    assert rows[2]["exposed_ms"] == pytest.approx((f.exposed + b.exposed) * 1e3)
+    assert "bwd exposed" in capsys.readouterr().out
+    for argv, message in ((["--seq", "100"], "--seq 100 must divide"), (["--link", "bogus"], "unknown link")):
+        with pytest.raises(UsageError, match=message):
+            ring_tail.main(argv)
+
+
 def test_masked_calls_take_the_masked_kernels_rate():
     """All-gather KV's causal positions, packed documents and the balanced layout run the masked kernels;
     zigzag's causal and full blocks do not."""

@@ -141,11 +141,18 @@ def _step_time(per_rank: list[float], k: Kernels, rings: int = 1) -> float:
 
 
 def ring_cost(shape: AttnShape, ring: int, heads: int, kv_heads: int, k: Kernels, link: Link,
-              acc_itemsize: int = 4, rings: int = 1) -> tuple[Phase, Phase]:
+              acc_itemsize: int = 4, rings: int = 1, steps_per_launch=None, dkv_route: str = "ring",
+              share_itemsize: int | None = None) -> tuple[Phase, Phase]:
     """Ring (contiguous, zigzag or balanced) over ``ring`` ranks, ``heads``/``kv_heads`` per rank;
-    ``rings``: how many such rings run at once (USP's Ulysses degree), for ranks that share CPU cores."""
+    ``rings``: how many such rings run at once (USP's Ulysses degree), for ranks that share CPU cores.
+    ``steps_per_launch`` (None: one step a launch): the launch groups of ``distlab.cp.ring_fused``, priced by
+    ``_grouped``; ``dkv_route`` ``ring`` or ``direct`` (``distlab.cp.ring_dkv_direct``, its shares
+    ``share_itemsize`` bytes an element: 2 where FA4's blocks are folded, else ``acc_itemsize``)."""
     from distlab.cp.layout import shard_positions
+    from distlab.cp.ring_dkv_direct import check_route
 
+    if check_route(dkv_route) == "direct" and (_masked(shape) or shape.layout == "balanced"):
+        raise ValueError("dkv_route='direct': a packed or balanced ring sends dK/dV by the ring only")
     cu = shape.docs.cu_seqlens if shape.docs is not None else None
     pos = [shard_positions(shape.seq, ring, r, shape.layout if ring > 1 else "contiguous", cu) for r in range(ring)]
     local = shape.seq // ring
@@ -155,6 +162,7 @@ def ring_cost(shape: AttnShape, ring: int, heads: int, kv_heads: int, k: Kernels
     hop_kv = link.time("sendrecv", 2 * b * local * kv_heads * d * shape.itemsize, 2) if ring > 1 else 0.0
     hop_dkv = link.time("sendrecv", 2 * b * local * kv_heads * d * acc_itemsize, 2) if ring > 1 else 0.0
     masked = _masked(shape)
+    f_steps, b_steps = [], []
     for step in range(ring):
         tf, tb = [], []
         for r in range(ring):
@@ -165,6 +173,10 @@ def ring_cost(shape: AttnShape, ring: int, heads: int, kv_heads: int, k: Kernels
             tb.append(k.attention(pairs, heads, d, diag, backward=True, batch=b, masked=masked)
                       + (k.memory(merge_bytes / 3 * 2) if pairs else 0.0))
         f_step, b_step = _step_time(tf, k, rings), _step_time(tb, k, rings)
+        f_steps.append(f_step)
+        b_steps.append(b_step)
+        if steps_per_launch is not None or dkv_route != "ring":
+            continue
         fwd.compute += f_step
         bwd.compute += b_step
         if step < ring - 1:          # the hop for step+1 flies during this step
@@ -172,9 +184,54 @@ def ring_cost(shape: AttnShape, ring: int, heads: int, kv_heads: int, k: Kernels
             bwd.comm += hop_kv + hop_dkv
             fwd.exposed += max(0.0, hop_kv - f_step) if link.overlaps_compute else hop_kv
             bwd.exposed += max(0.0, hop_kv + hop_dkv - b_step) if link.overlaps_compute else hop_kv + hop_dkv
+    if steps_per_launch is not None or dkv_route != "ring":
+        share = 2 * b * kv_heads * d * (share_itemsize or acc_itemsize)
+        return _grouped(shape, ring, f_steps, b_steps, link, hop_kv, hop_dkv, steps_per_launch or 1, dkv_route,
+                        share)
     if ring > 1:                      # dK/dV's last hop home
         bwd.comm += hop_dkv
         bwd.exposed += hop_dkv
+    return fwd, bwd
+
+
+def _grouped(shape, ring, f_steps, b_steps, link, hop_kv, hop_dkv, steps_per_launch, route, share_per_key):
+    """The ring by launch groups: a group's blocks computed at once when its K/V have arrived, which fly during
+    the group before it (forward and backward alike). The dK/dV of a group leave after its compute and fly
+    during the next group's. By the ring's route a group of n steps leaves a *chain*: the share of its first
+    step is added into the accumulator that came with the K/V and sent on to the next rank, which adds its
+    own share of the same keys (computed in the same group) and sends it on — n hops one after another, of
+    which the last group's cannot hide (its n-th is the hop home). By the direct route each rank sends its
+    group's shares (its keys per step, ``group_plans``; step 0's stay home) to their owners at once: one send
+    of the busiest rank's bytes. The last group's dK/dV are exposed either way: what an emulated rank
+    (compute only, ``distlab.cp.emulate``) does not pay and a real ring does."""
+    from distlab.cp.ring import group_plans, launch_groups
+
+    groups = launch_groups(ring, steps_per_launch)
+    seq_local = shape.seq // ring
+
+    def dkv_time(g):
+        if route == "ring":
+            return len(groups[g]) * hop_dkv
+        keys = max(sum(c.stop - c.start for _, _, pieces in group_plans(r, ring, seq_local, shape.causal,
+                                                                          shape.layout, steps_per_launch)[g][1]
+                       for st, c in pieces if st > 0) for r in range(ring))
+        return link.time("sendrecv", keys * share_per_key, 2) if keys else 0.0
+
+    fwd, bwd = Phase(), Phase()
+    for g, steps in enumerate(groups):
+        cf, cb = sum(f_steps[s] for s in steps), sum(b_steps[s] for s in steps)
+        kv = len(groups[g + 1]) * hop_kv if g + 1 < len(groups) else 0.0
+        before = dkv_time(g - 1) if g else 0.0
+        fwd.compute += cf
+        bwd.compute += cb
+        fwd.comm += kv
+        bwd.comm += kv + before
+        fwd.exposed += max(0.0, kv - cf) if link.overlaps_compute else kv
+        bwd.exposed += max(0.0, kv + before - cb) if link.overlaps_compute else kv + before
+    if ring > 1:
+        last = dkv_time(len(groups) - 1)
+        bwd.comm += last
+        bwd.exposed += last
     return fwd, bwd
 
 
