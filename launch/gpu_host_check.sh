@@ -48,6 +48,8 @@
 #                                                  # bound) and by the direct route at S32768, wall, paired; the
 #                                                  # adds alone (fa4adds8k: with and without at S8192; fa4direct:
 #                                                  # the direct route against the ring's, every rank, S32768, S8192)
+#   bash launch/gpu_host_check.sh OUTDIR fa4tail   # FA4 present: every rank at S32768, groups 1|3|4 and 1|5|2, by
+#                                                  # the ring's and the direct dK/dV route (wall, paired)
 #   bash launch/gpu_host_check.sh OUTDIR ringcheck # no FA4: the ring's kernels (attention, emulate) checked in bf16,
 #                                                  # launch keys checked; part triton: then host_cost and the Triton
 #                                                  # ring rank (emulate, wall and GPU)
@@ -410,6 +412,12 @@ elif [ "$part" = fa4direct ]; then   # FA4 present (22nd session): the direct dK
   LIMIT=150 TAIL=8 run emulate_direct_ranks_s8k_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
       --rank all --steps-per-launch 1,3,4 --variant '' 'RING_DKV_ROUTE=direct' --iters 20 --paired 3 \
       --json "$out/emulate_direct_ranks_s8k_gpu.json"
+elif [ "$part" = fa4tail ]; then   # FA4 present (23rd session): the groupings and routes that the planner says
+  # shorten a real ring's tail (python -m distlab.plan.ring_tail) — does their compute match the default's on every
+  # rank? S32768, launch groups 1|3|4 and 1|5|2, by the ring's and the direct route, wall, paired
+  LIMIT=400 TAIL=10 run emulate_tail_ranks $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
+      --rank all --steps-per-launch 1,3,4 1,5,2 --variant '' 'RING_DKV_ROUTE=direct' --iters 20 --wall --paired 2 \
+      --json "$out/emulate_tail_ranks.json"
 elif [ "$part" = fa4adds8k ]; then   # the same at S8192 (not folded there: no direct route)
   LIMIT=150 TAIL=24 run emulate_adds_ranks_s8k $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
       --rank all --steps-per-launch 1,3,4 --variant '' 'RING_DKV_ADDS=0' --iters 20 --wall --paired 3 \
