@@ -16,6 +16,8 @@
 #                                                   # or seeds (the default schedule over five packs)
 #                                                   # or allgather (all-gather CP's compute on the packs, each
 #                                                   # query tile's gap skipped and not, A/B)
+#                                                   # or agorder (all-gather CP's rank, its tiles longest first
+#                                                   # against row order, A/B; seeds 0 and 1)
 #                                                   # or fa4 (FA4's varlen path for masks: its GPU tests, the packed
 #                                                   # ring rank on FA4 blocks against one FA4 call; needs /opt/fa4 from
 #                                                   # ../shared/tools/fa4-carry's two calls on this warm machine)
@@ -127,6 +129,22 @@ if [ "$part" = allgather ]; then   # all-gather CP's compute on packed layouts, 
     DISTLAB_TRITON_MASKED_GAPS=$gaps timeout -s ABRT 150 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 \
       --method allgather --layouts zigzag balanced units --backend triton --iters 5 --warmup 1 \
       --json "$out/allgather_gaps$gaps.json" 2>&1 | tee "$out/allgather_gaps$gaps.log" || status=1
+  done
+  pack_logs
+  exit $status
+fi
+
+if [ "$part" = agorder ]; then   # (24th session) all-gather CP's rank with its tiles longest first (auto: a rank's
+  # rows against more keys than it holds) against row order (the model, distlab.cp.waves: balanced f+b 72.9 ->
+  # 91.6%, units 82.1 -> 94.3%; measured in row order 57.8 / 64.2%); the one call keeps row order both times
+  timeout -s ABRT 150 $py tests/kernel_checks.py masked --device cuda --dtype bfloat16 --big \
+    2>&1 | tee "$out/checks_masked.log" || status=1
+  for spec in rows:0 auto:0 auto:1; do
+    order=${spec%%:*} seed=${spec##*:}
+    DISTLAB_TRITON_MASKED_ORDER=$order timeout -s ABRT 150 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 \
+      --method allgather --docs lognormal:mean=2048,seed=$seed --layouts balanced units --backend triton \
+      --rate-means --iters 5 --warmup 1 --json "$out/allgather_${order}_seed$seed.json" \
+      2>&1 | tee "$out/allgather_${order}_seed$seed.log" || status=1
   done
   pack_logs
   exit $status

@@ -500,6 +500,26 @@ def test_masked_tile_order_knob_refuses_an_unknown_value():
         assert _longest_first(True) and not _longest_first(False)
 
 
+def test_masked_tiles_start_longest_first_for_a_ring_block_and_a_ranks_share_of_a_call():
+    """``auto``: a ring step's block (accumulated) and all-gather CP's rank (its rows against every key) start
+    their tiles longest first; a whole call (as many rows as keys) keeps row order; rows and lpt force."""
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    from distlab import knobs
+    from distlab.cp.allgather import _gathered_mask
+    from distlab.kernels.triton_masked_attention import _longest_first
+
+    docs = Documents.from_args(512, parse_docs("300,12,200", 512), True, None)
+    every = torch.arange(512)
+    whole = docs.mask(every, every)
+    share, _ = _gathered_mask(docs, 4, 1, "balanced", "cpu")
+    assert share.q_lo.shape[0] == 128 and share.k_pos.shape[0] == 512
+    with knobs.override(TRITON_MASKED_ORDER="auto"):
+        assert _longest_first(False, share) and not _longest_first(False, whole) and _longest_first(True, whole)
+    for order, want in (("rows", False), ("lpt", True)):
+        with knobs.override(TRITON_MASKED_ORDER=order):
+            assert all(_longest_first(acc, m) is want for acc in (False, True) for m in (share, whole))
+
+
 def test_packed_stream_knobs():
     """``DISTLAB_PACKED_BWD_STREAMS`` / ``_FWD_STREAMS``: an unknown value is refused; on the CPU the backward
     runs on the caller's stream in every mode (the GPU half, ``tests/kernel_checks.py packed_ring``: the

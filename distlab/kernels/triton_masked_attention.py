@@ -14,7 +14,8 @@ the range a score is kept iff ``lo <= k_pos < hi``; key tiles that every row of 
 (``full_key_ranges``: most of a causal or document block) skip the mask, its loads and its guards, as
 FlashAttention's full blocks do; dK/dV likewise for the query tiles that see a key tile whole
 (``full_query_ranges``). Knob ``DISTLAB_TRITON_MASKED_FULL_TILES=0`` turns it off. A ring block starts its
-tiles longest range first, forward and backward (``DISTLAB_TRITON_MASKED_ORDER``).
+tiles longest range first, forward and backward, as does a rank's rows against more keys than it holds
+(all-gather CP's; ``DISTLAB_TRITON_MASKED_ORDER``).
 
 Backward (FA2): ``delta = rowsum(dO·O)``; dK/dV per (key tile, kv head) over the q heads of its group and
 the query tiles that can see the key tile (rows' ``lo``/``hi`` ascend with the row, so they are one range;
@@ -297,19 +298,22 @@ def _full_tiles() -> bool:
     return knobs.get("TRITON_MASKED_FULL_TILES") != "0"
 
 
-def _longest_first(accumulate: bool) -> bool:
+def _longest_first(accumulate: bool, mask=None) -> bool:
     """Knob ``DISTLAB_TRITON_MASKED_ORDER``: ``rows`` (tiles in row order, head by head), ``lpt`` (longest
     first, every head's: the forward's and dQ's query tiles by key range, dK/dV's key tiles by query range) or
-    ``auto`` (the default: lpt for a block accumulated into a running result, i.e. a ring step's, forward and
-    backward; rows for a whole call). H200, 64k pack, W=8 (docs/PERF.md): the forward's lpt cut
-    the ring ranks' forward 4–10% (balanced's slowest 1.26 → 1.15 ms) and slowed the one call 6% (6.21 → 6.59 ms:
-    its many waves already fill the GPU, and every head's tile at once shares less K/V in L2)."""
+    ``auto`` (the default: lpt for a block accumulated into a running result, i.e. a ring step's, and for a
+    rank's rows against more keys than it holds, i.e. all-gather CP's, forward and backward; rows for a whole
+    call). H200, 64k pack, W=8 (docs/PERF.md): the forward's lpt cut the ring ranks' forward 4–10% (balanced's
+    slowest 1.26 → 1.15 ms) and slowed the one call 6% (6.21 → 6.59 ms: its many waves already fill the GPU, and
+    every head's tile at once shares less K/V in L2). A rank's share of a call is a few waves, as a ring step's
+    (``distlab.cp.waves``, 64k, W=8: the last wave is where all-gather's rank loses)."""
     from distlab import knobs
 
     order = knobs.get("TRITON_MASKED_ORDER")
     if order not in ("rows", "lpt", "auto"):
         raise ValueError(f"DISTLAB_TRITON_MASKED_ORDER={order!r}: use rows, lpt or auto")
-    return order == "lpt" or (order == "auto" and accumulate)
+    part = mask is not None and mask.q_lo.shape[0] < mask.k_pos.shape[0]
+    return order == "lpt" or (order == "auto" and (accumulate or part))
 
 
 def longest_first(mask, block_m: int, block_n: int) -> torch.Tensor:
@@ -383,7 +387,7 @@ def masked_forward(q, k, v, mask, scale, out=None, lse=None, accumulate=False, o
     kb, ke = key_ranges(mask, bm)
     fb, fe = full_key_ranges(mask, bm)
     lo, hi, kpos = mask.q_lo.contiguous(), mask.q_hi.contiguous(), mask.k_pos.contiguous()
-    lpt = _longest_first(accumulate)
+    lpt = _longest_first(accumulate, mask)
     tiles = longest_first(mask, bm, bn) if lpt else None
     grid = (b * h, cdiv(sq, bm)) if lpt else (cdiv(sq, bm), b * h)
     launch_keyed(_FWD, grid, (q, k, v, out, lse, lo, hi, kpos, kb, ke, *_gaps(mask, bm, bn, ke), fb, fe,
@@ -453,8 +457,8 @@ def masked_backward(dout, q, k, v, out, lse, mask, scale, rows=None, dq_acc=None
             if parts != "dq":
                 dk, dv = dk[:, cols], dv[:, cols]
             sk = k.shape[1]
+    lpt = _longest_first(add, mask)
     lo, hi, kpos = mask.q_lo.contiguous(), mask.q_hi.contiguous(), mask.k_pos.contiguous()
-    lpt = _longest_first(add)
     if parts != "dq":
         qb, qe = query_ranges(mask, sk, bn)
         qfb, qfe = full_query_ranges(mask, sk, bn)
