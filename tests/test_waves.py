@@ -103,6 +103,18 @@ def test_split_loops_cut_the_rank_kernels_only():
     assert split["rows"]["fb"] < whole["rows"]["fb"] == pytest.approx(1.0)
 
 
+def test_all_gather_with_its_longest_tiles_first_ends_sooner():
+    """The all-gather columns: a rank's programs longest first (the masked kernel's ``auto`` since the 24th
+    session) against row order, on a pack whose ranks' tiles differ in length; a whole call is unchanged."""
+    from distlab.cp.documents import Documents
+
+    docs = Documents.from_args(2048, torch.tensor([0, 1500, 1600, 2048]), True, None)
+    shards = [torch.arange(r * 512, (r + 1) * 512) for r in range(4)]
+    row = layout_row(docs, shards, 4, 2, 8, 1.5, 4.0, gap_us=5.0, tile_us=1.0)
+    rows, lpt = row["all-gather rows"], row["all-gather"]
+    assert lpt["fb"] > rows["fb"] and lpt["fwd"] >= rows["fwd"], (rows, lpt)
+
+
 def test_the_study_ranks_layouts(capsys, tmp_path):
     import json
 

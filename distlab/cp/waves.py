@@ -47,7 +47,8 @@ DKV_WEIGHT, DQ_WEIGHT = 4.0, 3.0           # matmuls per tile: dK/dV's four, dQ'
 SPLIT_MERGE = 0.5                          # ``--split``: a part's partial (out, LSE) written and merged, in tiles
 SCHEDULES = ("rows", "lpt", "lpt+dq", "dq once", "bwd4", "fwd2+bwd4", "lpt+dq pdl", "fwd2+bwd4 pdl", "fwd groups",
              "groups", "grouped", "no barrier")
-COLUMNS = SCHEDULES + ("all-gather",)   # and all-gather CP's compute on the same layout (``layout_row``)
+COLUMNS = SCHEDULES + ("all-gather rows", "all-gather")   # and all-gather CP's compute on the same layout, its tiles
+# in row order (until the 24th session) and longest first (the masked kernel's ``auto`` for a rank's share; ``layout_row``)
 
 
 @dataclass
@@ -383,19 +384,20 @@ def layout_row(docs, positions, heads, kv_heads, sms, overhead, bwd_ratio, gap_u
                                                 groups=groups), sms, gap, capacity))
         row[schedule] = {"fwd": t_fwd / (world * f_max), "fb": one_fb / (world * fb_max)}
     # all-gather CP on the same layout (``distlab.cp.allgather``): each rank's rows against every key in position
-    # order, in two kv-head groups (its default), one launch per kernel and group, one stream; its gather and
-    # reduce-scatter are not counted (they travel behind the other group's compute)
+    # order, in two kv-head groups (its default), one launch per kernel and group, one stream, the programs in row
+    # order or longest first; its gather and reduce-scatter are not counted (they travel behind the other group's
+    # compute)
     chunks = 2 if kv_heads % 2 == 0 else 1
     keys = torch.cat(list(positions)).sort().values
-    f_max = fb_max = 0.0
-    for rank in range(world):
-        b = block_costs(docs.mask(positions[rank], keys), heads // chunks, kv_heads // chunks, False, False, overhead,
-                        split)
-        f_max = max(f_max, simulate(chain([(c, b) for c in range(chunks)], "rows", backward=False, units=units), sms,
-                                    gap, capacity))
-        fb_max = max(fb_max, simulate(chain([(c, b) for c in range(chunks)], "rows", scale, units=units), sms, gap,
-                                      capacity))
-    row["all-gather"] = {"fwd": t_fwd / (world * f_max), "fb": one_fb / (world * fb_max)}
+    masks = [docs.mask(positions[rank], keys) for rank in range(world)]
+    for name, lpt in (("all-gather rows", False), ("all-gather", True)):
+        f_max = fb_max = 0.0
+        for mask in masks:
+            b = block_costs(mask, heads // chunks, kv_heads // chunks, lpt, False, overhead, split)
+            kernels = [(c, b) for c in range(chunks)]
+            f_max = max(f_max, simulate(chain(kernels, "rows", backward=False, units=units), sms, gap, capacity))
+            fb_max = max(fb_max, simulate(chain(kernels, "rows", scale, units=units), sms, gap, capacity))
+        row[name] = {"fwd": t_fwd / (world * f_max), "fb": one_fb / (world * fb_max)}
     return row
 
 
