@@ -18,6 +18,8 @@
 #                                                   # query tile's gap skipped and not, A/B)
 #                                                   # or agorder (all-gather CP's rank, its tiles longest first
 #                                                   # against row order, A/B; seeds 0 and 1)
+#                                                   # or agfa4 (all-gather CP's rank on FA4 varlen, copies of
+#                                                   # shared keys; FA4's GPU tests first; needs /opt/fa4)
 #                                                   # or fa4 (FA4's varlen path for masks: its GPU tests, the packed
 #                                                   # ring rank on FA4 blocks against one FA4 call; needs /opt/fa4 from
 #                                                   # ../shared/tools/fa4-carry's two calls on this warm machine)
@@ -145,6 +147,21 @@ if [ "$part" = agorder ]; then   # (24th session) all-gather CP's rank with its 
       --method allgather --docs lognormal:mean=2048,seed=$seed --layouts balanced units --backend triton \
       --rate-means --iters 5 --warmup 1 --json "$out/allgather_${order}_seed$seed.json" \
       2>&1 | tee "$out/allgather_${order}_seed$seed.log" || status=1
+  done
+  pack_logs
+  exit $status
+fi
+
+if [ "$part" = agfa4 ]; then   # (24th session) all-gather CP's rank on FA4 varlen: sequences that share a
+  # document's first keys read copies of them (fa4_varlen.key_index), so every rank of the balanced and units
+  # layouts is FA4 sequences; against one FA4 varlen call on the pack. Needs /opt/fa4 (fa4-carry's two calls)
+  export PYTHONPATH=/opt/fa4:/opt/fa4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+  timeout -s ABRT 200 $py -m pytest -q -m gpu tests/test_fa4_varlen.py -p no:cacheprovider 2>&1 \
+    | tee "$out/gpu_tests.log" || status=1
+  for seed in 0 1; do
+    timeout -s ABRT 150 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --method allgather \
+      --docs lognormal:mean=2048,seed=$seed --layouts balanced units --backend fa4 --rate-means --iters 5 \
+      --warmup 1 --json "$out/allgather_fa4_seed$seed.json" 2>&1 | tee "$out/allgather_fa4_seed$seed.log" || status=1
   done
   pack_logs
   exit $status

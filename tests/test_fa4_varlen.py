@@ -65,11 +65,35 @@ def test_varlen_spec_gives_every_row_exactly_its_keys(name):
             assert not mask.dense()[spec.unseen].any(), what
     assert compiled["one device"]
     assert all(ok for what, ok in compiled.items() if "all-gather" in what and "contiguous" in what)
-    if PACKS[name][3] is None:   # on these packs, without a window, every ring block is sequences (causal or
-        #                          full); all-gather's balanced queries hold two pieces of one document (their
-        #                          keys overlap: FA4's backward would write the shared dK/dV twice)
-        assert all(ok for what, ok in compiled.items() if "all-gather" not in what), \
-            [w for w, ok in compiled.items() if not ok]
+    if PACKS[name][3] is None:   # on these packs, without a window, every mask is sequences (causal or full),
+        #                          all-gather's balanced queries with copies of their keys where a rank holds
+        #                          two pieces of one document (the key rows they share)
+        assert all(compiled.values()), [w for w, ok in compiled.items() if not ok]
+
+
+def test_sequences_that_share_keys_read_copies_of_them():
+    """All-gather's rank holding two pieces of one document: both pieces' sequences start at the document's
+    first key, so each reads its own copy (``key_index``), and FA4's rule on the copies is the mask. The copies
+    are capped (keys copied, rows a sequence)."""
+    from distlab.kernels import fa4_varlen
+
+    docs = Documents.from_args(256, torch.tensor([0, 160, 256]), True, None)
+    rows = torch.cat([torch.arange(20, 60), torch.arange(120, 140), torch.arange(200, 216)])   # two pieces of doc 0
+    mask = docs.mask(rows, torch.arange(256))
+    spec = varlen_spec(mask)
+    assert spec is not None and spec.causal and spec.cu_q.tolist() == [0, 40, 60, 76]
+    assert spec.key_index.tolist() == list(range(60)) + list(range(140)) + list(range(160, 216))
+    assert spec.cu_k.tolist() == [0, 60, 200, 256] and spec.used_k is None and not spec.keys_left_out
+    first, stop = spec_key_rows(spec, rows.numel())
+    cols = torch.arange(256)
+    assert torch.equal((cols[None, :] >= first[:, None]) & (cols[None, :] < stop[:, None]), mask.dense())
+    for knob, value in (("MAX_KEY_COPIES", 0.5), ("MIN_COPY_ROWS", 26)):   # 256 keys copied; 25.3 rows a sequence
+        saved = getattr(fa4_varlen, knob)
+        setattr(fa4_varlen, knob, value)
+        try:
+            assert varlen_spec(docs.mask(rows, torch.arange(256))) is None, knob
+        finally:
+            setattr(fa4_varlen, knob, saved)
 
 
 def test_varlen_spec_refuses_what_is_not_sequences():
@@ -150,7 +174,7 @@ class _FA4VarlenSemantics:
         return dq, dk, dv
 
 
-@pytest.mark.parametrize("what", ["one device", "window", "ring block", "all-gather"])
+@pytest.mark.parametrize("what", ["one device", "window", "ring block", "all-gather", "all-gather balanced"])
 def test_fa4_masked_wrapper_passes_the_sequences(monkeypatch, what):
     """``fa4_masked_forward``/``_backward`` against whole-matrix masked attention in float64, with FA4's varlen
     rule standing in for FA4 (CPU): batch views, LSE (heads, rows), rows and keys in no sequence (out 0, LSE
@@ -163,12 +187,15 @@ def test_fa4_masked_wrapper_passes_the_sequences(monkeypatch, what):
     every = torch.arange(docs.total)
     pos = [shard_positions(docs.total, 4, r, "zigzag", docs.cu_seqlens) for r in range(4)]
     q_pos, k_pos = {"one device": (every, every), "window": (every, every), "ring block": (pos[1], pos[0]),
-                    "all-gather": (pos[2], every)}[what]
+                    "all-gather": (pos[2], every), "all-gather balanced": (None, every)}[what]
+    if what == "all-gather balanced":
+        q_pos = _balanced_rank_with_shared_keys(docs)
     mask = docs.mask(q_pos, k_pos)
     spec = varlen_spec(mask)
     assert spec is not None
     if what == "ring block":
         assert spec.unseen is not None and spec.keys_left_out   # the case this test is for
+    assert (spec.key_index is not None) == (what == "all-gather balanced")
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, q_pos.numel(), 4, 16, dtype=torch.float64, generator=g)
     k, v = (torch.randn(1, k_pos.numel(), 2, 16, dtype=torch.float64, generator=g) for _ in range(2))
@@ -186,6 +213,17 @@ def test_fa4_masked_wrapper_passes_the_sequences(monkeypatch, what):
     for got, ref in zip((dq, dk, dv), full):
         torch.testing.assert_close(got, ref.grad, rtol=1e-6, atol=1e-6)
     assert [c[0] for c in fake.calls] == ["fwd", "bwd"]
+
+
+def _balanced_rank_with_shared_keys(docs, world=4):
+    """The positions of a rank of the balanced layout whose all-gather mask needs key copies."""
+    every = torch.arange(docs.total)
+    for r in range(world):
+        rows = shard_positions(docs.total, world, r, "balanced", docs.cu_seqlens)
+        spec = varlen_spec(docs.mask(rows, every))
+        if spec is not None and spec.key_index is not None:
+            return rows
+    raise AssertionError("no balanced rank holds two pieces of one document on this pack")
 
 
 def methods_on_fa4_semantics(cu, causal, window):
@@ -208,7 +246,8 @@ def methods_on_fa4_semantics(cu, causal, window):
         want.backward(dout)
         want = [want.detach()] + [x.grad for x in full]
         runs = [(f"ring-{lay}", lay, ring_attention) for lay in ("contiguous", "zigzag", "balanced")]
-        runs += [("allgather-zigzag", "zigzag", allgather_attention), ("ulysses-zigzag", "zigzag", ulysses_attention)]
+        runs += [("allgather-zigzag", "zigzag", allgather_attention), ("ulysses-zigzag", "zigzag", ulysses_attention),
+                 ("allgather-balanced", "balanced", allgather_attention)]
         errors = {}
         for name, layout, method in runs:
             local = [shard_sequence(x, None, layout, cu_seqlens=cu).requires_grad_(True) for x in (q, k, v)]
@@ -232,11 +271,13 @@ def test_cp_methods_on_fa4_blocks_match_one_device(pools, cu, causal, window):
 
 # ------------------------------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("what", ["one device", "window", "non-causal", "ring block", "all-gather"])
+@pytest.mark.parametrize("what", ["one device", "window", "non-causal", "ring block", "all-gather",
+                                  "all-gather balanced"])
 def test_fa4_masked_matches_the_float32_reference(what):
     """FA4's varlen path through ``attention_forward``/``_backward(backend="fa4", mask=...)`` against whole-matrix
     float32 masked attention: documents, a window, non-causal documents, a ring block (rows and keys in no
-    sequence), all-gather's queries; GQA, head_dim 128, bf16."""
+    sequence), all-gather's queries (zigzag; balanced: sequences reading copies of shared keys); GQA, head_dim
+    128, bf16."""
     from distlab.kernels import fa4
     from distlab.kernels.attention import attention_backward, attention_forward
 
@@ -248,8 +289,11 @@ def test_fa4_masked_matches_the_float32_reference(what):
     every = torch.arange(total)
     pos = [shard_positions(total, 4, r, "zigzag", docs.cu_seqlens) for r in range(4)]
     q_pos, k_pos = {"ring block": (pos[1], pos[0]), "all-gather": (pos[2], every)}.get(what, (every, every))
+    if what == "all-gather balanced":
+        q_pos = _balanced_rank_with_shared_keys(docs)
     mask = docs.mask(q_pos, k_pos, "cuda")
     assert varlen_spec(mask) is not None
+    assert (varlen_spec(mask).key_index is not None) == (what == "all-gather balanced")
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, q_pos.numel(), 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(1, k_pos.numel(), 2, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))

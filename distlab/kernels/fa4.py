@@ -184,8 +184,9 @@ def fa4_backward(dout, q, k, v, out, lse, causal, scale):
 def fa4_masked_forward(q, k, v, spec, scale):
     """(out, lse) of batch-1 q, k, v under the mask ``spec`` (a ``fa4_varlen.VarlenSpec``) compiles to; rows
     that see no key: out 0, LSE −inf."""
+    k0, v0 = _keys_read(spec, k[0], v[0])
     out, lse, *_ = _interface()._flash_attn_fwd(
-        q[0], k[0], v[0], softmax_scale=scale, return_lse=True, **_varlen_args(spec))
+        q[0], k0, v0, softmax_scale=scale, return_lse=True, **_varlen_args(spec))
     out, lse = out.unsqueeze(0), lse.unsqueeze(0)
     if spec.unseen is not None:   # in no sequence: FA4 left them as allocated
         out.index_fill_(1, spec.unseen, 0.0)
@@ -194,14 +195,27 @@ def fa4_masked_forward(q, k, v, spec, scale):
 
 
 def fa4_masked_backward(dout, q, k, v, out, lse, spec, scale):
-    """(dq, dk, dv) under ``spec`` given the final out and LSE; rows and keys in no sequence get zeros."""
-    q0, k0, v0 = q[0].contiguous(), k[0].contiguous(), v[0].contiguous()
+    """(dq, dk, dv) under ``spec`` given the final out and LSE; rows and keys in no sequence get zeros; the
+    dK/dV of keys that several sequences read as copies (``spec.key_index``) summed in float32."""
+    q0 = q[0].contiguous()
+    k0, v0 = (t.contiguous() for t in _keys_read(spec, k[0], v[0]))
     dq = torch.zeros_like(q0) if spec.unseen is not None else None
     dk, dv = (torch.zeros_like(k0), torch.zeros_like(v0)) if spec.keys_left_out else (None, None)
     dq, dk, dv = _interface()._flash_attn_bwd(
         q0, k0, v0, out[0].contiguous(), dout[0].contiguous(), lse[0].contiguous(), softmax_scale=scale,
         dq=dq, dk=dk, dv=dv, **_varlen_args(spec))[:3]
+    if spec.key_index is not None:   # back to the keys they are copies of, summed in float32 (or wider)
+        acc = torch.promote_types(k.dtype, torch.float32)
+        dk, dv = (torch.zeros(like.shape, dtype=acc, device=like.device).index_add_(0, spec.key_index, d.to(acc))
+                  .to(like.dtype) for d, like in ((dk, k[0]), (dv, v[0])))
     return dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
+
+
+def _keys_read(spec, k, v):
+    """The K/V rows FA4 reads under ``spec``: ``k``, ``v`` themselves, or each sequence's copy of its keys."""
+    if spec.key_index is None:
+        return k, v
+    return k.index_select(0, spec.key_index), v.index_select(0, spec.key_index)
 
 
 def _varlen_args(spec) -> dict:

@@ -14,10 +14,16 @@ on the masked Triton kernel. What compiles:
 
 - causal: maximal runs of rows each seeing one more key than the row before (a document's rows against
   its own keys: one device, Ulysses, a ring's own shard, all-gather's queries against every key), with one
-  window for all, and key rows of different sequences not overlapping (FA4's backward writes dK/dV per
-  sequence, it does not add);
+  window for all;
 - full: runs of rows seeing the same keys (non-causal documents; a ring step whose rows see the whole of
   an earlier piece of their document).
+
+FA4's backward writes dK/dV per sequence, it does not add, so two sequences must not share key rows. Where
+they would (all-gather's rank holding two pieces of one document: both see the document's first keys), the
+sequences get their own copies of their keys (``key_index``: the packed key rows' rows in the mask, at most
+``MAX_KEY_COPIES`` times the mask's keys, and only for sequences of ``MIN_COPY_ROWS`` rows on average: a window
+sliding across a ring block's keys would otherwise compile to a sequence a row); the wrapper gathers K/V by it
+and adds the copies' dK/dV back. Sequences that need no copies are tried first.
 
 Rows that see no key belong to no sequence: the caller writes them as every backend does (out 0, LSE −inf,
 no gradient). The result is kept in ``mask.memo`` (one compile per mask; the ring reuses its step masks).
@@ -44,6 +50,7 @@ class VarlenSpec:
     window: int | None            # FA4's window_size_left (in key rows), None for none
     unseen: torch.Tensor | None   # query rows that see no key (no sequence holds them), or None
     keys_left_out: bool           # some key rows are in no sequence (their dK/dV stay 0)
+    key_index: torch.Tensor | None = None   # (packed keys,) int64: K/V rows each sequence reads, when copied
 
     def to(self, device) -> "VarlenSpec":
         move = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
@@ -59,6 +66,10 @@ def varlen_spec(mask) -> VarlenSpec | None:
     return mask.memo["fa4_varlen"]
 
 
+MAX_KEY_COPIES = 2   # copied keys (all sequences' key rows together) at most this many times the mask's keys
+MIN_COPY_ROWS = 16   # and the sequences that read copies at least this many query rows on average
+
+
 def _compile(mask) -> VarlenSpec | None:
     k_pos = mask.k_pos.cpu()
     s = torch.searchsorted(k_pos, mask.q_lo.cpu())   # per row, its first and one past its last visible key row
@@ -70,7 +81,7 @@ def _compile(mask) -> VarlenSpec | None:
     prev_sees = torch.cat([torch.tensor([False]), sees[:-1]])
     s_prev = torch.cat([s[:1], s[:-1]])
     e_prev = torch.cat([e[:1], e[:-1]])
-    for causal in (True, False):
+    for copies, causal in ((False, True), (False, False), (True, True), (True, False)):
         if causal:   # one key more than the row before, sharing some of its keys
             goes_on = prev_sees & (e == e_prev + 1) & (s >= s_prev) & (s < e_prev)
         else:        # the same keys as the row before
@@ -79,7 +90,9 @@ def _compile(mask) -> VarlenSpec | None:
         ends = (sees & ~torch.cat([goes_on[1:], torch.tensor([False])])).nonzero().squeeze(1) + 1
         seq = torch.cumsum((sees & ~goes_on).long(), 0) - 1            # each seeing row's sequence
         ka, kb = s[starts], e[ends - 1]
-        if bool((ka[1:] < kb[:-1]).any()):    # key rows of two sequences overlap
+        overlap = bool((ka[1:] < kb[:-1]).any())   # key rows of two sequences overlap: copies, or not this way
+        if overlap != copies or (copies and (int((kb - ka).sum()) > MAX_KEY_COPIES * k_pos.numel()
+                                             or int(sees.sum()) < MIN_COPY_ROWS * starts.numel())):
             continue
         window = None
         if causal:
@@ -94,8 +107,16 @@ def _compile(mask) -> VarlenSpec | None:
                     continue
         spec = _spec(starts, ends, ka, kb, causal, window, sees, n, k_pos.numel())
         if _exact(spec, s, e, sees):
-            return spec
+            return _with_key_copies(spec, ka, kb) if copies else spec
     return None
+
+
+def _with_key_copies(spec: VarlenSpec, ka, kb) -> VarlenSpec:
+    """``spec`` with each sequence reading its own copy of its key rows ``[ka, kb)``, packed one after another."""
+    lengths = kb - ka
+    index = torch.repeat_interleave(ka - torch.cumsum(lengths, 0) + lengths, lengths) + torch.arange(int(lengths.sum()))
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)]).to(torch.int32)
+    return dataclasses.replace(spec, cu_k=cu_k, used_k=None, keys_left_out=False, key_index=index)
 
 
 def _spec(starts, ends, ka, kb, causal, window, sees, n, n_k) -> VarlenSpec:
@@ -129,6 +150,10 @@ def spec_key_rows(spec: VarlenSpec, n: int) -> tuple[torch.Tensor, torch.Tensor]
         lo, hi = torch.zeros_like(local), kls
     first, stop = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
     first[row], stop[row] = ka + lo, ka + torch.maximum(lo, hi)
+    if spec.key_index is not None:   # packed copies -> the key rows they are copies of (a sequence's are a run)
+        index, seen = spec.key_index.cpu(), stop > first
+        first[seen], stop[seen] = index[first[seen]], index[stop[seen] - 1] + 1
+        first[~seen] = stop[~seen] = 0
     return first, stop
 
 
