@@ -115,6 +115,7 @@ class _FA4VarlenSemantics:
 
     def __init__(self):
         self.calls = []
+        self.key_rows = []   # K rows each forward call read
 
     @staticmethod
     def _sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
@@ -142,6 +143,7 @@ class _FA4VarlenSemantics:
     def _flash_attn_fwd(self, q, k, v, softmax_scale, return_lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                         max_seqlen_q, max_seqlen_k, causal, window_size_left, window_size_right=None):
         self.calls.append(("fwd", seqused_q is not None, seqused_k is not None))
+        self.key_rows.append(k.shape[0])
         assert q.dim() == 3 and cu_seqlens_q.dtype == torch.int32 and return_lse
         out = torch.full_like(q, float("nan"))
         lse = torch.full((q.shape[1], q.shape[0]), float("nan"), dtype=torch.float32)
@@ -267,6 +269,42 @@ def test_cp_methods_on_fa4_blocks_match_one_device(pools, cu, causal, window):
     for rank, (errors, calls) in enumerate(pools(3).run(methods_on_fa4_semantics, cu, causal, window)):
         bad = {name: f"{e:.1e}" for name, e in errors.items() if not e < 1e-6}   # FA4's LSE is float32
         assert not bad and calls > 0, f"rank {rank}: {bad}, {calls} FA4 calls"
+
+
+def allgather_balanced_on_fa4_key_copies():
+    """Runs on every rank (W=3): all-gather CP in the balanced layout on ``backend="fa4"`` (FA4's varlen rule
+    standing in, float64), where every rank holds two pieces of one document, so its sequences read copies of
+    the shared keys; against one device. Returns (max error, K rows each FA4 forward read)."""
+    from distlab.cp import allgather_attention, gather_sequence, shard_sequence
+    from distlab.kernels.masks import document_mask
+    from distlab.testing import fa4_pretended
+
+    fake = _FA4VarlenSemantics()
+    total, cu = 384, torch.tensor([0, 250, 300, 384])
+    with fa4_pretended(fake):
+        g = torch.Generator().manual_seed(1)
+        q, dout = (torch.randn(1, total, 4, 16, generator=g, dtype=torch.float64) for _ in range(2))
+        k, v = (torch.randn(1, total, 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
+        every = torch.arange(total)
+        full = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        want = attention_reference(*full, mask=document_mask(every, every, cu, True, None, total))
+        want.backward(dout)
+        local = [shard_sequence(x, None, "balanced", cu_seqlens=cu).requires_grad_(True) for x in (q, k, v)]
+        out = allgather_attention(*local, None, causal=True, layout="balanced", backend="fa4", cu_seqlens=cu)
+        out.backward(shard_sequence(dout, None, "balanced", cu_seqlens=cu))
+        got = [gather_sequence(x, None, "balanced", cu_seqlens=cu) for x in (out.detach(), *(t.grad for t in local))]
+        err = max(((a - b).abs().max() / b.abs().max()).item()
+                  for a, b in zip(got, [want.detach()] + [x.grad for x in full]))
+    return err, fake.key_rows
+
+
+def test_allgather_ranks_that_share_keys_match_one_device_on_fa4(pools):
+    """The key copies (``fa4_varlen.key_index``) through all-gather CP on gloo: outputs and dQ/dK/dV (the
+    copies' dK/dV summed back, then reduce-scattered) equal one device; every rank's FA4 calls read copies
+    (not the 384 gathered keys)."""
+    for rank, (err, key_rows) in enumerate(pools(3).run(allgather_balanced_on_fa4_key_copies)):
+        assert err < 1e-6, (rank, err)                      # FA4's LSE is float32
+        assert key_rows and all(n != 384 for n in key_rows), (rank, key_rows)
 
 
 # ------------------------------------------------------------------------------------------------------ GPU
