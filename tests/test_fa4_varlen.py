@@ -228,25 +228,32 @@ def _balanced_rank_with_shared_keys(docs, world=4):
     raise AssertionError("no balanced rank holds two pieces of one document on this pack")
 
 
+def _pack_and_one_device(total, cu, causal, window, heads, dim, seed):
+    """Float64 q, k, v, dout of one pack (batch 1; ``heads``: q and kv heads) and one device's masked attention
+    on it: ``[out, dq, dk, dv]``."""
+    from distlab.kernels.masks import document_mask
+
+    g = torch.Generator().manual_seed(seed)
+    q, dout = (torch.randn(1, total, heads[0], dim, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, total, heads[1], dim, generator=g, dtype=torch.float64) for _ in range(2))
+    every = torch.arange(total)
+    full = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    want = attention_reference(*full, mask=document_mask(every, every, cu, causal, window, total))
+    want.backward(dout)
+    return q, k, v, dout, [want.detach()] + [x.grad for x in full]
+
+
 def methods_on_fa4_semantics(cu, causal, window):
     """Runs on every rank: ring (three layouts), all-gather and Ulysses with ``backend="fa4"`` on packed float64
     shards — FA4's varlen rule standing in for FA4, and the reference backend for the blocks that are not
     FA4 sequences — against whole-matrix masked attention on one device. Returns (errors, FA4 calls)."""
     from distlab.cp import allgather_attention, gather_sequence, ring_attention, shard_sequence, ulysses_attention
-    from distlab.kernels.masks import document_mask
     from distlab.testing import fa4_pretended
 
     fake = _FA4VarlenSemantics()
     with fa4_pretended(fake):
-        total, cu = 96, torch.tensor(cu)
-        g = torch.Generator().manual_seed(0)
-        q, dout = (torch.randn(1, total, 6, 8, generator=g, dtype=torch.float64) for _ in range(2))
-        k, v = (torch.randn(1, total, 3, 8, generator=g, dtype=torch.float64) for _ in range(2))
-        every = torch.arange(total)
-        full = [x.clone().requires_grad_(True) for x in (q, k, v)]
-        want = attention_reference(*full, mask=document_mask(every, every, cu, causal, window, total))
-        want.backward(dout)
-        want = [want.detach()] + [x.grad for x in full]
+        cu = torch.tensor(cu)
+        q, k, v, dout, want = _pack_and_one_device(96, cu, causal, window, heads=(6, 3), dim=8, seed=0)
         runs = [(f"ring-{lay}", lay, ring_attention) for lay in ("contiguous", "zigzag", "balanced")]
         runs += [("allgather-zigzag", "zigzag", allgather_attention), ("ulysses-zigzag", "zigzag", ulysses_attention),
                  ("allgather-balanced", "balanced", allgather_attention)]
@@ -276,25 +283,17 @@ def allgather_balanced_on_fa4_key_copies():
     standing in, float64), where every rank holds two pieces of one document, so its sequences read copies of
     the shared keys; against one device. Returns (max error, K rows each FA4 forward read)."""
     from distlab.cp import allgather_attention, gather_sequence, shard_sequence
-    from distlab.kernels.masks import document_mask
     from distlab.testing import fa4_pretended
 
     fake = _FA4VarlenSemantics()
-    total, cu = 384, torch.tensor([0, 250, 300, 384])
+    cu = torch.tensor([0, 250, 300, 384])
     with fa4_pretended(fake):
-        g = torch.Generator().manual_seed(1)
-        q, dout = (torch.randn(1, total, 4, 16, generator=g, dtype=torch.float64) for _ in range(2))
-        k, v = (torch.randn(1, total, 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
-        every = torch.arange(total)
-        full = [x.clone().requires_grad_(True) for x in (q, k, v)]
-        want = attention_reference(*full, mask=document_mask(every, every, cu, True, None, total))
-        want.backward(dout)
+        q, k, v, dout, want = _pack_and_one_device(384, cu, True, None, heads=(4, 2), dim=16, seed=1)
         local = [shard_sequence(x, None, "balanced", cu_seqlens=cu).requires_grad_(True) for x in (q, k, v)]
         out = allgather_attention(*local, None, causal=True, layout="balanced", backend="fa4", cu_seqlens=cu)
         out.backward(shard_sequence(dout, None, "balanced", cu_seqlens=cu))
         got = [gather_sequence(x, None, "balanced", cu_seqlens=cu) for x in (out.detach(), *(t.grad for t in local))]
-        err = max(((a - b).abs().max() / b.abs().max()).item()
-                  for a, b in zip(got, [want.detach()] + [x.grad for x in full]))
+        err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want))
     return err, fake.key_rows
 
 
