@@ -20,6 +20,8 @@
 #                                                   # against row order, A/B; seeds 0 and 1)
 #                                                   # or agfa4 (all-gather CP's rank on FA4 varlen, copies of
 #                                                   # shared keys; FA4's GPU tests first; needs /opt/fa4)
+#                                                   # or agprof (all-gather's FA4 rank: kernels and timeline
+#                                                   # beside one call's) or agchunks (one kv-head group)
 #                                                   # or fa4 (FA4's varlen path for masks: its GPU tests, the packed
 #                                                   # ring rank on FA4 blocks against one FA4 call; needs /opt/fa4 from
 #                                                   # ../shared/tools/fa4-carry's two calls on this warm machine)
@@ -162,6 +164,33 @@ if [ "$part" = agfa4 ]; then   # (24th session) all-gather CP's rank on FA4 varl
     timeout -s ABRT 150 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --method allgather \
       --docs lognormal:mean=2048,seed=$seed --layouts balanced units --backend fa4 --rate-means --iters 5 \
       --warmup 1 --json "$out/allgather_fa4_seed$seed.json" 2>&1 | tee "$out/allgather_fa4_seed$seed.log" || status=1
+  done
+  pack_logs
+  exit $status
+fi
+
+if [ "$part" = agprof ]; then   # (25th session) where all-gather CP's FA4 rank goes: its kernels and timeline
+  # beside one FA4 varlen call's, with the copies' dK/dV summed over the rows read only; two kv-head groups
+  # (the default) against one; the masked Triton kernel with one group. Needs /opt/fa4 (fa4-carry's two calls)
+  export PYTHONPATH=/opt/fa4:/opt/fa4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+  timeout -s ABRT 200 $py -m pytest -q -m gpu tests/test_fa4_varlen.py -p no:cacheprovider 2>&1 \
+    | tee "$out/gpu_tests.log" || status=1
+  timeout -s ABRT 150 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --method allgather --layouts balanced \
+    units --backend fa4 --rate-means --iters 5 --warmup 1 --profile balanced --timeline balanced \
+    --json "$out/allgather_fa4_prof.json" 2>&1 | tee "$out/allgather_fa4_prof.log" || status=1
+  pack_logs
+  exit $status
+fi
+
+if [ "$part" = agchunks ]; then   # all-gather CP's rank with one kv-head group, FA4 and masked Triton (/opt/fa4)
+  export PYTHONPATH=/opt/fa4:/opt/fa4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+  for chunks in 1; do
+    for backend in fa4 triton; do
+      timeout -s ABRT 150 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --method allgather --layouts \
+        balanced units --backend $backend --chunks $chunks --rate-means --iters 5 --warmup 1 \
+        --json "$out/allgather_${backend}_chunks$chunks.json" 2>&1 | tee "$out/allgather_${backend}_chunks$chunks.log" \
+        || status=1
+    done
   done
   pack_logs
   exit $status

@@ -84,6 +84,9 @@ def test_sequences_that_share_keys_read_copies_of_them():
     assert spec is not None and spec.causal and spec.cu_q.tolist() == [0, 40, 60, 76]
     assert spec.key_index.tolist() == list(range(60)) + list(range(140)) + list(range(160, 216))
     assert spec.cu_k.tolist() == [0, 60, 200, 256] and spec.used_k is None and not spec.keys_left_out
+    # where the backward sums the copies: the rows read at all (0 ... 139, 160 ... 215), each copy's place among them
+    assert spec.key_rows.tolist() == list(range(140)) + list(range(160, 216))
+    assert torch.equal(spec.key_rows[spec.key_slot], spec.key_index)
     first, stop = spec_key_rows(spec, rows.numel())
     cols = torch.arange(256)
     assert torch.equal((cols[None, :] >= first[:, None]) & (cols[None, :] < stop[:, None]), mask.dense())

@@ -566,11 +566,12 @@ def test_packed_emulator_runs_and_writes_json(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "distlab.cp.emulate_packed", "--device", "cpu", "--seq", "512",
                            "--world", "4", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--iters", "1",
                            "--warmup", "0", "--docs", "lognormal:mean=64,seed=0", "--rate-means", "--method",
-                           "allgather", "--layouts", "zigzag", "balanced", "--json", str(out)],
+                           "allgather", "--chunks", "1", "--layouts", "zigzag", "balanced", "--json", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "all-gather rank" in proc.stdout, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["method"], r["tiles"]["most_blocks"]) for r in rows] == [("allgather", 1)] * 2
+    result = json.loads(out.read_text())
+    assert [(r["method"], r["tiles"]["most_blocks"]) for r in result["rows"]] == [("allgather", 1)] * 2
+    assert result["chunks"] == 1
 
 
 def test_allgather_schedule_is_all_gather_cp_on_one_device():
@@ -588,12 +589,12 @@ def test_allgather_schedule_is_all_gather_cp_on_one_device():
     every = torch.arange(t)
     want = attention_forward(q, k, v, False, backend="torch", mask=docs.mask(every, every))
     dq_w, dk_w, dv_w = attention_backward(dout, q, k, v, *want, False, backend="torch", mask=docs.mask(every, every))
-    for layout in ("balanced", "units"):
+    for layout, chunks in (("balanced", None), ("units", None), ("balanced", 1)):   # kv-head groups: 2, 2, 1
         positions = placement_positions(layout, docs, world)
         everyone = torch.cat(list(positions))
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         for rank in range(world):
-            fwd, fwd_bwd = allgather_schedule(q, k, v, dout, docs, positions, rank, "torch")
+            fwd, fwd_bwd = allgather_schedule(q, k, v, dout, docs, positions, rank, "torch", chunks=chunks)
             out, _ = fwd()
             assert torch.allclose(out, want[0][:, positions[rank]], atol=1e-12), (layout, rank)
             dq_r, dk_r, dv_r = fwd_bwd()

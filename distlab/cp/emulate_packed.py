@@ -77,18 +77,19 @@ class _Ctx:
         pass
 
 
-def allgather_schedule(q, k, v, dout, docs, positions, rank, backend):
+def allgather_schedule(q, k, v, dout, docs, positions, rank, backend, chunks=None):
     """(forward, forward+backward) callables of all-gather CP's rank ``rank``: ``distlab.cp.allgather``'s own
     forward and backward run at world 1 over every rank's K/V already gathered (in rank order, as the
-    all-gather leaves them), in its two kv-head groups: its compute, with the gather and reduce-scatter
-    removed."""
+    all-gather leaves them), in its kv-head groups (``chunks``; its default: two where the kv heads split
+    evenly): its compute, with the gather and reduce-scatter removed."""
     from distlab.cp.allgather import _AllGatherAttention, gathered_mask
 
     mine, everyone = positions[rank].to(q.device), torch.cat(list(positions)).to(q.device)
     qr, dr = q[:, mine].contiguous(), dout[:, mine].contiguous()
     kg, vg = k[:, everyone].contiguous(), v[:, everyone].contiguous()
     mask, order = gathered_mask(docs, positions, rank, q.device)
-    args = (None, 1, mask, q.shape[-1] ** -0.5, backend, 2 if k.shape[2] % 2 == 0 else 1, order)
+    chunks = chunks if chunks is not None else (2 if k.shape[2] % 2 == 0 else 1)
+    args = (None, 1, mask, q.shape[-1] ** -0.5, backend, chunks, order)
 
     def fwd():
         return _AllGatherAttention.forward(_Ctx(), qr, kg, vg, *args)
@@ -297,6 +298,8 @@ def main(argv=None):
     p.add_argument("--method", choices=("ring", "allgather"), default="ring",
                    help="the rank's schedule: the packed ring's (default), or all-gather CP's compute "
                         "(``allgather_schedule``; its tile columns are then the gathered mask's)")
+    p.add_argument("--chunks", type=positive_int, default=None,
+                   help="--method allgather: its kv-head groups (default: all-gather CP's, two where they split)")
     add_common_args(p, iters=10, warmup=3, dtypes=("bfloat16", "float16", "float32"))
     a = p.parse_args(argv)
     check_layout_names(a.layouts)
@@ -319,7 +322,10 @@ def main(argv=None):
         result["launch_groups"] = [len(g) for g in launch_groups(a.world, steps)]
         schedule = functools.partial(rank_schedule, steps_per_launch=steps)
     else:
-        schedule = allgather_schedule
+        if a.chunks is not None and a.kv_heads % a.chunks:
+            p.error(f"--chunks {a.chunks} must divide --kv-heads {a.kv_heads}")
+        schedule = functools.partial(allgather_schedule, chunks=a.chunks)
+        result["chunks"] = a.chunks
     method = "ring" if a.method == "ring" else "all-gather"
     groups = f", forward launch groups {'|'.join(map(str, result['launch_groups']))}" if a.method == "ring" else ""
     print(f"a {method} rank's packed schedule vs one call, W={a.world}, {a.heads} q / {a.kv_heads} kv heads, "
@@ -355,6 +361,10 @@ def main(argv=None):
             profiles += [(kind, row, positions, worst) for kind, _ in wanted]
             result["rows"].append(row)
         # after every clock of this length: a layout timed right after the profiler ran read 13 points low
+        if any(kind == "profile" for kind, *_ in profiles):   # the one call's kernels, to set beside the rank's
+            result.setdefault("one_call_profiles", {})[seq] = one_profile = kernel_summary(
+                one_call(q, k, v, dout, docs, backend)[1], device)
+            print_summary(one_profile, "one call fwd+bwd")
         for kind, row, positions, worst in profiles:
             fn = schedule(q, k, v, dout, docs, positions, worst, backend)[1]
             title = f"{row['layout']} r{worst} fwd+bwd"

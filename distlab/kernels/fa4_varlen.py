@@ -51,6 +51,8 @@ class VarlenSpec:
     unseen: torch.Tensor | None   # query rows that see no key (no sequence holds them), or None
     keys_left_out: bool           # some key rows are in no sequence (their dK/dV stay 0)
     key_index: torch.Tensor | None = None   # (packed keys,) int64: K/V rows each sequence reads, when copied
+    key_rows: torch.Tensor | None = None    # with copies: the K/V rows read at all, ascending (int64)
+    key_slot: torch.Tensor | None = None    # with copies: each packed key row's place in ``key_rows`` (int64)
 
     def to(self, device) -> "VarlenSpec":
         move = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
@@ -116,7 +118,9 @@ def _with_key_copies(spec: VarlenSpec, ka, kb) -> VarlenSpec:
     lengths = kb - ka
     index = torch.repeat_interleave(ka - torch.cumsum(lengths, 0) + lengths, lengths) + torch.arange(int(lengths.sum()))
     cu_k = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)]).to(torch.int32)
-    return dataclasses.replace(spec, cu_k=cu_k, used_k=None, keys_left_out=False, key_index=index)
+    rows, slot = torch.unique(index, return_inverse=True)   # where the backward sums each key row's copies
+    return dataclasses.replace(spec, cu_k=cu_k, used_k=None, keys_left_out=False, key_index=index, key_rows=rows,
+                               key_slot=slot)
 
 
 def _spec(starts, ends, ka, kb, causal, window, sees, n, n_k) -> VarlenSpec:
