@@ -84,9 +84,13 @@ def test_sequences_that_share_keys_read_copies_of_them():
     assert spec is not None and spec.causal and spec.cu_q.tolist() == [0, 40, 60, 76]
     assert spec.key_index.tolist() == list(range(60)) + list(range(140)) + list(range(160, 216))
     assert spec.cu_k.tolist() == [0, 60, 200, 256] and spec.used_k is None and not spec.keys_left_out
-    # where the backward sums the copies: the rows read at all (0 ... 139, 160 ... 215), each copy's place among them
+    # where the backward puts the copies' dK/dV: each row read (0 ... 139, 160 ... 215) from its first copy, and the
+    # rows both sequences read (0 ... 59) plus the second sequence's copies of them (packed rows 60 ... 119)
     assert spec.key_rows.tolist() == list(range(140)) + list(range(160, 216))
-    assert torch.equal(spec.key_rows[spec.key_slot], spec.key_index)
+    assert torch.equal(spec.key_index[spec.key_first], spec.key_rows)
+    assert spec.key_first.tolist() == list(range(60)) + list(range(120, 256))
+    assert spec.more_rows.tolist() == list(range(60)) and spec.more_pos.tolist() == list(range(60, 120))
+    assert torch.equal(spec.more_rows[spec.more_slot], spec.key_index[spec.more_pos])
     first, stop = spec_key_rows(spec, rows.numel())
     cols = torch.arange(256)
     assert torch.equal((cols[None, :] >= first[:, None]) & (cols[None, :] < stop[:, None]), mask.dense())
@@ -312,12 +316,13 @@ def test_allgather_ranks_that_share_keys_match_one_device_on_fa4(pools):
 # ------------------------------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("what", ["one device", "window", "non-causal", "ring block", "all-gather",
-                                  "all-gather balanced"])
+                                  "all-gather balanced", "all-gather as gathered", "head group"])
 def test_fa4_masked_matches_the_float32_reference(what):
     """FA4's varlen path through ``attention_forward``/``_backward(backend="fa4", mask=...)`` against whole-matrix
     float32 masked attention: documents, a window, non-causal documents, a ring block (rows and keys in no
-    sequence), all-gather's queries (zigzag; balanced: sequences reading copies of shared keys); GQA, head_dim
-    128, bf16."""
+    sequence), all-gather's queries (zigzag; balanced: sequences reading copies of shared keys; as gathered:
+    the keys in rank order, read through an index), and the balanced rank's tensors as strided views of a
+    wider head set (all-gather CP's kv-head groups); GQA, head_dim 128, bf16."""
     from distlab.kernels import fa4
     from distlab.kernels.attention import attention_backward, attention_forward
 
@@ -328,21 +333,30 @@ def test_fa4_masked_matches_the_float32_reference(what):
     docs = Documents.from_args(total, parse_docs("lognormal:mean=768,seed=2", total), causal, window)
     every = torch.arange(total)
     pos = [shard_positions(total, 4, r, "zigzag", docs.cu_seqlens) for r in range(4)]
-    q_pos, k_pos = {"ring block": (pos[1], pos[0]), "all-gather": (pos[2], every)}.get(what, (every, every))
-    if what == "all-gather balanced":
+    q_pos, k_pos = {"ring block": (pos[1], pos[0]), "all-gather": (pos[2], every),
+                    "all-gather as gathered": (pos[2], torch.cat(pos))}.get(what, (every, every))
+    if what in ("all-gather balanced", "head group"):
         q_pos = _balanced_rank_with_shared_keys(docs)
     mask = docs.mask(q_pos, k_pos, "cuda")
     assert varlen_spec(mask) is not None
-    assert (varlen_spec(mask).key_index is not None) == (what == "all-gather balanced")
+    assert (varlen_spec(mask).key_index is not None) == (what in ("all-gather balanced", "all-gather as gathered",
+                                                                  "head group"))
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, q_pos.numel(), 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(1, k_pos.numel(), 2, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    wide = 2 if what == "head group" else 1   # the tensors: the second half of twice the heads
+    q = torch.randn(1, q_pos.numel(), 8 * wide, 128, device="cuda", dtype=torch.bfloat16, generator=g)[:, :, -8:]
+    k, v = (torch.randn(1, k_pos.numel(), 2 * wide, 128, device="cuda", dtype=torch.bfloat16, generator=g)[:, :, -2:]
+            for _ in range(2))
     dout = torch.randn_like(q)
     full = [t.float().requires_grad_(True) for t in (q, k, v)]
     want = attention_reference(*full, mask=mask)
     want.backward(dout.float())
     _, want_lse = attention_forward(*(t.detach() for t in full), backend="torch", mask=mask)
     out, lse = attention_forward(q, k, v, backend="fa4", mask=mask)
+    if wide > 1:   # out, dO and the LSE as all-gather's backward hands them over: views of the whole heads' tensors
+        assert not q.is_contiguous()
+        out = torch.cat([torch.zeros_like(out), out], 2)[:, :, -8:]
+        dout = torch.cat([torch.zeros_like(dout), dout], 2)[:, :, -8:]
+        lse = torch.cat([torch.zeros_like(lse), lse], 1)[:, -8:]
     grads = attention_backward(dout, q, k, v, out, lse, backend="fa4", mask=mask)
     rel = lambda a, b: ((a.float() - b).abs().max() / b.abs().max()).item()  # noqa: E731
     seen = mask.dense().any(1)

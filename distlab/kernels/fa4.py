@@ -197,29 +197,33 @@ def fa4_masked_forward(q, k, v, spec, scale):
 def fa4_masked_backward(dout, q, k, v, out, lse, spec, scale):
     """(dq, dk, dv) under ``spec`` given the final out and LSE; rows and keys in no sequence get zeros; the
     dK/dV of keys that several sequences read as copies (``spec.key_index``) summed in float32."""
-    q0 = q[0].contiguous()
-    k0, v0 = (t.contiguous() for t in _keys_read(spec, k[0], v[0]))
-    dq = torch.zeros_like(q0) if spec.unseen is not None else None
-    dk, dv = (torch.zeros_like(k0), torch.zeros_like(v0)) if spec.keys_left_out else (None, None)
+    # views as they come (a head group of all-gather CP's q is strided): FA4 copies what its kernels cannot read
+    q0 = q[0]
+    k0, v0 = _keys_read(spec, k[0], v[0])
+    dq = torch.zeros(q0.shape, dtype=q.dtype, device=q.device) if spec.unseen is not None else None
+    dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (k0, v0)) if spec.keys_left_out \
+        else (None, None)
     dq, dk, dv = _interface()._flash_attn_bwd(
-        q0, k0, v0, out[0].contiguous(), dout[0].contiguous(), lse[0].contiguous(), softmax_scale=scale,
-        dq=dq, dk=dk, dv=dv, **_varlen_args(spec))[:3]
+        q0, k0, v0, out[0], dout[0], lse[0], softmax_scale=scale, dq=dq, dk=dk, dv=dv, **_varlen_args(spec))[:3]
     if spec.key_index is not None:
         dk, dv = _copies_summed(dk, k[0], spec), _copies_summed(dv, v[0], spec)
     return dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
 
 
 def _copies_summed(d, like, spec):
-    """The dK (or dV) of the key rows ``like`` holds, from ``d``, FA4's gradient of the packed copies
-    (``spec.key_index``): each key row's copies summed in float32 (or wider) over the rows read at all, rounded
-    once, and written into zeros of ``like``'s shape and dtype. The float32 work covers only the rows read (an
-    all-gather rank of the balanced layout at 64k, W=8: ~14k of 64k); the whole length costs one fill in k's
-    dtype, 2 bytes an element in bf16, where a float32 fill, adds and conversion of every row cost 10."""
-    acc = torch.promote_types(like.dtype, torch.float32)
-    summed = torch.zeros((spec.key_rows.numel(), *d.shape[1:]), dtype=acc, device=d.device)
-    summed.index_add_(0, spec.key_slot, d.to(acc))
+    """The dK (or dV) of the key rows ``like`` holds, from ``d``, FA4's gradient of the packed key rows it read
+    through ``spec.key_index``: each row read gets its first copy's, plus, where a row was read more than once
+    (sequences sharing a document's first keys), its later copies' summed in float32 (or wider) and rounded
+    once; rows not read get zeros (``like``'s shape and dtype). On all-gather's rank at 64k, W=8, the copies
+    are 14.4k rows for 13.6k rows read of 64k; the float32 work covers the ~700 read twice."""
     out = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
-    return out.index_copy_(0, spec.key_rows, summed.to(like.dtype))
+    out.index_copy_(0, spec.key_rows, d.index_select(0, spec.key_first))
+    if spec.more_rows.numel():
+        acc = torch.promote_types(like.dtype, torch.float32)
+        summed = out.index_select(0, spec.more_rows).to(acc)
+        summed.index_add_(0, spec.more_slot, d.index_select(0, spec.more_pos).to(acc))
+        out.index_copy_(0, spec.more_rows, summed.to(like.dtype))
+    return out
 
 
 def _keys_read(spec, k, v):

@@ -35,6 +35,8 @@ import dataclasses
 
 import torch
 
+from distlab.kernels.masks import KeyMask
+
 
 @dataclasses.dataclass(frozen=True)
 class VarlenSpec:
@@ -50,9 +52,13 @@ class VarlenSpec:
     window: int | None            # FA4's window_size_left (in key rows), None for none
     unseen: torch.Tensor | None   # query rows that see no key (no sequence holds them), or None
     keys_left_out: bool           # some key rows are in no sequence (their dK/dV stay 0)
-    key_index: torch.Tensor | None = None   # (packed keys,) int64: K/V rows each sequence reads, when copied
-    key_rows: torch.Tensor | None = None    # with copies: the K/V rows read at all, ascending (int64)
-    key_slot: torch.Tensor | None = None    # with copies: each packed key row's place in ``key_rows`` (int64)
+    # When the sequences read their keys through an index (copies of shared keys, or keys in any order), int64:
+    key_index: torch.Tensor | None = None   # (packed keys,) the K/V row each packed key row reads
+    key_rows: torch.Tensor | None = None    # the K/V rows read at all, each once
+    key_first: torch.Tensor | None = None   # the packed row of each one's first copy
+    more_rows: torch.Tensor | None = None   # the K/V rows read more than once, each once
+    more_pos: torch.Tensor | None = None    # the packed rows of their later copies
+    more_slot: torch.Tensor | None = None   # each later copy's place in ``more_rows``
 
     def to(self, device) -> "VarlenSpec":
         move = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
@@ -61,11 +67,30 @@ class VarlenSpec:
 
 
 def varlen_spec(mask) -> VarlenSpec | None:
-    """The mask as FA4 sequences (module doc), or None when it is not exactly that; once per mask."""
+    """The mask as FA4 sequences (module doc), or None when it is not exactly that; once per mask. Keys in any
+    order (``mask.k_sorted`` False: all-gather's keys as they arrive, rank after rank) are compiled in position
+    order and read through ``key_index``, which then points at the keys where they lie."""
     if "fa4_varlen" not in mask.memo:
-        spec = _compile(mask) if mask.k_sorted else None
+        if mask.k_sorted:
+            spec = _compile(mask)
+        else:
+            order = torch.argsort(mask.k_pos.cpu(), stable=True)
+            spec = _compile(KeyMask(mask.q_lo, mask.q_hi, mask.k_pos.cpu()[order], True))
+            spec = _read_through(spec, order) if spec is not None else None
         mask.memo["fa4_varlen"] = spec.to(mask.q_lo.device) if spec is not None else None
     return mask.memo["fa4_varlen"]
+
+
+def _read_through(spec: VarlenSpec, order: torch.Tensor) -> VarlenSpec:
+    """``spec``, compiled over the keys in position order (row i is the mask's key row ``order[i]``), reading
+    the keys where the mask has them."""
+    if spec.key_index is None:   # each sequence reads its own key rows: as copies that share nothing
+        cu, used = spec.cu_k.long(), spec.used_k
+        ka = cu[:-1]
+        kb = ka + (used.long() if used is not None else cu[1:] - cu[:-1])
+        spec = _with_key_copies(spec, ka, kb)
+    return dataclasses.replace(spec, key_index=order[spec.key_index], key_rows=order[spec.key_rows],
+                               more_rows=order[spec.more_rows])
 
 
 MAX_KEY_COPIES = 2   # copied keys (all sequences' key rows together) at most this many times the mask's keys
@@ -118,9 +143,15 @@ def _with_key_copies(spec: VarlenSpec, ka, kb) -> VarlenSpec:
     lengths = kb - ka
     index = torch.repeat_interleave(ka - torch.cumsum(lengths, 0) + lengths, lengths) + torch.arange(int(lengths.sum()))
     cu_k = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)]).to(torch.int32)
-    rows, slot = torch.unique(index, return_inverse=True)   # where the backward sums each key row's copies
+    # where the backward puts each key row's dK/dV: its first copy's, plus the later copies' where there are
+    rows, slot = torch.unique(index, return_inverse=True)
+    packed = torch.arange(index.numel())
+    first = torch.full((rows.numel(),), index.numel()).scatter_reduce_(0, slot, packed, "amin")
+    later = packed != first[slot]
+    repeated = torch.bincount(slot, minlength=rows.numel()) > 1
     return dataclasses.replace(spec, cu_k=cu_k, used_k=None, keys_left_out=False, key_index=index, key_rows=rows,
-                               key_slot=slot)
+                               key_first=first, more_rows=rows[repeated], more_pos=packed[later],
+                               more_slot=(torch.cumsum(repeated.long(), 0) - 1)[slot[later]])
 
 
 def _spec(starts, ends, ka, kb, causal, window, sees, n, n_k) -> VarlenSpec:
