@@ -85,6 +85,9 @@ def methods(world, heads):
 
         out.append((f"ring-{layout}", lambda q, k, v, layout=layout, **kw: ring_attention(q, k, v, None, layout=layout, **kw), sh, ga))
         out.append((f"allgather-{layout}", lambda q, k, v, layout=layout, **kw: allgather_attention(q, k, v, None, layout=layout, **kw), sh, ga))
+        if layout == "zigzag":   # one kv-head group (the default is two): no head slices, no copies
+            out.append(("allgather1-zigzag", lambda q, k, v, **kw: allgather_attention(q, k, v, None, layout="zigzag",
+                                                                                        chunks=1, **kw), sh, ga))
         if heads % world == 0:
             out.append((f"ulysses-{layout}", lambda q, k, v, layout=layout, **kw: ulysses_attention(q, k, v, None, layout=layout, **kw), sh, ga))
     splits = {4: [(2, 2)], 8: [(2, 4), (4, 2)]}.get(world, [])

@@ -79,9 +79,10 @@ class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, world, mask, scale, backend, chunks, order):
         parts = head_chunks(q.shape[2], k.shape[2], chunks)
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float64 if q.dtype == torch.float64
-                          else torch.float32, device=q.device)
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        if len(parts) > 1:   # each group's results are copied in (one group's are the whole)
+            out = torch.empty_like(q)
+            lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=lse_dtype, device=q.device)
         gathered = []
         with phase("allgather.exchange"):
             pending = _post_gather(k[:, :, parts[0][1]], v[:, :, parts[0][1]], group, world) if world > 1 else None
@@ -98,8 +99,11 @@ class _AllGatherAttention(torch.autograd.Function):
                 kf, vf = kf.index_select(1, order[0]), vf.index_select(1, order[0])
             with phase("allgather.block"):
                 o, l = attention_forward(q[:, :, qh], kf, vf, False, scale, backend, mask=mask)
-            out[:, :, qh] = o
-            lse[:, qh] = l
+            if len(parts) == 1:
+                out, lse = o, l.to(lse_dtype)
+            else:
+                out[:, :, qh] = o
+                lse[:, qh] = l
             gathered.append((kf, vf))
         ctx.save_for_backward(q, out, lse, *[t for kv in gathered for t in kv])
         ctx.args = (group, world, mask, scale, backend, parts, order)
@@ -111,22 +115,29 @@ class _AllGatherAttention(torch.autograd.Function):
         q, out, lse, *gathered = ctx.saved_tensors
         group, world, mask, scale, backend, parts, order = ctx.args
         dout = dout.contiguous()
-        dq = torch.empty_like(q)
         kv_heads = sum(kh.stop - kh.start for _, kh in parts)
         local = (q.shape[0], gathered[0].shape[1] // world, kv_heads, q.shape[3])
-        dk, dv = q.new_empty(local), q.new_empty(local)
+        if len(parts) > 1:   # as in the forward: one group's results are the whole
+            dq = torch.empty_like(q)
+        if len(parts) > 1 or world > 1:
+            dk, dv = q.new_empty(local), q.new_empty(local)
         pending = []
         for c, (qh, kh) in enumerate(parts):
             kf, vf = gathered[2 * c], gathered[2 * c + 1]
             with phase("allgather.block_backward"):
                 dq_c, dk_c, dv_c = attention_backward(dout[:, :, qh], q[:, :, qh], kf, vf, out[:, :, qh],
                                                       lse[:, qh], False, scale, backend, mask=mask)
-            dq[:, :, qh] = dq_c
+            if len(parts) == 1:
+                dq = dq_c
+            else:
+                dq[:, :, qh] = dq_c
             if order is not None:    # back to rank order, for the reduce-scatter
                 dk_c, dv_c = dk_c.index_select(1, order[1]), dv_c.index_select(1, order[1])
             if world > 1:   # this group's dK/dV go home while the next group computes
                 with phase("allgather.exchange"):
                     pending.append((kh, _post_scatter(dk_c, dv_c, group, world)))
+            elif len(parts) == 1:
+                dk, dv = dk_c, dv_c
             else:
                 dk[:, :, kh], dv[:, :, kh] = dk_c, dv_c
         for kh, finish in pending:
