@@ -1,5 +1,7 @@
 """Shared fixtures: one pool of gloo processes per world size, kept for the whole session; pools whose workers
-run Triton's CPU interpreter, the last two world sizes kept."""
+run Triton's CPU interpreter, the last two world sizes kept; tests that mostly wait, started early."""
+
+import concurrent.futures
 
 import pytest
 import torch
@@ -45,6 +47,30 @@ def interpreted_pools():
     yield get
     for pool in _INTERPRETED.values():
         pool.close()
+
+
+_EARLY: dict = {}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """Tests marked ``starts_early`` (no fixtures; most of their time is waiting, e.g. for a timeout and a
+    launcher's grace period to run out) start in a thread once collection is done, so their wait overlaps the
+    tests before them; each reports, in its place in the run, what it raised."""
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        if item.get_closest_marker("starts_early") and not item.get_closest_marker("skip"):
+            _EARLY[item.nodeid] = concurrent.futures.ThreadPoolExecutor(1).submit(item.function)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    started = _EARLY.pop(pyfuncitem.nodeid, None)
+    if started is None:
+        return None
+    started.result()   # the test's own assertion error, if it failed
+    return True
 
 
 def pytest_collection_modifyitems(config, items):

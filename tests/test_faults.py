@@ -333,6 +333,7 @@ def _wait_for_workers(proc, n, timeout=60):
     raise AssertionError("the workers did not start")
 
 
+@pytest.mark.starts_early   # ~40 of its ~50 s are the timeout and torchrun's grace running out
 def test_a_frozen_rank_fails_the_job_within_the_timeout_naming_the_collective():
     """SIGSTOP one worker of a TP run: its mesh groups time out after DISTLAB_TIMEOUT_S (they used to keep
     gloo's 30-minute default), and the error names the collective, where it was called and the frozen rank."""

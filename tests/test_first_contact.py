@@ -8,6 +8,7 @@ subprocesses, as a person would type them; the README's test command itself is c
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import shlex
@@ -144,7 +145,7 @@ def test_readme_test_command_collects_in_a_fresh_clone(tmp_path):
 
 # ------------------------------------------------------------------------------------- mistakes, one line
 
-@pytest.mark.parametrize("cmd, code, words", [
+MISTAKES = [
     ("distlab run --nproc 2 -m distlab.cp.ring --seq -8", 2, ["ranks 0, 1", "--seq"]),
     ("python -m distlab.cp.ring --seq 0", 2, ["--seq"]),
     ("distlab run --nproc 4 -m distlab.cp.ring --seq 8 --bogus-flag", 2, ["ranks 0-3", "--bogus-flag"]),
@@ -163,16 +164,30 @@ def test_readme_test_command_collects_in_a_fresh_clone(tmp_path):
     ("python -m distlab.train --config nonexistent", 2, ["no config"]),
     ("python -m distlab.train --config tiny --resume does/not/exist", 2, ["no checkpoint"]),
     ("python -m distlab.infer --checkpoint does/not/exist", 2, ["no checkpoint"]),
-])
-def test_a_mistake_is_one_clear_line(cmd, code, words):
-    one_clear_line(run(cmd), code, *words)
+]
+GPU_WORK = ["python -m distlab.cp.ring --device cuda", "python -m distlab.cp.local_kernels",
+            "python -m distlab.tp.shard_gemms"]
+
+
+@pytest.fixture(scope="module")
+def mistakes_run():
+    """Every command of the two tests below, started together on first use, three at a time; each case waits for
+    its own. Each is a fresh interpreter spending most of its ~2 s importing torch on one core: one after another
+    they cost the suite ~60 s on two cores."""
+    cmds = [cmd for cmd, *_ in MISTAKES] + ([] if torch.cuda.is_available() else GPU_WORK)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        yield {cmd: pool.submit(run, cmd) for cmd in cmds}
+
+
+@pytest.mark.parametrize("cmd, code, words", MISTAKES)
+def test_a_mistake_is_one_clear_line(mistakes_run, cmd, code, words):
+    one_clear_line(mistakes_run[cmd].result(), code, *words)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
-@pytest.mark.parametrize("cmd", ["python -m distlab.cp.ring --device cuda", "python -m distlab.cp.local_kernels",
-                                 "python -m distlab.tp.shard_gemms"])
-def test_gpu_work_without_a_gpu_is_refused(cmd):
-    one_clear_line(run(cmd), 2, "CUDA")
+@pytest.mark.parametrize("cmd", GPU_WORK)
+def test_gpu_work_without_a_gpu_is_refused(mistakes_run, cmd):
+    one_clear_line(mistakes_run[cmd].result(), 2, "CUDA")
 
 
 def test_checkpoint_mistakes(tmp_path):
