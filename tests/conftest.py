@@ -55,9 +55,9 @@ _EARLY: dict = {}
 @pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session):
     """Tests marked ``starts_early`` (no fixtures; most of their time is waiting, e.g. for a timeout and a
-    launcher's grace period to run out, or processes of their own at the lowest CPU priority) start in a thread
-    once collection is done, so they overlap the tests before them; each reports, in its place in the run,
-    what it raised."""
+    launcher's grace period to run out, on little CPU: the gloo tests slow down badly beside busy cores) start
+    in a thread once collection is done, so their wait overlaps the tests before them; each reports, in its
+    place in the run, what it raised."""
     if session.config.option.collectonly:
         return
     for item in session.items:
