@@ -169,7 +169,8 @@ def _spec(starts, ends, ka, kb, causal, window, sees, n, n_k) -> VarlenSpec:
 
 def spec_key_rows(spec: VarlenSpec, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query row, the key rows ``[first, stop)`` FA4 lets it see under ``spec`` (its semantics as written in
-    the module doc; an empty range for a row in no sequence): what ``_exact`` and the tests compare with the mask."""
+    the module doc; an empty range for a row in no sequence): what ``_exact`` and the tests compare with the mask.
+    For a spec of keys in position order (a mask's keys in any order are checked before ``_read_through``)."""
     cu_q, cu_k = spec.cu_q.cpu().long(), spec.cu_k.cpu().long()
     b = cu_q.numel() - 1
     ql = spec.used_q.cpu().long() if spec.used_q is not None else cu_q[1:] - cu_q[:-1]
