@@ -69,6 +69,11 @@ def _post_scatter(dk, dv, group, world):
     return finish
 
 
+def default_chunks(kv_heads: int) -> int:
+    """The kv-head groups all-gather CP uses unless told: two where the kv heads split evenly, else one."""
+    return 2 if kv_heads % 2 == 0 else 1
+
+
 def head_chunks(heads: int, kv_heads: int, chunks: int):
     """(q-head slice, kv-head slice) of each chunk: kv heads cut into ``chunks`` groups, q heads with them."""
     g, per = heads // kv_heads, kv_heads // chunks
@@ -195,7 +200,7 @@ def allgather_attention(q, k, v, group=None, causal=False, layout="contiguous", 
         raise ValueError(f"all-gather attention needs q and k shards of one length; got {q.shape[1]} and {k.shape[1]}")
     total = q.shape[1] * world
     docs = Documents.from_args(total, cu_seqlens, causal, window)
-    chunks = chunks if chunks is not None else (2 if k.shape[2] % 2 == 0 else 1)
+    chunks = chunks if chunks is not None else default_chunks(k.shape[2])
     if not isinstance(chunks, int) or chunks < 1 or k.shape[2] % chunks:
         raise ValueError(f"chunks={chunks!r} must be a positive divisor of the kv heads ({k.shape[2]})")
     # causal (local queries against all keys: the diagonal is offset) and documents need the positions' mask;

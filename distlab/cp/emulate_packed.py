@@ -82,13 +82,13 @@ def allgather_schedule(q, k, v, dout, docs, positions, rank, backend, chunks=Non
     forward and backward run at world 1 over every rank's K/V already gathered (in rank order, as the
     all-gather leaves them), in its kv-head groups (``chunks``; its default: two where the kv heads split
     evenly): its compute, with the gather and reduce-scatter removed."""
-    from distlab.cp.allgather import _AllGatherAttention, gathered_mask, keys_as_gathered
+    from distlab.cp.allgather import _AllGatherAttention, default_chunks, gathered_mask, keys_as_gathered
 
     mine, everyone = positions[rank].to(q.device), torch.cat(list(positions)).to(q.device)
     qr, dr = q[:, mine].contiguous(), dout[:, mine].contiguous()
     kg, vg = k[:, everyone].contiguous(), v[:, everyone].contiguous()
     mask, order = keys_as_gathered(q, *gathered_mask(docs, positions, rank, q.device), backend)
-    chunks = chunks if chunks is not None else (2 if k.shape[2] % 2 == 0 else 1)
+    chunks = chunks if chunks is not None else default_chunks(k.shape[2])
     args = (None, 1, mask, q.shape[-1] ** -0.5, backend, chunks, order)
 
     def fwd():
