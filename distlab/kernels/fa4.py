@@ -197,14 +197,16 @@ def fa4_masked_forward(q, k, v, spec, scale):
 def fa4_masked_backward(dout, q, k, v, out, lse, spec, scale):
     """(dq, dk, dv) under ``spec`` given the final out and LSE; rows and keys in no sequence get zeros; the
     dK/dV of keys that several sequences read as copies (``spec.key_index``) summed in float32."""
-    # (contiguous copies: a head group of all-gather CP's q, out and dO is strided, ~44 µs a tensor at 64k on the
-    # H100; FA4's own canonicalization passes aligned strided views through, not yet checked on a GPU here)
-    q0 = q[0].contiguous()
-    k0, v0 = (t.contiguous() for t in _keys_read(spec, k[0], v[0]))
-    dq = torch.zeros_like(q0) if spec.unseen is not None else None
-    dk, dv = (torch.zeros_like(k0), torch.zeros_like(v0)) if spec.keys_left_out else (None, None)
+    # (a head group of all-gather CP's q, out and dO is a strided view; contiguous copies cost ~44 µs a tensor at
+    # 64k on the H100; knob FA4_MASKED_CONTIGUOUS=0 hands FA4 the views, whose strides it takes as they are)
+    same = (lambda t: t) if knobs.get("FA4_MASKED_CONTIGUOUS") == "0" else (lambda t: t.contiguous())
+    q0 = same(q[0])
+    k0, v0 = (same(t) for t in _keys_read(spec, k[0], v[0]))
+    dq = torch.zeros(q0.shape, dtype=q0.dtype, device=q0.device) if spec.unseen is not None else None
+    dk, dv = ((torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (k0, v0)) if spec.keys_left_out
+              else (None, None))
     dq, dk, dv = _interface()._flash_attn_bwd(
-        q0, k0, v0, out[0].contiguous(), dout[0].contiguous(), lse[0].contiguous(), softmax_scale=scale,
+        q0, k0, v0, same(out[0]), same(dout[0]), lse[0].contiguous(), softmax_scale=scale,
         dq=dq, dk=dk, dv=dv, **_varlen_args(spec))[:3]
     if spec.key_index is not None:
         dk, dv = _copies_summed(dk, k[0], spec), _copies_summed(dv, v[0], spec)
