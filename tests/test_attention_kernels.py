@@ -97,6 +97,28 @@ def test_bad_inputs_are_refused(bad, message):
         attention_forward(*bad(q, k, v))
 
 
+def test_results_written_into_given_views():
+    """``into``: forward and backward results land in the tensors given (views of wider heads, as all-gather
+    CP's kv-head groups hand them), equal to the allocated ones; None entries allocate; wrong shapes refused."""
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(1, 12, 4, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, 12, 2, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    out, lse = attention_forward(q, k, v, True, backend="torch")
+    grads = attention_backward(dout, q, k, v, out, lse, True, backend="torch")
+    wide_out, wide_lse = torch.zeros(1, 12, 8, 8, dtype=torch.float64), torch.zeros(1, 8, 12, dtype=torch.float32)
+    got = attention_forward(q, k, v, True, backend="torch", into=(wide_out[:, :, 4:], wide_lse[:, 4:]))
+    assert got[0].data_ptr() == wide_out[:, :, 4:].data_ptr() and got[1].data_ptr() == wide_lse[:, 4:].data_ptr()
+    assert torch.equal(wide_out[:, :, 4:], out) and torch.equal(wide_lse[:, 4:], lse.float())
+    assert not wide_out[:, :, :4].any() and not wide_lse[:, :4].any()
+    wide_dq = torch.zeros(1, 12, 8, 8, dtype=torch.float64)
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, True, backend="torch", into=(wide_dq[:, :, :4], None, None))
+    assert dq.data_ptr() == wide_dq.data_ptr() and not wide_dq[:, :, 4:].any()
+    for a, b in zip((dq, dk, dv), grads):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="into: a tensor"):
+        attention_forward(q, k, v, True, backend="torch", into=(wide_out, None))
+
+
 def test_causal_needs_equal_lengths_and_backends_are_checked():
     q, k, v, _ = make(dtype=torch.float32, seq_k=24)
     with pytest.raises(ValueError, match="seq_q == seq_k"):

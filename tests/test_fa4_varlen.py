@@ -7,6 +7,7 @@ the float32 reference (GPU).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -149,12 +150,17 @@ class _FA4VarlenSemantics:
         return scores.masked_fill(~keep, float("-inf"))
 
     def _flash_attn_fwd(self, q, k, v, softmax_scale, return_lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                        max_seqlen_q, max_seqlen_k, causal, window_size_left, window_size_right=None):
+                        max_seqlen_q, max_seqlen_k, causal, window_size_left, window_size_right=None, out=None,
+                        lse=None):
         self.calls.append(("fwd", seqused_q is not None, seqused_k is not None))
         self.key_rows.append(k.shape[0])
         assert q.dim() == 3 and cu_seqlens_q.dtype == torch.int32 and return_lse
-        out = torch.full_like(q, float("nan"))
-        lse = torch.full((q.shape[1], q.shape[0]), float("nan"), dtype=torch.float32)
+        if out is not None:   # what FA4 does not write stays as it was: here NaN, as if never initialised
+            assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+        if lse is not None:
+            assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+        out = (out if out is not None else torch.empty_like(q)).fill_(float("nan"))
+        lse = (lse if lse is not None else torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32)).fill_(float("nan"))
         for qs, ks in self._sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
             assert qs.stop - qs.start <= max_seqlen_q and ks.stop - ks.start <= max_seqlen_k
             scores = self._scores(q[qs], k[ks], softmax_scale, causal, window_size_left, window_size_right)
@@ -264,7 +270,8 @@ def methods_on_fa4_semantics(cu, causal, window):
         q, k, v, dout, want = _pack_and_one_device(96, cu, causal, window, heads=(6, 3), dim=8, seed=0)
         runs = [(f"ring-{lay}", lay, ring_attention) for lay in ("contiguous", "zigzag", "balanced")]
         runs += [("allgather-zigzag", "zigzag", allgather_attention), ("ulysses-zigzag", "zigzag", ulysses_attention),
-                 ("allgather-balanced", "balanced", allgather_attention)]
+                 ("allgather-balanced", "balanced", allgather_attention),   # three kv-head groups: FA4 writes
+                 ("allgather3-zigzag", "zigzag", functools.partial(allgather_attention, chunks=3))]   # into views
         errors = {}
         for name, layout, method in runs:
             local = [shard_sequence(x, None, layout, cu_seqlens=cu).requires_grad_(True) for x in (q, k, v)]

@@ -13,7 +13,8 @@ Overlap: the kv heads are cut into ``chunks`` groups (each with its q heads, GQA
 group c+1 is posted before group c is computed, and in the backward the reduce-scatter of group c's
 dK/dV travels while group c+1 is computed. Bytes per rank: forward (W−1)/W of the full K+V; backward the
 same for dK/dV (``distlab.cp.cost``). The gathered K/V are kept for the backward (small under GQA) rather
-than gathered again.
+than gathered again. Each group's out, LSE and dQ are written into the whole heads' tensors, and its dK/dV
+into the reduce-scatter's buffer (``into=``; FA4 writes there itself, other kernels copy).
 """
 
 from __future__ import annotations
@@ -55,8 +56,15 @@ def _post_gather(k, v, group, world):
     return finish
 
 
-def _post_scatter(dk, dv, group, world):
-    send = torch.stack([dk, dv]).movedim(2, 0).contiguous()        # (W*s, 2, b, h, d)
+def _scatter_buffer(kf):
+    """The reduce-scatter's send buffer for the dK/dV of gathered keys like ``kf`` ``(b, W*s, h, d)``: memory
+    ``(W*s, 2, b, h, d)``, so each rank's share is one block; returned with its (dK, dV) views, ``kf``-shaped."""
+    send = kf.new_empty((kf.shape[1], 2, kf.shape[0]) + tuple(kf.shape[2:]))
+    return send, send[:, 0].movedim(0, 1), send[:, 1].movedim(0, 1)
+
+
+def _post_scatter(send, group, world):
+    """Async reduce-scatter of a ``_scatter_buffer`` along dim 0; ``finish()`` gives this rank's (dK, dV)."""
     recv = send.new_empty((send.shape[0] // world,) + tuple(send.shape[1:]))
     comm.record("reduce_scatter_dkv", (world - 1) * send.numel() * send.element_size() // world)
     work = _scatter_fn()(recv, send, group=group, async_op=True)
@@ -102,13 +110,11 @@ class _AllGatherAttention(torch.autograd.Function):
                 kf, vf = k[:, :, kh], v[:, :, kh]
             if order is not None:    # rank order -> position order (the masked kernels want ascending keys)
                 kf, vf = kf.index_select(1, order[0]), vf.index_select(1, order[0])
-            with phase("allgather.block"):
-                o, l = attention_forward(q[:, :, qh], kf, vf, False, scale, backend, mask=mask)
+            with phase("allgather.block"):   # a group's out and LSE written into the whole heads' (FA4: in place)
+                into = None if len(parts) == 1 else (out[:, :, qh], lse[:, qh])
+                o, l = attention_forward(q[:, :, qh], kf, vf, False, scale, backend, mask=mask, into=into)
             if len(parts) == 1:
                 out, lse = o, l.to(lse_dtype)
-            else:
-                out[:, :, qh] = o
-                lse[:, qh] = l
             gathered.append((kf, vf))
         ctx.save_for_backward(q, out, lse, *[t for kv in gathered for t in kv])
         ctx.args = (group, world, mask, scale, backend, parts, order)
@@ -129,22 +135,29 @@ class _AllGatherAttention(torch.autograd.Function):
         pending = []
         for c, (qh, kh) in enumerate(parts):
             kf, vf = gathered[2 * c], gathered[2 * c + 1]
+            # where the group's gradients land: dQ in the whole heads'; dK/dV (keys in rank order) in the
+            # reduce-scatter's buffer, or at world 1 in the whole heads' (FA4 writes there itself)
+            if world > 1:
+                send, *dkv_to = _scatter_buffer(kf)
+            else:
+                dkv_to = [dk[:, :, kh], dv[:, :, kh]] if len(parts) > 1 else [None, None]
+            dq_to = dq[:, :, qh] if len(parts) > 1 else None
+            into = (dq_to, *dkv_to) if order is None else (dq_to, None, None)
             with phase("allgather.block_backward"):
-                dq_c, dk_c, dv_c = attention_backward(dout[:, :, qh], q[:, :, qh], kf, vf, out[:, :, qh],
-                                                      lse[:, qh], False, scale, backend, mask=mask)
+                dq_c, dk_c, dv_c = attention_backward(dout[:, :, qh], q[:, :, qh], kf, vf, out[:, :, qh], lse[:, qh],
+                                                      False, scale, backend, mask=mask,
+                                                      into=into if any(t is not None for t in into) else None)
             if len(parts) == 1:
                 dq = dq_c
-            else:
-                dq[:, :, qh] = dq_c
             if order is not None:    # back to rank order, for the reduce-scatter
                 dk_c, dv_c = dk_c.index_select(1, order[1]), dv_c.index_select(1, order[1])
+                if dkv_to[0] is not None:
+                    dkv_to[0].copy_(dk_c), dkv_to[1].copy_(dv_c)
             if world > 1:   # this group's dK/dV go home while the next group computes
                 with phase("allgather.exchange"):
-                    pending.append((kh, _post_scatter(dk_c, dv_c, group, world)))
+                    pending.append((kh, _post_scatter(send, group, world)))
             elif len(parts) == 1:
                 dk, dv = dk_c, dv_c
-            else:
-                dk[:, :, kh], dv[:, :, kh] = dk_c, dv_c
         for kh, finish in pending:
             with phase("allgather.wait"):
                 dk[:, :, kh], dv[:, :, kh] = finish()

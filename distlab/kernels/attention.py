@@ -186,15 +186,26 @@ def _sdpa_op_present(name: str) -> bool:
 # ---------------------------------------------------------------------------------------------------------
 # public entry points
 # ---------------------------------------------------------------------------------------------------------
-def attention_forward(q, k, v, causal=False, softmax_scale=None, backend="auto", mask=None):
+def attention_forward(q, k, v, causal=False, softmax_scale=None, backend="auto", mask=None, into=None):
     """Return ``(out, lse)``: ``out`` like ``q`` in q's dtype, ``lse`` float32 ``(batch, heads, seq_q)``.
 
     ``mask``: a ``distlab.kernels.masks.KeyMask`` (documents, windows, a ring block's positions) instead of
-    ``causal``; a row that sees no key gets out 0 and LSE -inf. Backends that take one: ``MASK_BACKENDS``."""
+    ``causal``; a row that sees no key gets out 0 and LSE -inf. Backends that take one: ``MASK_BACKENDS``.
+    ``into``: ``(out, lse)``, tensors of the results' shapes (views, say; None for one allocated) that the
+    results are written into and returned as: FA4's varlen path writes there itself, the others copy
+    (all-gather CP's kv-head groups land in the whole heads' tensors)."""
     check_qkv(q, k, v, causal)
     check_mask(mask, q, k, causal)
     backend = resolve_backend(backend, q.device, q.dtype, masked=mask is not None)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if into is not None:
+        _check_into(into, ((q.shape, q.dtype), ((q.shape[0], q.shape[2], q.shape[1]), None)))
+        spec = _fa4_varlen(q, mask) if backend == "fa4" and mask is not None else None
+        if spec is not None:
+            from distlab.kernels.fa4 import fa4_masked_forward
+
+            return fa4_masked_forward(q, k, v, spec, scale, into=into)
+        return _written(into, attention_forward(q, k, v, causal, scale, backend, mask))
     if backend == "torch":
         return _torch_forward(q, k, v, causal, scale, mask)
     if backend == "triton":
@@ -217,8 +228,10 @@ def attention_forward(q, k, v, causal=False, softmax_scale=None, backend="auto",
     return _sdpa_forward(backend, q, k, v, causal, scale)
 
 
-def attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, backend="auto", mask=None):
-    """Return ``(dq, dk, dv)`` in the inputs' dtype, given the final ``out`` and ``lse`` (see module doc)."""
+def attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, backend="auto", mask=None,
+                       into=None):
+    """Return ``(dq, dk, dv)`` in the inputs' dtype, given the final ``out`` and ``lse`` (see module doc);
+    ``into``: ``(dq, dk, dv)`` to write them into, as ``attention_forward``'s."""
     check_qkv(q, k, v, causal)
     check_mask(mask, q, k, causal)
     if dout.shape != q.shape or out.shape != q.shape:
@@ -228,6 +241,14 @@ def attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None
                          f"got {tuple(lse.shape)}")
     backend = resolve_backend(backend, q.device, q.dtype, masked=mask is not None)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if into is not None:
+        _check_into(into, ((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)))
+        spec = _fa4_varlen(q, mask) if backend == "fa4" and mask is not None else None
+        if spec is not None:
+            from distlab.kernels.fa4 import fa4_masked_backward
+
+            return fa4_masked_backward(dout, q, k, v, out, lse, spec, scale, into=into)
+        return _written(into, attention_backward(dout, q, k, v, out, lse, causal, scale, backend, mask))
     if backend == "torch":
         return _torch_backward(dout, q, k, v, out, lse, causal, scale, mask)
     if backend == "triton":
@@ -248,6 +269,20 @@ def attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None
             return fa4_masked_backward(dout, q, k, v, out, lse, spec, scale)
         return attention_backward(dout, q, k, v, out, lse, False, scale, _fa4_mask_fallback(q), mask)
     return _sdpa_backward(backend, dout, q, k, v, out, lse, causal, scale)
+
+
+def _check_into(into, wanted):
+    if len(into) != len(wanted):
+        raise ValueError(f"into must hold {len(wanted)} tensors (or None); got {len(into)}")
+    for t, (shape, dtype) in zip(into, wanted):
+        if t is not None and (tuple(t.shape) != tuple(shape) or (dtype is not None and t.dtype != dtype)):
+            raise ValueError(f"into: a tensor {tuple(t.shape)} {t.dtype} where the result is {tuple(shape)}"
+                             + (f" {dtype}" if dtype is not None else ""))
+
+
+def _written(into, results):
+    """``results``, each copied into its ``into`` tensor where one is given."""
+    return tuple(r if t is None else t.copy_(r) for t, r in zip(into, results))
 
 
 def _fa4_varlen(q, mask):

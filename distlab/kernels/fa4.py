@@ -181,52 +181,73 @@ def fa4_backward(dout, q, k, v, out, lse, causal, scale):
     return dq, dk, dv
 
 
-def fa4_masked_forward(q, k, v, spec, scale):
+def fa4_masked_forward(q, k, v, spec, scale, into=(None, None)):
     """(out, lse) of batch-1 q, k, v under the mask ``spec`` (a ``fa4_varlen.VarlenSpec``) compiles to; rows
-    that see no key: out 0, LSE −inf."""
+    that see no key: out 0, LSE −inf. ``into``: (out, lse) for FA4 to write (aligned strided views do; an LSE
+    that is not float32 gets a copy)."""
     k0, v0 = _keys_read(spec, k[0], v[0])
+    out_to, lse_to = into
+    lse_here = lse_to is not None and lse_to.dtype == torch.float32
     out, lse, *_ = _interface()._flash_attn_fwd(
-        q[0], k0, v0, softmax_scale=scale, return_lse=True, **_varlen_args(spec))
-    out, lse = out.unsqueeze(0), lse.unsqueeze(0)
+        q[0], k0, v0, softmax_scale=scale, return_lse=True, out=None if out_to is None else out_to[0],
+        lse=lse_to[0] if lse_here else None, **_varlen_args(spec))
+    out = out.unsqueeze(0) if out_to is None else out_to
+    lse = lse.unsqueeze(0) if lse_to is None else lse_to if lse_here else lse_to.copy_(lse.unsqueeze(0))
     if spec.unseen is not None:   # in no sequence: FA4 left them as allocated
         out.index_fill_(1, spec.unseen, 0.0)
         lse.index_fill_(2, spec.unseen, float("-inf"))
     return out, lse
 
 
-def fa4_masked_backward(dout, q, k, v, out, lse, spec, scale):
+def fa4_masked_backward(dout, q, k, v, out, lse, spec, scale, into=(None, None, None)):
     """(dq, dk, dv) under ``spec`` given the final out and LSE; rows and keys in no sequence get zeros; the
-    dK/dV of keys that several sequences read as copies (``spec.key_index``) summed in float32."""
+    dK/dV of keys that several sequences read as copies (``spec.key_index``) summed in float32. ``into``:
+    (dq, dk, dv) to write them into (FA4 itself, or the copies' sums)."""
     # (a head group of all-gather CP's q, out and dO is a strided view; contiguous copies cost ~44 µs a tensor at
     # 64k on the H100; knob FA4_MASKED_CONTIGUOUS=0 hands FA4 the views, whose strides it takes as they are)
     same = (lambda t: t) if knobs.get("FA4_MASKED_CONTIGUOUS") == "0" else (lambda t: t.contiguous())
     q0 = same(q[0])
     k0, v0 = (same(t) for t in _keys_read(spec, k[0], v[0]))
-    dq = torch.zeros(q0.shape, dtype=q0.dtype, device=q0.device) if spec.unseen is not None else None
-    dk, dv = ((torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (k0, v0)) if spec.keys_left_out
-              else (None, None))
+    dq_to, dk_to, dv_to = into
+    copies = spec.key_index is not None   # FA4 writes the copies' dK/dV, summed into the keys' after
+    # FA4 writes the rows and keys of its sequences only: the others are zeroed first
+    dq = _zeros_or(dq_to, q0, spec.unseen is not None)
+    dk, dv = (_zeros_or(None if copies else to, t, spec.keys_left_out) for to, t in ((dk_to, k0), (dv_to, v0)))
     dq, dk, dv = _interface()._flash_attn_bwd(
         q0, k0, v0, same(out[0]), same(dout[0]), lse[0].contiguous(), softmax_scale=scale,
         dq=dq, dk=dk, dv=dv, **_varlen_args(spec))[:3]
-    if spec.key_index is not None:
-        dk, dv = _copies_summed(dk, k[0], spec), _copies_summed(dv, v[0], spec)
-    return dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
+    if copies:
+        return _batch(dq, dq_to), _copies_summed(dk, k[0], spec, dk_to), _copies_summed(dv, v[0], spec, dv_to)
+    return _batch(dq, dq_to), _batch(dk, dk_to), _batch(dv, dv_to)
 
 
-def _copies_summed(d, like, spec):
+def _zeros_or(to, like, zeroed):
+    """What FA4 writes a gradient into: ``to[0]`` (zeroed if ``zeroed``), else new zeros or None (FA4's own)."""
+    if to is not None:
+        return to[0].zero_() if zeroed else to[0]
+    return torch.zeros(like.shape, dtype=like.dtype, device=like.device) if zeroed else None
+
+
+def _batch(d, to):
+    return to if to is not None else d.unsqueeze(0)
+
+
+def _copies_summed(d, like, spec, to=None):
     """The dK (or dV) of the key rows ``like`` holds, from ``d``, FA4's gradient of the packed key rows it read
     through ``spec.key_index``: each row read gets its first copy's, plus, where a row was read more than once
     (sequences sharing a document's first keys), its later copies' summed in float32 (or wider) and rounded
-    once; rows not read get zeros (``like``'s shape and dtype). On all-gather's rank at 64k, W=8, the copies
-    are 14.4k rows for 13.6k rows read of 64k; the float32 work covers the ~700 read twice."""
-    out = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+    once; rows not read get zeros (``like``'s shape and dtype; batch 1, in ``to`` if given). On all-gather's
+    rank at 64k, W=8, the copies are 14.4k rows for 13.6k rows read of 64k; the float32 work covers the ~700
+    read twice."""
+    whole = to if to is not None else torch.empty((1,) + tuple(like.shape), dtype=like.dtype, device=like.device)
+    out = whole[0].zero_()
     out.index_copy_(0, spec.key_rows, d.index_select(0, spec.key_first))
     if spec.more_rows.numel():
         acc = torch.promote_types(like.dtype, torch.float32)
         summed = out.index_select(0, spec.more_rows).to(acc)
         summed.index_add_(0, spec.more_slot, d.index_select(0, spec.more_pos).to(acc))
         out.index_copy_(0, spec.more_rows, summed.to(like.dtype))
-    return out
+    return whole
 
 
 def _keys_read(spec, k, v):
