@@ -115,9 +115,9 @@ KNOBS = {
                                   "(distlab.kernels.fa4_ring_backward: FOLD_MIN_SHARD, FOLD_MAX_ROWS)"),
     "FA4_REPLAY": Knob("1", "0: every fa4 forward through FlashAttention-4's Python interface (default: a shape's "
                             "compiled kernel called directly after its first call, distlab.kernels.fa4)"),
-    "FA4_MASKED_CONTIGUOUS": Knob("1", "0: a fa4 masked backward hands FA4 q, out and dO as they come (all-gather's "
-                                       "kv-head groups: strided views) instead of contiguous copies (H100, 64k: "
-                                       "~44 µs a tensor)"),
+    "FA4_MASKED_CONTIGUOUS": Knob("0", "1: a fa4 masked backward hands FA4 contiguous copies of q, out and dO (0: "
+                                       "as they come, all-gather's kv-head groups' strided views, which FA4 takes; "
+                                       "H100, 64k: 55.6 -> 61.1% f+b, docs/PERF.md)"),
     "TIMEOUT_S": Knob("300", "seconds a collective waits for the other ranks before failing the job"),
     # launcher variables
     "ERROR_DIR": Knob(None, "where ranks file their errors for distlab run's summary", launcher=True),

@@ -21,7 +21,7 @@
 #                                                   # or agfa4 (all-gather CP's rank on FA4 varlen, copies of
 #                                                   # shared keys; FA4's GPU tests first; needs /opt/fa4)
 #                                                   # or agprof (all-gather's FA4 rank: kernels and timeline
-#                                                   # beside one call's; then strided views A/B) or agchunks
+#                                                   # beside one call's; then the contiguous copies A/B) or agchunks
 #                                                   # (one kv-head group)
 #                                                   # or fa4 (FA4's varlen path for masks: its GPU tests, the packed
 #                                                   # ring rank on FA4 blocks against one FA4 call; needs /opt/fa4 from
@@ -179,10 +179,11 @@ if [ "$part" = agprof ]; then   # (25th session) where all-gather CP's FA4 rank 
   timeout -s ABRT 150 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --method allgather --layouts balanced \
     units --backend fa4 --rate-means --iters 5 --warmup 1 --profile balanced --timeline balanced \
     --json "$out/allgather_fa4_prof.json" 2>&1 | tee "$out/allgather_fa4_prof.log" || status=1
-  # A/B (26th session): the backward hands FA4 the head groups' strided q, out and dO instead of copies
-  DISTLAB_FA4_MASKED_CONTIGUOUS=0 timeout -s ABRT 120 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 \
+  # A/B (26th session): the backward's contiguous copies of the head groups' q, out and dO (the default since:
+  # FA4 takes the strided views)
+  DISTLAB_FA4_MASKED_CONTIGUOUS=1 timeout -s ABRT 120 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 \
     --method allgather --layouts balanced units --backend fa4 --rate-means --iters 5 --warmup 1 \
-    --json "$out/allgather_fa4_views.json" 2>&1 | tee "$out/allgather_fa4_views.log" || status=1
+    --json "$out/allgather_fa4_copies.json" 2>&1 | tee "$out/allgather_fa4_copies.log" || status=1
   pack_logs
   exit $status
 fi

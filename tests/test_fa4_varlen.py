@@ -372,8 +372,8 @@ def test_fa4_masked_matches_the_float32_reference(what):
     assert (lse[:, :, seen] - want_lse[:, :, seen]).abs().max() < 2e-2 and torch.isneginf(lse[:, :, ~seen]).all()
     for got, ref in zip(grads, (t.grad for t in full)):
         assert got.shape == ref.shape and rel(got, ref) < 3e-2
-    if wide > 1:   # FA4 handed the strided views themselves (knob FA4_MASKED_CONTIGUOUS=0), not copies
-        with knobs.override(FA4_MASKED_CONTIGUOUS="0"):
+    if wide > 1:   # and with contiguous copies (knob FA4_MASKED_CONTIGUOUS=1; the default hands FA4 the views)
+        with knobs.override(FA4_MASKED_CONTIGUOUS="1"):
             views = attention_backward(dout, q, k, v, out, lse, backend="fa4", mask=mask)
         for got, ref in zip(views, (t.grad for t in full)):
             assert got.shape == ref.shape and rel(got, ref) < 3e-2

@@ -203,9 +203,9 @@ def fa4_masked_backward(dout, q, k, v, out, lse, spec, scale, into=(None, None, 
     """(dq, dk, dv) under ``spec`` given the final out and LSE; rows and keys in no sequence get zeros; the
     dK/dV of keys that several sequences read as copies (``spec.key_index``) summed in float32. ``into``:
     (dq, dk, dv) to write them into (FA4 itself, or the copies' sums)."""
-    # (a head group of all-gather CP's q, out and dO is a strided view; contiguous copies cost ~44 µs a tensor at
-    # 64k on the H100; knob FA4_MASKED_CONTIGUOUS=0 hands FA4 the views, whose strides it takes as they are)
-    same = (lambda t: t) if knobs.get("FA4_MASKED_CONTIGUOUS") == "0" else (lambda t: t.contiguous())
+    # (a head group of all-gather CP's q, out and dO is a strided view, which FA4 takes as it is: contiguous
+    # copies cost ~44 µs a tensor at 64k on the H100; knob FA4_MASKED_CONTIGUOUS=1 makes them, for an A/B)
+    same = (lambda t: t.contiguous()) if knobs.get("FA4_MASKED_CONTIGUOUS") == "1" else (lambda t: t)
     q0 = same(q[0])
     k0, v0 = (same(t) for t in _keys_read(spec, k[0], v[0]))
     dq_to, dk_to, dv_to = into
