@@ -152,7 +152,8 @@ class _AllGatherAttention(torch.autograd.Function):
             if order is not None:    # back to rank order, for the reduce-scatter
                 dk_c, dv_c = dk_c.index_select(1, order[1]), dv_c.index_select(1, order[1])
                 if dkv_to[0] is not None:
-                    dkv_to[0].copy_(dk_c), dkv_to[1].copy_(dv_c)
+                    dkv_to[0].copy_(dk_c)
+                    dkv_to[1].copy_(dv_c)
             if world > 1:   # this group's dK/dV go home while the next group computes
                 with phase("allgather.exchange"):
                     pending.append((kh, _post_scatter(send, group, world)))
