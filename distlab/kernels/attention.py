@@ -198,14 +198,14 @@ def attention_forward(q, k, v, causal=False, softmax_scale=None, backend="auto",
     check_mask(mask, q, k, causal)
     backend = resolve_backend(backend, q.device, q.dtype, masked=mask is not None)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if into is not None:
-        _check_into(into, ((q.shape, q.dtype), ((q.shape[0], q.shape[2], q.shape[1]), None)))
-        spec = _fa4_varlen(q, mask) if backend == "fa4" and mask is not None else None
-        if spec is not None:
-            from distlab.kernels.fa4 import fa4_masked_forward
+    if into is None:
+        return _forward(q, k, v, causal, scale, backend, mask, (None, None))
+    _check_into(into, ((q.shape, q.dtype), ((q.shape[0], q.shape[2], q.shape[1]), None)))
+    return _written(into, _forward(q, k, v, causal, scale, backend, mask, into))
 
-            return fa4_masked_forward(q, k, v, spec, scale, into=into)
-        return _written(into, attention_forward(q, k, v, causal, scale, backend, mask))
+
+def _forward(q, k, v, causal, scale, backend, mask, into):
+    """The backend's ``(out, lse)`` of checked arguments; FA4's varlen path writes them into ``into`` itself."""
     if backend == "torch":
         return _torch_forward(q, k, v, causal, scale, mask)
     if backend == "triton":
@@ -223,7 +223,7 @@ def attention_forward(q, k, v, causal=False, softmax_scale=None, backend="auto",
             return fa4_forward(q, k, v, causal, scale)
         spec = _fa4_varlen(q, mask)
         if spec is not None:
-            return fa4_masked_forward(q, k, v, spec, scale)
+            return fa4_masked_forward(q, k, v, spec, scale, into=into)
         return attention_forward(q, k, v, False, scale, _fa4_mask_fallback(q), mask)
     return _sdpa_forward(backend, q, k, v, causal, scale)
 
@@ -241,14 +241,14 @@ def attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None
                          f"got {tuple(lse.shape)}")
     backend = resolve_backend(backend, q.device, q.dtype, masked=mask is not None)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if into is not None:
-        _check_into(into, ((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)))
-        spec = _fa4_varlen(q, mask) if backend == "fa4" and mask is not None else None
-        if spec is not None:
-            from distlab.kernels.fa4 import fa4_masked_backward
+    if into is None:
+        return _backward(dout, q, k, v, out, lse, causal, scale, backend, mask, (None, None, None))
+    _check_into(into, ((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)))
+    return _written(into, _backward(dout, q, k, v, out, lse, causal, scale, backend, mask, into))
 
-            return fa4_masked_backward(dout, q, k, v, out, lse, spec, scale, into=into)
-        return _written(into, attention_backward(dout, q, k, v, out, lse, causal, scale, backend, mask))
+
+def _backward(dout, q, k, v, out, lse, causal, scale, backend, mask, into):
+    """The backend's ``(dq, dk, dv)`` of checked arguments; FA4's varlen path writes them into ``into`` itself."""
     if backend == "torch":
         return _torch_backward(dout, q, k, v, out, lse, causal, scale, mask)
     if backend == "triton":
@@ -266,7 +266,7 @@ def attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None
             return fa4_backward(dout, q, k, v, out, lse, causal, scale)
         spec = _fa4_varlen(q, mask)
         if spec is not None:
-            return fa4_masked_backward(dout, q, k, v, out, lse, spec, scale)
+            return fa4_masked_backward(dout, q, k, v, out, lse, spec, scale, into=into)
         return attention_backward(dout, q, k, v, out, lse, False, scale, _fa4_mask_fallback(q), mask)
     return _sdpa_backward(backend, dout, q, k, v, out, lse, causal, scale)
 
@@ -281,8 +281,8 @@ def _check_into(into, wanted):
 
 
 def _written(into, results):
-    """``results``, each copied into its ``into`` tensor where one is given."""
-    return tuple(r if t is None else t.copy_(r) for t, r in zip(into, results))
+    """``results``, each copied into its ``into`` tensor where one is given and the kernel did not write there."""
+    return tuple(r if t is None or r is t else t.copy_(r) for t, r in zip(into, results))
 
 
 def _fa4_varlen(q, mask):

@@ -192,7 +192,10 @@ def fa4_masked_forward(q, k, v, spec, scale, into=(None, None)):
         q[0], k0, v0, softmax_scale=scale, return_lse=True, out=None if out_to is None else out_to[0],
         lse=lse_to[0] if lse_here else None, **_varlen_args(spec))
     out = out.unsqueeze(0) if out_to is None else out_to
-    lse = lse.unsqueeze(0) if lse_to is None else lse_to if lse_here else lse_to.copy_(lse.unsqueeze(0))
+    if lse_to is None:
+        lse = lse.unsqueeze(0)
+    else:   # FA4 wrote it there, or (not float32) it is copied there
+        lse = lse_to if lse_here else lse_to.copy_(lse.unsqueeze(0))
     if spec.unseen is not None:   # in no sequence: FA4 left them as allocated
         out.index_fill_(1, spec.unseen, 0.0)
         lse.index_fill_(2, spec.unseen, float("-inf"))
