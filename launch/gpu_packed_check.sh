@@ -22,7 +22,8 @@
 #                                                   # shared keys; FA4's GPU tests first; needs /opt/fa4)
 #                                                   # or agprof (all-gather's FA4 rank: kernels and timeline
 #                                                   # beside one call's; then the contiguous copies A/B) or agchunks
-#                                                   # (one kv-head group)
+#                                                   # (one kv-head group) or agsum (the copies' dK/dV summed in
+#                                                   # one Triton pass against the torch path, A/B; needs /opt/fa4)
 #                                                   # or fa4 (FA4's varlen path for masks: its GPU tests, the packed
 #                                                   # ring rank on FA4 blocks against one FA4 call; needs /opt/fa4 from
 #                                                   # ../shared/tools/fa4-carry's two calls on this warm machine)
@@ -184,6 +185,26 @@ if [ "$part" = agprof ]; then   # (25th session) where all-gather CP's FA4 rank 
   DISTLAB_FA4_MASKED_CONTIGUOUS=1 timeout -s ABRT 120 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 \
     --method allgather --layouts balanced units --backend fa4 --rate-means --iters 5 --warmup 1 \
     --json "$out/allgather_fa4_copies.json" 2>&1 | tee "$out/allgather_fa4_copies.log" || status=1
+  pack_logs
+  exit $status
+fi
+
+if [ "$part" = agsum ]; then   # (27th session) the copies' dK/dV summed in one Triton pass (knob FA4_COPIES_KERNEL)
+  # against the torch path's five, all-gather CP's FA4 rank at 64k, seeds 0 and 1, A B A B. Needs /opt/fa4
+  export PYTHONPATH=/opt/fa4:/opt/fa4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+  timeout -s ABRT 60 $py tests/kernel_checks.py copies --device cuda --dtype bfloat16 --big 2>&1 \
+    | tee "$out/copies_check.log" || status=1
+  timeout -s ABRT 200 $py -m pytest -q -m gpu tests/test_fa4_varlen.py -p no:cacheprovider 2>&1 \
+    | tee "$out/gpu_tests.log" || status=1
+  for seed in 0 1; do
+    for run in 0a 1a 0b 1b; do
+      kernel=${run:0:1}
+      DISTLAB_FA4_COPIES_KERNEL=$kernel timeout -s ABRT 100 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 \
+        --method allgather --docs lognormal:mean=2048,seed=$seed --layouts balanced units --backend fa4 \
+        --rate-means --iters 5 --warmup 1 --json "$out/allgather_fa4_seed${seed}_kernel${run}.json" 2>&1 \
+        | tee "$out/allgather_fa4_seed${seed}_kernel${run}.log" || status=1
+    done
+  done
   pack_logs
   exit $status
 fi

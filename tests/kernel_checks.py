@@ -604,9 +604,45 @@ def check_packed_ring(device, dtype, big=False):
     print("OK packed_ring")
 
 
+def check_copies(device, dtype, big=False):
+    """The one-pass sum of FA4's dK/dV over key copies (``copies_sum_``) equals the torch path's
+    ``_copies_summed`` bit for bit: sequences reading overlapping key ranges (rows read once, twice, three
+    times, never), keys through a permutation (all-gather's arrival order), outputs that are strided views of a
+    head group (their other heads untouched), heads not a power of two."""
+    from distlab.kernels.fa4 import _copies_summed
+    from distlab.kernels.fa4_varlen import VarlenSpec, _copies_by_row, _read_through, _with_key_copies
+    from distlab.kernels.triton_copies_sum import copies_sum_
+
+    n_k, heads, dim, total = (45, 3, 16, 5) if not big else (65536, 4, 128, 8)
+    ka, kb = ((torch.tensor([0, 0, 5, 8, 30]), torch.tensor([10, 14, 20, 12, 40])) if not big else
+              (torch.arange(0, 60000, 3000), torch.arange(0, 60000, 3000) + 7000))
+    one = torch.tensor([1], dtype=torch.int32)
+    base = VarlenSpec(cu_q=one, cu_k=one, used_q=None, used_k=None, max_q=1, max_k=1, causal=True, window=None,
+                      unseen=None, keys_left_out=False)
+    order = torch.randperm(n_k, generator=torch.Generator().manual_seed(3))
+    spec = _copies_by_row(_read_through(_with_key_copies(base, ka, kb), order), n_k)
+    counts = torch.bincount(spec.key_index, minlength=n_k)
+    assert {0, 1, 2, 3} <= set(counts.tolist()), counts   # rows read never, once, twice, three times
+    spec = spec.to(device)
+    packed = spec.key_index.numel()
+    dk, dv = (rand(packed, heads, dim, dtype=dtype, device=device, seed=s) for s in (5, 6))
+    like = torch.zeros(n_k, heads, dim, dtype=dtype, device=device)
+    want_k, want_v = (_copies_summed(d, like, spec)[0] for d in (dk, dv))
+    whole = rand(n_k, 2, total, dim, dtype=dtype, device=device, seed=7)   # a scatter buffer: (rows, k|v, heads, d)
+    before = whole.clone()
+    out_k, out_v = whole[:, 0, 1:1 + heads], whole[:, 1, 1:1 + heads]
+    copies_sum_(dk, dv, out_k, out_v, spec.copy_order, spec.copy_start)
+    if device.type == "cpu":   # the same float32 additions in the same order
+        assert torch.equal(out_k, want_k) and torch.equal(out_v, want_v), (rel(out_k, want_k), rel(out_v, want_v))
+    else:                      # CUDA's index_add_ adds a row's third copy in any order: one rounding apart at most
+        assert rel(out_k, want_k) < tol(dtype) / 10 and rel(out_v, want_v) < tol(dtype) / 10
+    assert torch.equal(whole[:, :, :1], before[:, :, :1]) and torch.equal(whole[:, :, 1 + heads:], before[:, :, 1 + heads:])
+    print("OK copies")
+
+
 CHECKS = {"attention": check_attention, "accumulate": check_attention_accumulate, "rmsnorm": check_rmsnorm,
           "rope": check_rope, "swiglu": check_swiglu, "merge": check_merge, "emulate": check_emulate,
-          "masked": check_masked, "packed_ring": check_packed_ring}
+          "masked": check_masked, "packed_ring": check_packed_ring, "copies": check_copies}
 
 
 def main(argv=None):

@@ -13,7 +13,7 @@ import torch
 from distlab import knobs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-NAMES = ["attention", "accumulate", "rmsnorm", "rope", "swiglu", "merge", "masked", "packed_ring", "emulate"]
+NAMES = ["attention", "accumulate", "rmsnorm", "rope", "swiglu", "merge", "masked", "packed_ring", "emulate", "copies"]
 
 
 def test_kernels_in_the_interpreter():
@@ -25,7 +25,7 @@ def test_kernels_in_the_interpreter():
     pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.path.dirname(HERE), "OMP_NUM_THREADS": "1"}
     kernels = [n for n in NAMES if n not in ("packed_ring", "emulate")]
-    runs = [("float32", ["attention", "rmsnorm", "rope", "swiglu", "merge", "emulate"]),
+    runs = [("float32", ["attention", "rmsnorm", "rope", "swiglu", "merge", "emulate", "copies"]),
             ("float32", ["accumulate", "masked", "packed_ring"]), ("float16", kernels)]
     assert sorted(n for _, names in runs[:2] for n in names) == sorted(NAMES)
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "kernel_checks.py"), "--dtype", dtype, *names],

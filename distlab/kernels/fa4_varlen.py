@@ -59,6 +59,8 @@ class VarlenSpec:
     more_rows: torch.Tensor | None = None   # the K/V rows read more than once, each once
     more_pos: torch.Tensor | None = None    # the packed rows of their later copies
     more_slot: torch.Tensor | None = None   # each later copy's place in ``more_rows``
+    copy_order: torch.Tensor | None = None  # the packed rows in key-row order (a row's copies in packed order)
+    copy_start: torch.Tensor | None = None  # (mask's keys + 1,) where each key row's copies start in copy_order
 
     def to(self, device) -> "VarlenSpec":
         move = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
@@ -77,6 +79,8 @@ def varlen_spec(mask) -> VarlenSpec | None:
             order = torch.argsort(mask.k_pos.cpu(), stable=True)
             spec = _compile(KeyMask(mask.q_lo, mask.q_hi, mask.k_pos.cpu()[order], True))
             spec = _read_through(spec, order) if spec is not None else None
+        if spec is not None and spec.key_index is not None:
+            spec = _copies_by_row(spec, mask.k_pos.numel())
         mask.memo["fa4_varlen"] = spec.to(mask.q_lo.device) if spec is not None else None
     return mask.memo["fa4_varlen"]
 
@@ -91,6 +95,15 @@ def _read_through(spec: VarlenSpec, order: torch.Tensor) -> VarlenSpec:
         spec = _with_key_copies(spec, ka, kb)
     return dataclasses.replace(spec, key_index=order[spec.key_index], key_rows=order[spec.key_rows],
                                more_rows=order[spec.more_rows])
+
+
+def _copies_by_row(spec: VarlenSpec, n_k: int) -> VarlenSpec:
+    """``spec`` with its copies listed per key row (CSR, int32: what the one-pass sum of their gradients reads)."""
+    index = spec.key_index
+    counts = torch.bincount(index, minlength=n_k)
+    start = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(counts, 0)])
+    return dataclasses.replace(spec, copy_order=torch.argsort(index, stable=True).to(torch.int32),
+                               copy_start=start.to(torch.int32))
 
 
 MAX_KEY_COPIES = 2   # copied keys (all sequences' key rows together) at most this many times the mask's keys
