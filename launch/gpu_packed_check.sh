@@ -205,6 +205,9 @@ if [ "$part" = agsum ]; then   # (27th session) the copies' dK/dV summed in one 
         | tee "$out/allgather_fa4_seed${seed}_kernel${run}.log" || status=1
     done
   done
+  DISTLAB_FA4_COPIES_KERNEL=1 timeout -s ABRT 100 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 \
+    --method allgather --layouts balanced --backend fa4 --rate-means --iters 5 --warmup 1 --profile balanced \
+    --json "$out/allgather_fa4_kernel_prof.json" 2>&1 | tee "$out/allgather_fa4_kernel_prof.log" || status=1
   pack_logs
   exit $status
 fi
