@@ -205,9 +205,9 @@ def fa4_masked_forward(q, k, v, spec, scale, into=(None, None)):
 
 def fa4_masked_backward(dout, q, k, v, out, lse, spec, scale, into=(None, None, None)):
     """(dq, dk, dv) under ``spec`` given the final out and LSE; rows and keys in no sequence get zeros; the
-    dK/dV of keys that several sequences read as copies (``spec.key_index``) summed in float32 (by torch, or
-    with knob ``FA4_COPIES_KERNEL=1`` in one Triton pass: ``triton_copies_sum``). ``into``: (dq, dk, dv) to
-    write them into (FA4 itself, or the copies' sums)."""
+    dK/dV of keys that several sequences read as copies (``spec.key_index``) summed in float32 (where Triton
+    runs, in one pass: ``triton_copies_sum``; else, or with knob ``FA4_COPIES_KERNEL=0``, by torch). ``into``:
+    (dq, dk, dv) to write them into (FA4 itself, or the copies' sums)."""
     # (a head group of all-gather CP's q, out and dO is a strided view, which FA4 takes as it is: contiguous
     # copies cost ~44 µs a tensor at 64k on the H100; knob FA4_MASKED_CONTIGUOUS=1 makes them, for an A/B)
     same = (lambda t: t.contiguous()) if knobs.get("FA4_MASKED_CONTIGUOUS") == "1" else (lambda t: t)

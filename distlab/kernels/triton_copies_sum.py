@@ -1,5 +1,6 @@
 """dK and dV of keys that FlashAttention-4's variable-length backward read as copies, summed in one pass
-(``distlab.kernels.fa4.fa4_masked_backward`` calls this on CUDA; knob ``DISTLAB_FA4_COPIES_KERNEL``).
+(``distlab.kernels.fa4.fa4_masked_backward`` calls this on CUDA; knob ``DISTLAB_FA4_COPIES_KERNEL=0`` for the
+torch path). H100, all-gather CP's FA4 rank at 64k, W=8: its f+b 2.24-2.29 -> 1.86-1.94 ms (docs/PERF.md).
 
     TRITON_INTERPRET=1 python tests/kernel_checks.py copies     # CPU, against the torch path, bit for bit
 
@@ -9,8 +10,8 @@ row's dK/dV is then the sum of its copies' (none: zero). The torch path does it 
 first copies' ``index_copy``, the later copies gathered, summed in float32, written back); here one program a
 key row reads its copies (CSR: ``spec.copy_start``, ``spec.copy_order``, packed rows in copy order), adds them
 in float32 in that order, and writes dK and dV once, in their dtype — the same additions in the same order as
-the torch path, so the same bits. Outputs may be strided views (a head group of all-gather's scatter buffer);
-the last dimension is contiguous.
+the torch path on the CPU, so the same bits (CUDA's ``index_add_`` adds a row's third copy in any order).
+Outputs may be strided views (a head group of all-gather's scatter buffer); the last dimension is contiguous.
 """
 
 from __future__ import annotations
