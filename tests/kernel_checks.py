@@ -637,7 +637,41 @@ def check_copies(device, dtype, big=False):
     else:                      # CUDA's index_add_ adds a row's third copy in any order: one rounding apart at most
         assert rel(out_k, want_k) < tol(dtype) / 10 and rel(out_v, want_v) < tol(dtype) / 10
     assert torch.equal(whole[:, :, :1], before[:, :, :1]) and torch.equal(whole[:, :, 1 + heads:], before[:, :, 1 + heads:])
+    if device.type == "cpu":
+        _copies_through_the_fa4_wrapper(dtype)
     print("OK copies")
+
+
+def _copies_through_the_fa4_wrapper(dtype):
+    """``fa4_masked_backward`` on a balanced all-gather rank (keys read as copies), FA4's varlen rule standing in
+    for FA4 (``tests/test_fa4_varlen.py``): the one Triton pass (the default, where Triton runs: here the
+    interpreter) equals the torch path (knob ``FA4_COPIES_KERNEL=0``) bit for bit, new tensors and into views."""
+    from distlab.cp.documents import Documents, parse_docs
+    from distlab.kernels import fa4, triton_copies_sum
+    from distlab.kernels.fa4_varlen import varlen_spec
+    from test_fa4_varlen import _FA4VarlenSemantics, _balanced_rank_with_shared_keys
+
+    docs = Documents.from_args(192, parse_docs("lognormal:mean=48,seed=0", 192), True, None)   # small: interpreted
+    mask = docs.mask(_balanced_rank_with_shared_keys(docs), torch.arange(docs.total))
+    spec = varlen_spec(mask)
+    assert spec.key_index is not None
+    fake = _FA4VarlenSemantics()
+    fa4._interface = lambda: fake
+    launches = []
+    kernel = triton_copies_sum.copies_sum_
+    triton_copies_sum.copies_sum_ = lambda *a: launches.append(1) or kernel(*a)
+    q, out, dout = (rand(1, mask.q_lo.numel(), 4, 16, dtype=dtype, device="cpu", seed=s) for s in (1, 2, 3))
+    k, v = (rand(1, docs.total, 2, 16, dtype=dtype, device="cpu", seed=s) for s in (4, 5))
+    lse = rand(1, 4, q.shape[1], dtype=torch.float32, device="cpu", seed=6).abs() + 3.0
+    with knobs.override(FA4_COPIES_KERNEL="0"):
+        want = fa4.fa4_masked_backward(dout, q, k, v, out, lse, spec, 0.25)
+    got = fa4.fa4_masked_backward(dout, q, k, v, out, lse, spec, 0.25)
+    into = [torch.full((1, t.shape[1], 3, 16), float("nan"), dtype=dtype)[:, :, 1:1 + t.shape[2]] for t in (q, k, v)]
+    into[0] = torch.full_like(q, float("nan"))
+    viewed = fa4.fa4_masked_backward(dout, q, k, v, out, lse, spec, 0.25, into=tuple(into))
+    assert all(g is t for g, t in zip(viewed, into)) and len(launches) == 2   # the torch path launched none
+    for name, w, g, h in zip(("dq", "dk", "dv"), want, got, viewed):
+        assert torch.equal(g, w) and torch.equal(h, w), (name, rel(g, w), rel(h, w))
 
 
 CHECKS = {"attention": check_attention, "accumulate": check_attention_accumulate, "rmsnorm": check_rmsnorm,
