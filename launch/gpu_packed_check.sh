@@ -24,6 +24,7 @@
 #                                                   # beside one call's; then the contiguous copies A/B) or agchunks
 #                                                   # (one kv-head group) or agsum (the copies' dK/dV summed in
 #                                                   # one Triton pass against the torch path, A/B; needs /opt/fa4)
+#                                                   # or agverify (FA4's GPU tests, then one and two kv-head groups)
 #                                                   # or fa4 (FA4's varlen path for masks: its GPU tests, the packed
 #                                                   # ring rank on FA4 blocks against one FA4 call; needs /opt/fa4 from
 #                                                   # ../shared/tools/fa4-carry's two calls on this warm machine)
@@ -208,6 +209,23 @@ if [ "$part" = agsum ]; then   # (27th session) the copies' dK/dV summed in one 
   DISTLAB_FA4_COPIES_KERNEL=1 timeout -s ABRT 100 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 \
     --method allgather --layouts balanced --backend fa4 --rate-means --iters 5 --warmup 1 --profile balanced \
     --json "$out/allgather_fa4_kernel_prof.json" 2>&1 | tee "$out/allgather_fa4_kernel_prof.log" || status=1
+  pack_logs
+  exit $status
+fi
+
+if [ "$part" = agverify ]; then   # (27th session) FA4's GPU tests with the copies kernel the default; then
+  # all-gather CP's FA4 rank with one kv-head group and two, seeds 0 and 1. Needs /opt/fa4
+  export PYTHONPATH=/opt/fa4:/opt/fa4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+  timeout -s ABRT 200 $py -m pytest -q -m gpu tests/test_fa4_varlen.py -p no:cacheprovider 2>&1 \
+    | tee "$out/gpu_tests.log" || status=1
+  for seed in 0 1; do
+    for chunks in 2 1; do
+      timeout -s ABRT 100 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --method allgather \
+        --docs lognormal:mean=2048,seed=$seed --layouts balanced units --backend fa4 --chunks $chunks --rate-means \
+        --iters 5 --warmup 1 --json "$out/allgather_fa4_seed${seed}_chunks$chunks.json" 2>&1 \
+        | tee "$out/allgather_fa4_seed${seed}_chunks$chunks.log" || status=1
+    done
+  done
   pack_logs
   exit $status
 fi
