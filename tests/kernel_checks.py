@@ -608,7 +608,7 @@ def check_copies(device, dtype, big=False):
     """The one-pass sum of FA4's dK/dV over key copies (``copies_sum_``) equals the torch path's
     ``_copies_summed`` bit for bit: sequences reading overlapping key ranges (rows read once, twice, three
     times, never), keys through a permutation (all-gather's arrival order), outputs that are strided views of a
-    head group (their other heads untouched), heads not a power of two."""
+    head group (their other heads untouched), heads and (on the CPU) a head_dim not a power of two."""
     from distlab.kernels.fa4 import _copies_summed
     from distlab.kernels.fa4_varlen import VarlenSpec, _copies_by_row, _read_through, _with_key_copies
     from distlab.kernels.triton_copies_sum import copies_sum_
@@ -625,18 +625,19 @@ def check_copies(device, dtype, big=False):
     assert {0, 1, 2, 3} <= set(counts.tolist()), counts   # rows read never, once, twice, three times
     spec = spec.to(device)
     packed = spec.key_index.numel()
-    dk, dv = (rand(packed, heads, dim, dtype=dtype, device=device, seed=s) for s in (5, 6))
-    like = torch.zeros(n_k, heads, dim, dtype=dtype, device=device)
-    want_k, want_v = (_copies_summed(d, like, spec)[0] for d in (dk, dv))
-    whole = rand(n_k, 2, total, dim, dtype=dtype, device=device, seed=7)   # a scatter buffer: (rows, k|v, heads, d)
-    before = whole.clone()
-    out_k, out_v = whole[:, 0, 1:1 + heads], whole[:, 1, 1:1 + heads]
-    copies_sum_(dk, dv, out_k, out_v, spec.copy_order, spec.copy_start)
-    if device.type == "cpu":   # the same float32 additions in the same order
-        assert torch.equal(out_k, want_k) and torch.equal(out_v, want_v), (rel(out_k, want_k), rel(out_v, want_v))
-    else:                      # CUDA's index_add_ adds a row's third copy in any order: one rounding apart at most
-        assert rel(out_k, want_k) < tol(dtype) / 10 and rel(out_v, want_v) < tol(dtype) / 10
-    assert torch.equal(whole[:, :, :1], before[:, :, :1]) and torch.equal(whole[:, :, 1 + heads:], before[:, :, 1 + heads:])
+    for dim in (dim,) if big else (dim, 24):
+        dk, dv = (rand(packed, heads, dim, dtype=dtype, device=device, seed=s) for s in (5, 6))
+        like = torch.zeros(n_k, heads, dim, dtype=dtype, device=device)
+        want_k, want_v = (_copies_summed(d, like, spec)[0] for d in (dk, dv))
+        whole = rand(n_k, 2, total, dim, dtype=dtype, device=device, seed=7)   # a scatter buffer: (rows, k|v, h, d)
+        before = whole.clone()
+        out_k, out_v = whole[:, 0, 1:1 + heads], whole[:, 1, 1:1 + heads]
+        copies_sum_(dk, dv, out_k, out_v, spec.copy_order, spec.copy_start)
+        if device.type == "cpu":   # the same float32 additions in the same order
+            assert torch.equal(out_k, want_k) and torch.equal(out_v, want_v), (dim, rel(out_k, want_k), rel(out_v, want_v))
+        else:                      # CUDA's index_add_ adds a row's third copy in any order: one rounding apart at most
+            assert rel(out_k, want_k) < tol(dtype) / 10 and rel(out_v, want_v) < tol(dtype) / 10
+        assert torch.equal(whole[:, :, :1], before[:, :, :1]) and torch.equal(whole[:, :, 1 + heads:], before[:, :, 1 + heads:])
     if device.type == "cpu":
         _copies_through_the_fa4_wrapper(dtype)
     print("OK copies")

@@ -222,12 +222,13 @@ def fa4_masked_backward(dout, q, k, v, out, lse, spec, scale, into=(None, None, 
         q0, k0, v0, same(out[0]), same(dout[0]), lse[0].contiguous(), softmax_scale=scale,
         dq=dq, dk=dk, dv=dv, **_varlen_args(spec))[:3]
     if copies and knobs.get("FA4_COPIES_KERNEL") == "1" and triton_runs_on(dk.device):
-        from distlab.kernels.triton_copies_sum import copies_sum_
+        from distlab.kernels import triton_copies_sum
 
         dk_sum, dv_sum = (to if to is not None else torch.empty((1,) + tuple(t.shape), dtype=t.dtype, device=t.device)
                           for to, t in ((dk_to, k[0]), (dv_to, v[0])))
-        copies_sum_(dk, dv, dk_sum[0], dv_sum[0], spec.copy_order, spec.copy_start)
-        return _batch(dq, dq_to), dk_sum, dv_sum
+        if triton_copies_sum.takes(dk, dv, dk_sum[0], dv_sum[0]):
+            triton_copies_sum.copies_sum_(dk, dv, dk_sum[0], dv_sum[0], spec.copy_order, spec.copy_start)
+            return _batch(dq, dq_to), dk_sum, dv_sum
     if copies:
         return _batch(dq, dq_to), _copies_summed(dk, k[0], spec, dk_to), _copies_summed(dv, v[0], spec, dv_to)
     return _batch(dq, dq_to), _batch(dk, dk_to), _batch(dv, dv_to)

@@ -24,16 +24,16 @@ from distlab.kernels.launch import CachedLaunch, num_warps, tensor_key
 
 @triton.jit
 def _copies_sum_kernel(DK, DV, OK, OV, ORDER, START, sdr, sdh, skr, skh, svr, svh,
-                       H: tl.constexpr, HB: tl.constexpr, D: tl.constexpr):
+                       H: tl.constexpr, HB: tl.constexpr, D: tl.constexpr, DB: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     first = tl.load(START + row)
     stop = tl.load(START + row + 1)
     heads = tl.arange(0, HB)[:, None]
-    dims = tl.arange(0, D)[None, :]
-    inside = heads < H
+    dims = tl.arange(0, DB)[None, :]
+    inside = (heads < H) & (dims < D)
     src = heads * sdh + dims
-    acc_k = tl.zeros([HB, D], dtype=tl.float32)
-    acc_v = tl.zeros([HB, D], dtype=tl.float32)
+    acc_k = tl.zeros([HB, DB], dtype=tl.float32)
+    acc_v = tl.zeros([HB, DB], dtype=tl.float32)
     for i in range(first, stop):
         packed = tl.load(ORDER + i).to(tl.int64)
         acc_k += tl.load(DK + packed * sdr + src, mask=inside, other=0.0).to(tl.float32)
@@ -45,18 +45,23 @@ def _copies_sum_kernel(DK, DV, OK, OV, ORDER, START, sdr, sdh, skr, skh, svr, sv
 _LAUNCH = CachedLaunch(_copies_sum_kernel)
 
 
+def takes(dk, dv, out_k, out_v) -> bool:
+    """The layouts ``copies_sum_`` reads and writes: dK and dV of one layout, every last dimension contiguous."""
+    return dk.stride() == dv.stride() and all(t.shape[-1] == 1 or t.stride(-1) == 1 for t in (dk, out_k, out_v))
+
+
 def copies_sum_(dk, dv, out_k, out_v, order, start):
     """``out_k[r]``, ``out_v[r]`` = the sum of ``dk``/``dv`` over the packed rows ``order[start[r]:start[r+1]]``
     (float32 additions in that order, one rounding), for every key row r of ``out_k`` (rows, heads, head_dim);
-    ``dk`` and ``dv`` (packed rows, heads, head_dim) share their strides; last dimensions contiguous."""
-    rows, heads, dim = out_k.shape
-    if dk.stride() != dv.stride() or 1 not in (dk.stride(2), dim) or out_k.stride(2) != 1 or out_v.stride(2) != 1:
+    ``dk`` and ``dv`` (packed rows, heads, head_dim) share their strides; last dimensions contiguous
+    (``takes`` says whether they are)."""
+    if not takes(dk, dv, out_k, out_v):
         raise ValueError("copies_sum_: dk and dv share strides, and every last dimension is contiguous")
-    if dim & (dim - 1):
-        raise ValueError(f"copies_sum_: head_dim {dim} is not a power of two")
+    rows, heads, dim = out_k.shape
     args = (dk, dv, out_k, out_v, order, start, dk.stride(0), dk.stride(1), out_k.stride(0), out_k.stride(1),
             out_v.stride(0), out_v.stride(1))
-    meta = dict(H=heads, HB=triton.next_power_of_2(heads), D=dim, num_warps=num_warps(2))
+    meta = dict(H=heads, HB=triton.next_power_of_2(heads), D=dim, DB=triton.next_power_of_2(dim),
+                num_warps=num_warps(2))
     key = tuple(tensor_key(a) for a in args[:6]) + args[6:] + tuple(meta.values())
     _LAUNCH(key, (rows,), args, meta)
     return out_k, out_v
