@@ -125,6 +125,7 @@ class _FA4VarlenSemantics:
     def __init__(self):
         self.calls = []
         self.key_rows = []   # K rows each forward call read
+        self.key_ptrs = {"fwd": [], "bwd": []}   # the memory each call read its K from
 
     @staticmethod
     def _sequences(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
@@ -154,6 +155,7 @@ class _FA4VarlenSemantics:
                         lse=None):
         self.calls.append(("fwd", seqused_q is not None, seqused_k is not None))
         self.key_rows.append(k.shape[0])
+        self.key_ptrs["fwd"].append(k.data_ptr())
         assert q.dim() == 3 and cu_seqlens_q.dtype == torch.int32 and return_lse
         if out is not None:   # what FA4 does not write stays as it was: here NaN, as if never initialised
             assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
@@ -173,6 +175,7 @@ class _FA4VarlenSemantics:
                         seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, causal, window_size_left,
                         window_size_right=None):
         self.calls.append(("bwd", seqused_q is not None, seqused_k is not None))
+        self.key_ptrs["bwd"].append(k.data_ptr())
         assert lse.shape == (q.shape[1], q.shape[0])
         dq, dk, dv = (t if t is not None else torch.full_like(like, float("nan")) for t, like in ((dq, q), (dk, k), (dv, v)))
         groups = q.shape[1] // k.shape[1]
@@ -229,6 +232,24 @@ def test_fa4_masked_wrapper_passes_the_sequences(monkeypatch, what):
     for got, ref in zip((dq, dk, dv), full):
         torch.testing.assert_close(got, ref.grad, rtol=1e-6, atol=1e-6)
     assert [c[0] for c in fake.calls] == ["fwd", "bwd"]
+
+
+def test_fa4_masked_backward_refuses_key_copies_of_another_mask(monkeypatch):
+    """``kept`` from a forward under another mask (copies of other keys): a clear ValueError, not wrong gradients."""
+    from distlab.kernels import fa4
+
+    monkeypatch.setattr(fa4, "_interface", lambda: _FA4VarlenSemantics())
+    docs = _docs("lognormal")
+    spec = varlen_spec(docs.mask(_balanced_rank_with_shared_keys(docs), torch.arange(docs.total)))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, spec.cu_q[-1].item(), 4, 16, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(1, docs.total, 2, 16, dtype=torch.float64, generator=g) for _ in range(2))
+    keep = {}
+    out, lse = fa4.fa4_masked_forward(q, k, v, spec, 0.25, keep=keep)
+    assert keep["fa4_keys_read"][0].shape[0] == spec.key_index.numel()
+    wrong = {"fa4_keys_read": tuple(t[1:] for t in keep["fa4_keys_read"])}
+    with pytest.raises(ValueError, match="were not read under this mask"):
+        fa4.fa4_masked_backward(torch.randn_like(q), q, k, v, out, lse, spec, 0.25, kept=wrong)
 
 
 def _balanced_rank_with_shared_keys(docs, world=4):
@@ -309,16 +330,17 @@ def allgather_balanced_on_fa4_key_copies():
         out.backward(shard_sequence(dout, None, "balanced", cu_seqlens=cu))
         got = [gather_sequence(x, None, "balanced", cu_seqlens=cu) for x in (out.detach(), *(t.grad for t in local))]
         err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want))
-    return err, fake.key_rows
+    return err, fake.key_rows, fake.key_ptrs
 
 
 def test_allgather_ranks_that_share_keys_match_one_device_on_fa4(pools):
     """The key copies (``fa4_varlen.key_index``) through all-gather CP on gloo: outputs and dQ/dK/dV (the
     copies' dK/dV summed back, then reduce-scattered) equal one device; every rank's FA4 calls read copies
-    (not the 384 gathered keys)."""
-    for rank, (err, key_rows) in enumerate(pools(3).run(allgather_balanced_on_fa4_key_copies)):
+    (not the 384 gathered keys), and the backward reads the forward's copies (``keep=``), not new ones."""
+    for rank, (err, key_rows, ptrs) in enumerate(pools(3).run(allgather_balanced_on_fa4_key_copies)):
         assert err < 1e-6, (rank, err)                      # FA4's LSE is float32
         assert key_rows and all(n != 384 for n in key_rows), (rank, key_rows)
+        assert len(ptrs["bwd"]) == len(ptrs["fwd"]) and ptrs["bwd"] == ptrs["fwd"], (rank, ptrs)
 
 
 # ------------------------------------------------------------------------------------------------------ GPU

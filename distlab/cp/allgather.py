@@ -13,8 +13,9 @@ Overlap: the kv heads are cut into ``chunks`` groups (each with its q heads, GQA
 group c+1 is posted before group c is computed, and in the backward the reduce-scatter of group c's
 dK/dV travels while group c+1 is computed. Bytes per rank: forward (W−1)/W of the full K+V; backward the
 same for dK/dV (``distlab.cp.cost``). The gathered K/V are kept for the backward (small under GQA) rather
-than gathered again. Each group's out, LSE and dQ are written into the whole heads' tensors, and its dK/dV
-into the reduce-scatter's buffer (``into=``; FA4 writes there itself, other kernels copy).
+than gathered again, and so are FA4's copies of the keys that several of its sequences share (``keep=``).
+Each group's out, LSE and dQ are written into the whole heads' tensors, and its dK/dV into the
+reduce-scatter's buffer (``into=``; FA4 writes there itself, other kernels copy).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class _AllGatherAttention(torch.autograd.Function):
         if len(parts) > 1:   # each group's results are copied in (one group's are the whole)
             out = torch.empty_like(q)
             lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=lse_dtype, device=q.device)
-        gathered = []
+        gathered, keeps = [], [{} for _ in parts]   # per group, what the kernel's backward reuses (FA4's key copies)
         with phase("allgather.exchange"):
             pending = _post_gather(k[:, :, parts[0][1]], v[:, :, parts[0][1]], group, world) if world > 1 else None
         for c, (qh, kh) in enumerate(parts):
@@ -112,19 +113,20 @@ class _AllGatherAttention(torch.autograd.Function):
                 kf, vf = kf.index_select(1, order[0]), vf.index_select(1, order[0])
             with phase("allgather.block"):   # a group's out and LSE written into the whole heads' (FA4: in place)
                 into = None if len(parts) == 1 else (out[:, :, qh], lse[:, qh])
-                o, l = attention_forward(q[:, :, qh], kf, vf, False, scale, backend, mask=mask, into=into)
+                o, l = attention_forward(q[:, :, qh], kf, vf, False, scale, backend, mask=mask, into=into,
+                                         keep=keeps[c])
             if len(parts) == 1:
                 out, lse = o, l.to(lse_dtype)
             gathered.append((kf, vf))
         ctx.save_for_backward(q, out, lse, *[t for kv in gathered for t in kv])
-        ctx.args = (group, world, mask, scale, backend, parts, order)
+        ctx.args = (group, world, mask, scale, backend, parts, order, keeps)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, out, lse, *gathered = ctx.saved_tensors
-        group, world, mask, scale, backend, parts, order = ctx.args
+        group, world, mask, scale, backend, parts, order, keeps = ctx.args
         dout = dout.contiguous()
         kv_heads = sum(kh.stop - kh.start for _, kh in parts)
         local = (q.shape[0], gathered[0].shape[1] // world, kv_heads, q.shape[3])
@@ -146,7 +148,9 @@ class _AllGatherAttention(torch.autograd.Function):
             with phase("allgather.block_backward"):
                 dq_c, dk_c, dv_c = attention_backward(dout[:, :, qh], q[:, :, qh], kf, vf, out[:, :, qh], lse[:, qh],
                                                       False, scale, backend, mask=mask,
-                                                      into=into if any(t is not None for t in into) else None)
+                                                      into=into if any(t is not None for t in into) else None,
+                                                      kept=keeps[c])
+            keeps[c] = {}   # freed now (a second backward, retain_graph, makes them again)
             if len(parts) == 1:
                 dq = dq_c
             if order is not None:    # back to rank order, for the reduce-scatter

@@ -186,25 +186,28 @@ def _sdpa_op_present(name: str) -> bool:
 # ---------------------------------------------------------------------------------------------------------
 # public entry points
 # ---------------------------------------------------------------------------------------------------------
-def attention_forward(q, k, v, causal=False, softmax_scale=None, backend="auto", mask=None, into=None):
+def attention_forward(q, k, v, causal=False, softmax_scale=None, backend="auto", mask=None, into=None, keep=None):
     """Return ``(out, lse)``: ``out`` like ``q`` in q's dtype, ``lse`` float32 ``(batch, heads, seq_q)``.
 
     ``mask``: a ``distlab.kernels.masks.KeyMask`` (documents, windows, a ring block's positions) instead of
     ``causal``; a row that sees no key gets out 0 and LSE -inf. Backends that take one: ``MASK_BACKENDS``.
     ``into``: ``(out, lse)``, tensors of the results' shapes (views, say; None for one allocated) that the
     results are written into and returned as: FA4's varlen path writes there itself, the others copy
-    (all-gather CP's kv-head groups land in the whole heads' tensors)."""
+    (all-gather CP's kv-head groups land in the whole heads' tensors).
+    ``keep``: a dict the backend may fill with what its backward would otherwise make again (FA4's varlen
+    path: its copies of keys that several sequences share); give it to ``attention_backward(kept=...)`` of
+    the same q, k, v and mask."""
     check_qkv(q, k, v, causal)
     check_mask(mask, q, k, causal)
     backend = resolve_backend(backend, q.device, q.dtype, masked=mask is not None)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if into is None:
-        return _forward(q, k, v, causal, scale, backend, mask, (None, None))
+        return _forward(q, k, v, causal, scale, backend, mask, (None, None), keep)
     _check_into(into, ((q.shape, q.dtype), ((q.shape[0], q.shape[2], q.shape[1]), None)))
-    return _written(into, _forward(q, k, v, causal, scale, backend, mask, into))
+    return _written(into, _forward(q, k, v, causal, scale, backend, mask, into, keep))
 
 
-def _forward(q, k, v, causal, scale, backend, mask, into):
+def _forward(q, k, v, causal, scale, backend, mask, into, keep=None):
     """The backend's ``(out, lse)`` of checked arguments; FA4's varlen path writes them into ``into`` itself."""
     if backend == "torch":
         return _torch_forward(q, k, v, causal, scale, mask)
@@ -223,15 +226,16 @@ def _forward(q, k, v, causal, scale, backend, mask, into):
             return fa4_forward(q, k, v, causal, scale)
         spec = _fa4_varlen(q, mask)
         if spec is not None:
-            return fa4_masked_forward(q, k, v, spec, scale, into=into)
+            return fa4_masked_forward(q, k, v, spec, scale, into=into, keep=keep)
         return attention_forward(q, k, v, False, scale, _fa4_mask_fallback(q), mask)
     return _sdpa_forward(backend, q, k, v, causal, scale)
 
 
 def attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None, backend="auto", mask=None,
-                       into=None):
+                       into=None, kept=None):
     """Return ``(dq, dk, dv)`` in the inputs' dtype, given the final ``out`` and ``lse`` (see module doc);
-    ``into``: ``(dq, dk, dv)`` to write them into, as ``attention_forward``'s."""
+    ``into``: ``(dq, dk, dv)`` to write them into, as ``attention_forward``'s; ``kept``: the dict
+    ``attention_forward(keep=...)`` filled for the same q, k, v and mask (or None)."""
     check_qkv(q, k, v, causal)
     check_mask(mask, q, k, causal)
     if dout.shape != q.shape or out.shape != q.shape:
@@ -242,12 +246,12 @@ def attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=None
     backend = resolve_backend(backend, q.device, q.dtype, masked=mask is not None)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if into is None:
-        return _backward(dout, q, k, v, out, lse, causal, scale, backend, mask, (None, None, None))
+        return _backward(dout, q, k, v, out, lse, causal, scale, backend, mask, (None, None, None), kept)
     _check_into(into, ((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)))
-    return _written(into, _backward(dout, q, k, v, out, lse, causal, scale, backend, mask, into))
+    return _written(into, _backward(dout, q, k, v, out, lse, causal, scale, backend, mask, into, kept))
 
 
-def _backward(dout, q, k, v, out, lse, causal, scale, backend, mask, into):
+def _backward(dout, q, k, v, out, lse, causal, scale, backend, mask, into, kept=None):
     """The backend's ``(dq, dk, dv)`` of checked arguments; FA4's varlen path writes them into ``into`` itself."""
     if backend == "torch":
         return _torch_backward(dout, q, k, v, out, lse, causal, scale, mask)
@@ -266,7 +270,7 @@ def _backward(dout, q, k, v, out, lse, causal, scale, backend, mask, into):
             return fa4_backward(dout, q, k, v, out, lse, causal, scale)
         spec = _fa4_varlen(q, mask)
         if spec is not None:
-            return fa4_masked_backward(dout, q, k, v, out, lse, spec, scale, into=into)
+            return fa4_masked_backward(dout, q, k, v, out, lse, spec, scale, into=into, kept=kept)
         return attention_backward(dout, q, k, v, out, lse, False, scale, _fa4_mask_fallback(q), mask)
     return _sdpa_backward(backend, dout, q, k, v, out, lse, causal, scale)
 

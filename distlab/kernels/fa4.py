@@ -182,11 +182,14 @@ def fa4_backward(dout, q, k, v, out, lse, causal, scale):
     return dq, dk, dv
 
 
-def fa4_masked_forward(q, k, v, spec, scale, into=(None, None)):
+def fa4_masked_forward(q, k, v, spec, scale, into=(None, None), keep=None):
     """(out, lse) of batch-1 q, k, v under the mask ``spec`` (a ``fa4_varlen.VarlenSpec``) compiles to; rows
     that see no key: out 0, LSE −inf. ``into``: (out, lse) for FA4 to write (aligned strided views do; an LSE
-    that is not float32 gets a copy)."""
+    that is not float32 gets a copy). ``keep``: a dict; the sequences' copies of their keys (if they read
+    copies) are put there for ``fa4_masked_backward(kept=...)``, which then does not gather them again."""
     k0, v0 = _keys_read(spec, k[0], v[0])
+    if keep is not None and spec.key_index is not None:
+        keep["fa4_keys_read"] = (k0, v0)
     out_to, lse_to = into
     lse_here = lse_to is not None and lse_to.dtype == torch.float32
     out, lse, *_ = _interface()._flash_attn_fwd(
@@ -203,16 +206,22 @@ def fa4_masked_forward(q, k, v, spec, scale, into=(None, None)):
     return out, lse
 
 
-def fa4_masked_backward(dout, q, k, v, out, lse, spec, scale, into=(None, None, None)):
+def fa4_masked_backward(dout, q, k, v, out, lse, spec, scale, into=(None, None, None), kept=None):
     """(dq, dk, dv) under ``spec`` given the final out and LSE; rows and keys in no sequence get zeros; the
     dK/dV of keys that several sequences read as copies (``spec.key_index``) summed in float32 (where Triton
     runs, in one pass: ``triton_copies_sum``; else, or with knob ``FA4_COPIES_KERNEL=0``, by torch). ``into``:
-    (dq, dk, dv) to write them into (FA4 itself, or the copies' sums)."""
+    (dq, dk, dv) to write them into (FA4 itself, or the copies' sums). ``kept``: the forward's ``keep`` (its
+    copies of the keys, not gathered again: all-gather's rank at 64k, W=8, ~46 µs of gathers on the H100)."""
     # (a head group of all-gather CP's q, out and dO is a strided view, which FA4 takes as it is: contiguous
     # copies cost ~44 µs a tensor at 64k on the H100; knob FA4_MASKED_CONTIGUOUS=1 makes them, for an A/B)
     same = (lambda t: t.contiguous()) if knobs.get("FA4_MASKED_CONTIGUOUS") == "1" else (lambda t: t)
     q0 = same(q[0])
-    k0, v0 = (same(t) for t in _keys_read(spec, k[0], v[0]))
+    read = kept.get("fa4_keys_read") if kept is not None else None
+    rows = spec.key_index.numel() if spec.key_index is not None else None
+    if read is not None and (read[0].shape[0] != rows or read[0].shape[1:] != k.shape[2:]):
+        raise ValueError(f"kept: key copies {tuple(read[0].shape)} were not read under this mask "
+                         f"({rows} copied key rows of {tuple(k.shape[2:])})")
+    k0, v0 = (same(t) for t in (read if read is not None else _keys_read(spec, k[0], v[0])))
     dq_to, dk_to, dv_to = into
     copies = spec.key_index is not None   # FA4 writes the copies' dK/dV, summed into the keys' after
     # FA4 writes the rows and keys of its sequences only: the others are zeroed first
