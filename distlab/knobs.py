@@ -121,6 +121,9 @@ KNOBS = {
     "FA4_COPIES_KERNEL": Knob("1", "1: a fa4 masked backward on CUDA sums the dK/dV of keys read as copies in one "
                                    "Triton pass (distlab.kernels.triton_copies_sum; H100, all-gather at 64k: 60.3 -> "
                                    "74.5% f+b, docs/PERF.md); 0: five torch passes, for an A/B"),
+    "FA4_KEEP_KEY_COPIES": Knob("1", "1: a fa4 masked forward keeps its sequences' copies of shared keys for the "
+                                     "backward when its caller asks (attention_forward(keep=), all-gather CP); 0: "
+                                     "the backward gathers them again, for an A/B"),
     "TIMEOUT_S": Knob("300", "seconds a collective waits for the other ranks before failing the job"),
     # launcher variables
     "ERROR_DIR": Knob(None, "where ranks file their errors for distlab run's summary", launcher=True),

@@ -25,6 +25,8 @@
 #                                                   # (one kv-head group) or agsum (the copies' dK/dV summed in
 #                                                   # one Triton pass against the torch path, A/B; needs /opt/fa4)
 #                                                   # or agverify (FA4's GPU tests, then one and two kv-head groups)
+#                                                   # or agkeep (the forward's key copies kept for the backward,
+#                                                   # knob FA4_KEEP_KEY_COPIES, A/B; then a profile; needs /opt/fa4)
 #                                                   # or fa4 (FA4's varlen path for masks: its GPU tests, the packed
 #                                                   # ring rank on FA4 blocks against one FA4 call; needs /opt/fa4 from
 #                                                   # ../shared/tools/fa4-carry's two calls on this warm machine)
@@ -226,6 +228,27 @@ if [ "$part" = agverify ]; then   # (27th session) FA4's GPU tests with the copi
         | tee "$out/allgather_fa4_seed${seed}_chunks$chunks.log" || status=1
     done
   done
+  pack_logs
+  exit $status
+fi
+
+if [ "$part" = agkeep ]; then   # (28th session) all-gather CP's FA4 rank: the forward's copies of shared keys kept
+  # for the backward (default) against gathered again (FA4_KEEP_KEY_COPIES=0), seeds 0 and 1, A B A B; then the
+  # kernels of one run (the gathers: 8 launches before, 4 now). Needs /opt/fa4
+  export PYTHONPATH=/opt/fa4:/opt/fa4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+  timeout -s ABRT 200 $py -m pytest -q -m gpu tests/test_fa4_varlen.py -p no:cacheprovider 2>&1 \
+    | tee "$out/gpu_tests.log" || status=1
+  for seed in 0 1; do
+    for run in 1a 0a 1b 0b; do
+      DISTLAB_FA4_KEEP_KEY_COPIES=${run:0:1} timeout -s ABRT 100 $py -m distlab.cp.emulate_packed --world 8 \
+        --seq 65536 --method allgather --docs lognormal:mean=2048,seed=$seed --layouts balanced units --backend fa4 \
+        --rate-means --iters 5 --warmup 1 --json "$out/allgather_fa4_seed${seed}_keep${run}.json" 2>&1 \
+        | tee "$out/allgather_fa4_seed${seed}_keep${run}.log" || status=1
+    done
+  done
+  timeout -s ABRT 150 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --method allgather --layouts balanced \
+    --backend fa4 --rate-means --iters 5 --warmup 1 --profile balanced --json "$out/allgather_fa4_keep_prof.json" \
+    2>&1 | tee "$out/allgather_fa4_keep_prof.log" || status=1
   pack_logs
   exit $status
 fi

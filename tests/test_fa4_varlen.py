@@ -381,7 +381,9 @@ def test_fa4_masked_matches_the_float32_reference(what):
     want = attention_reference(*full, mask=mask)
     want.backward(dout.float())
     _, want_lse = attention_forward(*(t.detach() for t in full), backend="torch", mask=mask)
-    out, lse = attention_forward(q, k, v, backend="fa4", mask=mask)
+    keep = {}
+    out, lse = attention_forward(q, k, v, backend="fa4", mask=mask, keep=keep)
+    assert ("fa4_keys_read" in keep) == (varlen_spec(mask).key_index is not None)
     if wide > 1:   # out, dO and the LSE as all-gather's backward hands them over: views of the whole heads' tensors
         assert not q.is_contiguous()
         out = torch.cat([torch.zeros_like(out), out], 2)[:, :, -8:]
@@ -394,6 +396,9 @@ def test_fa4_masked_matches_the_float32_reference(what):
     assert (lse[:, :, seen] - want_lse[:, :, seen]).abs().max() < 2e-2 and torch.isneginf(lse[:, :, ~seen]).all()
     for got, ref in zip(grads, (t.grad for t in full)):
         assert got.shape == ref.shape and rel(got, ref) < 3e-2
+    if keep:   # the backward on the forward's copies of the keys (all-gather CP's way) against its own gathers
+        for got, again in zip(attention_backward(dout, q, k, v, out, lse, backend="fa4", mask=mask, kept=keep), grads):
+            assert rel(got, again.float()) < 1e-2
     if wide > 1:   # and with contiguous copies (knob FA4_MASKED_CONTIGUOUS=1; the default hands FA4 the views)
         with knobs.override(FA4_MASKED_CONTIGUOUS="1"):
             views = attention_backward(dout, q, k, v, out, lse, backend="fa4", mask=mask)

@@ -188,7 +188,7 @@ def fa4_masked_forward(q, k, v, spec, scale, into=(None, None), keep=None):
     that is not float32 gets a copy). ``keep``: a dict; the sequences' copies of their keys (if they read
     copies) are put there for ``fa4_masked_backward(kept=...)``, which then does not gather them again."""
     k0, v0 = _keys_read(spec, k[0], v[0])
-    if keep is not None and spec.key_index is not None:
+    if keep is not None and spec.key_index is not None and knobs.get("FA4_KEEP_KEY_COPIES") == "1":
         keep["fa4_keys_read"] = (k0, v0)
     out_to, lse_to = into
     lse_here = lse_to is not None and lse_to.dtype == torch.float32
