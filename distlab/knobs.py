@@ -120,7 +120,8 @@ KNOBS = {
                                        "H100, 64k: 55.6 -> 61.1% f+b, docs/PERF.md)"),
     "FA4_COPIES_KERNEL": Knob("1", "1: a fa4 masked backward on CUDA sums the dK/dV of keys read as copies in one "
                                    "Triton pass (distlab.kernels.triton_copies_sum; H100, all-gather at 64k: 60.3 -> "
-                                   "74.5% f+b, docs/PERF.md); 0: five torch passes, for an A/B"),
+                                   "74.5% f+b, docs/PERF.md, against the torch path's five passes then); 0: torch's index_add_ "
+                                   "in float32, for an A/B"),
     "FA4_KEEP_KEY_COPIES": Knob("1", "1: a fa4 masked forward keeps its sequences' copies of shared keys for the "
                                      "backward when its caller asks (attention_forward(keep=), all-gather CP); 0: "
                                      "the backward gathers them again, for an A/B"),

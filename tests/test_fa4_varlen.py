@@ -86,13 +86,12 @@ def test_sequences_that_share_keys_read_copies_of_them():
     assert spec is not None and spec.causal and spec.cu_q.tolist() == [0, 40, 60, 76]
     assert spec.key_index.tolist() == list(range(60)) + list(range(140)) + list(range(160, 216))
     assert spec.cu_k.tolist() == [0, 60, 200, 256] and spec.used_k is None and not spec.keys_left_out
-    # where the backward puts the copies' dK/dV: each row read (0 ... 139, 160 ... 215) from its first copy, and the
-    # rows both sequences read (0 ... 59) plus the second sequence's copies of them (packed rows 60 ... 119)
-    assert spec.key_rows.tolist() == list(range(140)) + list(range(160, 216))
-    assert torch.equal(spec.key_index[spec.key_first], spec.key_rows)
-    assert spec.key_first.tolist() == list(range(60)) + list(range(120, 256))
-    assert spec.more_rows.tolist() == list(range(60)) and spec.more_pos.tolist() == list(range(60, 120))
-    assert torch.equal(spec.more_rows[spec.more_slot], spec.key_index[spec.more_pos])
+    # where the backward sums the copies' dK/dV (per key row, its copies' packed rows): rows 0 ... 59 read by both
+    # sequences (packed rows r and 60 + r), 60 ... 139 and 160 ... 215 once, 140 ... 159 and 216 ... 255 never
+    reads = [[r, 60 + r] for r in range(60)] + [[60 + r] for r in range(60, 140)] + [[]] * 20 + \
+        [[200 + r - 160] for r in range(160, 216)] + [[]] * 40
+    start = spec.copy_start.tolist()
+    assert [spec.copy_order[a:b].tolist() for a, b in zip(start[:-1], start[1:])] == reads
     first, stop = spec_key_rows(spec, rows.numel())
     cols = torch.arange(256)
     assert torch.equal((cols[None, :] >= first[:, None]) & (cols[None, :] < stop[:, None]), mask.dense())

@@ -256,19 +256,13 @@ def _batch(d, to):
 
 def _copies_summed(d, like, spec, to=None):
     """The dK (or dV) of the key rows ``like`` holds, from ``d``, FA4's gradient of the packed key rows it read
-    through ``spec.key_index``: each row read gets its first copy's, plus, where a row was read more than once
-    (sequences sharing a document's first keys), its later copies' summed in float32 (or wider) and rounded
-    once; rows not read get zeros (``like``'s shape and dtype; batch 1, in ``to`` if given). On all-gather's
-    rank at 64k, W=8, the copies are 14.4k rows for 13.6k rows read of 64k; the float32 work covers the ~700
-    read twice."""
+    through ``spec.key_index``: each row the sum of its copies' in float32 (or wider), in packed order, rounded
+    once; rows not read get zeros (``like``'s shape and dtype; batch 1, in ``to`` if given). What
+    ``triton_copies_sum`` does in one pass where Triton runs (the same additions in the same order)."""
     whole = to if to is not None else torch.empty((1,) + tuple(like.shape), dtype=like.dtype, device=like.device)
-    out = whole[0].zero_()
-    out.index_copy_(0, spec.key_rows, d.index_select(0, spec.key_first))
-    if spec.more_rows.numel():
-        acc = torch.promote_types(like.dtype, torch.float32)
-        summed = out.index_select(0, spec.more_rows).to(acc)
-        summed.index_add_(0, spec.more_slot, d.index_select(0, spec.more_pos).to(acc))
-        out.index_copy_(0, spec.more_rows, summed.to(like.dtype))
+    acc = torch.promote_types(like.dtype, torch.float32)
+    summed = torch.zeros(like.shape, dtype=acc, device=like.device).index_add_(0, spec.key_index, d.to(acc))
+    whole[0].copy_(summed)
     return whole
 
 

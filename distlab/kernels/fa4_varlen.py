@@ -54,11 +54,6 @@ class VarlenSpec:
     keys_left_out: bool           # some key rows are in no sequence (their dK/dV stay 0)
     # When the sequences read their keys through an index (copies of shared keys, or keys in any order), int64:
     key_index: torch.Tensor | None = None   # (packed keys,) the K/V row each packed key row reads
-    key_rows: torch.Tensor | None = None    # the K/V rows read at all, each once
-    key_first: torch.Tensor | None = None   # the packed row of each one's first copy
-    more_rows: torch.Tensor | None = None   # the K/V rows read more than once, each once
-    more_pos: torch.Tensor | None = None    # the packed rows of their later copies
-    more_slot: torch.Tensor | None = None   # each later copy's place in ``more_rows``
     copy_order: torch.Tensor | None = None  # the packed rows in key-row order (a row's copies in packed order)
     copy_start: torch.Tensor | None = None  # (mask's keys + 1,) where each key row's copies start in copy_order
 
@@ -93,8 +88,7 @@ def _read_through(spec: VarlenSpec, order: torch.Tensor) -> VarlenSpec:
         ka = cu[:-1]
         kb = ka + (used.long() if used is not None else cu[1:] - cu[:-1])
         spec = _with_key_copies(spec, ka, kb)
-    return dataclasses.replace(spec, key_index=order[spec.key_index], key_rows=order[spec.key_rows],
-                               more_rows=order[spec.more_rows])
+    return dataclasses.replace(spec, key_index=order[spec.key_index])
 
 
 def _copies_by_row(spec: VarlenSpec, n_k: int) -> VarlenSpec:
@@ -156,15 +150,7 @@ def _with_key_copies(spec: VarlenSpec, ka, kb) -> VarlenSpec:
     lengths = kb - ka
     index = torch.repeat_interleave(ka - torch.cumsum(lengths, 0) + lengths, lengths) + torch.arange(int(lengths.sum()))
     cu_k = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)]).to(torch.int32)
-    # where the backward puts each key row's dK/dV: its first copy's, plus the later copies' where there are
-    rows, slot = torch.unique(index, return_inverse=True)
-    packed = torch.arange(index.numel())
-    first = torch.full((rows.numel(),), index.numel()).scatter_reduce_(0, slot, packed, "amin")
-    later = packed != first[slot]
-    repeated = torch.bincount(slot, minlength=rows.numel()) > 1
-    return dataclasses.replace(spec, cu_k=cu_k, used_k=None, keys_left_out=False, key_index=index, key_rows=rows,
-                               key_first=first, more_rows=rows[repeated], more_pos=packed[later],
-                               more_slot=(torch.cumsum(repeated.long(), 0) - 1)[slot[later]])
+    return dataclasses.replace(spec, cu_k=cu_k, used_k=None, keys_left_out=False, key_index=index)
 
 
 def _spec(starts, ends, ka, kb, causal, window, sees, n, n_k) -> VarlenSpec:

@@ -6,8 +6,9 @@ torch path). H100, all-gather CP's FA4 rank at 64k, W=8: its f+b 2.24-2.29 -> 1.
 
 When a rank's query pieces share keys (all-gather CP: two pieces of one document both see its first keys),
 FA4's sequences read their own copies of those keys, and its backward writes a gradient per copy. Each key
-row's dK/dV is then the sum of its copies' (none: zero). The torch path does it in five passes (zero fill,
-first copies' ``index_copy``, the later copies gathered, summed in float32, written back); here one program a
+row's dK/dV is then the sum of its copies' (none: zero). The torch path (``fa4._copies_summed``) adds every copy
+into a float32 tensor of all key rows with ``index_add_`` and writes it back rounded (five passes, when this
+kernel was measured against it, doing the float32 sums for rows read twice only); here one program a
 key row reads its copies (CSR: ``spec.copy_start``, ``spec.copy_order``, packed rows in copy order), adds them
 in float32 in that order, and writes dK and dV once, in their dtype — the same additions in the same order as
 the torch path on the CPU, so the same bits (CUDA's ``index_add_`` adds a row's third copy in any order).
