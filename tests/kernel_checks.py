@@ -628,7 +628,7 @@ def check_copies(device, dtype, big=False):
     for dim in (dim,) if big else (dim, 24):
         dk, dv = (rand(packed, heads, dim, dtype=dtype, device=device, seed=s) for s in (5, 6))
         like = torch.zeros(n_k, heads, dim, dtype=dtype, device=device)
-        want_k, want_v = (_copies_summed(d, like, spec)[0] for d in (dk, dv))
+        want_k, want_v = (_copies_summed(d, like, spec, torch.empty_like(like)[None])[0] for d in (dk, dv))
         whole = rand(n_k, 2, total, dim, dtype=dtype, device=device, seed=7)   # a scatter buffer: (rows, k|v, h, d)
         before = whole.clone()
         out_k, out_v = whole[:, 0, 1:1 + heads], whole[:, 1, 1:1 + heads]

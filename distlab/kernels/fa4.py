@@ -230,17 +230,17 @@ def fa4_masked_backward(dout, q, k, v, out, lse, spec, scale, into=(None, None, 
     dq, dk, dv = _interface()._flash_attn_bwd(
         q0, k0, v0, same(out[0]), same(dout[0]), lse[0].contiguous(), softmax_scale=scale,
         dq=dq, dk=dk, dv=dv, **_varlen_args(spec))[:3]
-    if copies and knobs.get("FA4_COPIES_KERNEL") == "1" and triton_runs_on(dk.device):
+    if not copies:
+        return _batch(dq, dq_to), _batch(dk, dk_to), _batch(dv, dv_to)
+    dk_sum, dv_sum = (to if to is not None else torch.empty((1,) + tuple(t.shape), dtype=t.dtype, device=t.device)
+                      for to, t in ((dk_to, k[0]), (dv_to, v[0])))
+    if knobs.get("FA4_COPIES_KERNEL") == "1" and triton_runs_on(dk.device):
         from distlab.kernels import triton_copies_sum
 
-        dk_sum, dv_sum = (to if to is not None else torch.empty((1,) + tuple(t.shape), dtype=t.dtype, device=t.device)
-                          for to, t in ((dk_to, k[0]), (dv_to, v[0])))
         if triton_copies_sum.takes(dk, dv, dk_sum[0], dv_sum[0]):
             triton_copies_sum.copies_sum_(dk, dv, dk_sum[0], dv_sum[0], spec.copy_order, spec.copy_start)
             return _batch(dq, dq_to), dk_sum, dv_sum
-    if copies:
-        return _batch(dq, dq_to), _copies_summed(dk, k[0], spec, dk_to), _copies_summed(dv, v[0], spec, dv_to)
-    return _batch(dq, dq_to), _batch(dk, dk_to), _batch(dv, dv_to)
+    return _batch(dq, dq_to), _copies_summed(dk, k[0], spec, dk_sum), _copies_summed(dv, v[0], spec, dv_sum)
 
 
 def _zeros_or(to, like, zeroed):
@@ -254,16 +254,14 @@ def _batch(d, to):
     return to if to is not None else d.unsqueeze(0)
 
 
-def _copies_summed(d, like, spec, to=None):
-    """The dK (or dV) of the key rows ``like`` holds, from ``d``, FA4's gradient of the packed key rows it read
-    through ``spec.key_index``: each row the sum of its copies' in float32 (or wider), in packed order, rounded
-    once; rows not read get zeros (``like``'s shape and dtype; batch 1, in ``to`` if given). What
+def _copies_summed(d, like, spec, to):
+    """``to`` (batch 1, ``like``'s shape and dtype), written with the dK (or dV) of the key rows ``like`` holds,
+    from ``d``, FA4's gradient of the packed key rows it read through ``spec.key_index``: each row the sum of its
+    copies' in float32 (or wider), in packed order, rounded once; rows not read get zeros. What
     ``triton_copies_sum`` does in one pass where Triton runs (the same additions in the same order)."""
-    whole = to if to is not None else torch.empty((1,) + tuple(like.shape), dtype=like.dtype, device=like.device)
     acc = torch.promote_types(like.dtype, torch.float32)
-    summed = torch.zeros(like.shape, dtype=acc, device=like.device).index_add_(0, spec.key_index, d.to(acc))
-    whole[0].copy_(summed)
-    return whole
+    to[0].copy_(torch.zeros(like.shape, dtype=acc, device=like.device).index_add_(0, spec.key_index, d.to(acc)))
+    return to
 
 
 def _keys_read(spec, k, v):
