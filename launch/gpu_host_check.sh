@@ -45,7 +45,8 @@
 #                                                  # bf16 errors, A/B wall and GPU, every rank, a timeline
 #                                                  # (fa4fold2: the auto policy, every rank against fold off)
 #   bash launch/gpu_host_check.sh OUTDIR fold8k    # FA4 present: S8192's ranks folded (FA4_RING_FOLD=1) and not,
-#                                                  # GPU and wall; rank 0's and rank 1's kernels
+#                                                  # GPU and wall; rank 0's and rank 1's kernels (half8k: only
+#                                                  # the half-shard row sets folded, FA4_RING_FOLD=half)
 #   bash launch/gpu_host_check.sh OUTDIR fa4adds   # FA4 present: every rank with the dK/dV adds, without (a timing
 #                                                  # bound) and by the direct route at S32768, wall, paired; the
 #                                                  # adds alone (fa4adds8k: with and without at S8192; fa4direct:
@@ -368,6 +369,15 @@ elif [ "$part" = fold8k ]; then   # FA4 present (28th session): S8192's every ra
       --json "$out/fold8k_wall.json"
   LIMIT=120 TAIL=120 run timeline8k $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 --rank 0 1 \
       --steps-per-launch 1,3,4 --iters 5 --timeline --json "$out/timeline8k.json"
+elif [ "$part" = half8k ]; then   # FA4 present (28th session): S8192's every rank with only its half-shard row sets
+  # folded (FA4_RING_FOLD=half: auto's rule at S8192's shards; fold8k folded every unmasked set and lost) against
+  # not, GPU clock and wall, paired
+  LIMIT=200 TAIL=40 run half8k_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
+      --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --paired 3 --variant "" "FA4_RING_FOLD=half" \
+      --json "$out/half8k_gpu.json"
+  LIMIT=200 TAIL=40 run half8k_wall $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
+      --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --wall --paired 3 --variant "" "FA4_RING_FOLD=half" \
+      --json "$out/half8k_wall.json"
 elif [ "$part" = fa4fold ]; then   # FA4 present (2026-12-06, 21st session): the ring backward's unmasked blocks with
   # each kv head's q heads folded into rows (MHA over the kv heads: DISTLAB_FA4_RING_FOLD, on by default) — the
   # FA4 GPU tests, the bf16 error of every rank folded and not, the A/B (wall, paired), every rank, a timeline

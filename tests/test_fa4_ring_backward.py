@@ -122,8 +122,8 @@ def test_fa4_kept_accumulators_match_one_device_on_stand_in_kernels(world):
                 assert any(res["folded"] for res in results), (layout, causal, n, results)
         # auto, at limits scaled to these shards (16 rows): the half-shard row sets folded, the whole-shard ones
         # not — in one ring, blocks of both kinds adding into the same (folded layout) accumulators
-        for n in (1, 2):
-            for res in pool.run(_ring_on_stand_ins, "zigzag", True, 4, 2, 16 * world, 4, n, "0", "0", ("auto", 16, 8)):
+        for n, fold in ((1, ("auto", 16, 8)), (2, ("auto", 16, 8)), (2, "half")):   # half: auto's rule at any shard
+            for res in pool.run(_ring_on_stand_ins, "zigzag", True, 4, 2, 16 * world, 4, n, "0", "0", fold):
                 assert max(res["errors"]) < 1e-12, (n, res)
                 assert res["folded"] == [k for k in res["row_sets"] if not k[2] and k[1] - k[0] <= 8], res
     finally:
@@ -295,6 +295,10 @@ def test_fa4_ring_fold_auto_folds_the_short_unmasked_row_sets_of_long_shards():
         assert kept(1024).folds(1024, False) and kept(4096).folds(4096, False) and not kept(4096).folds(4096, True)
     with knobs.override(FA4_RING_FOLD="0"):
         assert not kept(4096).fold and not kept(4096).folds(2048, False)
+    with knobs.override(FA4_RING_FOLD="half"):   # auto's rule at any shard: the causal zigzag's half row sets
+        assert [kept(1024).folds(n, False) for n in (512, 1024)] == [True, False] and not kept(1024).folds(512, True)
+        assert kept(8192).folds(4096, False) and not kept(8192).folds(8192, False)
+        assert not kept(1024, layout="contiguous").fold and not kept(1024, causal=False).fold
 
 
 def test_fa4_key_ranges_of_an_accumulator_are_its_tiles_in_order():

@@ -27,7 +27,8 @@ scratch only the add waits (as in distlab's Triton ring).
 Memory: a float32 dQ accumulator per row set (zigzag: one and a half shards' worth more than a single float32
 dQ; 160 MiB against 64 at S32768, W=8, 32 heads) and the block's dK/dV scratch.
 
-**Folded blocks** (knob ``DISTLAB_FA4_RING_FOLD``: ``auto`` by default, see ``FOLD_MIN_SHARD``). FA4's sm90
+**Folded blocks** (knob ``DISTLAB_FA4_RING_FOLD``: ``auto`` by default, see ``FOLD_MIN_SHARD``; ``half``: the
+same policy, half-shard row sets folded, at any shard length). FA4's sm90
 backward gives each CTA one 128-key tile of one q head and loops it over the block's rows, so a ring's short
 row sets (2048 rows at S32768, W=8; 512 at S8192) pay each CTA's prologue and its float32 dK/dV atomics over
 few rows, and FA4 4.0.0b36 has no packed-GQA backward. A block with no mask (every later block of a causal
@@ -181,9 +182,10 @@ class FA4RingBackward:
         self.add_rows = knobs.get("RING_DKV_ADD_ROWS") == "1"
         # every rank decides alike (shapes and a knob): the travelling accumulator's layout depends on it
         mode = knobs.get("FA4_RING_FOLD")
-        self.fold = q.shape[2] > k.shape[2] and (mode == "1" or mode == "auto" and causal and layout == "zigzag"
+        half = causal and layout == "zigzag"   # a causal zigzag ring's later row sets are half its shard
+        self.fold = q.shape[2] > k.shape[2] and (mode == "1" or mode == "half" and half or mode == "auto" and half
                                                   and FOLD_MIN_SHARD <= q.shape[1] <= 2 * FOLD_MAX_ROWS)
-        self.fold_rows = FOLD_MAX_ROWS if mode == "auto" else None
+        self.fold_rows = {"auto": FOLD_MAX_ROWS, "half": q.shape[1] // 2}.get(mode)
 
     def folds(self, rows: int, causal: bool) -> bool:
         """A block of ``rows`` rows runs folded: a folding ring's unmasked block, short enough a row set
