@@ -26,7 +26,8 @@
 #                                                   # one Triton pass against the torch path, A/B; needs /opt/fa4)
 #                                                   # or agverify (FA4's GPU tests, then one and two kv-head groups)
 #                                                   # or agkeep (the forward's key copies kept for the backward,
-#                                                   # knob FA4_KEEP_KEY_COPIES, A/B; then a profile; needs /opt/fa4)
+#                                                   # knob FA4_KEEP_KEY_COPIES, A/B; then a profile; needs /opt/fa4;
+#                                                   # SEEDS, RUNS, NO_PROFILE=1 narrow it)
 #                                                   # or fa4 (FA4's varlen path for masks: its GPU tests, the packed
 #                                                   # ring rank on FA4 blocks against one FA4 call; needs /opt/fa4 from
 #                                                   # ../shared/tools/fa4-carry's two calls on this warm machine)
@@ -238,17 +239,17 @@ if [ "$part" = agkeep ]; then   # (28th session) all-gather CP's FA4 rank: the f
   export PYTHONPATH=/opt/fa4:/opt/fa4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
   timeout -s ABRT 200 $py -m pytest -q -m gpu tests/test_fa4_varlen.py -p no:cacheprovider 2>&1 \
     | tee "$out/gpu_tests.log" || status=1
-  for seed in 0 1; do
-    for run in 1a 0a 1b 0b; do
+  for seed in ${SEEDS:-0 1}; do
+    for run in ${RUNS:-1a 0a 1b 0b}; do
       DISTLAB_FA4_KEEP_KEY_COPIES=${run:0:1} timeout -s ABRT 100 $py -m distlab.cp.emulate_packed --world 8 \
         --seq 65536 --method allgather --docs lognormal:mean=2048,seed=$seed --layouts balanced units --backend fa4 \
         --rate-means --iters 5 --warmup 1 --json "$out/allgather_fa4_seed${seed}_keep${run}.json" 2>&1 \
         | tee "$out/allgather_fa4_seed${seed}_keep${run}.log" || status=1
     done
   done
-  timeout -s ABRT 150 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --method allgather --layouts balanced \
-    --backend fa4 --rate-means --iters 5 --warmup 1 --profile balanced --json "$out/allgather_fa4_keep_prof.json" \
-    2>&1 | tee "$out/allgather_fa4_keep_prof.log" || status=1
+  [ -n "${NO_PROFILE:-}" ] || timeout -s ABRT 150 $py -m distlab.cp.emulate_packed --world 8 --seq 65536 --method \
+    allgather --layouts balanced --backend fa4 --rate-means --iters 5 --warmup 1 --profile balanced \
+    --json "$out/allgather_fa4_keep_prof.json" 2>&1 | tee "$out/allgather_fa4_keep_prof.log" || status=1
   pack_logs
   exit $status
 fi
