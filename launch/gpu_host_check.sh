@@ -358,26 +358,18 @@ elif [ "$part" = fa4ranks8k ]; then   # FA4 present: S8192's every rank on the G
         --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --wall --paired 5 \
         --json "$out/emulate_ranks_s8k_wall_$i.json"
   done
-elif [ "$part" = fold8k ]; then   # FA4 present (28th session): S8192's every rank with its unmasked blocks folded
-  # (FA4_RING_FOLD=1; auto folds at S32768 only) against not, GPU clock and wall, paired; rank 0's and rank 1's
-  # kernels (timeline): where the middle ranks' extra time goes
-  LIMIT=200 TAIL=40 run fold8k_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
-      --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --paired 3 --variant "" "FA4_RING_FOLD=1" \
-      --json "$out/fold8k_gpu.json"
-  LIMIT=200 TAIL=40 run fold8k_wall $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
-      --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --wall --paired 3 --variant "" "FA4_RING_FOLD=1" \
-      --json "$out/fold8k_wall.json"
-  LIMIT=120 TAIL=120 run timeline8k $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 --rank 0 1 \
-      --steps-per-launch 1,3,4 --iters 5 --timeline --json "$out/timeline8k.json"
-elif [ "$part" = half8k ]; then   # FA4 present (28th session): S8192's every rank with only its half-shard row sets
-  # folded (FA4_RING_FOLD=half: auto's rule at S8192's shards; fold8k folded every unmasked set and lost) against
-  # not, GPU clock and wall, paired
-  LIMIT=200 TAIL=40 run half8k_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
-      --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --paired 3 --variant "" "FA4_RING_FOLD=half" \
-      --json "$out/half8k_gpu.json"
-  LIMIT=200 TAIL=40 run half8k_wall $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
-      --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --wall --paired 3 --variant "" "FA4_RING_FOLD=half" \
-      --json "$out/half8k_wall.json"
+elif [ "$part" = fold8k ] || [ "$part" = half8k ]; then   # FA4 present (28th session): S8192's every rank with
+  # its unmasked blocks folded against not, GPU clock and wall, paired — fold8k: every unmasked set
+  # (FA4_RING_FOLD=1), then rank 0's and rank 1's kernels (timeline); half8k: the half-shard sets only
+  # (FA4_RING_FOLD=half, auto's rule at S8192's shards)
+  fold=$([ "$part" = half8k ] && echo half || echo 1)
+  for clock in gpu wall; do
+    LIMIT=200 TAIL=40 run ${part}_$clock $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
+        --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --paired 3 --variant "" "FA4_RING_FOLD=$fold" \
+        $([ $clock = wall ] && echo --wall) --json "$out/${part}_$clock.json"
+  done
+  [ "$part" = half8k ] || LIMIT=120 TAIL=120 run timeline8k $py -m distlab.cp.emulate --world 8 --seq 8192 \
+      --backend fa4 --rank 0 1 --steps-per-launch 1,3,4 --iters 5 --timeline --json "$out/timeline8k.json"
 elif [ "$part" = fa4fold ]; then   # FA4 present (2026-12-06, 21st session): the ring backward's unmasked blocks with
   # each kv head's q heads folded into rows (MHA over the kv heads: DISTLAB_FA4_RING_FOLD, on by default) — the
   # FA4 GPU tests, the bf16 error of every rank folded and not, the A/B (wall, paired), every rank, a timeline
