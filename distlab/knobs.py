@@ -123,6 +123,10 @@ KNOBS = {
                                    "Triton pass (distlab.kernels.triton_copies_sum; H100, all-gather at 64k: 60.3 -> "
                                    "74.5% f+b, docs/PERF.md, against the torch path's five passes then); 0: torch's index_add_ "
                                    "in float32, for an A/B"),
+    "FA4_RING_SHARE_PRE": Knob("1", "1: a fa4 ring backward runs FA4's preprocess once, for the whole shard's rows, "
+                                    "every unfolded row set reading its rows' delta and LSE from it "
+                                    "(distlab.kernels.fa4_ring_backward.FA4RingBackward.share_preprocess); 0: one "
+                                    "preprocess a row set, for an A/B"),
     "FA4_KEEP_KEY_COPIES": Knob("1", "1: a fa4 masked forward keeps its sequences' copies of shared keys for the "
                                      "backward when its caller asks (attention_forward(keep=), all-gather CP); 0: "
                                      "the backward gathers them again, for an A/B"),

@@ -47,6 +47,8 @@
 #   bash launch/gpu_host_check.sh OUTDIR fold8k    # FA4 present: S8192's ranks folded (FA4_RING_FOLD=1) and not,
 #                                                  # GPU and wall; rank 0's and rank 1's kernels (half8k: only
 #                                                  # the half-shard row sets folded, FA4_RING_FOLD=half)
+#   bash launch/gpu_host_check.sh OUTDIR sharepre  # FA4 present: one preprocess for the ring backward's unmasked
+#                                                  # row sets against one each: GPU test, every rank S8192 / S32768
 #   bash launch/gpu_host_check.sh OUTDIR fa4adds   # FA4 present: every rank with the dK/dV adds, without (a timing
 #                                                  # bound) and by the direct route at S32768, wall, paired; the
 #                                                  # adds alone (fa4adds8k: with and without at S8192; fa4direct:
@@ -358,6 +360,21 @@ elif [ "$part" = fa4ranks8k ]; then   # FA4 present: S8192's every rank on the G
         --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --wall --paired 5 \
         --json "$out/emulate_ranks_s8k_wall_$i.json"
   done
+elif [ "$part" = sharepre ]; then   # FA4 present (29th session): one FA4 preprocess for every unfolded row set of the
+  # ring backward (FA4_RING_SHARE_PRE=1, the default) against one a row set — the FA4 ring GPU test (both), every
+  # rank at S8192 (GPU clock and wall) and S32768 (GPU clock), paired, one process each; rank 1's kernels at S8192
+  LIMIT=200 TAIL=3 run share_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -k float32_reference \
+      -p no:cacheprovider
+  for clock in gpu wall; do
+    LIMIT=200 TAIL=40 run sharepre8k_$clock $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
+        --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --paired 3 --variant "" "FA4_RING_SHARE_PRE=0" \
+        $([ $clock = wall ] && echo --wall) --json "$out/sharepre8k_$clock.json"
+  done
+  LIMIT=200 TAIL=40 run sharepre32k_gpu $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
+      --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 10 --paired 2 --variant "" "FA4_RING_SHARE_PRE=0" \
+      --json "$out/sharepre32k_gpu.json"
+  LIMIT=120 TAIL=80 run sharepre_timeline8k $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 --rank 1 \
+      --steps-per-launch 1,3,4 --iters 5 --timeline --json "$out/sharepre_timeline8k.json"
 elif [ "$part" = fold8k ] || [ "$part" = half8k ]; then   # FA4 present (28th session): S8192's every rank with
   # its unmasked blocks folded against not, GPU clock and wall, paired — fold8k: every unmasked set
   # (FA4_RING_FOLD=1), then rank 0's and rank 1's kernels (timeline); half8k: the half-shard sets only

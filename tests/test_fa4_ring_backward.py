@@ -18,6 +18,7 @@ from distlab.kernels.attention import attention_reference
 from distlab.testing import ProcessGroupPool, fa4_pretended
 
 LOG2E = 1.4426950408889634
+PRE_CALLS = [0]   # the stand-in preprocess's runs in this process (a shared preprocess runs it once a ring)
 
 
 def _heads_major(t):   # (b, s, h, d) -> (b, h, s * d), FA4's accumulator layout with no rounding
@@ -26,20 +27,29 @@ def _heads_major(t):   # (b, s, h, d) -> (b, h, s * d), FA4's accumulator layout
 
 def _fake_record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal, scale):
     """FA4's preprocess, main kernel and postprocesses as float64 torch, with the argument lists the real
-    recording yields."""
+    recording yields. As FA4's, the per-row buffers are rounded up to the kernel's row tile (here 4 causal, 6
+    not, as FA4's 64 and 80), the preprocess writes delta 0 and LSE +inf past the rows, and the main kernel
+    reads the whole rounded rows (asserted: a shared preprocess must hand it the same)."""
     from distlab.kernels.attention import attention_backward
 
+    padded = -(-rows // (4 if causal else 6)) * (4 if causal else 6)
+
     def pre(out, dout, dpsum, lse, lse_log2, dq_accum, *rest):
-        dpsum.copy_((out.double() * dout.double()).sum(-1).transpose(1, 2))
-        lse_log2.copy_(lse * LOG2E)
+        assert dpsum.shape[-1] == lse_log2.shape[-1] == padded
+        PRE_CALLS[0] += 1
+        dpsum[..., :rows] = (out.double() * dout.double()).sum(-1).transpose(1, 2)
+        lse_log2[..., :rows] = lse * LOG2E
+        dpsum[..., rows:], lse_log2[..., rows:] = 0.0, float("inf")
         dq_accum.zero_()
 
     def main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_accum, dv_accum, sc, *rest):
-        lse = lse_log2 / LOG2E
+        assert q.shape[1] == rows and lse_log2.shape[-1] == dpsum.shape[-1] == padded
+        assert (dpsum[..., rows:] == 0).all() and (lse_log2[..., rows:] == float("inf")).all()
+        lse, dpsum = lse_log2[..., :rows] / LOG2E, dpsum[..., :rows]
         # out enters a backward only through delta = rowsum(out·dO): rebuild an out with that row sum
         out = dout * (dpsum.transpose(1, 2) / (dout * dout).sum(-1)).unsqueeze(-1)
         dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal, sc, backend="torch")
-        dq_accum += _heads_major(dq) / sc
+        dq_accum[..., :rows * dim] += _heads_major(dq) / sc
         if heads == kv_heads:   # MHA (a folded block): dK, dV written as they are, in q's dtype
             assert dk_accum.shape == dk.shape and dk_accum.dtype == q.dtype
             dk_accum.copy_(dk)
@@ -50,9 +60,9 @@ def _fake_record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal,
 
     def post(accum, output, sc, *rest):
         b, s, h, d = output.shape
-        output.copy_((accum.view(b, h, s, d) * sc).transpose(1, 2))
+        output.copy_((accum[..., :s * d].reshape(b, h, s, d) * sc).transpose(1, 2))
 
-    shapes = {"dpsum": (batch, heads, rows), "dq_accum": (batch, heads, rows * dim),
+    shapes = {"dpsum": (batch, heads, padded), "dq_accum": (batch, heads, padded * dim),
               "dkv_accum": (batch, kv_heads, cols * dim)}
     posts = [(post, (None, None, scale))] + ([] if heads == kv_heads else
                                              [(post, (None, None, scale)), (post, (None, None, 1.0))])
@@ -60,7 +70,7 @@ def _fake_record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal,
 
 
 def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_launch=1, cap="0", add_rows="0",
-                       fold="1", route="ring"):
+                       fold="1", route="ring", share="1"):
     from distlab import knobs
     from distlab.cp.ring import _ring_backward, _ring_forward
     from distlab.kernels import fa4_ring_backward as frb
@@ -79,8 +89,10 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
     made = []
     real = frb.FA4RingBackward
     frb.FA4RingBackward = lambda *a: made.append(real(*a)) or made[-1]
+    PRE_CALLS[0] = 0
     try:
-        with fa4_pretended(), knobs.override(RING_FUSE_MAX_KEYS=cap, RING_DKV_ADD_ROWS=add_rows, FA4_RING_FOLD=fold):
+        with fa4_pretended(), knobs.override(RING_FUSE_MAX_KEYS=cap, RING_DKV_ADD_ROWS=add_rows, FA4_RING_FOLD=fold,
+                                             FA4_RING_SHARE_PRE=share):
             out, lse = _ring_forward(*local[:3], ring, causal, layout, scale, "torch", steps_per_launch)
             grads = _ring_backward(local[3], *local[:3], out, lse, ring, causal, layout, scale, "fa4",
                                    steps_per_launch, route)
@@ -90,7 +102,8 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
     got = [gather_sequence(t, None, layout) for t in grads]
     errs = [((a - t.grad).abs().max() / t.grad.abs().max()).item() for a, t in zip(got, full)]
     return {"errors": errs, "kept": len(made), "row_sets": sorted(made[0].sets) if made else [],
-            "folded": sorted(key for key, rs in made[0].sets.items() if rs.fold) if made else []}
+            "folded": sorted(key for key, rs in made[0].sets.items() if rs.fold) if made else [],
+            "preprocesses": PRE_CALLS[0]}
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -116,6 +129,9 @@ def test_fa4_kept_accumulators_match_one_device_on_stand_in_kernels(world):
                 assert max(res["errors"]) < 1e-12, (layout, causal, n, fold, res)
                 # folded: every row set of unmasked blocks (a causal ring's later steps; a non-causal ring's all)
                 assert res["folded"] == (sorted(k for k in res["row_sets"] if not k[2]) if fold == "1" else []), res
+                # one preprocess for the unfolded row sets (shared, FA4_RING_SHARE_PRE=1), one each folded set
+                unfolded = len(res["row_sets"]) - len(res["folded"])
+                assert res["preprocesses"] == len(res["folded"]) + min(unfolded, 1), res
             if layout == "zigzag" and causal and world > 2:   # a middle rank has all three row sets
                 assert max(len(res["row_sets"]) for res in results) == 3, [r["row_sets"] for r in results]
             if fold == "1" and (world > 1 or not causal):
@@ -126,6 +142,11 @@ def test_fa4_kept_accumulators_match_one_device_on_stand_in_kernels(world):
             for res in pool.run(_ring_on_stand_ins, "zigzag", True, 4, 2, 16 * world, 4, n, "0", "0", fold):
                 assert max(res["errors"]) < 1e-12, (n, res)
                 assert res["folded"] == [k for k in res["row_sets"] if not k[2] and k[1] - k[0] <= 8], res
+        # the A/B knob: one preprocess a row set, the same gradients
+        for layout, causal, n in (("zigzag", True, 1), ("contiguous", True, 2)):
+            for res in pool.run(_ring_on_stand_ins, layout, causal, 4, 2, 16 * world, 4, n, "0", "0", "0",
+                                share="0"):
+                assert max(res["errors"]) < 1e-12 and res["preprocesses"] == len(res["row_sets"]), res
     finally:
         pool.close()
 
@@ -254,7 +275,8 @@ def _ring_rank_on_fa4(seq, world, heads, kv_heads, layout, batch=1, steps_per_la
 def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
     """FA4's real kernels (sm90+, the fa4 extra): every rank of a W=4 zigzag ring (three row sets), a W=2
     contiguous ring and a W=2 zigzag ring of batch 2 (row views strided by the batch), bf16 against float32,
-    with the kept accumulators (unmasked blocks folded into MHA, and not) and without (the knobs); and the W=4
+    with the kept accumulators (unmasked blocks folded into MHA, and not; one preprocess for the unfolded row
+    sets, and one each) and without (the knobs); and the W=4
     zigzag ring by launch groups of 3
     (``distlab.cp.ring_fused``: 0 | 1 2 3, the later steps fused into one FA4 call per row range), and every
     rank of a W=8 zigzag ring by groups 1|2|5 (a fused group of five)."""
@@ -265,10 +287,10 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
         pytest.skip("needs FA4 on an sm90+ GPU")
     for layout, world, batch, n in (("zigzag", 4, 1, 1), ("contiguous", 2, 1, 1), ("zigzag", 2, 2, 1),
                                     ("zigzag", 4, 1, 3), ("contiguous", 4, 2, 3), ("zigzag", 8, 1, (1, 2, 5))):
-        for accum, fold in (("1", "1"), ("1", "0"), ("0", "1")):
-            with knobs.override(FA4_RING_ACCUM=accum, FA4_RING_FOLD=fold):
+        for accum, fold, share in (("1", "1", "1"), ("1", "0", "1"), ("1", "0", "0"), ("0", "1", "1")):
+            with knobs.override(FA4_RING_ACCUM=accum, FA4_RING_FOLD=fold, FA4_RING_SHARE_PRE=share):
                 for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, layout, batch, n)):
-                    assert max(errs) < 2e-2, (layout, world, batch, n, accum, fold, rank, errs)
+                    assert max(errs) < 2e-2, (layout, world, batch, n, accum, fold, share, rank, errs)
 
 
 def test_fa4_ring_fold_auto_folds_the_short_unmasked_row_sets_of_long_shards():

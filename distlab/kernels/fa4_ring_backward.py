@@ -154,15 +154,23 @@ def unfold_heads(t, heads: int):
 
 class _RowSet:
     """One row set's preprocess results and its float32 dQ accumulator (FA4's layout for its kernel); ``q`` and
-    ``dout`` as its kernels take them (folded: ``fold_heads``)."""
+    ``dout`` as its kernels take them (folded: ``fold_heads``). ``shared``: ``(dpsum, lse_log2, dq_accum,
+    run)``, views the ring's shared preprocess (``FA4RingBackward.share_preprocess``) hands out; the preprocess
+    runs only where ``run`` (the whole shard's set), the others' rows being already written and their dQ
+    accumulators zeroed."""
 
-    def __init__(self, rec, q, out, dout, lse, fold):
+    def __init__(self, rec, q, out, dout, lse, fold, shared=None):
         (pre_fn, pre_args), _, _, shapes = rec
         dev, acc = out.device, _acc_dtype(out.dtype)
         self.rec, self.q, self.dout, self.fold = rec, q, dout, fold
-        self.dpsum = torch.empty(shapes["dpsum"], dtype=acc, device=dev)
-        self.lse_log2 = torch.empty(shapes["dpsum"], dtype=acc, device=dev)
-        self.dq_accum = torch.empty(shapes["dq_accum"], dtype=acc, device=dev)
+        if shared is not None:
+            self.dpsum, self.lse_log2, self.dq_accum, run = shared
+            if not run:
+                return
+        else:
+            self.dpsum = torch.empty(shapes["dpsum"], dtype=acc, device=dev)
+            self.lse_log2 = torch.empty(shapes["dpsum"], dtype=acc, device=dev)
+            self.dq_accum = torch.empty(shapes["dq_accum"], dtype=acc, device=dev)
         pre_fn(out, dout, self.dpsum, lse, self.lse_log2, self.dq_accum, *pre_args[6:])   # zeroes dq_accum
 
 
@@ -199,6 +207,46 @@ class FA4RingBackward:
         for rows, cols, causal in blocks:
             n = rows.stop - rows.start
             self._rec(n, cols.stop - cols.start, causal, self.folds(n, causal))
+        if knobs.get("FA4_RING_SHARE_PRE") != "0":
+            self.share_preprocess(blocks)
+
+    def share_preprocess(self, blocks):
+        """One preprocess for every unfolded row set: FA4's preprocess writes, per head, each row's delta
+        (rowsum(out·dO)) and base-2 LSE, which depend on the row alone, not on the block — a later row set's
+        are the whole shard's rows ``start`` … ``stop``. They go into one buffer of the shard's rows and a
+        tail, each set reading a view of it at its own start; FA4's kernels take any head stride (a multiple
+        of 4) and round a set's rows up to their tile (64 causal, 80 not: zigzag's half set at S8192 reads 560
+        rows from row 512), so the tail past the shard holds what FA4's preprocess writes past a set's rows
+        (delta 0, LSE +inf: no key weighs on them). The later sets' dQ accumulators are zeroed in the same fill.
+        H100, S8192, W=8 (docs/PERF.md): a middle rank's three preprocesses 13.6 + 6.2 µs read out and dO
+        again for rows already read. A folded set (its rows are heads × rows) keeps its own preprocess."""
+        s, (b, h) = self.q.shape[1], self.q.shape[:3:2]
+        keys = {(0, s, self.causal): self.keys}
+        for rows, cols, causal in blocks:
+            keys.setdefault((rows.start, rows.stop, causal), cols.stop - cols.start)
+        plain = {key: self._rec(key[1] - key[0], cols, key[2])[3] for key, cols in keys.items()
+                 if not self.folds(key[1] - key[0], key[2])}
+        if len(plain) < 2 or (0, s, self.causal) not in plain:
+            return
+        reach = max(start + shapes["dpsum"][-1] for (start, _, _), shapes in plain.items())
+        width = s + -(-max(reach - s, 0) // 4) * 4   # a multiple of 4 floats: FA4's assumed 16-byte alignment
+        dev, acc = self.q.device, _acc_dtype(self.q.dtype)
+        later = [key for key in plain if key != (0, s, self.causal)]
+        sizes = [2 * b * h * width] + [torch.Size(plain[key]["dq_accum"]).numel() for key in later]
+        # one fill zeroes the later sets' dQ accumulators and the rows' buffer, whose shard rows the preprocess
+        # writes; a second one sets the LSE's tail
+        rows, *zeroed = torch.zeros(sum(sizes), dtype=acc, device=dev).split(sizes)
+        rows = rows.view(2, b, h, width)   # [0] delta, [1] the base-2 LSE
+        if width > s:
+            rows[1, :, :, s:].fill_(float("inf"))
+        for key in [(0, s, self.causal)] + later:
+            shapes = plain[key]
+            n = shapes["dpsum"][-1]
+            first = key == (0, s, self.causal)
+            dq_accum = (torch.empty(shapes["dq_accum"], dtype=acc, device=dev) if first
+                        else zeroed[later.index(key)].view(shapes["dq_accum"]))
+            views = (rows[0, :, :, key[0]:key[0] + n], rows[1, :, :, key[0]:key[0] + n], dq_accum, first)
+            self._row_set(slice(key[0], key[1]), keys[key], key[2], views)
 
     def _rec(self, rows: int, cols: int, causal: bool, fold: bool = False):
         """FA4's kernels for a block of ``rows`` × ``cols`` (``fold``: its q heads folded into rows, MHA)."""
@@ -207,7 +255,7 @@ class FA4RingBackward:
         return _record(q.shape[0], rows * group, cols, q.shape[2] // group, self.kv_heads, q.shape[3], q.dtype,
                        q.device, causal, self.scale)
 
-    def _row_set(self, rows: slice, cols: int, causal: bool) -> _RowSet:
+    def _row_set(self, rows: slice, cols: int, causal: bool, shared=None) -> _RowSet:
         key = (rows.start, rows.stop, causal)
         rs = self.sets.get(key)
         if rs is None:
@@ -219,7 +267,7 @@ class FA4RingBackward:
                 q, out, dout = (fold_heads(t, self.kv_heads) for t in (q, out, dout))
                 lse = lse.reshape(lse.shape[0], self.kv_heads, -1)   # (B, H, rows) -> (B, Hkv, G·rows)
             rec = self._rec(rows.stop - rows.start, cols, causal, fold)
-            rs = self.sets[key] = _RowSet(rec, q, out, dout, lse, fold)
+            rs = self.sets[key] = _RowSet(rec, q, out, dout, lse, fold, shared)
         return rs
 
     def share(self, part, keys: int, start: int, n: int):
