@@ -15,8 +15,10 @@ distlab's float32 dQ and the travelling dK/dV (75).
 as ``fa4_forward`` replays its forward): per *row set* of the rank's blocks (its rows and whether the block
 is causal: zigzag has three, all rows causal at step 0, all rows and the second half later) the preprocess
 once and one float32 dQ accumulator that every block of that set adds into; the postprocess once at the end
-(one per row set, summed). A block's dK/dV go into zeroed float32 scratch in FA4's accumulator layout, added
-into the travelling accumulator, which stays in that layout (head-major, key rows in tiles of the kernel's
+(one per row set, summed); and since a row's delta and LSE do not depend on the block, one preprocess
+serves every unfolded row set (``share_preprocess``, knob ``DISTLAB_FA4_RING_SHARE_PRE``). A block's dK/dV go
+into zeroed float32 scratch in FA4's accumulator layout, added into the travelling accumulator, which stays
+in that layout (head-major, key rows in tiles of the kernel's
 n-block) and is converted once by its owner (``finish_dkv``). Why one dQ accumulator per row set and not one
 for all: FA4 tiles the causal kernel's rows by 64 and the non-causal one's by 80 at head_dim 128, the
 accumulator's layout is the tile's, and zigzag's second half starts at row 2048 (S32768, W=8), off the
