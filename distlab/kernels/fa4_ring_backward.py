@@ -52,9 +52,11 @@ FA4 4.0.0b36's (``flash_attn.cute.interface``); a recording that does not match 
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
-from distlab import knobs
+from distlab import knobs, lru
 from distlab.kernels import fa4
 
 TILE = 128   # FA4's largest row / key tile of the sm90 backward at head_dim 128 (n-block 128, m-block 64 or 80)
@@ -70,6 +72,9 @@ TILE = 128   # FA4's largest row / key tile of the sm90 backward at head_dim 128
 FOLD_MIN_SHARD = 4096
 FOLD_MAX_ROWS = 2048
 _RECORDED: dict = {}
+# per ring shape (``FA4RingBackward.prepare``'s signature): the shared preprocess's buffers and views, or None
+_PREPARED: collections.OrderedDict = collections.OrderedDict()
+PREPARED_KEPT = 4
 
 
 def usable(q, k, blocks, dtype) -> bool:
@@ -204,13 +209,29 @@ class FA4RingBackward:
 
     def prepare(self, blocks):
         """Record FA4's kernels for every block shape of the ring (``[(rows, cols, causal)]``) now, before the
-        ring's first exchange: a recording FA4 refuses raises on every rank before any collective."""
+        ring's first exchange: a recording FA4 refuses raises on every rank before any collective. What this
+        works out (and the shared preprocess's buffers, ``share_preprocess``) is kept per ring shape: each
+        layer's and step's backward would pay its host time again (H100, S8192: rebuilt every call, the shared
+        preprocess cost the wall clock 3–6 points while gaining 0.4–1 on the GPU clock, docs/PERF.md)."""
+        q = self.q
+        share = knobs.get("FA4_RING_SHARE_PRE") != "0"
+        sig = (tuple(q.shape), q.dtype, q.device, self.keys, self.kv_heads, self.causal, self.fold, self.fold_rows,
+               self.scale, share, tuple((r.start, r.stop, c.start, c.stop, cz) for r, c, cz in blocks))
+        plan = lru.kept(_PREPARED, sig, lambda: self._plan(blocks, share), PREPARED_KEPT)
+        if plan is not None:
+            zero, sets = plan
+            zero.zero_()   # the later row sets' dQ accumulators
+            for rows, cols, causal, views in sets:
+                self._row_set(rows, cols, causal, views)
+
+    def _plan(self, blocks, share: bool):
+        """The first time a ring shape comes: record every block shape, and with ``share`` the shared
+        preprocess's buffers and views (``share_preprocess``)."""
         self._rec(self.q.shape[1], self.keys, self.causal)
         for rows, cols, causal in blocks:
             n = rows.stop - rows.start
             self._rec(n, cols.stop - cols.start, causal, self.folds(n, causal))
-        if knobs.get("FA4_RING_SHARE_PRE") != "0":
-            self.share_preprocess(blocks)
+        return self.share_preprocess(blocks) if share else None
 
     def share_preprocess(self, blocks):
         """One preprocess for every unfolded row set: FA4's preprocess writes, per head, each row's delta
@@ -219,36 +240,41 @@ class FA4RingBackward:
         tail, each set reading a view of it at its own start; FA4's kernels take any head stride (a multiple
         of 4) and round a set's rows up to their tile (64 causal, 80 not: zigzag's half set at S8192 reads 560
         rows from row 512), so the tail past the shard holds what FA4's preprocess writes past a set's rows
-        (delta 0, LSE +inf: no key weighs on them). The later sets' dQ accumulators are zeroed in the same fill.
-        H100, S8192, W=8 (docs/PERF.md): a middle rank's three preprocesses 13.6 + 6.2 µs read out and dO
-        again for rows already read. A folded set (its rows are heads × rows) keeps its own preprocess."""
+        (delta 0, LSE +inf: no key weighs on them). H100, S8192, W=8 (docs/PERF.md): a middle rank's three
+        preprocesses 13.6 + 6.2 µs read out and dO again for rows already read. A folded set (its rows are heads
+        × rows) keeps its own preprocess.
+
+        Returns ``(zero, sets)`` or None (fewer than two unfolded sets): ``zero`` the later sets' dQ
+        accumulators, one tensor to zero each backward; ``sets`` each set's ``(rows, cols, causal, views)`` for
+        ``_RowSet``. The buffers are made once and kept per ring shape (``prepare``): one backward on a shape at
+        a time, in stream order — each backward's ``dq()`` has read its accumulators before the next one zeroes
+        them on the same stream."""
         s, (b, h) = self.q.shape[1], self.q.shape[:3:2]
-        keys = {(0, s, self.causal): self.keys}
+        whole = (0, s, self.causal)
+        keys = {whole: self.keys}
         for rows, cols, causal in blocks:
             keys.setdefault((rows.start, rows.stop, causal), cols.stop - cols.start)
         plain = {key: self._rec(key[1] - key[0], cols, key[2])[3] for key, cols in keys.items()
                  if not self.folds(key[1] - key[0], key[2])}
-        if len(plain) < 2 or (0, s, self.causal) not in plain:
-            return
+        if len(plain) < 2 or whole not in plain:
+            return None
         reach = max(start + shapes["dpsum"][-1] for (start, _, _), shapes in plain.items())
         width = s + -(-max(reach - s, 0) // 4) * 4   # a multiple of 4 floats: FA4's assumed 16-byte alignment
-        dev, acc = self.q.device, _acc_dtype(self.q.dtype)
-        later = [key for key in plain if key != (0, s, self.causal)]
-        sizes = [2 * b * h * width] + [torch.Size(plain[key]["dq_accum"]).numel() for key in later]
-        # one fill zeroes the later sets' dQ accumulators and the rows' buffer, whose shard rows the preprocess
-        # writes; a second one sets the LSE's tail
-        rows, *zeroed = torch.zeros(sum(sizes), dtype=acc, device=dev).split(sizes)
-        rows = rows.view(2, b, h, width)   # [0] delta, [1] the base-2 LSE
-        if width > s:
-            rows[1, :, :, s:].fill_(float("inf"))
-        for key in [(0, s, self.causal)] + later:
-            shapes = plain[key]
-            n = shapes["dpsum"][-1]
-            first = key == (0, s, self.causal)
-            dq_accum = (torch.empty(shapes["dq_accum"], dtype=acc, device=dev) if first
-                        else zeroed[later.index(key)].view(shapes["dq_accum"]))
-            views = (rows[0, :, :, key[0]:key[0] + n], rows[1, :, :, key[0]:key[0] + n], dq_accum, first)
-            self._row_set(slice(key[0], key[1]), keys[key], key[2], views)
+        order = [whole] + [key for key in plain if key != whole]
+        sizes = [2 * b * h * width] + [torch.Size(plain[key]["dq_accum"]).numel() for key in order]
+        acc = _acc_dtype(self.q.dtype)
+        flat = torch.empty(sum(sizes), dtype=acc, device=self.q.device)
+        rows, *accums = flat.split(sizes)
+        rows = rows.view(2, b, h, width)   # [0] delta, [1] the base-2 LSE; the shard's rows written each backward
+        rows[0, :, :, s:].zero_()
+        rows[1, :, :, s:].fill_(float("inf"))
+        sets = []
+        for key, accum in zip(order, accums):
+            n = plain[key]["dpsum"][-1]
+            views = (rows[0, :, :, key[0]:key[0] + n], rows[1, :, :, key[0]:key[0] + n],
+                     accum.view(plain[key]["dq_accum"]), key == whole)   # the whole set's zeroed by its preprocess
+            sets.append((slice(key[0], key[1]), keys[key], key[2], views))
+        return flat[sizes[0] + sizes[1]:], sets
 
     def _rec(self, rows: int, cols: int, causal: bool, fold: bool = False):
         """FA4's kernels for a block of ``rows`` × ``cols`` (``fold``: its q heads folded into rows, MHA)."""
