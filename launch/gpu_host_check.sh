@@ -365,10 +365,13 @@ elif [ "$part" = sharepre ]; then   # FA4 present (29th session): one FA4 prepro
   # rank at S8192 (GPU clock and wall) and S32768 (GPU clock), paired, one process each; rank 1's kernels at S8192
   LIMIT=200 TAIL=3 run share_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -k float32_reference \
       -p no:cacheprovider
-  for clock in gpu wall; do
-    LIMIT=200 TAIL=40 run sharepre8k_$clock $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
-        --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --paired 3 --variant "" "FA4_RING_SHARE_PRE=0" \
-        $([ $clock = wall ] && echo --wall) --json "$out/sharepre8k_$clock.json"
+  LIMIT=200 TAIL=40 run sharepre8k_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
+      --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --paired 3 --variant "" "FA4_RING_SHARE_PRE=0" \
+      --json "$out/sharepre8k_gpu.json"
+  for i in a b; do   # the wall clock in two processes, each variant twice in turn (a host's stalls move between rows)
+    LIMIT=200 TAIL=6 run sharepre8k_wall_$i $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
+        --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 30 --paired 5 --wall \
+        --variant "" "FA4_RING_SHARE_PRE=0" "" "FA4_RING_SHARE_PRE=0" --json "$out/sharepre8k_wall_$i.json"
   done
   LIMIT=200 TAIL=40 run sharepre32k_gpu $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
       --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 10 --paired 2 --variant "" "FA4_RING_SHARE_PRE=0" \
