@@ -127,6 +127,8 @@ KNOBS = {
                                     "every unfolded row set reading its rows' delta and LSE from it "
                                     "(distlab.kernels.fa4_ring_backward.FA4RingBackward.share_preprocess); 0: one "
                                     "preprocess a row set, for an A/B"),
+    "FA4_RING_ZERO_BESIDE": Knob("1", "1: a fused fa4 ring backward zeroes its later row sets' dQ accumulators on the "
+                                      "side stream, beside step 0's kernels; 0: on the compute stream, for an A/B"),
     "FA4_KEEP_KEY_COPIES": Knob("1", "1: a fa4 masked forward keeps its sequences' copies of shared keys for the "
                                      "backward when its caller asks (attention_forward(keep=), all-gather CP); 0: "
                                      "the backward gathers them again, for an A/B"),

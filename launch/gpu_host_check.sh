@@ -49,6 +49,8 @@
 #                                                  # the half-shard row sets folded, FA4_RING_FOLD=half)
 #   bash launch/gpu_host_check.sh OUTDIR sharepre  # FA4 present: one preprocess for the ring backward's unmasked
 #                                                  # row sets against one each: GPU test, every rank S8192 / S32768
+#   bash launch/gpu_host_check.sh OUTDIR zerobeside # FA4 present: the later row sets' dQ accumulators zeroed on the
+#                                                  # side stream or not: GPU test, every rank at S8192
 #   bash launch/gpu_host_check.sh OUTDIR fa4adds   # FA4 present: every rank with the dK/dV adds, without (a timing
 #                                                  # bound) and by the direct route at S32768, wall, paired; the
 #                                                  # adds alone (fa4adds8k: with and without at S8192; fa4direct:
@@ -378,6 +380,19 @@ elif [ "$part" = sharepre ]; then   # FA4 present (29th session): one FA4 prepro
       --json "$out/sharepre32k_gpu.json"
   LIMIT=120 TAIL=80 run sharepre_timeline8k $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 --rank 1 \
       --steps-per-launch 1,3,4 --iters 5 --timeline --json "$out/sharepre_timeline8k.json"
+elif [ "$part" = zerobeside ]; then   # FA4 present (29th session): the later row sets' dQ accumulators zeroed on the
+  # side stream beside step 0 (FA4_RING_ZERO_BESIDE=1, the default) against on the compute stream: the FA4 ring
+  # GPU test, every rank at S8192, GPU clock in one process and the wall in two
+  LIMIT=200 TAIL=3 run zb_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -k float32_reference \
+      -p no:cacheprovider
+  LIMIT=200 TAIL=40 run zerobeside8k_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
+      --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --paired 3 --variant "" "FA4_RING_ZERO_BESIDE=0" \
+      --json "$out/zerobeside8k_gpu.json"
+  for i in a b; do
+    LIMIT=200 TAIL=6 run zerobeside8k_wall_$i $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
+        --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 30 --paired 5 --wall \
+        --variant "" "FA4_RING_ZERO_BESIDE=0" "" "FA4_RING_ZERO_BESIDE=0" --json "$out/zerobeside8k_wall_$i.json"
+  done
 elif [ "$part" = fold8k ] || [ "$part" = half8k ]; then   # FA4 present (28th session): S8192's every rank with
   # its unmasked blocks folded against not, GPU clock and wall, paired — fold8k: every unmasked set
   # (FA4_RING_FOLD=1), then rank 0's and rank 1's kernels (timeline); half8k: the half-shard sets only

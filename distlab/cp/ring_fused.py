@@ -53,12 +53,14 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
     shape = (ring.rank, ring.size, s, causal, layout, steps_per_launch, fuse_cap())
     groups = group_plans(*shape)
     kept = None
+    side = _side_stream(q.device) if q.is_cuda and knobs.get("RING_DKV_SIDE_STREAM") != "0" else None
+    main = torch.cuda.current_stream(q.device) if side is not None else None
     if backend == "fa4":   # every block shape recorded before the first exchange (a refusal raises everywhere)
         from distlab.kernels import fa4_ring_backward
 
         blocks = _fused_blocks(*shape, fa4_ring_backward.TILE)
         if blocks is not None:
-            kept = _fa4_kept(dout, q, k, out, lse, scale, causal, blocks, layout)
+            kept = _fa4_kept(dout, q, k, out, lse, scale, causal, blocks, layout, side)
     direct = dkv_route == "direct" and ring.size > 1
     landing = kv_landing(ring, k, shape) if ring.size > 1 and use_landing(k, v, backend, groups) else None
     kv = _KVAhead(ring, (k, v), landing)
@@ -67,8 +69,6 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
     skip_adds = knobs.get("RING_DKV_ADDS") == "0"   # a timing bound only: how much do the adds cost the rank?
     if skip_adds and not getattr(ring, "stand_in", False):
         raise ValueError("DISTLAB_RING_DKV_ADDS=0 is a timing probe of distlab.cp.emulate only: it leaves dK/dV wrong")
-    side = _side_stream(q.device) if q.is_cuda and knobs.get("RING_DKV_SIDE_STREAM") != "0" else None
-    main = torch.cuda.current_stream(q.device) if side is not None else None
     if kept is not None and side is not None and knobs.get("RING_ZERO_AHEAD") == "1":   # the later groups' dK/dV
         # scratch zeroed beside step 0's kernels (off by default until timed on a GPU: gpu_host_check.sh fa4land2)
         kept.zero_ahead(blocks[1:], side)

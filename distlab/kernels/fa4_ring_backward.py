@@ -194,6 +194,7 @@ class FA4RingBackward:
         self.sets: dict = {}
         self.plans: dict = {}
         self.zeroed: dict = {}   # block key -> [(zeroed scratch, its fill's event)] (``zero_ahead``)
+        self.zeroed_later = None   # the later row sets' dQ accumulators' fill on a side stream (``prepare``)
         self.add_rows = knobs.get("RING_DKV_ADD_ROWS") == "1"
         # every rank decides alike (shapes and a knob): the travelling accumulator's layout depends on it
         mode = knobs.get("FA4_RING_FOLD")
@@ -207,20 +208,33 @@ class FA4RingBackward:
         (``auto``) that FA4's CTAs loop over few rows."""
         return self.fold and not causal and (self.fold_rows is None or rows <= self.fold_rows)
 
-    def prepare(self, blocks):
+    def prepare(self, blocks, beside=None):
         """Record FA4's kernels for every block shape of the ring (``[(rows, cols, causal)]``) now, before the
         ring's first exchange: a recording FA4 refuses raises on every rank before any collective. What this
         works out (and the shared preprocess's buffers, ``share_preprocess``) is kept per ring shape: each
         layer's and step's backward would pay its host time again (H100, S8192: rebuilt every call, the shared
-        preprocess cost the wall clock 3–6 points while gaining 0.4–1 on the GPU clock, docs/PERF.md)."""
+        preprocess cost the wall clock 3–6 points while gaining 0.4–1 on the GPU clock, docs/PERF.md).
+        ``beside``: a CUDA stream on which the later row sets' dQ accumulators are zeroed, beside step 0's
+        kernels (their first block waits for it; knob ``FA4_RING_ZERO_BESIDE=0``: on the compute stream)."""
         q = self.q
         share = knobs.get("FA4_RING_SHARE_PRE") != "0"
         sig = (tuple(q.shape), q.dtype, q.device, self.keys, self.kv_heads, self.causal, self.fold, self.fold_rows,
                self.scale, share, tuple((r.start, r.stop, c.start, c.stop, cz) for r, c, cz in blocks))
         plan = lru.kept(_PREPARED, sig, lambda: self._plan(blocks, share), PREPARED_KEPT)
         if plan is not None:
-            zero, sets = plan
-            zero.zero_()   # the later row sets' dQ accumulators
+            zero, sets = plan   # ``zero``: the later row sets' dQ accumulators
+            if beside is not None and knobs.get("FA4_RING_ZERO_BESIDE") != "0":
+                main = torch.cuda.current_stream(q.device)
+                beside.wait_stream(main)   # after what is queued (the last backward's dQ conversions read them)
+                torch.cuda.set_stream(beside)   # plain stream calls: less host time than the context manager
+                try:
+                    zero.zero_()
+                    self.zeroed_later = torch.cuda.Event()
+                    self.zeroed_later.record(beside)
+                finally:
+                    torch.cuda.set_stream(main)
+            else:
+                zero.zero_()
             for rows, cols, causal, views in sets:
                 self._row_set(rows, cols, causal, views)
 
@@ -349,6 +363,9 @@ class FA4RingBackward:
         n, shape, acc, main_fn, rs, rest, convert, plain = plan
         if n != k.shape[1]:
             k, v = k[:, cols], v[:, cols]
+        if self.zeroed_later is not None and (rows.stop - rows.start, causal) != (self.q.shape[1], self.causal):
+            torch.cuda.current_stream(k.device).wait_event(self.zeroed_later)   # a later row set's first block
+            self.zeroed_later = None
         ahead = self.zeroed.get(key)
         if ahead:   # zeroed beforehand on a side stream (``zero_ahead``)
             buf, done = ahead.pop(0)
