@@ -127,8 +127,9 @@ KNOBS = {
                                     "every unfolded row set reading its rows' delta and LSE from it "
                                     "(distlab.kernels.fa4_ring_backward.FA4RingBackward.share_preprocess); 0: one "
                                     "preprocess a row set, for an A/B"),
-    "FA4_RING_ZERO_BESIDE": Knob("1", "1: a fused fa4 ring backward zeroes its later row sets' dQ accumulators on the "
-                                      "side stream, beside step 0's kernels; 0: on the compute stream, for an A/B"),
+    "FA4_RING_ZERO_BESIDE": Knob("0", "1: a fused fa4 ring backward zeroes its later row sets' dQ accumulators on the "
+                                      "side stream, beside step 0's kernels (H100 S8192: GPU clock +0.6, wall -0.3 to "
+                                      "-4 points, docs/PERF.md); 0: on the compute stream"),
     "FA4_KEEP_KEY_COPIES": Knob("1", "1: a fa4 masked forward keeps its sequences' copies of shared keys for the "
                                      "backward when its caller asks (attention_forward(keep=), all-gather CP); 0: "
                                      "the backward gathers them again, for an A/B"),

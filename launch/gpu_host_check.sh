@@ -381,17 +381,18 @@ elif [ "$part" = sharepre ]; then   # FA4 present (29th session): one FA4 prepro
   LIMIT=120 TAIL=80 run sharepre_timeline8k $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 --rank 1 \
       --steps-per-launch 1,3,4 --iters 5 --timeline --json "$out/sharepre_timeline8k.json"
 elif [ "$part" = zerobeside ]; then   # FA4 present (29th session): the later row sets' dQ accumulators zeroed on the
-  # side stream beside step 0 (FA4_RING_ZERO_BESIDE=1, the default) against on the compute stream: the FA4 ring
-  # GPU test, every rank at S8192, GPU clock in one process and the wall in two
+  # side stream beside step 0 (FA4_RING_ZERO_BESIDE=1) against on the compute stream (the default since this part
+  # ran): the FA4 ring GPU test, every rank at S8192, GPU clock in one process and the wall in two
   LIMIT=200 TAIL=3 run zb_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -k float32_reference \
       -p no:cacheprovider
   LIMIT=200 TAIL=40 run zerobeside8k_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
-      --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --paired 3 --variant "" "FA4_RING_ZERO_BESIDE=0" \
-      --json "$out/zerobeside8k_gpu.json"
+      --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --paired 3 --variant "FA4_RING_ZERO_BESIDE=1" \
+      "FA4_RING_ZERO_BESIDE=0" --json "$out/zerobeside8k_gpu.json"
   for i in a b; do
     LIMIT=200 TAIL=6 run zerobeside8k_wall_$i $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
         --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 30 --paired 5 --wall \
-        --variant "" "FA4_RING_ZERO_BESIDE=0" "" "FA4_RING_ZERO_BESIDE=0" --json "$out/zerobeside8k_wall_$i.json"
+        --variant "FA4_RING_ZERO_BESIDE=1" "FA4_RING_ZERO_BESIDE=0" "FA4_RING_ZERO_BESIDE=1" "FA4_RING_ZERO_BESIDE=0" \
+        --json "$out/zerobeside8k_wall_$i.json"
   done
 elif [ "$part" = fold8k ] || [ "$part" = half8k ]; then   # FA4 present (28th session): S8192's every rank with
   # its unmasked blocks folded against not, GPU clock and wall, paired — fold8k: every unmasked set

@@ -214,8 +214,10 @@ class FA4RingBackward:
         works out (and the shared preprocess's buffers, ``share_preprocess``) is kept per ring shape: each
         layer's and step's backward would pay its host time again (H100, S8192: rebuilt every call, the shared
         preprocess cost the wall clock 3–6 points while gaining 0.4–1 on the GPU clock, docs/PERF.md).
-        ``beside``: a CUDA stream on which the later row sets' dQ accumulators are zeroed, beside step 0's
-        kernels (their first block waits for it; knob ``FA4_RING_ZERO_BESIDE=0``: on the compute stream)."""
+        ``beside``: a CUDA stream on which, with the knob ``FA4_RING_ZERO_BESIDE=1``, the later row sets' dQ
+        accumulators are zeroed beside step 0's kernels (their first block waits for it). Off by default: H100,
+        S8192, it gained the GPU clock 0.6 points on the slowest rank and cost the wall 0.3 (the stream switch
+        and event's host time; docs/PERF.md)."""
         q = self.q
         share = knobs.get("FA4_RING_SHARE_PRE") != "0"
         sig = (tuple(q.shape), q.dtype, q.device, self.keys, self.kv_heads, self.causal, self.fold, self.fold_rows,
