@@ -130,6 +130,9 @@ KNOBS = {
     "FA4_RING_ZERO_BESIDE": Knob("0", "1: a fused fa4 ring backward zeroes its later row sets' dQ accumulators on the "
                                       "side stream, beside step 0's kernels (H100 S8192: GPU clock +0.6, wall -0.3 to "
                                       "-4 points, docs/PERF.md); 0: on the compute stream"),
+    "FA4_RING_DQ_FUSED": Knob("0", "1: a fa4 ring backward's dQ finished in one Triton kernel over every row set's "
+                                   "accumulator in FA4's tile order (distlab.kernels.triton_dq_finish; not yet timed "
+                                   "on a GPU); 0: FA4's postprocess a set, the parts added"),
     "FA4_KEEP_KEY_COPIES": Knob("1", "1: a fa4 masked forward keeps its sequences' copies of shared keys for the "
                                      "backward when its caller asks (attention_forward(keep=), all-gather CP); 0: "
                                      "the backward gathers them again, for an A/B"),

@@ -49,6 +49,8 @@
 #                                                  # the half-shard row sets folded, FA4_RING_FOLD=half)
 #   bash launch/gpu_host_check.sh OUTDIR sharepre  # FA4 present: one preprocess for the ring backward's unmasked
 #                                                  # row sets against one each: GPU test, every rank S8192 / S32768
+#   bash launch/gpu_host_check.sh OUTDIR dqfused   # FA4 present: dQ finished in one Triton kernel or by FA4's
+#                                                  # postprocesses: GPU test, every rank S8192 / S32768, timeline
 #   bash launch/gpu_host_check.sh OUTDIR zerobeside # FA4 present: the later row sets' dQ accumulators zeroed on the
 #                                                  # side stream or not: GPU test, every rank at S8192
 #   bash launch/gpu_host_check.sh OUTDIR fa4adds   # FA4 present: every rank with the dK/dV adds, without (a timing
@@ -380,6 +382,26 @@ elif [ "$part" = sharepre ]; then   # FA4 present (29th session): one FA4 prepro
       --json "$out/sharepre32k_gpu.json"
   LIMIT=120 TAIL=80 run sharepre_timeline8k $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 --rank 1 \
       --steps-per-launch 1,3,4 --iters 5 --timeline --json "$out/sharepre_timeline8k.json"
+elif [ "$part" = dqfused ]; then   # FA4 present (written in the 29th session, not yet run): dQ finished in one Triton
+  # kernel over every row set's accumulator in FA4's tile order (FA4_RING_DQ_FUSED=1) against FA4's postprocess a
+  # set and the adds: the FA4 ring GPU test, every rank at S8192 (GPU clock; wall in two processes) and S32768
+  # (GPU clock), rank 1's kernels at S8192
+  LIMIT=240 TAIL=3 run dqf_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -k float32_reference \
+      -p no:cacheprovider
+  LIMIT=200 TAIL=40 run dqfused8k_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
+      --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --paired 3 --variant "" "FA4_RING_DQ_FUSED=1" \
+      --json "$out/dqfused8k_gpu.json"
+  for i in a b; do
+    LIMIT=200 TAIL=6 run dqfused8k_wall_$i $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
+        --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 30 --paired 5 --wall \
+        --variant "" "FA4_RING_DQ_FUSED=1" "" "FA4_RING_DQ_FUSED=1" --json "$out/dqfused8k_wall_$i.json"
+  done
+  LIMIT=200 TAIL=40 run dqfused32k_gpu $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
+      --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 10 --paired 2 --variant "" "FA4_RING_DQ_FUSED=1" \
+      --json "$out/dqfused32k_gpu.json"
+  DISTLAB_FA4_RING_DQ_FUSED=1 LIMIT=120 TAIL=80 run dqfused_timeline8k $py -m distlab.cp.emulate --world 8 \
+      --seq 8192 --backend fa4 --rank 1 --steps-per-launch 1,3,4 --iters 5 --timeline \
+      --json "$out/dqfused_timeline8k.json"
 elif [ "$part" = zerobeside ]; then   # FA4 present (29th session): the later row sets' dQ accumulators zeroed on the
   # side stream beside step 0 (FA4_RING_ZERO_BESIDE=1) against on the compute stream (the default since this part
   # ran): the FA4 ring GPU test, every rank at S8192, GPU clock in one process and the wall in two

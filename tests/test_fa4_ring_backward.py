@@ -289,7 +289,8 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
     """FA4's real kernels (sm90+, the fa4 extra): every rank of a W=4 zigzag ring (three row sets), a W=2
     contiguous ring and a W=2 zigzag ring of batch 2 (row views strided by the batch), bf16 against float32,
     with the kept accumulators (unmasked blocks folded into MHA, and not; one preprocess for the unfolded row
-    sets, and one each; the later sets' accumulators zeroed on the side stream) and without (the knobs); and the W=4
+    sets, and one each; the later sets' accumulators zeroed on the side stream; dQ finished in one Triton
+    kernel, folded and not) and without (the knobs); and the W=4
     zigzag ring by launch groups of 3
     (``distlab.cp.ring_fused``: 0 | 1 2 3, the later steps fused into one FA4 call per row range), and every
     rank of a W=8 zigzag ring by groups 1|2|5 (a fused group of five)."""
@@ -300,12 +301,15 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
         pytest.skip("needs FA4 on an sm90+ GPU")
     for layout, world, batch, n in (("zigzag", 4, 1, 1), ("contiguous", 2, 1, 1), ("zigzag", 2, 2, 1),
                                     ("zigzag", 4, 1, 3), ("contiguous", 4, 2, 3), ("zigzag", 8, 1, (1, 2, 5))):
-        for accum, fold, share, beside in (("1", "1", "1", "0"), ("1", "0", "1", "0"), ("1", "0", "1", "1"),
-                                           ("1", "0", "0", "0"), ("0", "1", "1", "0")):
+        for accum, fold, share, beside, fused in (("1", "1", "1", "0", "0"), ("1", "0", "1", "0", "0"),
+                                                  ("1", "0", "1", "1", "0"), ("1", "0", "0", "0", "0"),
+                                                  ("0", "1", "1", "0", "0"), ("1", "0", "1", "0", "1"),
+                                                  ("1", "1", "1", "0", "1")):
             with knobs.override(FA4_RING_ACCUM=accum, FA4_RING_FOLD=fold, FA4_RING_SHARE_PRE=share,
-                                FA4_RING_ZERO_BESIDE=beside):
+                                FA4_RING_ZERO_BESIDE=beside, FA4_RING_DQ_FUSED=fused):
                 for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, layout, batch, n)):
-                    assert max(errs) < 2e-2, (layout, world, batch, n, accum, fold, share, beside, rank, errs)
+                    assert max(errs) < 2e-2, (layout, world, batch, n, accum, fold, share, beside, fused, rank,
+                                              errs)
 
 
 def test_fa4_ring_fold_auto_folds_the_short_unmasked_row_sets_of_long_shards():
@@ -350,3 +354,57 @@ def test_fa4_key_ranges_of_an_accumulator_are_its_tiles_in_order():
     want = torch.zeros(1, 8, 2, 3)
     want[:, 4:8] = part.view(1, 2, 4, 3).transpose(1, 2)
     assert torch.equal(acc, _heads_major(want))
+
+
+def _tile_post(m, dim, perm):
+    """A stand-in postprocess whose accumulator keeps each tile of ``m`` rows in the order ``perm`` (as FA4's
+    keep the order of the MMA's registers): output (b, s, h, d) = scale × accum read through it."""
+    def post(accum, output, sc, *rest):
+        b, s, h, d = output.shape
+        rows, dims = torch.arange(s)[:, None], torch.arange(d)[None, :]
+        off = (rows // m) * m * d + perm[(rows % m) * d + dims]
+        output.copy_((accum.view(b, h, -1)[:, :, off] * sc).permute(0, 2, 1, 3).to(output.dtype))
+    return post
+
+
+def _dq_finish_on_the_interpreter():
+    """Three row sets (all rows in tiles of 4, all rows in tiles of 6, the second half folded two q heads a kv
+    head in tiles of 6), each tile's values shuffled: their orders measured through the stand-in postprocess,
+    then dQ finished in one kernel against the sum of the parts."""
+    from distlab.kernels import triton_dq_finish as fin
+    from distlab.kernels.fa4_ring_backward import fold_heads
+
+    g = torch.Generator().manual_seed(0)
+    b, s, h, kvh, d, scale = 2, 24, 4, 2, 8, 0.3
+    sets, want, order_errors = [], torch.zeros(b, s, h, d), []
+    for m, start, group in ((4, 0, 1), (6, 0, 1), (6, 12, 2)):
+        rows = s - start
+        perm = torch.randperm(m * d, generator=g)
+        order = fin.window_order((_tile_post(m, d, perm), (None, None, 1.0)), d, torch.float32, torch.device("cpu"))
+        r, dims = torch.arange(fin.WINDOW)[:, None], torch.arange(d)[None, :]
+        order_errors.append(int((order.view(fin.WINDOW, d) != (r // m) * m * d + perm[(r % m) * d + dims]).sum()))
+        part = torch.randn(b, rows, h, d, generator=g)
+        want[:, start:] += scale * part
+        held = fold_heads(part, kvh) if group > 1 else part   # (b, accumulator rows, accumulator heads, d)
+        arows, aheads = held.shape[1], held.shape[2]
+        accum = torch.zeros(b, aheads, -(-arows // m) * m * d)
+        r = torch.arange(arows)[:, None]
+        accum[:, :, ((r // m) * m * d + perm[(r % m) * d + dims]).flatten()] = held.permute(0, 2, 1, 3).reshape(b, aheads, -1)
+        sets.append((accum, order, start, rows, group))
+    got = fin.dq_finish(torch.full((b, s, h, d), float("nan")), sets, scale)
+    try:
+        fin.window_order((lambda accum, out, sc, *rest: out.zero_(), (None, None, 1.0)), d, torch.float32,
+                         torch.device("cpu"))
+        refused = False
+    except RuntimeError:
+        refused = True
+    return order_errors, (got - want).abs().max().item(), refused
+
+
+def test_dq_finish_reads_each_sets_tile_order_on_the_interpreter(interpreted_pools):
+    """``triton_dq_finish`` (knob ``FA4_RING_DQ_FUSED=1``): each set's tile order is measured exactly through its
+    postprocess, a postprocess that is not a permutation is refused, and the one-kernel dQ equals the scaled
+    sum of the sets' parts, a folded set's heads unfolded."""
+    (order_errors, err, refused), = interpreted_pools(1).run(_dq_finish_on_the_interpreter)
+    assert order_errors == [0, 0, 0] and refused
+    assert err < 1e-5, err

@@ -409,7 +409,11 @@ class FA4RingBackward:
         sets after the first added in q's dtype (float64 on the CPU's stand-ins). On the H100 (S32768, W=8,
         rank 0's two row sets) the end of the backward went 243 → 90 µs against a float32 sum (a zero fill, the
         adds in float32, a conversion); each set's part is already rounded once by its postprocess, so a bf16
-        sum rounds at most twice more."""
+        sum rounds at most twice more. Knob ``FA4_RING_DQ_FUSED=1`` (not yet timed on a GPU): one Triton kernel
+        reads every set's accumulator in FA4's tile order, sums in float32 and rounds once
+        (``distlab.kernels.triton_dq_finish``)."""
+        if knobs.get("FA4_RING_DQ_FUSED") == "1" and len(self.sets) > 1:
+            return self._dq_fused()
         total = None
         for (start, stop, _), rs in self.sets.items():
             post_fn, post_args = rs.rec[2][0]
@@ -425,6 +429,21 @@ class FA4RingBackward:
                 total = torch.zeros_like(self.q, memory_format=torch.contiguous_format)
             total[:, start:stop] += part
         return total
+
+    def _dq_fused(self):
+        """``dq()`` in one kernel (``triton_dq_finish.dq_finish``); each set's tile order measured once on its
+        own postprocess (``window_order``)."""
+        from distlab.kernels import triton_dq_finish as fin
+
+        q = self.q
+        if len(self.sets) > fin.MAX_SETS:
+            raise ValueError(f"FA4_RING_DQ_FUSED: at most {fin.MAX_SETS} row sets, this rank has {len(self.sets)}")
+        sets = []
+        for (start, stop, _), rs in self.sets.items():
+            order = fin.window_order(rs.rec[2][0], q.shape[3], q.dtype, q.device)
+            sets.append((rs.dq_accum, order, start, stop - start, q.shape[2] // self.kv_heads if rs.fold else 1))
+        scale = rs.rec[2][0][1][2]   # the postprocess's own scale (FA4's accumulators hold dQ unscaled)
+        return fin.dq_finish(torch.empty_like(q, memory_format=torch.contiguous_format), sets, scale)
 
     def finish_dkv(self, acc, k, v):
         """A travelling dK/dV accumulator (``acc[0]`` dK, ``acc[1]`` dV), home: converted to k's and v's dtype (dK scaled) by FA4's

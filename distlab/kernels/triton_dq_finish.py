@@ -1,0 +1,111 @@
+"""A FA4 ring rank's dQ finished in one pass: its row sets' float32 accumulators read in FA4's tile order,
+summed, scaled and written once in q's dtype (#24; opt-in, knob ``DISTLAB_FA4_RING_DQ_FUSED=1``, not yet timed
+on a GPU).
+
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_fa4_ring_backward.py -k dq_finish   # CPU, the interpreter
+
+``FA4RingBackward`` keeps one float32 dQ accumulator per row set of the rank's blocks (zigzag's middle ranks
+have three: all rows causal, all rows, the second half), each in the layout of its own FA4 kernel's row tile
+(64 rows causal, 80 not, at head_dim 128; each tile's values stored in the order the MMA's threads hold them).
+``dq()`` converts each with FA4's postprocess and adds the parts in q's dtype: on the H100 at S8192 (rank 1,
+``docs/PERF.md``) three postprocesses and two adds, ~45 µs of GPU time and five launches after the last main
+kernel. Here one kernel reads every set's accumulator where it holds a row, adds in float32 and rounds once.
+
+The tile order is not written down anywhere this code can read for the sm90 kernels, so it is *measured*:
+``window_order`` runs the recorded postprocess once on an accumulator of ``WINDOW`` rows whose values are the
+digits of each element's own offset, four bits a pass (exact in bf16), and reads back where each landed.
+``WINDOW`` is a multiple of every tile height FA4 uses (64, 80, 128; 4 and 6 for the CPU's stand-ins), so a
+row's offset is ``(row // WINDOW) * WINDOW * dim + order[row % WINDOW, d]`` whatever the tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from distlab.kernels.launch import CachedLaunch, num_warps, tensor_key
+
+WINDOW = 1920   # lcm(64, 80, 128, 6): rows over which a tile order is measured and repeats
+MAX_SETS = 3
+_ORDERS: dict = {}
+
+
+def window_order(post, dim: int, dtype, device):
+    """``(WINDOW * dim,)`` int32: the accumulator offset that FA4's postprocess ``post`` (``(fn, args)``,
+    recorded) reads for each (row, d) of a ``WINDOW``-row block, measured once per postprocess. Raises
+    ``RuntimeError`` if what comes back is not a permutation (a postprocess this cannot read)."""
+    fn, args = post
+    key = (id(fn), dim, dtype, device)
+    if key in _ORDERS:
+        return _ORDERS[key][1]
+    if any(isinstance(a, torch.Tensor) for a in args[3:]):
+        raise RuntimeError("window_order: the postprocess takes tensors beyond its accumulator and output")
+    size = WINDOW * dim
+    offsets = torch.arange(size, device=device, dtype=torch.int64)
+    got = torch.zeros(size, dtype=torch.int64, device=device)
+    for shift in range(0, max(size - 1, 1).bit_length(), 4):   # one 4-bit digit a pass: exact in any float
+        acc = ((offsets >> shift) & 15).to(torch.float32).view(1, 1, size)
+        out = torch.empty(1, WINDOW, 1, dim, dtype=dtype, device=device)
+        fn(acc, out, 1.0, *args[3:])
+        got += out.reshape(size).float().round().long() << shift
+    if not torch.equal(torch.sort(got).values, offsets):
+        raise RuntimeError("window_order: FA4's postprocess did not move each accumulator value to one place")
+    order = got.to(torch.int32)
+    _ORDERS[key] = (fn, order)   # fn held: its id stays its own
+    return order
+
+
+@triton.jit
+def _dq_finish_kernel(OUT, A0, P0, A1, P1, A2, P2, scale, so_b, so_r, so_h,
+                      sb0, sh0, st0, n0, g0, sb1, sh1, st1, n1, g1, sb2, sh2, st2, n2, g2, rows,
+                      H: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, BR: tl.constexpr, SETS: tl.constexpr,
+                      WIN: tl.constexpr):
+    r = tl.program_id(0) * BR + tl.arange(0, BR)[:, None]
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    d = tl.arange(0, DB)[None, :]
+    dmask = (r < rows) & (d < D)
+    acc = tl.zeros([BR, DB], dtype=tl.float32)
+    for s in tl.static_range(SETS):
+        if s == 0:
+            A, P, sb, sh, st, n, g = A0, P0, sb0, sh0, st0, n0, g0
+        elif s == 1:
+            A, P, sb, sh, st, n, g = A1, P1, sb1, sh1, st1, n1, g1
+        else:
+            A, P, sb, sh, st, n, g = A2, P2, sb2, sh2, st2, n2, g2
+        local = r - st
+        inside = dmask & (local >= 0) & (local < n)
+        row = (h % g) * n + local   # a folded set: q head h's rows follow its kv head's earlier q heads'
+        row = tl.where(inside, row, 0)
+        off = tl.load(P + (row % WIN) * D + d, mask=inside, other=0).to(tl.int64)
+        off += (row // WIN).to(tl.int64) * (WIN * D)
+        acc += tl.load(A + b * sb + (h // g).to(tl.int64) * sh + off, mask=inside, other=0.0)
+    out = OUT + b * so_b + r.to(tl.int64) * so_r + h.to(tl.int64) * so_h + d
+    tl.store(out, (acc * scale).to(OUT.dtype.element_ty), mask=dmask)
+
+
+_LAUNCH = CachedLaunch(_dq_finish_kernel)
+
+
+def dq_finish(out, sets, scale: float, rows_per_program: int = 16):
+    """``out`` (batch, rows, heads, dim; last dimension contiguous) = ``scale`` × the sum, per row, of the sets
+    that hold it. ``sets``: up to ``MAX_SETS`` of ``(accum, order, start, n, group)`` — ``accum`` (batch,
+    acc_heads, rows_padded · dim) float32 with a contiguous last dimension, ``order`` its ``window_order``,
+    rows ``start`` … ``start + n`` of ``out``, ``group`` q heads per accumulator head (1; G where folded)."""
+    if not 1 <= len(sets) <= MAX_SETS:
+        raise ValueError(f"dq_finish: 1 to {MAX_SETS} row sets, got {len(sets)}")
+    batch, rows, heads, dim = out.shape
+    if out.stride(-1) != 1 or any(a.stride(-1) != 1 or a.dtype != torch.float32 for a, *_ in sets):
+        raise ValueError("dq_finish: float32 accumulators and an output, each with a contiguous last dimension")
+    per = []
+    for accum, order, start, n, group in list(sets) + [sets[0]] * (MAX_SETS - len(sets)):
+        per.append((accum, order, (accum.stride(0), accum.stride(1), start, n, group)))
+    args = (out, per[0][0], per[0][1], per[1][0], per[1][1], per[2][0], per[2][1], float(scale),
+            out.stride(0), out.stride(1), out.stride(2), *per[0][2], *per[1][2], *per[2][2], rows)
+    meta = dict(H=heads, D=dim, DB=triton.next_power_of_2(dim), BR=rows_per_program, SETS=len(sets), WIN=WINDOW,
+                num_warps=num_warps(4))
+    key = tuple(tensor_key(a) for a in args[:7]) + args[7:] + tuple(meta.values())
+    _LAUNCH(key, (triton.cdiv(rows, rows_per_program), batch * heads), args, meta)
+    return out
