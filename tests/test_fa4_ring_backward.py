@@ -99,6 +99,7 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
                                    steps_per_launch, route) for _ in range(repeat)]
     finally:
         frb._record, frb.TILE, frb.FOLD_MIN_SHARD, frb.FOLD_MAX_ROWS = saved
+        kept_plans = dict(frb._PREPARED)
         frb._PREPARED.clear()
         frb.FA4RingBackward = real
     errs = [0.0] * 3
@@ -106,11 +107,17 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
         got = [gather_sequence(t, None, layout) for t in grads]
         errs = [max(e, ((a - t.grad).abs().max() / t.grad.abs().max()).item()) for e, a, t in zip(errs, got, full)]
     unfolded = [key for key, rs in made[0].sets.items() if not rs.fold] if made else []
+    kept_bytes = 0
+    if repeat > 1:   # what the shape kept, freed (the shared buffers: every unfolded set's accumulator and rows)
+        frb._PREPARED.update(kept_plans)
+        kept_bytes = frb.release_prepared()
     return {"errors": errs, "kept": len(made) // repeat, "row_sets": sorted(made[0].sets) if made else [],
             "folded": sorted(key for key, rs in made[0].sets.items() if rs.fold) if made else [],
             "preprocesses": PRE_CALLS[0] // repeat,
             "reused": all(made[0].sets[key].dq_accum.data_ptr() == made[-1].sets[key].dq_accum.data_ptr()
-                          for key in unfolded)}
+                          for key in unfolded),
+            "kept_bytes": kept_bytes, "left": len(frb._PREPARED),
+            "accum_bytes": sum(made[0].sets[k].dq_accum.numel() * 8 for k in unfolded) if made else 0}
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -153,6 +160,8 @@ def test_fa4_kept_accumulators_match_one_device_on_stand_in_kernels(world):
         for res in pool.run(_ring_on_stand_ins, "zigzag", True, 4, 2, 16 * world, 4, 1, "0", "0", "0", repeat=3):
             assert max(res["errors"]) < 1e-12 and res["kept"] == 1, res
             assert res["preprocesses"] == 1 and (res["reused"] or len(res["row_sets"]) == 1), res
+            if len(res["row_sets"]) > 1:   # released: at least the accumulators' bytes (float64 stand-ins), none left
+                assert res["kept_bytes"] >= res["accum_bytes"] > 0 and res["left"] == 0, res
         # the A/B knob: one preprocess a row set, the same gradients
         for layout, causal, n in (("zigzag", True, 1), ("contiguous", True, 2)):
             for res in pool.run(_ring_on_stand_ins, layout, causal, 4, 2, 16 * world, 4, n, "0", "0", "0",

@@ -73,7 +73,7 @@ FOLD_MIN_SHARD = 4096
 FOLD_MAX_ROWS = 2048
 _RECORDED: dict = {}
 # per ring shape (``FA4RingBackward.prepare``'s signature): the shared preprocess's buffers and views, or None
-_PREPARED: collections.OrderedDict = collections.OrderedDict()
+_PREPARED: collections.OrderedDict = collections.OrderedDict()   # release_prepared() frees them
 PREPARED_KEPT = 4
 
 
@@ -142,6 +142,19 @@ def _same(a, b) -> bool:
 def _acc_dtype(dtype):
     """FA4's accumulators are float32; float64 where a CPU test's stand-in kernels run in float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def release_prepared() -> int:
+    """Drop what ``FA4RingBackward.prepare`` kept per ring shape (the shared preprocess's buffers: at S32768, W=8,
+    32 heads, ~130 MiB a shape); returns the bytes they held. A CUDA graph that captured a backward still reads
+    them: release them only with that graph."""
+    freed = 0
+    while _PREPARED:
+        plan = _PREPARED.popitem()[1]
+        if plan is not None:
+            zero, _ = plan
+            freed += zero.untyped_storage().nbytes()   # one allocation holds every buffer of the shape
+    return freed
 
 
 def fold_heads(t, kv_heads: int):
