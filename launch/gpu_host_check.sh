@@ -47,12 +47,11 @@
 #   bash launch/gpu_host_check.sh OUTDIR fold8k    # FA4 present: S8192's ranks folded (FA4_RING_FOLD=1) and not,
 #                                                  # GPU and wall; rank 0's and rank 1's kernels (half8k: only
 #                                                  # the half-shard row sets folded, FA4_RING_FOLD=half)
-#   bash launch/gpu_host_check.sh OUTDIR sharepre  # FA4 present: one preprocess for the ring backward's unmasked
-#                                                  # row sets against one each: GPU test, every rank S8192 / S32768
-#   bash launch/gpu_host_check.sh OUTDIR dqfused   # FA4 present: dQ finished in one Triton kernel or by FA4's
-#                                                  # postprocesses: GPU test, every rank S8192 / S32768, timeline
-#   bash launch/gpu_host_check.sh OUTDIR zerobeside # FA4 present: the later row sets' dQ accumulators zeroed on the
-#                                                  # side stream or not: GPU test, every rank at S8192
+#   bash launch/gpu_host_check.sh OUTDIR sharepre  # FA4 present: A/Bs of the ring backward (GPU test, every rank
+#                                                  # S8192 / S32768, a timeline): one preprocess for the unfolded
+#                                                  # row sets or one each (dqfused: dQ finished in one Triton
+#                                                  # kernel or by FA4's postprocesses; zerobeside: the later sets'
+#                                                  # dQ accumulators zeroed on the side stream or not)
 #   bash launch/gpu_host_check.sh OUTDIR fa4adds   # FA4 present: every rank with the dK/dV adds, without (a timing
 #                                                  # bound) and by the direct route at S32768, wall, paired; the
 #                                                  # adds alone (fa4adds8k: with and without at S8192; fa4direct:
@@ -364,58 +363,31 @@ elif [ "$part" = fa4ranks8k ]; then   # FA4 present: S8192's every rank on the G
         --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --wall --paired 5 \
         --json "$out/emulate_ranks_s8k_wall_$i.json"
   done
-elif [ "$part" = sharepre ]; then   # FA4 present (29th session): one FA4 preprocess for every unfolded row set of the
-  # ring backward (FA4_RING_SHARE_PRE=1, the default) against one a row set — the FA4 ring GPU test (both), every
-  # rank at S8192 (GPU clock and wall) and S32768 (GPU clock), paired, one process each; rank 1's kernels at S8192
-  LIMIT=200 TAIL=3 run share_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -k float32_reference \
+elif [ "$part" = sharepre ] || [ "$part" = dqfused ] || [ "$part" = zerobeside ]; then   # FA4 present (29th
+  # session): an A/B of the FA4 ring backward, knob a against b — the FA4 ring GPU test, every rank at S8192 (GPU
+  # clock in one process, the wall in two, each variant twice in turn: a host's stalls move between rows), S32768
+  # (GPU clock), rank 1's kernels at S8192 with a. sharepre: one preprocess for every unfolded row set (the
+  # default) against one a set; dqfused (written, not yet run): dQ finished in one Triton kernel
+  # (distlab.kernels.triton_dq_finish) against FA4's postprocesses; zerobeside: the later sets' dQ accumulators
+  # zeroed on the side stream against on the compute stream (the default)
+  case $part in
+    sharepre) a=FA4_RING_SHARE_PRE=1; b=FA4_RING_SHARE_PRE=0 ;;
+    dqfused) a=FA4_RING_DQ_FUSED=1; b=FA4_RING_DQ_FUSED=0 ;;
+    *) a=FA4_RING_ZERO_BESIDE=1; b=FA4_RING_ZERO_BESIDE=0 ;;
+  esac
+  ring="$py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4"
+  LIMIT=240 TAIL=3 run ${part}_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -k float32_reference \
       -p no:cacheprovider
-  LIMIT=200 TAIL=40 run sharepre8k_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
-      --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --paired 3 --variant "" "FA4_RING_SHARE_PRE=0" \
-      --json "$out/sharepre8k_gpu.json"
-  for i in a b; do   # the wall clock in two processes, each variant twice in turn (a host's stalls move between rows)
-    LIMIT=200 TAIL=6 run sharepre8k_wall_$i $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
-        --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 30 --paired 5 --wall \
-        --variant "" "FA4_RING_SHARE_PRE=0" "" "FA4_RING_SHARE_PRE=0" --json "$out/sharepre8k_wall_$i.json"
-  done
-  LIMIT=200 TAIL=40 run sharepre32k_gpu $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
-      --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 10 --paired 2 --variant "" "FA4_RING_SHARE_PRE=0" \
-      --json "$out/sharepre32k_gpu.json"
-  LIMIT=120 TAIL=80 run sharepre_timeline8k $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 --rank 1 \
-      --steps-per-launch 1,3,4 --iters 5 --timeline --json "$out/sharepre_timeline8k.json"
-elif [ "$part" = dqfused ]; then   # FA4 present (written in the 29th session, not yet run): dQ finished in one Triton
-  # kernel over every row set's accumulator in FA4's tile order (FA4_RING_DQ_FUSED=1) against FA4's postprocess a
-  # set and the adds: the FA4 ring GPU test, every rank at S8192 (GPU clock; wall in two processes) and S32768
-  # (GPU clock), rank 1's kernels at S8192
-  LIMIT=240 TAIL=3 run dqf_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -k float32_reference \
-      -p no:cacheprovider
-  LIMIT=200 TAIL=40 run dqfused8k_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
-      --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --paired 3 --variant "" "FA4_RING_DQ_FUSED=1" \
-      --json "$out/dqfused8k_gpu.json"
+  LIMIT=200 TAIL=40 run ${part}8k_gpu $ring --seq 8192 --rank 0 1 2 3 4 5 6 7 --iters 20 --paired 3 \
+      --variant "$a" "$b" --json "$out/${part}8k_gpu.json"
   for i in a b; do
-    LIMIT=200 TAIL=6 run dqfused8k_wall_$i $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
-        --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 30 --paired 5 --wall \
-        --variant "" "FA4_RING_DQ_FUSED=1" "" "FA4_RING_DQ_FUSED=1" --json "$out/dqfused8k_wall_$i.json"
+    LIMIT=200 TAIL=6 run ${part}8k_wall_$i $ring --seq 8192 --rank 0 1 2 3 4 5 6 7 --iters 30 --paired 5 --wall \
+        --variant "$a" "$b" "$a" "$b" --json "$out/${part}8k_wall_$i.json"
   done
-  LIMIT=200 TAIL=40 run dqfused32k_gpu $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 \
-      --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 10 --paired 2 --variant "" "FA4_RING_DQ_FUSED=1" \
-      --json "$out/dqfused32k_gpu.json"
-  DISTLAB_FA4_RING_DQ_FUSED=1 LIMIT=120 TAIL=80 run dqfused_timeline8k $py -m distlab.cp.emulate --world 8 \
-      --seq 8192 --backend fa4 --rank 1 --steps-per-launch 1,3,4 --iters 5 --timeline \
-      --json "$out/dqfused_timeline8k.json"
-elif [ "$part" = zerobeside ]; then   # FA4 present (29th session): the later row sets' dQ accumulators zeroed on the
-  # side stream beside step 0 (FA4_RING_ZERO_BESIDE=1) against on the compute stream (the default since this part
-  # ran): the FA4 ring GPU test, every rank at S8192, GPU clock in one process and the wall in two
-  LIMIT=200 TAIL=3 run zb_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -k float32_reference \
-      -p no:cacheprovider
-  LIMIT=200 TAIL=40 run zerobeside8k_gpu $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
-      --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 20 --paired 3 --variant "FA4_RING_ZERO_BESIDE=1" \
-      "FA4_RING_ZERO_BESIDE=0" --json "$out/zerobeside8k_gpu.json"
-  for i in a b; do
-    LIMIT=200 TAIL=6 run zerobeside8k_wall_$i $py -m distlab.cp.emulate --world 8 --seq 8192 --backend fa4 \
-        --rank 0 1 2 3 4 5 6 7 --steps-per-launch 1,3,4 --iters 30 --paired 5 --wall \
-        --variant "FA4_RING_ZERO_BESIDE=1" "FA4_RING_ZERO_BESIDE=0" "FA4_RING_ZERO_BESIDE=1" "FA4_RING_ZERO_BESIDE=0" \
-        --json "$out/zerobeside8k_wall_$i.json"
-  done
+  LIMIT=200 TAIL=40 run ${part}32k_gpu $ring --seq 32768 --rank 0 1 2 3 4 5 6 7 --iters 10 --paired 2 \
+      --variant "$a" "$b" --json "$out/${part}32k_gpu.json"
+  LIMIT=120 TAIL=80 run ${part}_timeline8k $ring --seq 8192 --rank 1 --iters 5 --timeline --variant "$a" \
+      --json "$out/${part}_timeline8k.json"
 elif [ "$part" = fold8k ] || [ "$part" = half8k ]; then   # FA4 present (28th session): S8192's every rank with
   # its unmasked blocks folded against not, GPU clock and wall, paired — fold8k: every unmasked set
   # (FA4_RING_FOLD=1), then rank 0's and rank 1's kernels (timeline); half8k: the half-shard sets only
