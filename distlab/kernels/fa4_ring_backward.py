@@ -18,8 +18,8 @@ once and one float32 dQ accumulator that every block of that set adds into; the 
 (one per row set, summed); and since a row's delta and LSE do not depend on the block, one preprocess
 serves every unfolded row set (``share_preprocess``, knob ``DISTLAB_FA4_RING_SHARE_PRE``). A block's dK/dV go
 into zeroed float32 scratch in FA4's accumulator layout, added into the travelling accumulator, which stays
-in that layout (head-major, key rows in tiles of the kernel's
-n-block) and is converted once by its owner (``finish_dkv``). Why one dQ accumulator per row set and not one
+in that layout (head-major, key rows in tiles of the kernel's n-block) and is converted once by its owner
+(``finish_dkv``). Why one dQ accumulator per row set and not one
 for all: FA4 tiles the causal kernel's rows by 64 and the non-causal one's by 80 at head_dim 128, the
 accumulator's layout is the tile's, and zigzag's second half starts at row 2048 (S32768, W=8), off the
 80-row tiles. Why scratch for dK/dV and not the received accumulator itself: a
