@@ -72,7 +72,8 @@ TILE = 128   # FA4's largest row / key tile of the sm90 backward at head_dim 128
 FOLD_MIN_SHARD = 4096
 FOLD_MAX_ROWS = 2048
 _RECORDED: dict = {}
-# per ring shape (``FA4RingBackward.prepare``'s signature): the shared preprocess's buffers and views, or None
+# per ring shape (``FA4RingBackward.prepare``'s signature): {"zero", "sets"}: the shared preprocess's buffers and
+# views (None and [] without it); "blocks": what each block shape needs besides its tensors (``block``)
 _PREPARED: collections.OrderedDict = collections.OrderedDict()   # release_prepared() frees them
 PREPARED_KEPT = 4
 
@@ -150,9 +151,8 @@ def release_prepared() -> int:
     them: release them only with that graph."""
     freed = 0
     while _PREPARED:
-        plan = _PREPARED.popitem()[1]
-        if plan is not None:
-            zero, _ = plan
+        zero = _PREPARED.popitem()[1]["zero"]
+        if zero is not None:
             freed += zero.untyped_storage().nbytes()   # one allocation holds every buffer of the shape
     return freed
 
@@ -236,8 +236,9 @@ class FA4RingBackward:
         sig = (tuple(q.shape), q.dtype, q.device, self.keys, self.kv_heads, self.causal, self.fold, self.fold_rows,
                self.scale, share, tuple((r.start, r.stop, c.start, c.stop, cz) for r, c, cz in blocks))
         plan = lru.kept(_PREPARED, sig, lambda: self._plan(blocks, share), PREPARED_KEPT)
-        if plan is not None:
-            zero, sets = plan   # ``zero``: the later row sets' dQ accumulators
+        self.plans = plan["blocks"]   # filled by the first backward of this shape, read by the later ones
+        zero, sets = plan["zero"], plan["sets"]   # ``zero``: the later row sets' dQ accumulators
+        if zero is not None:
             if beside is not None and knobs.get("FA4_RING_ZERO_BESIDE") != "0":
                 main = torch.cuda.current_stream(q.device)
                 beside.wait_stream(main)   # after what is queued (the last backward's dQ conversions read them)
@@ -250,8 +251,8 @@ class FA4RingBackward:
                     torch.cuda.set_stream(main)
             else:
                 zero.zero_()
-            for rows, cols, causal, views in sets:
-                self._row_set(rows, cols, causal, views)
+            for rows, cols, causal, views, rec in sets:
+                self._row_set(rows, cols, causal, views, rec)
 
     def _plan(self, blocks, share: bool):
         """The first time a ring shape comes: record every block shape, and with ``share`` the shared
@@ -260,7 +261,8 @@ class FA4RingBackward:
         for rows, cols, causal in blocks:
             n = rows.stop - rows.start
             self._rec(n, cols.stop - cols.start, causal, self.folds(n, causal))
-        return self.share_preprocess(blocks) if share else None
+        zero, sets = (self.share_preprocess(blocks) if share else None) or (None, [])
+        return {"zero": zero, "sets": sets, "blocks": {}}
 
     def share_preprocess(self, blocks):
         """One preprocess for every unfolded row set: FA4's preprocess writes, per head, each row's delta
@@ -274,8 +276,8 @@ class FA4RingBackward:
         × rows) keeps its own preprocess.
 
         Returns ``(zero, sets)`` or None (fewer than two unfolded sets): ``zero`` the later sets' dQ
-        accumulators, one tensor to zero each backward; ``sets`` each set's ``(rows, cols, causal, views)`` for
-        ``_RowSet``. The buffers are made once and kept per ring shape (``prepare``): one backward on a shape at
+        accumulators, one tensor to zero each backward; ``sets`` each set's ``(rows, cols, causal, views, rec)``
+        for ``_RowSet``. The buffers are made once and kept per ring shape (``prepare``): one backward on a shape at
         a time, in stream order — each backward's ``dq()`` has read its accumulators before the next one zeroes
         them on the same stream."""
         s, (b, h) = self.q.shape[1], self.q.shape[:3:2]
@@ -283,8 +285,9 @@ class FA4RingBackward:
         keys = {whole: self.keys}
         for rows, cols, causal in blocks:
             keys.setdefault((rows.start, rows.stop, causal), cols.stop - cols.start)
-        plain = {key: self._rec(key[1] - key[0], cols, key[2])[3] for key, cols in keys.items()
-                 if not self.folds(key[1] - key[0], key[2])}
+        recs = {key: self._rec(key[1] - key[0], cols, key[2]) for key, cols in keys.items()
+                if not self.folds(key[1] - key[0], key[2])}
+        plain = {key: rec[3] for key, rec in recs.items()}
         if len(plain) < 2 or whole not in plain:
             return None
         reach = max(start + shapes["dpsum"][-1] for (start, _, _), shapes in plain.items())
@@ -302,7 +305,7 @@ class FA4RingBackward:
             n = plain[key]["dpsum"][-1]
             views = (rows[0, :, :, key[0]:key[0] + n], rows[1, :, :, key[0]:key[0] + n],
                      accum.view(plain[key]["dq_accum"]), key == whole)   # the whole set's zeroed by its preprocess
-            sets.append((slice(key[0], key[1]), keys[key], key[2], views))
+            sets.append((slice(key[0], key[1]), keys[key], key[2], views, recs[key]))
         return flat[sizes[0] + sizes[1]:], sets
 
     def _rec(self, rows: int, cols: int, causal: bool, fold: bool = False):
@@ -312,7 +315,7 @@ class FA4RingBackward:
         return _record(q.shape[0], rows * group, cols, q.shape[2] // group, self.kv_heads, q.shape[3], q.dtype,
                        q.device, causal, self.scale)
 
-    def _row_set(self, rows: slice, cols: int, causal: bool, shared=None) -> _RowSet:
+    def _row_set(self, rows: slice, cols: int, causal: bool, shared=None, rec=None) -> _RowSet:
         key = (rows.start, rows.stop, causal)
         rs = self.sets.get(key)
         if rs is None:
@@ -323,7 +326,7 @@ class FA4RingBackward:
             if fold:   # once per row set: the blocks of this set all take these
                 q, out, dout = (fold_heads(t, self.kv_heads) for t in (q, out, dout))
                 lse = lse.reshape(lse.shape[0], self.kv_heads, -1)   # (B, H, rows) -> (B, Hkv, G·rows)
-            rec = self._rec(rows.stop - rows.start, cols, causal, fold)
+            rec = rec or self._rec(rows.stop - rows.start, cols, causal, fold)
             rs = self.sets[key] = _RowSet(rec, q, out, dout, lse, fold, shared)
         return rs
 
@@ -363,19 +366,20 @@ class FA4RingBackward:
         """Run the block (rows × cols of this rank's q against k, v); dQ goes into its row set's accumulator;
         returns the block's dK and dV as one float32 tensor ``(2, *FA4's accumulator shape)`` for the keys
         ``cols`` (one add and one exchange carry both: host time a ring step, #24). What a block
-        shape needs besides k and v (its row set, kernel, q and dO rows, scratch shape) is worked out once."""
+        shape needs besides its tensors (its kernel and arguments, scratch shape, row set) is worked out once a
+        ring shape (``prepare`` shares ``plans`` between the backward passes of one shape)."""
         key = (rows.start, rows.stop, cols.start, cols.stop, causal)
         plan = self.plans.get(key)
         if plan is None:
-            n = cols.stop - cols.start
-            rs = self._row_set(rows, n, causal)
-            rec = self._rec(rows.stop - rows.start, n, causal, rs.fold)
+            n, fold = cols.stop - cols.start, self.folds(rows.stop - rows.start, causal)
+            rec = self._rec(rows.stop - rows.start, n, causal, fold)
             _, (main_fn, main_args), _, shapes = rec
             plain = (2, self.q.shape[0], n, self.kv_heads, self.q.shape[3])   # folded: dK/dV in q's dtype, bshd
-            shape, acc = (plain, self.q.dtype) if rs.fold else ((2, *shapes["dkv_accum"]), _acc_dtype(k.dtype))
-            plan = self.plans[key] = (n, shape, acc, main_fn, rs, main_args[9:],
-                                      rec[2] if self.fold and not rs.fold else None, plain)
-        n, shape, acc, main_fn, rs, rest, convert, plain = plan
+            shape, acc = (plain, self.q.dtype) if fold else ((2, *shapes["dkv_accum"]), _acc_dtype(k.dtype))
+            plan = self.plans[key] = (n, shape, acc, main_fn, (rows.start, rows.stop, causal), main_args[9:],
+                                      rec[2] if self.fold and not fold else None, plain)
+        n, shape, acc, main_fn, set_key, rest, convert, plain = plan
+        rs = self.sets.get(set_key) or self._row_set(rows, n, causal)
         if n != k.shape[1]:
             k, v = k[:, cols], v[:, cols]
         if self.zeroed_later is not None and (rows.stop - rows.start, causal) != (self.q.shape[1], self.causal):

@@ -1,0 +1,77 @@
+"""Host time of a FA4 ring rank's backward bookkeeping, on the CPU: ``FA4RingBackward``'s ``prepare`` and its
+``block`` calls with FA4's kernels replaced by no-ops (the CPU stand-ins' recordings, ``tests/
+test_fa4_ring_backward.py``), W=8 zigzag, groups 1|3|4 — what a host-bound rank (S8192) pays in Python and
+torch calls besides its launches. Prints a table and writes JSON.
+
+    python launch/fa4_ring_host_probe.py --json docs/perf/cpu/fa4_ring_host_probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+
+def main():
+    import test_fa4_ring_backward as stand_ins
+
+    from distlab import knobs
+    from distlab.cp.ring_fused import _fused_blocks
+    from distlab.kernels import fa4_ring_backward as frb
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[0, 1, 7])
+    p.add_argument("--calls", type=int, default=3000)
+    p.add_argument("--json")
+    a = p.parse_args()
+
+    def noop(*args):
+        return None
+
+    def record(*args):   # the stand-ins' recordings, every kernel a no-op
+        (_, pre_args), (_, main_args), posts, shapes = stand_ins._fake_record(*args)
+        return ((noop, pre_args), (noop, main_args), [(noop, post[1]) for post in posts], shapes)
+
+    frb._record, frb.TILE = record, 4
+    world, shard = 8, 16
+    q, k, lse = torch.randn(1, shard, 4, 8), torch.randn(1, shard, 2, 8), torch.randn(1, 4, shard)
+    rows = []
+    print(f"{'rank':>4} {'blocks':>6} {'shared preprocess':>18} {'one a row set':>14}   (µs a backward, CPU)")
+    for rank in a.ranks:
+        blocks = _fused_blocks(rank, world, shard * world, True, "zigzag", (1, 3, 4), 0, frb.TILE)
+        kv = torch.randn(1, max(c.stop for _, c, _ in blocks), 2, 8)
+
+        def backward():
+            kept = frb.FA4RingBackward(q, q, q, lse, k, 0.3, True, "zigzag")
+            kept.prepare(blocks)
+            for r, c, causal in blocks:
+                kept.block(kv, kv, r, c, causal)
+
+        us = {}
+        for share in ("1", "0"):
+            with knobs.override(FA4_RING_SHARE_PRE=share):
+                for _ in range(5):
+                    backward()
+                t = time.perf_counter()
+                for _ in range(a.calls):
+                    backward()
+                us[share] = (time.perf_counter() - t) / a.calls * 1e6
+        rows.append({"rank": rank, "blocks": len(blocks), "shared_us": us["1"], "per_set_us": us["0"]})
+        print(f"{rank:>4} {len(blocks):>6} {us['1']:>18.1f} {us['0']:>14.1f}")
+    frb.release_prepared()
+    if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump({"torch": torch.__version__, "calls": a.calls, "rows": rows}, f, indent=1)
+        print(f"wrote {a.json}")
+
+
+if __name__ == "__main__":
+    main()
