@@ -70,7 +70,7 @@ def _fake_record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal,
 
 
 def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_launch=1, cap="0", add_rows="0",
-                       fold="1", route="ring", share="1", repeat=1):
+                       fold="1", route="ring", share="1", repeat=1, dq_fused="0"):
     from distlab import knobs
     from distlab.cp.ring import _ring_backward, _ring_forward
     from distlab.kernels import fa4_ring_backward as frb
@@ -93,7 +93,7 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
     PRE_CALLS[0] = 0
     try:
         with fa4_pretended(), knobs.override(RING_FUSE_MAX_KEYS=cap, RING_DKV_ADD_ROWS=add_rows, FA4_RING_FOLD=fold,
-                                             FA4_RING_SHARE_PRE=share):
+                                             FA4_RING_SHARE_PRE=share, FA4_RING_DQ_FUSED=dq_fused):
             out, lse = _ring_forward(*local[:3], ring, causal, layout, scale, "torch", steps_per_launch)
             runs = [_ring_backward(local[3], *local[:3], out, lse, ring, causal, layout, scale, "fa4",
                                    steps_per_launch, route) for _ in range(repeat)]
@@ -417,3 +417,11 @@ def test_dq_finish_reads_each_sets_tile_order_on_the_interpreter(interpreted_poo
     (order_errors, err, refused), = interpreted_pools(1).run(_dq_finish_on_the_interpreter)
     assert order_errors == [0, 0, 0] and refused
     assert err < 1e-5, err
+
+
+def test_dq_fused_knob_falls_back_where_the_kernel_does_not_apply(pools):
+    """``FA4_RING_DQ_FUSED=1`` on the CPU's float64 stand-ins (no float32 accumulators, no Triton device): the ring
+    backward takes FA4's postprocesses and its gradients still match one device, on every rank (no rank raises
+    at the backward's end while others wait)."""
+    for res in pools(3).run(_ring_on_stand_ins, "zigzag", True, 4, 2, 48, 4, 1, "0", "0", "0", dq_fused="1"):
+        assert max(res["errors"]) < 1e-12 and len(res["row_sets"]) >= 2, res

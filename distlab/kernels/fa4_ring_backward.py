@@ -429,7 +429,7 @@ class FA4RingBackward:
         sum rounds at most twice more. Knob ``FA4_RING_DQ_FUSED=1`` (not yet timed on a GPU): one Triton kernel
         reads every set's accumulator in FA4's tile order, sums in float32 and rounds once
         (``distlab.kernels.triton_dq_finish``)."""
-        if knobs.get("FA4_RING_DQ_FUSED") == "1" and len(self.sets) > 1:
+        if knobs.get("FA4_RING_DQ_FUSED") == "1" and self._dq_fusable():
             return self._dq_fused()
         total = None
         for (start, stop, _), rs in self.sets.items():
@@ -447,14 +447,20 @@ class FA4RingBackward:
             total[:, start:stop] += part
         return total
 
+    def _dq_fusable(self) -> bool:
+        """The one-kernel dQ finish applies: Triton runs on q's device, float32 accumulators, 2 or 3 row sets
+        (every ring layout's ranks have at most 3). Where it does not, ``dq()`` takes FA4's postprocesses — the
+        knob chooses a speed, not a result, and raising here, at the backward's end, could strand other ranks."""
+        from distlab.kernels.launch import triton_runs_on
+
+        return 1 < len(self.sets) <= 3 and _acc_dtype(self.q.dtype) == torch.float32 and triton_runs_on(self.q.device)
+
     def _dq_fused(self):
         """``dq()`` in one kernel (``triton_dq_finish.dq_finish``); each set's tile order measured once on its
         own postprocess (``window_order``)."""
         from distlab.kernels import triton_dq_finish as fin
 
         q = self.q
-        if len(self.sets) > fin.MAX_SETS:
-            raise ValueError(f"FA4_RING_DQ_FUSED: at most {fin.MAX_SETS} row sets, this rank has {len(self.sets)}")
         sets = []
         for (start, stop, _), rs in self.sets.items():
             order = fin.window_order(rs.rec[2][0], q.shape[3], q.dtype, q.device)

@@ -27,7 +27,7 @@ import triton.language as tl
 from distlab.kernels.launch import CachedLaunch, num_warps, tensor_key
 
 WINDOW = 1920   # lcm(64, 80, 128, 6): rows over which a tile order is measured and repeats
-MAX_SETS = 3
+MAX_SETS = 3   # FA4RingBackward._dq_fusable asks for no more
 _ORDERS: dict = {}
 
 
