@@ -47,6 +47,7 @@
 #   bash launch/gpu_host_check.sh OUTDIR fold8k    # FA4 present: S8192's ranks folded (FA4_RING_FOLD=1) and not,
 #                                                  # GPU and wall; rank 0's and rank 1's kernels (half8k: only
 #                                                  # the half-shard row sets folded, FA4_RING_FOLD=half)
+#   bash launch/gpu_host_check.sh OUTDIR dqsweep   # FA4 present: the dQ finish's sweep, host_cost, timelines
 #   bash launch/gpu_host_check.sh OUTDIR sharepre  # FA4 present: A/Bs of the ring backward (GPU test, every rank
 #                                                  # S8192 / S32768, a timeline): one preprocess for the unfolded
 #                                                  # row sets or one each (dqfused: dQ finished in one Triton
@@ -388,6 +389,15 @@ elif [ "$part" = sharepre ] || [ "$part" = dqfused ] || [ "$part" = zerobeside ]
       --variant "$a" "$b" --json "$out/${part}32k_gpu.json"
   LIMIT=120 TAIL=80 run ${part}_timeline8k $ring --seq 8192 --rank 1 --iters 5 --timeline --variant "$a" \
       --json "$out/${part}_timeline8k.json"
+elif [ "$part" = dqsweep ]; then   # FA4 present (30th session): the one-kernel dQ finish swept over rows a program
+  # and warps against FA4's postprocesses (a zigzag middle rank's three row sets, S8192 and S32768 shards); the
+  # host cost rows at S8192's shard (the fused FA4 backward step, #24's 60 µs); rank 1 at S8192 and rank 4 at
+  # S32768, kernel by kernel, with the defaults
+  LIMIT=150 TAIL=40 run dq_sweep $py -m distlab.kernels.triton_dq_finish --json "$out/dq_sweep.json"
+  LIMIT=150 TAIL=30 run host_cost $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 3 \
+      --calls 100 --json "$out/host_cost.json"
+  LIMIT=120 TAIL=80 run timeline32k $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --rank 4 \
+      --steps-per-launch 1,3,4 --iters 5 --timeline --json "$out/timeline32k.json"
 elif [ "$part" = fold8k ] || [ "$part" = half8k ]; then   # FA4 present (28th session): S8192's every rank with
   # its unmasked blocks folded against not, GPU clock and wall, paired — fold8k: every unmasked set
   # (FA4_RING_FOLD=1), then rank 0's and rank 1's kernels (timeline); half8k: the half-shard sets only

@@ -53,6 +53,7 @@ FA4 4.0.0b36's (``flash_attn.cute.interface``); a recording that does not match 
 from __future__ import annotations
 
 import collections
+import warnings
 
 import torch
 
@@ -426,11 +427,18 @@ class FA4RingBackward:
         sets after the first added in q's dtype (float64 on the CPU's stand-ins). On the H100 (S32768, W=8,
         rank 0's two row sets) the end of the backward went 243 → 90 µs against a float32 sum (a zero fill, the
         adds in float32, a conversion); each set's part is already rounded once by its postprocess, so a bf16
-        sum rounds at most twice more. Knob ``FA4_RING_DQ_FUSED=1`` (not yet timed on a GPU): one Triton kernel
-        reads every set's accumulator in FA4's tile order, sums in float32 and rounds once
-        (``distlab.kernels.triton_dq_finish``)."""
-        if knobs.get("FA4_RING_DQ_FUSED") == "1" and self._dq_fusable():
-            return self._dq_fused()
+        sum rounds at most twice more. By default (knob ``FA4_RING_DQ_FUSED=1``; H100 S8192, rank 1: the
+        backward's kernels 550 -> 540 µs, slowest rank +1.5 points, ``docs/PERF.md``) one Triton kernel reads
+        every set's accumulator in FA4's tile order, sums in float32 and rounds once
+        (``distlab.kernels.triton_dq_finish``); this path is the fallback where that does not apply."""
+        if knobs.get("FA4_RING_DQ_FUSED") == "1" and self._dq_fusable():   # Triton runs here: importable
+            from distlab.kernels.triton_dq_finish import TileOrderUnknown
+
+            try:
+                return self._dq_fused()
+            except TileOrderUnknown as err:   # another FA4's postprocess: every rank runs the same FA4, so
+                # every rank falls back alike (a warning once per process: Python's default filter)
+                warnings.warn(f"FA4_RING_DQ_FUSED: {err}; dQ finished by FA4's postprocesses instead")
         total = None
         for (start, stop, _), rs in self.sets.items():
             post_fn, post_args = rs.rec[2][0]

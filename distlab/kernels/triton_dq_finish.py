@@ -1,8 +1,9 @@
 """A FA4 ring rank's dQ finished in one pass: its row sets' float32 accumulators read in FA4's tile order,
-summed, scaled and written once in q's dtype (#24; opt-in, knob ``DISTLAB_FA4_RING_DQ_FUSED=1``, not yet timed
-on a GPU).
+summed, scaled and written once in q's dtype (#24; knob ``DISTLAB_FA4_RING_DQ_FUSED``, on by default: H100 S8192,
+the slowest rank's f+b 75.2 -> 76.8% GPU clock, 74.7 -> 76.2% wall, ``docs/PERF.md``).
 
     TRITON_INTERPRET=1 python -m pytest -q tests/test_fa4_ring_backward.py -k dq_finish   # CPU, the interpreter
+    python -m distlab.kernels.triton_dq_finish --json dq_finish.json   # FA4 on an sm90+ GPU: the sweep, timed
 
 ``FA4RingBackward`` keeps one float32 dQ accumulator per row set of the rank's blocks (zigzag's middle ranks
 have three: all rows causal, all rows, the second half), each in the layout of its own FA4 kernel's row tile
@@ -24,23 +25,28 @@ import torch
 import triton
 import triton.language as tl
 
-from distlab.kernels.launch import CachedLaunch, num_warps, tensor_key
+from distlab.kernels.launch import CachedLaunch, knob, num_warps, tensor_key
 
 WINDOW = 1920   # lcm(64, 80, 128, 6): rows over which a tile order is measured and repeats
 MAX_SETS = 3   # FA4RingBackward._dq_fusable asks for no more
+ROWS, WARPS = 16, 4   # rows a program, warps: the defaults (``main`` sweeps them)
 _ORDERS: dict = {}
+
+
+class TileOrderUnknown(RuntimeError):
+    """A postprocess whose tile order ``window_order`` cannot read (``FA4RingBackward.dq`` falls back)."""
 
 
 def window_order(post, dim: int, dtype, device):
     """``(WINDOW * dim,)`` int32: the accumulator offset that FA4's postprocess ``post`` (``(fn, args)``,
     recorded) reads for each (row, d) of a ``WINDOW``-row block, measured once per postprocess. Raises
-    ``RuntimeError`` if what comes back is not a permutation (a postprocess this cannot read)."""
+    ``TileOrderUnknown`` if it takes more tensors or what comes back is not a permutation."""
     fn, args = post
     key = (id(fn), dim, dtype, device)
     if key in _ORDERS:
         return _ORDERS[key][1]
     if any(isinstance(a, torch.Tensor) for a in args[3:]):
-        raise RuntimeError("window_order: the postprocess takes tensors beyond its accumulator and output")
+        raise TileOrderUnknown("window_order: the postprocess takes tensors beyond its accumulator and output")
     size = WINDOW * dim
     offsets = torch.arange(size, device=device, dtype=torch.int64)
     got = torch.zeros(size, dtype=torch.int64, device=device)
@@ -50,7 +56,7 @@ def window_order(post, dim: int, dtype, device):
         fn(acc, out, 1.0, *args[3:])
         got += out.reshape(size).float().round().long() << shift
     if not torch.equal(torch.sort(got).values, offsets):
-        raise RuntimeError("window_order: FA4's postprocess did not move each accumulator value to one place")
+        raise TileOrderUnknown("window_order: FA4's postprocess did not move each accumulator value to one place")
     order = got.to(torch.int32)
     _ORDERS[key] = (fn, order)   # fn held: its id stays its own
     return order
@@ -89,13 +95,16 @@ def _dq_finish_kernel(OUT, A0, P0, A1, P1, A2, P2, scale, so_b, so_r, so_h,
 _LAUNCH = CachedLaunch(_dq_finish_kernel)
 
 
-def dq_finish(out, sets, scale: float, rows_per_program: int = 16):
+def dq_finish(out, sets, scale: float, rows_per_program: int | None = None, warps: int | None = None):
     """``out`` (batch, rows, heads, dim; last dimension contiguous) = ``scale`` × the sum, per row, of the sets
     that hold it. ``sets``: up to ``MAX_SETS`` of ``(accum, order, start, n, group)`` — ``accum`` (batch,
     acc_heads, rows_padded · dim) float32 with a contiguous last dimension, ``order`` its ``window_order``,
-    rows ``start`` … ``start + n`` of ``out``, ``group`` q heads per accumulator head (1; G where folded)."""
+    rows ``start`` … ``start + n`` of ``out``, ``group`` q heads per accumulator head (1; G where folded).
+    ``rows_per_program`` / ``warps``: knobs ``KERNEL_DQ_ROWS`` / ``KERNEL_WARPS``, else ``ROWS`` / ``WARPS``
+    (the sweep of ``main``)."""
     if not 1 <= len(sets) <= MAX_SETS:
         raise ValueError(f"dq_finish: 1 to {MAX_SETS} row sets, got {len(sets)}")
+    rows_per_program = rows_per_program or knob("DQ_ROWS", ROWS)
     batch, rows, heads, dim = out.shape
     if out.stride(-1) != 1 or any(a.stride(-1) != 1 or a.dtype != torch.float32 for a, *_ in sets):
         raise ValueError("dq_finish: float32 accumulators and an output, each with a contiguous last dimension")
@@ -105,7 +114,85 @@ def dq_finish(out, sets, scale: float, rows_per_program: int = 16):
     args = (out, per[0][0], per[0][1], per[1][0], per[1][1], per[2][0], per[2][1], float(scale),
             out.stride(0), out.stride(1), out.stride(2), *per[0][2], *per[1][2], *per[2][2], rows)
     meta = dict(H=heads, D=dim, DB=triton.next_power_of_2(dim), BR=rows_per_program, SETS=len(sets), WIN=WINDOW,
-                num_warps=num_warps(4))
+                num_warps=warps or num_warps(WARPS))
     key = tuple(tensor_key(a) for a in args[:7]) + args[7:] + tuple(meta.values())
     _LAUNCH(key, (triton.cdiv(rows, rows_per_program), batch * heads), args, meta)
     return out
+
+
+def _rank_sets(rows, heads, kv_heads, dim, device):
+    """A zigzag middle rank's three row sets at shard length ``rows`` (all rows causal, all rows, the second
+    half), each with FA4's recorded dQ postprocess and a random accumulator in its layout."""
+    from distlab.kernels import fa4_ring_backward as frb
+
+    sets = []
+    for start, causal in ((0, True), (0, False), (rows // 2, False)):
+        rec = frb._record(1, rows - start, rows, heads, kv_heads, dim, torch.bfloat16, device, causal, dim ** -0.5)
+        accum = torch.randn(rec[3]["dq_accum"], device=device)
+        sets.append((accum, rec[2][0], start, rows - start))
+    return sets
+
+
+def _postprocessed(out, sets, dim):
+    """``FA4RingBackward.dq``'s fallback: FA4's postprocess a set, the parts added in q's dtype."""
+    total = None
+    for accum, (fn, args), start, n in sets:
+        part = torch.empty(out.shape[0], n, out.shape[2], dim, dtype=out.dtype, device=out.device)
+        fn(accum, part, *args[2:])
+        if total is None and n == out.shape[1]:
+            total = part
+            continue
+        total[:, start:start + n] += part
+    return total
+
+
+def main(argv=None):
+    """The one-kernel finish against FA4's postprocesses at a W=8 zigzag middle rank's shapes (three row sets),
+    over rows a program and warps; GPU and wall clocks, GB/s of the bytes it must move."""
+    from distlab.bench import StudyParser, UsageError, add_common_args, device_of, positive_int, timeit, write_json
+    from distlab.kernels import fa4
+    from distlab.kernels.bench import copy_bandwidth
+
+    p = StudyParser(prog="python -m distlab.kernels.triton_dq_finish", description=main.__doc__.split("\n")[0])
+    p.add_argument("--shard", type=positive_int, nargs="+", default=[1024, 4096], help="rows (S8192, S32768 at W=8)")
+    p.add_argument("--heads", type=positive_int, default=32)
+    p.add_argument("--kv-heads", type=positive_int, default=8)
+    p.add_argument("--rows", type=positive_int, nargs="+", default=[8, 16, 32, 64], help="rows a program")
+    p.add_argument("--warps", type=positive_int, nargs="+", default=[2, 4, 8])
+    add_common_args(p, iters=50, warmup=5, dtype=False, gpu_tool=True)
+    a = p.parse_args(argv)
+    dev = device_of(a, "the dQ finish sweep", gpu_tool=True, cpu_hint="its CPU check: TRITON_INTERPRET=1 python "
+                    "-m pytest -q tests/test_fa4_ring_backward.py -k dq_finish")
+    if not fa4.runs_on(dev, torch.bfloat16):
+        raise UsageError("the dQ finish sweep reads FA4's accumulators: it needs flash-attn-4 (the fa4 extra) "
+                         "on an sm90+ GPU")
+    copy = copy_bandwidth(dev, a.iters, a.warmup)
+    dim, results = 128, []
+    print(f"copy bandwidth {copy / 1e9:.0f} GB/s; heads {a.heads} (kv {a.kv_heads}), head_dim {dim}, bf16")
+    print(f"{'shard':>6} {'finish':<16} {'GPU us':>8} {'wall us':>8} {'GB/s':>7} {'% copy':>7} {'max err':>9}")
+    for rows in a.shard:
+        sets = _rank_sets(rows, a.heads, a.kv_heads, dim, dev)
+        fused = [(acc, window_order(post, dim, torch.bfloat16, dev), start, n, 1) for acc, post, start, n in sets]
+        scale = sets[0][1][1][2]
+        out = torch.empty(1, rows, a.heads, dim, dtype=torch.bfloat16, device=dev)
+        moved = sum(n * a.heads * dim * 4 for *_, n in sets) + out.numel() * out.element_size()
+        want = _postprocessed(out, sets, dim).float()
+        cases = {"postprocesses": lambda: _postprocessed(out, sets, dim)}
+        for r in a.rows:
+            for w in a.warps:
+                cases[f"one kernel {r}x{w}"] = lambda r=r, w=w: dq_finish(out, fused, scale, r, w)
+        for name, fn in cases.items():
+            err = (fn().float() - want).abs().max().item()
+            gpu, wall = (timeit(fn, a.iters, a.warmup, dev, mode=m) for m in ("gpu", "wall"))
+            results.append({"shard": rows, "finish": name, "gpu_us": gpu * 1e6, "wall_us": wall * 1e6,
+                            "GB_s": moved / gpu / 1e9, "pct_copy": 100 * moved / gpu / copy, "max_err": err})
+            print(f"{rows:>6} {name:<16} {gpu * 1e6:>8.1f} {wall * 1e6:>8.1f} {moved / gpu / 1e9:>7.0f} "
+                  f"{100 * moved / gpu / copy:>6.0f}% {err:>9.1e}", flush=True)
+    if a.json:
+        write_json(a.json, {"copy_GB_s": copy / 1e9, "heads": a.heads, "kv_heads": a.kv_heads, "rows": results})
+
+
+if __name__ == "__main__":
+    from distlab.bench import run_study
+
+    run_study(main)
