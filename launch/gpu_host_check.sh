@@ -48,6 +48,7 @@
 #                                                  # GPU and wall; rank 0's and rank 1's kernels (half8k: only
 #                                                  # the half-shard row sets folded, FA4_RING_FOLD=half)
 #   bash launch/gpu_host_check.sh OUTDIR dqsweep   # FA4 present: the dQ finish's sweep, host_cost, timelines
+#   bash launch/gpu_host_check.sh OUTDIR origins   # FA4 present: two ranks' timelines, each kernel's op and stream
 #   bash launch/gpu_host_check.sh OUTDIR sharepre  # FA4 present: A/Bs of the ring backward (GPU test, every rank
 #                                                  # S8192 / S32768, a timeline): one preprocess for the unfolded
 #                                                  # row sets or one each (dqfused: dQ finished in one Triton
@@ -398,6 +399,12 @@ elif [ "$part" = dqsweep ]; then   # FA4 present (30th session): the one-kernel 
       --calls 100 --json "$out/host_cost.json"
   LIMIT=120 TAIL=80 run timeline32k $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --rank 4 \
       --steps-per-launch 1,3,4 --iters 5 --timeline --json "$out/timeline32k.json"
+elif [ "$part" = origins ]; then   # FA4 present (30th session): rank 1 at S8192 and rank 4 at S32768 kernel by
+  # kernel, each kernel with its stream and the op that launched it (kernel_timeline(origins=True))
+  for r in "8192 1" "32768 4"; do set -- $r
+    LIMIT=120 TAIL=90 run timeline_s$1_r$2 $py -m distlab.cp.emulate --world 8 --seq $1 --backend fa4 --rank $2 \
+        --steps-per-launch 1,3,4 --iters 5 --timeline --json "$out/timeline_s$1_r$2.json"
+  done
 elif [ "$part" = fold8k ] || [ "$part" = half8k ]; then   # FA4 present (28th session): S8192's every rank with
   # its unmasked blocks folded against not, GPU clock and wall, paired — fold8k: every unmasked set
   # (FA4_RING_FOLD=1), then rank 0's and rank 1's kernels (timeline); half8k: the half-shard sets only

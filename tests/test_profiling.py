@@ -150,3 +150,32 @@ def test_kernel_timeline_summary_counts_overlap_once_and_gaps():
     lines = format_timeline(tl, "t", [None, 2e7, None]).splitlines()
     assert lines[3].split()[:5] == ["1", "8.0", "-2.0", "10.0", "2.0"]    # 2e7 flop in 10 us = 2 TFLOP/s
     assert lines[4].split()[:4] == ["2", "20.0", "2.0", "5.0"] and "(92.0%)" in lines[-1]
+
+
+def test_kernel_timeline_names_the_op_and_stream_of_each_kernel_from_the_trace():
+    """``kernels_of_trace`` (``kernel_timeline(origins=True)``): each kernel of an exported trace with its stream
+    and the CPU op of its External id with that op's input shapes; kernels outside any op have no origin,
+    the spin kernel is left out, starts are relative to the first kernel, sorted by start."""
+    from distlab.profiling.timeline import format_timeline, kernels_of_trace
+
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add_", "ts": 5.0, "dur": 9.0,
+         "args": {"External id": 7, "Input Dims": [[2, 8, 512], [2, 8, 512], []]}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": 20.0, "dur": 3.0,
+         "args": {"External id": 9, "Input Dims": [[4, 4], [4, 4], []]}},
+        {"ph": "X", "cat": "kernel", "name": "void spin_kernel", "ts": 90.0, "dur": 500.0,
+         "args": {"External id": 0, "stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "elementwise_kernel<128, 2>", "ts": 700.0, "dur": 12.5,
+         "args": {"External id": 7, "stream": 13}},
+        {"ph": "X", "cat": "kernel", "name": "_dq_finish_kernel", "ts": 650.0, "dur": 40.0,
+         "args": {"External id": 3, "stream": 7}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 720.0, "dur": 2.0,
+         "args": {"External id": 9, "stream": 7}},
+        {"ph": "i", "cat": "kernel", "name": "not a span", "ts": 1.0}]}
+    got = kernels_of_trace(trace)
+    assert got == [("_dq_finish_kernel", 0.0, 40.0, 7, ""),
+                   ("elementwise_kernel<128, 2>", 50.0, 12.5, 13, "aten::add_ [2, 8, 512] [2, 8, 512]"),
+                   ("Memcpy DtoD", 70.0, 2.0, 7, "aten::copy_ [4, 4] [4, 4]")], got
+    lines = format_timeline(got, "t").splitlines()
+    assert lines[3].endswith("s13 aten::add_ [2, 8, 512] [2, 8, 512]") and lines[2].endswith("s7"), lines
+    assert kernels_of_trace({"traceEvents": []}) == []

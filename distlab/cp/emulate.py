@@ -164,9 +164,9 @@ def emulate_rank(world, seq, heads, kv_heads, head_dim, rank, layout, causal, ba
     if timeline and device.type == "cuda":
         from distlab.profiling.timeline import kernel_timeline
 
-        result["timeline_fwd"] = kernel_timeline(run_f)
+        result["timeline_fwd"] = kernel_timeline(run_f, origins=True)
         if backward:
-            result["timeline_bwd"] = kernel_timeline(run_b)
+            result["timeline_bwd"] = kernel_timeline(run_b, origins=True)
     if keep_output:   # what one more (graph-replayed) run leaves: the checks' view of the timed path
         result.update(q=q, k=k, v=v, rows=shard[rank].cpu(), dout=dout, out=run_f()[0].to(dtype))
         if backward:
