@@ -21,7 +21,8 @@ def kernel_timeline(fn, warmup: int = 2, spin_s: float = 0.005, origins: bool = 
     """``[(name, start_us, duration_us), ...]`` of the device kernels (and memsets/copies) one ``fn()``
     runs, start relative to the first; on a GPU only (CUPTI sees kernels in CUDA-graph replays too).
     ``origins``: each also with its stream and the PyTorch op that launched it, its input shapes
-    (``(name, start, dur, stream, origin)``: a bare ``elementwise_kernel`` says which add or copy it is)."""
+    (``(name, start, dur, stream, origin)``: a bare ``elementwise_kernel`` says which add or copy it is; give
+    it the eager call: a CUDA graph's replay launches no ops, its kernels come back with no origin)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
