@@ -48,6 +48,7 @@
 #                                                  # GPU and wall; rank 0's and rank 1's kernels (half8k: only
 #                                                  # the half-shard row sets folded, FA4_RING_FOLD=half)
 #   bash launch/gpu_host_check.sh OUTDIR dqsweep   # FA4 present: the dQ finish's sweep, host_cost, timelines
+#   bash launch/gpu_host_check.sh OUTDIR final8k   # FA4 present: the defaults: GPU test, S8192 wall x4, host_cost
 #   bash launch/gpu_host_check.sh OUTDIR foldbeside # FA4 present: folded row sets beside step 0, A/B at S32768
 #   bash launch/gpu_host_check.sh OUTDIR origins   # FA4 present: two ranks' timelines, each kernel's op and stream
 #   bash launch/gpu_host_check.sh OUTDIR sharepre  # FA4 present: A/Bs of the ring backward (GPU test, every rank
@@ -400,8 +401,18 @@ elif [ "$part" = dqsweep ]; then   # FA4 present (30th session): the one-kernel 
       --calls 100 --json "$out/host_cost.json"
   LIMIT=120 TAIL=80 run timeline32k $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --rank 4 \
       --steps-per-launch 1,3,4 --iters 5 --timeline --json "$out/timeline32k.json"
+elif [ "$part" = final8k ]; then   # FA4 present (30th session): the defaults once more — the GPU test, S8192's
+  # every rank in four wall processes (no variant: the host's stalls fall where they fall), host_cost at its shard
+  LIMIT=240 TAIL=3 run final_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -k float32_reference \
+      -p no:cacheprovider
+  for i in 1 2 3 4; do
+    LIMIT=100 TAIL=3 run final8k_wall_$i $py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 \
+        --seq 8192 --rank 0 1 2 3 4 5 6 7 --iters 30 --paired 5 --wall --json "$out/final8k_wall_$i.json"
+  done
+  LIMIT=150 TAIL=30 run host_cost $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 5 \
+      --calls 100 --json "$out/host_cost.json"
 elif [ "$part" = foldbeside ]; then   # FA4 present (30th session): the folded row sets made on the side stream
-  # (FA4_RING_FOLD_BESIDE=1, the default) against on the compute stream before their first block — the GPU test,
+  # (FA4_RING_FOLD_BESIDE=1; a tie, off by default) against on the compute stream before their first block — the GPU test,
   # every rank at S32768 (the folded sets' shard; S8192's do not fold) on the GPU clock and wall, rank 4's timeline
   v="--variant FA4_RING_FOLD_BESIDE=1 FA4_RING_FOLD_BESIDE=0"
   ring="$py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 --seq 32768"

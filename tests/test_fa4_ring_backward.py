@@ -313,7 +313,7 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
         for accum, fold, share, beside, fused, fb in (("1", "1", "1", "0", "0", "1"), ("1", "0", "1", "0", "0", "1"),
                                                       ("1", "0", "1", "1", "0", "1"), ("1", "0", "0", "0", "0", "1"),
                                                       ("0", "1", "1", "0", "0", "1"), ("1", "0", "1", "0", "1", "1"),
-                                                      ("1", "1", "1", "0", "1", "1"), ("1", "1", "1", "0", "1", "0")):
+                                                      ("1", "1", "1", "0", "1", "0"), ("1", "1", "1", "0", "0", "0")):
             with knobs.override(FA4_RING_ACCUM=accum, FA4_RING_FOLD=fold, FA4_RING_SHARE_PRE=share,
                                 FA4_RING_ZERO_BESIDE=beside, FA4_RING_DQ_FUSED=fused, FA4_RING_FOLD_BESIDE=fb):
                 for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, layout, batch, n)):

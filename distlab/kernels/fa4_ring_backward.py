@@ -268,7 +268,9 @@ class FA4RingBackward:
         dO copied into the folded layout (``fold_heads``) and their own preprocess, which on the compute stream
         ran right before the set's first block (H100, S32768, rank 4: three copies of 25 µs and a 26 µs
         preprocess between two main kernels, docs/PERF.md). The set's first block waits for them (an event);
-        what is made on ``beside`` and read on the compute stream is marked so."""
+        what is made on ``beside`` and read on the compute stream is marked so. Off by default
+        (``FA4_RING_FOLD_BESIDE=1``): on the H100 a tie — beside step 0's kernel the copies run at half speed,
+        and the backward's span shrank ~30 µs of 4.7 ms, under the clock's noise between processes."""
         main = torch.cuda.current_stream(self.q.device)
         beside.wait_stream(main)   # q, out, dO and the LSE are written on the compute stream
         torch.cuda.set_stream(beside)
