@@ -1,7 +1,10 @@
 """Host time of a FA4 ring rank's backward bookkeeping, on the CPU: ``FA4RingBackward``'s ``prepare`` and its
 ``block`` calls with FA4's kernels replaced by no-ops (the CPU stand-ins' recordings, ``tests/
 test_fa4_ring_backward.py``), W=8 zigzag, groups 1|3|4 — what a host-bound rank (S8192) pays in Python and
-torch calls besides its launches. Prints a table and writes JSON.
+torch calls besides its launches. Prints a table and writes JSON. The last column is the whole ring
+backward (``distlab.cp.ring._ring_backward`` on the emulator's resident ring, FA4 pretended present: the
+launch groups, the K/V exchanges posted and taken, the dK/dV shares cut out and added, dQ and dK/dV finished)
+with the same no-op kernels — on the CPU its adds and fills run as CPU ops.
 
     python launch/fa4_ring_host_probe.py --json docs/perf/cpu/fa4_ring_host_probe.json
 """
@@ -23,8 +26,11 @@ def main():
     import test_fa4_ring_backward as stand_ins
 
     from distlab import knobs
+    from distlab.cp.emulate import ResidentRing, rank_rows
+    from distlab.cp.ring import _ring_backward
     from distlab.cp.ring_fused import _fused_blocks
     from distlab.kernels import fa4_ring_backward as frb
+    from distlab.testing import fa4_pretended
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[0, 1, 7])
@@ -43,7 +49,8 @@ def main():
     world, shard = 8, 16
     q, k, lse = torch.randn(1, shard, 4, 8), torch.randn(1, shard, 2, 8), torch.randn(1, 4, shard)
     rows = []
-    print(f"{'rank':>4} {'blocks':>6} {'shared preprocess':>18} {'one a row set':>14}   (µs a backward, CPU)")
+    print(f"{'rank':>4} {'blocks':>6} {'shared preprocess':>18} {'one a row set':>14} {'whole backward':>15}   "
+          "(µs a backward, CPU)")
     for rank in a.ranks:
         blocks = _fused_blocks(rank, world, shard * world, True, "zigzag", (1, 3, 4), 0, frb.TILE)
         kv = torch.randn(1, max(c.stop for _, c, _ in blocks), 2, 8)
@@ -63,14 +70,34 @@ def main():
                 for _ in range(a.calls):
                     backward()
                 us[share] = (time.perf_counter() - t) / a.calls * 1e6
-        rows.append({"rank": rank, "blocks": len(blocks), "shared_us": us["1"], "per_set_us": us["0"]})
-        print(f"{rank:>4} {len(blocks):>6} {us['1']:>18.1f} {us['0']:>14.1f}")
+        us["whole"] = _whole_backward(rank, world, shard, a.calls, ResidentRing, rank_rows, _ring_backward,
+                                      fa4_pretended)
+        rows.append({"rank": rank, "blocks": len(blocks), "shared_us": us["1"], "per_set_us": us["0"],
+                     "whole_backward_us": us["whole"]})
+        print(f"{rank:>4} {len(blocks):>6} {us['1']:>18.1f} {us['0']:>14.1f} {us['whole']:>15.1f}")
     frb.release_prepared()
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:
             json.dump({"torch": torch.__version__, "calls": a.calls, "rows": rows}, f, indent=1)
         print(f"wrote {a.json}")
+
+
+def _whole_backward(rank, world, shard, calls, ResidentRing, rank_rows, ring_backward, fa4_pretended):
+    """µs of one rank's whole fused ring backward (groups 1|3|4, the ring dK/dV route), K/V resident."""
+    seq = world * shard
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, seq, 4, 8, generator=g), torch.randn(1, seq, 2, 8, generator=g)
+    rows = {r: rank_rows(r, world, seq, "zigzag") for r in range(world)}
+    kv = [(k[:, rows[(rank - i) % world]].contiguous(),) * 2 for i in range(world)]
+    ring, q_r, lse = ResidentRing(world, rank, kv), q[:, rows[rank]].contiguous(), torch.randn(1, 4, shard)
+    with fa4_pretended():
+        for _ in range(5):
+            ring_backward(q_r, q_r, *kv[0], q_r, lse, ring, True, "zigzag", 0.3, "fa4", (1, 3, 4), "ring")
+        t = time.perf_counter()
+        for _ in range(calls):
+            ring_backward(q_r, q_r, *kv[0], q_r, lse, ring, True, "zigzag", 0.3, "fa4", (1, 3, 4), "ring")
+    return (time.perf_counter() - t) / calls * 1e6
 
 
 if __name__ == "__main__":
