@@ -425,3 +425,13 @@ def test_dq_fused_knob_falls_back_where_the_kernel_does_not_apply(pools):
     at the backward's end while others wait)."""
     for res in pools(3).run(_ring_on_stand_ins, "zigzag", True, 4, 2, 48, 4, 1, "0", "0", "0", dq_fused="1"):
         assert max(res["errors"]) < 1e-12 and len(res["row_sets"]) >= 2, res
+
+
+def test_dq_finish_sweep_refuses_without_fa4_before_any_work():
+    """``python -m distlab.kernels.triton_dq_finish`` reads FA4's real accumulators: without FA4 on an sm90+ GPU
+    it stops with one line naming the package (a UsageError), before timing anything."""
+    from distlab.bench import UsageError
+    from distlab.kernels import triton_dq_finish as fin
+
+    with pytest.raises(UsageError, match="flash-attn-4"):
+        fin.main(["--device", "cpu"])
