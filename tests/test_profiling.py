@@ -156,7 +156,7 @@ def test_kernel_timeline_names_the_op_and_stream_of_each_kernel_from_the_trace()
     """``kernels_of_trace`` (``kernel_timeline(origins=True)``): each kernel of an exported trace with its stream
     and the CPU op of its External id with that op's input shapes; kernels outside any op have no origin,
     the spin kernel is left out, starts are relative to the first kernel, sorted by start."""
-    from distlab.profiling.timeline import format_timeline, kernels_of_trace
+    from distlab.profiling.timeline import by_origin, format_timeline, kernels_of_trace
 
     trace = {"traceEvents": [
         {"ph": "X", "cat": "cpu_op", "name": "aten::add_", "ts": 5.0, "dur": 9.0,
@@ -179,3 +179,6 @@ def test_kernel_timeline_names_the_op_and_stream_of_each_kernel_from_the_trace()
     lines = format_timeline(got, "t").splitlines()
     assert lines[3].endswith("s13 aten::add_ [2, 8, 512] [2, 8, 512]") and lines[2].endswith("s7"), lines
     assert kernels_of_trace({"traceEvents": []}) == []
+    assert by_origin(got + [("void at::native::fill<4>(x)", 80.0, 1.0, 7, "aten::fill_ [3]")]) == [
+        ("_dq_finish_kernel", 1, 40.0), ("aten::add_", 1, 12.5), ("aten::copy_", 1, 2.0), ("aten::fill_", 1, 1.0)]
+    assert lines[-1] == "    by op: _dq_finish_kernel 1x 40.0 us; aten::add_ 1x 12.5 us; aten::copy_ 1x 2.0 us"

@@ -98,4 +98,23 @@ def format_timeline(timeline, title: str, flops=None) -> str:
     s = summarize(timeline)
     lines.append(f"    {s['kernels']} kernels, busy {s['busy_us']:.1f} us of a {s['span_us']:.1f} us span "
                  f"({100 * s['busy_fraction']:.1f}%)")
+    if timeline and len(timeline[0]) > 3:
+        lines.append("    by op: " + "; ".join(f"{label} {n}x {us:.1f} us" for label, n, us in by_origin(timeline)))
     return "\n".join(lines)
+
+
+def _short(name: str) -> str:
+    """A kernel's name without its template and argument lists (CuTe DSL's: without ``_object_at_…``)."""
+    return name.split("(")[0].split("<")[0].split("_object_at_")[0].strip().split(" ")[-1][:80]
+
+
+def by_origin(timeline):
+    """``kernel_timeline(origins=True)``'s kernels grouped by what launched them — the op's name (shapes
+    dropped), else the kernel's own name without its template and arguments — as ``(label, kernels, µs)``, the
+    most time first (durations summed: kernels that overlap count in full)."""
+    groups: dict = {}
+    for name, _, dur, _, origin in timeline:
+        label = origin.split(" ")[0] if origin else _short(name)
+        n, us = groups.get(label, (0, 0.0))
+        groups[label] = (n + 1, us + dur)
+    return sorted(((label, n, us) for label, (n, us) in groups.items()), key=lambda g: -g[2])
