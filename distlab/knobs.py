@@ -132,10 +132,6 @@ KNOBS = {
     "FA4_RING_ZERO_BESIDE": Knob("0", "1: a fused fa4 ring backward zeroes its later row sets' dQ accumulators on the "
                                       "side stream, beside step 0's kernels (H100 S8192: GPU clock +0.6, wall -0.3 to "
                                       "-4 points, docs/PERF.md); 0: on the compute stream"),
-    "FA4_RING_FOLD_BESIDE": Knob("0", "1: a fused fa4 ring backward makes its folded row sets (q, out, dO copied "
-                                      "into the folded layout, their preprocess) on the side stream beside step 0's "
-                                      "kernels (H100 S32768: a tie, slowest rank 82.2 / 82.7% GPU clock, 81.5 / 81.0 "
-                                      "wall, docs/PERF.md); 0: on the compute stream before the set's first block"),
     "FA4_RING_DQ_FUSED": Knob("1", "1: a fa4 ring backward's dQ finished in one Triton kernel over every row set's "
                                    "accumulator in FA4's tile order (distlab.kernels.triton_dq_finish; H100 S8192, "
                                    "slowest rank: GPU clock 75.2 -> 76.8%, wall 74.7 -> 76.2%, docs/PERF.md); 0: "

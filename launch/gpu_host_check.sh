@@ -49,7 +49,6 @@
 #                                                  # the half-shard row sets folded, FA4_RING_FOLD=half)
 #   bash launch/gpu_host_check.sh OUTDIR dqsweep   # FA4 present: the dQ finish's sweep, host_cost, timelines
 #   bash launch/gpu_host_check.sh OUTDIR final8k   # FA4 present: the defaults: GPU test, S8192 wall x4, host_cost
-#   bash launch/gpu_host_check.sh OUTDIR foldbeside # FA4 present: folded row sets beside step 0, A/B at S32768
 #   bash launch/gpu_host_check.sh OUTDIR origins   # FA4 present: two ranks' timelines, each kernel's op and stream
 #   bash launch/gpu_host_check.sh OUTDIR sharepre  # FA4 present: A/Bs of the ring backward (GPU test, every rank
 #                                                  # S8192 / S32768, a timeline): one preprocess for the unfolded
@@ -411,17 +410,6 @@ elif [ "$part" = final8k ]; then   # FA4 present (30th session): the defaults on
   done
   LIMIT=150 TAIL=30 run host_cost $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 5 \
       --calls 100 --json "$out/host_cost.json"
-elif [ "$part" = foldbeside ]; then   # FA4 present (30th session): the folded row sets made on the side stream
-  # (FA4_RING_FOLD_BESIDE=1; a tie, off by default) against on the compute stream before their first block — the GPU test,
-  # every rank at S32768 (the folded sets' shard; S8192's do not fold) on the GPU clock and wall, rank 4's timeline
-  v="--variant FA4_RING_FOLD_BESIDE=1 FA4_RING_FOLD_BESIDE=0"
-  ring="$py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 --seq 32768"
-  LIMIT=240 TAIL=3 run fb_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -k float32_reference \
-      -p no:cacheprovider
-  LIMIT=200 TAIL=40 run fb32k_gpu $ring --rank 0 1 2 3 4 5 6 7 --iters 10 --paired 2 $v --json "$out/fb32k_gpu.json"
-  LIMIT=200 TAIL=40 run fb32k_wall $ring --rank 0 1 2 3 4 5 6 7 --iters 10 --paired 2 --wall $v \
-      --json "$out/fb32k_wall.json"
-  LIMIT=120 TAIL=45 run fb_timeline32k $ring --rank 4 --iters 5 --timeline --json "$out/fb_timeline32k.json"
 elif [ "$part" = origins ]; then   # FA4 present (30th session): rank 1 at S8192 and rank 4 at S32768 kernel by
   # kernel, each kernel with its stream and the op that launched it (kernel_timeline(origins=True))
   for r in "8192 1" "32768 4"; do set -- $r

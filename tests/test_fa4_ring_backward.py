@@ -299,7 +299,7 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
     contiguous ring and a W=2 zigzag ring of batch 2 (row views strided by the batch), bf16 against float32,
     with the kept accumulators (unmasked blocks folded into MHA, and not; one preprocess for the unfolded row
     sets, and one each; the later sets' accumulators zeroed on the side stream; dQ finished in one Triton
-    kernel, folded and not; the folded row sets made on the side stream, and not) and without (the knobs); and the W=4
+    kernel, folded and not) and without (the knobs); and the W=4
     zigzag ring by launch groups of 3
     (``distlab.cp.ring_fused``: 0 | 1 2 3, the later steps fused into one FA4 call per row range), and every
     rank of a W=8 zigzag ring by groups 1|2|5 (a fused group of five)."""
@@ -310,15 +310,15 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
         pytest.skip("needs FA4 on an sm90+ GPU")
     for layout, world, batch, n in (("zigzag", 4, 1, 1), ("contiguous", 2, 1, 1), ("zigzag", 2, 2, 1),
                                     ("zigzag", 4, 1, 3), ("contiguous", 4, 2, 3), ("zigzag", 8, 1, (1, 2, 5))):
-        for accum, fold, share, beside, fused, fb in (("1", "1", "1", "0", "0", "1"), ("1", "0", "1", "0", "0", "1"),
-                                                      ("1", "0", "1", "1", "0", "1"), ("1", "0", "0", "0", "0", "1"),
-                                                      ("0", "1", "1", "0", "0", "1"), ("1", "0", "1", "0", "1", "1"),
-                                                      ("1", "1", "1", "0", "1", "0"), ("1", "1", "1", "0", "0", "0")):
+        for accum, fold, share, beside, fused in (("1", "1", "1", "0", "0"), ("1", "0", "1", "0", "0"),
+                                                  ("1", "0", "1", "1", "0"), ("1", "0", "0", "0", "0"),
+                                                  ("0", "1", "1", "0", "0"), ("1", "0", "1", "0", "1"),
+                                                  ("1", "1", "1", "0", "1")):
             with knobs.override(FA4_RING_ACCUM=accum, FA4_RING_FOLD=fold, FA4_RING_SHARE_PRE=share,
-                                FA4_RING_ZERO_BESIDE=beside, FA4_RING_DQ_FUSED=fused, FA4_RING_FOLD_BESIDE=fb):
+                                FA4_RING_ZERO_BESIDE=beside, FA4_RING_DQ_FUSED=fused):
                 for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, layout, batch, n)):
-                    assert max(errs) < 2e-2, (layout, world, batch, n, accum, fold, share, beside, fused, fb,
-                                              rank, errs)
+                    assert max(errs) < 2e-2, (layout, world, batch, n, accum, fold, share, beside, fused, rank,
+                                              errs)
 
 
 def test_fa4_ring_fold_auto_folds_the_short_unmasked_row_sets_of_long_shards():

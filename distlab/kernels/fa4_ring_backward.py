@@ -209,7 +209,6 @@ class FA4RingBackward:
         self.plans: dict = {}
         self.zeroed: dict = {}   # block key -> [(zeroed scratch, its fill's event)] (``zero_ahead``)
         self.zeroed_later = None   # the later row sets' dQ accumulators' fill on a side stream (``prepare``)
-        self.folded_ready = None   # the folded row sets made on a side stream (``_fold_beside``)
         self.add_rows = knobs.get("RING_DKV_ADD_ROWS") == "1"
         # every rank decides alike (shapes and a knob): the travelling accumulator's layout depends on it
         mode = knobs.get("FA4_RING_FOLD")
@@ -232,8 +231,7 @@ class FA4RingBackward:
         ``beside``: a CUDA stream on which, with the knob ``FA4_RING_ZERO_BESIDE=1``, the later row sets' dQ
         accumulators are zeroed beside step 0's kernels (their first block waits for it). Off by default: H100,
         S8192, it gained the GPU clock 0.6 points on the slowest rank and cost the wall 0.3 (the stream switch
-        and event's host time; docs/PERF.md). On ``beside`` too, with ``FA4_RING_FOLD_BESIDE=1``, the folded
-        row sets are made (``_fold_beside``)."""
+        and event's host time; docs/PERF.md)."""
         q = self.q
         share = knobs.get("FA4_RING_SHARE_PRE") != "0"
         sig = (tuple(q.shape), q.dtype, q.device, self.keys, self.kv_heads, self.causal, self.fold, self.fold_rows,
@@ -256,33 +254,6 @@ class FA4RingBackward:
                 zero.zero_()
             for rows, cols, causal, views, rec in sets:
                 self._row_set(rows, cols, causal, views, rec)
-        folded = {}
-        for rows, cols, causal in blocks:
-            if self.folds(rows.stop - rows.start, causal):
-                folded.setdefault((rows.start, rows.stop, causal), (rows, cols.stop - cols.start, causal))
-        if folded and beside is not None and knobs.get("FA4_RING_FOLD_BESIDE") != "0":
-            self._fold_beside(list(folded.values()), beside)
-
-    def _fold_beside(self, sets, beside):
-        """The folded row sets made now on the side stream ``beside``, beside step 0's kernels: their q, out and
-        dO copied into the folded layout (``fold_heads``) and their own preprocess, which on the compute stream
-        ran right before the set's first block (H100, S32768, rank 4: three copies of 25 µs and a 26 µs
-        preprocess between two main kernels, docs/PERF.md). The set's first block waits for them (an event);
-        what is made on ``beside`` and read on the compute stream is marked so. Off by default
-        (``FA4_RING_FOLD_BESIDE=1``): on the H100 a tie — beside step 0's kernel the copies run at half speed,
-        and the backward's span shrank ~30 µs of 4.7 ms, under the clock's noise between processes."""
-        main = torch.cuda.current_stream(self.q.device)
-        beside.wait_stream(main)   # q, out, dO and the LSE are written on the compute stream
-        torch.cuda.set_stream(beside)
-        try:
-            for rows, cols, causal in sets:
-                rs = self._row_set(rows, cols, causal)
-                for t in (rs.q, rs.dout, rs.dpsum, rs.lse_log2, rs.dq_accum):
-                    t.record_stream(main)
-            self.folded_ready = torch.cuda.Event()
-            self.folded_ready.record(beside)
-        finally:
-            torch.cuda.set_stream(main)
 
     def _plan(self, blocks, share: bool):
         """The first time a ring shape comes: record every block shape, and with ``share`` the shared
@@ -415,9 +386,6 @@ class FA4RingBackward:
         if self.zeroed_later is not None and (rows.stop - rows.start, causal) != (self.q.shape[1], self.causal):
             torch.cuda.current_stream(k.device).wait_event(self.zeroed_later)   # a later row set's first block
             self.zeroed_later = None
-        if rs.fold and self.folded_ready is not None:   # made beside step 0 (``_fold_beside``)
-            torch.cuda.current_stream(k.device).wait_event(self.folded_ready)
-            self.folded_ready = None
         ahead = self.zeroed.get(key)
         if ahead:   # zeroed beforehand on a side stream (``zero_ahead``)
             buf, done = ahead.pop(0)
