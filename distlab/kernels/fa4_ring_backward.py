@@ -173,6 +173,25 @@ def unfold_heads(t, heads: int):
     return t.view(b, group, grows // group, kv_heads, dim).permute(0, 2, 3, 1, 4).reshape(b, grows // group, heads, dim)
 
 
+def postprocessed_dq(q, sets):
+    """dQ (q's shape and dtype) from row sets' float32 accumulators, each converted by its FA4 postprocess
+    (scaled) and the parts added in q's dtype. ``sets``: ``(accum, (post_fn, post_args), start, stop, q_rows,
+    fold)`` — ``q_rows`` the set's q as its kernels take it (folded: ``fold_heads``), its part's shape."""
+    total = None
+    for accum, (post_fn, post_args), start, stop, q_rows, fold in sets:
+        part = torch.empty_like(q_rows, memory_format=torch.contiguous_format)
+        post_fn(accum, part, *post_args[2:])
+        if fold:
+            part = unfold_heads(part, q.shape[2])
+        if total is None and (start, stop) == (0, q.shape[1]):
+            total = part
+            continue
+        if total is None:
+            total = torch.zeros_like(q, memory_format=torch.contiguous_format)
+        total[:, start:stop] += part
+    return total
+
+
 class _RowSet:
     """One row set's preprocess results and its float32 dQ accumulator (FA4's layout for its kernel); ``q`` and
     ``dout`` as its kernels take them (folded: ``fold_heads``). ``shared``: ``(dpsum, lse_log2, dq_accum,
@@ -439,21 +458,8 @@ class FA4RingBackward:
             except TileOrderUnknown as err:   # another FA4's postprocess: every rank runs the same FA4, so
                 # every rank falls back alike (a warning once per process: Python's default filter)
                 warnings.warn(f"FA4_RING_DQ_FUSED: {err}; dQ finished by FA4's postprocesses instead")
-        total = None
-        for (start, stop, _), rs in self.sets.items():
-            post_fn, post_args = rs.rec[2][0]
-            whole = (start, stop) == (0, self.q.shape[1])
-            part = torch.empty_like(rs.q, memory_format=torch.contiguous_format)
-            post_fn(rs.dq_accum, part, *post_args[2:])
-            if rs.fold:
-                part = unfold_heads(part, self.q.shape[2])
-            if total is None and whole:
-                total = part
-                continue
-            if total is None:
-                total = torch.zeros_like(self.q, memory_format=torch.contiguous_format)
-            total[:, start:stop] += part
-        return total
+        return postprocessed_dq(self.q, [(rs.dq_accum, rs.rec[2][0], start, stop, rs.q, rs.fold)
+                                         for (start, stop, _), rs in self.sets.items()])
 
     def _dq_fusable(self) -> bool:
         """The one-kernel dQ finish applies: Triton runs on q's device, float32 accumulators, 2 or 3 row sets

@@ -133,24 +133,12 @@ def _rank_sets(rows, heads, kv_heads, dim, device):
     return sets
 
 
-def _postprocessed(out, sets, dim):
-    """``FA4RingBackward.dq``'s fallback: FA4's postprocess a set, the parts added in q's dtype."""
-    total = None
-    for accum, (fn, args), start, n in sets:
-        part = torch.empty(out.shape[0], n, out.shape[2], dim, dtype=out.dtype, device=out.device)
-        fn(accum, part, *args[2:])
-        if total is None and n == out.shape[1]:
-            total = part
-            continue
-        total[:, start:start + n] += part
-    return total
-
-
 def main(argv=None):
     """The one-kernel finish against FA4's postprocesses at a W=8 zigzag middle rank's shapes (three row sets),
     over rows a program and warps; GPU and wall clocks, GB/s of the bytes it must move."""
     from distlab.bench import StudyParser, UsageError, add_common_args, device_of, positive_int, timeit, write_json
     from distlab.kernels import fa4
+    from distlab.kernels import fa4_ring_backward as frb
     from distlab.kernels.bench import copy_bandwidth
 
     p = StudyParser(prog="python -m distlab.kernels.triton_dq_finish", description=main.__doc__.split("\n")[0])
@@ -176,8 +164,9 @@ def main(argv=None):
         scale = sets[0][1][1][2]
         out = torch.empty(1, rows, a.heads, dim, dtype=torch.bfloat16, device=dev)
         moved = sum(n * a.heads * dim * 4 for *_, n in sets) + out.numel() * out.element_size()
-        want = _postprocessed(out, sets, dim).float()
-        cases = {"postprocesses": lambda: _postprocessed(out, sets, dim)}
+        parts = [(acc, post, start, start + n, out[:, start:start + n], False) for acc, post, start, n in sets]
+        want = frb.postprocessed_dq(out, parts).float()
+        cases = {"postprocesses": lambda: frb.postprocessed_dq(out, parts)}   # FA4RingBackward.dq's fallback
         for r in a.rows:
             for w in a.warps:
                 cases[f"one kernel {r}x{w}"] = lambda r=r, w=w: dq_finish(out, fused, scale, r, w)
