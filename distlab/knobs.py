@@ -136,6 +136,9 @@ KNOBS = {
                                    "accumulator in FA4's tile order (distlab.kernels.triton_dq_finish; H100 S8192, "
                                    "slowest rank: GPU clock 75.2 -> 76.8%, wall 74.7 -> 76.2%, docs/PERF.md); 0: "
                                    "FA4's postprocess a set, the parts added, for an A/B"),
+    "FA4_RING_GLUE": Knob("0", "a folding fa4 ring backward's glue passes in Triton (distlab.kernels.triton_ring_glue): "
+                               "1 both, fold (Q, out and dO folded in one launch), add (the float32 dK/dV += a "
+                               "block's bf16 share, vectorized); 0: torch's copies and adds"),
     "FA4_KEEP_KEY_COPIES": Knob("1", "1: a fa4 masked forward keeps its sequences' copies of shared keys for the "
                                      "backward when its caller asks (attention_forward(keep=), all-gather CP); 0: "
                                      "the backward gathers them again, for an A/B"),

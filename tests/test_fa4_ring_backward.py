@@ -70,7 +70,7 @@ def _fake_record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal,
 
 
 def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_launch=1, cap="0", add_rows="0",
-                       fold="1", route="ring", share="1", repeat=1, dq_fused="0"):
+                       fold="1", route="ring", share="1", repeat=1, dq_fused="0", glue="0", dtype=torch.float64):
     from distlab import knobs
     from distlab.cp.ring import _ring_backward, _ring_forward
     from distlab.kernels import fa4_ring_backward as frb
@@ -80,7 +80,7 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
     k, v = (torch.randn(1, seq, kv_heads, 8, generator=g, dtype=torch.float64) for _ in range(2))
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
     attention_reference(*full, causal=causal).backward(dout)
-    local = [shard_sequence(t, None, layout) for t in (q, k, v, dout)]
+    local = [shard_sequence(t, None, layout).to(dtype) for t in (q, k, v, dout)]
     ring, scale = comm.RingExchanger(None), 8 ** -0.5
     saved = frb._record, frb.TILE, frb.FOLD_MIN_SHARD, frb.FOLD_MAX_ROWS
     frb._record, frb.TILE = _fake_record, tile
@@ -93,7 +93,7 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
     PRE_CALLS[0] = 0
     try:
         with fa4_pretended(), knobs.override(RING_FUSE_MAX_KEYS=cap, RING_DKV_ADD_ROWS=add_rows, FA4_RING_FOLD=fold,
-                                             FA4_RING_SHARE_PRE=share, FA4_RING_DQ_FUSED=dq_fused):
+                                             FA4_RING_SHARE_PRE=share, FA4_RING_DQ_FUSED=dq_fused, FA4_RING_GLUE=glue):
             out, lse = _ring_forward(*local[:3], ring, causal, layout, scale, "torch", steps_per_launch)
             runs = [_ring_backward(local[3], *local[:3], out, lse, ring, causal, layout, scale, "fa4",
                                    steps_per_launch, route) for _ in range(repeat)]
@@ -105,7 +105,8 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
     errs = [0.0] * 3
     for grads in runs:   # a repeated backward on the same ring shape: its kept buffers zeroed again
         got = [gather_sequence(t, None, layout) for t in grads]
-        errs = [max(e, ((a - t.grad).abs().max() / t.grad.abs().max()).item()) for e, a, t in zip(errs, got, full)]
+        errs = [max(e, ((a.double() - t.grad).abs().max() / t.grad.abs().max()).item())
+                for e, a, t in zip(errs, got, full)]
     unfolded = [key for key, rs in made[0].sets.items() if not rs.fold] if made else []
     kept_bytes = 0
     if repeat > 1:   # what the shape kept, freed (the shared buffers: every unfolded set's accumulator and rows)
@@ -417,6 +418,59 @@ def test_dq_finish_reads_each_sets_tile_order_on_the_interpreter(interpreted_poo
     (order_errors, err, refused), = interpreted_pools(1).run(_dq_finish_on_the_interpreter)
     assert order_errors == [0, 0, 0] and refused
     assert err < 1e-5, err
+
+
+def _glue_on_the_interpreter():
+    """``triton_ring_glue`` against torch, bit for bit: Q, out and dO folded in one launch (row slices of a
+    longer shard, as a row set's are), and float32 += fp16 / float32 over a key range of the folded dK/dV
+    layout (batch 1 and 2); a layout it does not take refused. Then a folding ring on the float32 stand-ins with
+    ``FA4_RING_GLUE=1`` (each glue call counted), against the float64 reference."""
+    from distlab.kernels import fa4_ring_backward as frb
+    from distlab.kernels import triton_ring_glue as glue
+
+    g = torch.Generator().manual_seed(1)
+    mismatches = []
+    for b, rows, n in ((1, slice(3, 9), 3), (2, slice(0, 10), 1)):
+        full = [torch.randn(b, 10, 4, 8, generator=g) for _ in range(n)]
+        got = glue.fold_heads_([t[:, rows] for t in full], 2)
+        mismatches += [not torch.equal(x, frb.fold_heads(t[:, rows], 2)) for x, t in zip(got, full)]
+    for b, part_dtype, cut in ((1, torch.float16, True), (2, torch.float32, True), (1, torch.float32, False),
+                               (2, torch.float16, False)):   # a share cut out of a fused block's result, or not
+        acc = torch.randn(2, b, 12, 2, 8, generator=g)
+        part = torch.randn(2, b, 7, 2, 8, generator=g).to(part_dtype)
+        part = part[:, :, 1:6] if cut else part[:, :, 1:6].contiguous()
+        want = acc.clone()
+        want[:, :, 4:9].add_(part)
+        glue.add_into_(acc[:, :, 4:9], part)
+        mismatches.append(not torch.equal(acc, want))
+    refused = not glue.add_takes(torch.zeros(4, 6).t(), torch.zeros(6, 4)) and not glue.fold_takes(
+        [torch.zeros(1, 4, 2, 6)], 2)   # a transposed accumulator; head_dim 6
+    calls = {"fold": 0, "add": 0}
+    real = glue.fold_heads_, glue.add_into_
+
+    def counted(name, fn):
+        def call(*a):
+            calls[name] += 1
+            return fn(*a)
+        return call
+    glue.fold_heads_, glue.add_into_ = counted("fold", real[0]), counted("add", real[1])
+    try:
+        ring = [_ring_on_stand_ins("zigzag", True, 4, 2, 32, 4, n, fold="1", glue="1", dtype=torch.float32)
+                for n in (1, (2,))]
+    finally:
+        glue.fold_heads_, glue.add_into_ = real
+    return mismatches, refused, calls, ring
+
+
+def test_ring_glue_kernels_match_torch_on_the_interpreter(interpreted_pools):
+    """``FA4_RING_GLUE`` (``distlab.kernels.triton_ring_glue``): the fold and the float32 add equal torch's bit for
+    bit, refuse what they do not take, and a folding ring taking both (each called) matches one device, on both
+    ranks of a W=2 ring, step by step and as one launch group."""
+    for mismatches, refused, calls, ring in interpreted_pools(2).run(_glue_on_the_interpreter, timeout_s=300):
+        assert not any(mismatches) and refused, (mismatches, refused)
+        assert calls["fold"] >= 2 and calls["add"] >= 1, calls
+        for res in ring:
+            assert res["folded"] and max(res["errors"]) < 1e-5, res
 
 
 def test_dq_fused_knob_falls_back_where_the_kernel_does_not_apply(pools):

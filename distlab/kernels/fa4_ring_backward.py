@@ -59,6 +59,7 @@ import torch
 
 from distlab import knobs, lru
 from distlab.kernels import fa4
+from distlab.kernels.launch import triton_runs_on
 
 TILE = 128   # FA4's largest row / key tile of the sm90 backward at head_dim 128 (n-block 128, m-block 64 or 80)
 # ``FA4_RING_FOLD=auto``: a folding ring where the shard has FOLD_MIN_SHARD rows or more and its half row sets
@@ -229,6 +230,7 @@ class FA4RingBackward:
         self.zeroed: dict = {}   # block key -> [(zeroed scratch, its fill's event)] (``zero_ahead``)
         self.zeroed_later = None   # the later row sets' dQ accumulators' fill on a side stream (``prepare``)
         self.add_rows = knobs.get("RING_DKV_ADD_ROWS") == "1"
+        self.glue = knobs.get("FA4_RING_GLUE")   # a folding ring's fold and adds in Triton (triton_ring_glue)
         # every rank decides alike (shapes and a knob): the travelling accumulator's layout depends on it
         mode = knobs.get("FA4_RING_FOLD")
         half = causal and layout == "zigzag"   # a causal zigzag ring's later row sets are half its shard
@@ -344,11 +346,21 @@ class FA4RingBackward:
                                  (self.q[:, rows], self.out[:, rows], self.dout[:, rows], self.lse[:, :, rows]))
             fold = self.folds(rows.stop - rows.start, causal)
             if fold:   # once per row set: the blocks of this set all take these
-                q, out, dout = (fold_heads(t, self.kv_heads) for t in (q, out, dout))
+                q, out, dout = self._folded((q, out, dout))
                 lse = lse.reshape(lse.shape[0], self.kv_heads, -1)   # (B, H, rows) -> (B, Hkv, G·rows)
             rec = rec or self._rec(rows.stop - rows.start, cols, causal, fold)
             rs = self.sets[key] = _RowSet(rec, q, out, dout, lse, fold, shared)
         return rs
+
+    def _folded(self, tensors):
+        """``fold_heads`` of each tensor: in one Triton launch with the knob ``FA4_RING_GLUE`` (``1`` or ``fold``)
+        where ``triton_ring_glue.fold_takes`` says it applies, else torch's permuted copy a tensor."""
+        if self.glue in ("1", "fold") and triton_runs_on(tensors[0].device):
+            from distlab.kernels import triton_ring_glue as glue
+
+            if glue.fold_takes(tensors, self.kv_heads):
+                return glue.fold_heads_(tensors, self.kv_heads)
+        return [fold_heads(t, self.kv_heads) for t in tensors]
 
     def share(self, part, keys: int, start: int, n: int):
         """The keys ``start`` … ``start + n`` of a block result ``part`` over ``keys`` keys (``block``'s return)."""
@@ -371,7 +383,14 @@ class FA4RingBackward:
         ``part`` hold dK and dV along a leading dimension of 2, so one add does both)."""
         whole = cols.start == 0 and cols.stop == self.keys
         if acc.ndim == 5:   # folded blocks' layout (2, B, keys, Hkv, D): a key range is a slice of dim 2
-            (acc if whole else acc[:, :, cols]).add_(part)
+            view = acc if whole else acc[:, :, cols]
+            if self.glue in ("1", "add") and triton_runs_on(acc.device):   # one vectorized Triton pass
+                from distlab.kernels import triton_ring_glue as glue
+
+                if glue.add_takes(view, part):
+                    glue.add_into_(view, part)
+                    return
+            view.add_(part)
             return
         per_key = acc.shape[-1] // self.keys
         view = acc if whole else acc[..., cols.start * per_key:cols.stop * per_key]
@@ -465,8 +484,6 @@ class FA4RingBackward:
         """The one-kernel dQ finish applies: Triton runs on q's device, float32 accumulators, 2 or 3 row sets
         (every ring layout's ranks have at most 3). Where it does not, ``dq()`` takes FA4's postprocesses — the
         knob chooses a speed, not a result, and raising here, at the backward's end, could strand other ranks."""
-        from distlab.kernels.launch import triton_runs_on
-
         return 1 < len(self.sets) <= 3 and _acc_dtype(self.q.dtype) == torch.float32 and triton_runs_on(self.q.device)
 
     def _dq_fused(self):

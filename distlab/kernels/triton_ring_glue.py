@@ -1,0 +1,149 @@
+"""A folding FA4 ring's two glue passes in Triton: the q heads folded into rows (Q, out and dO in one launch)
+and the float32 dK/dV accumulator += a block's bf16 share, vectorized (#24; knob ``DISTLAB_FA4_RING_GLUE``).
+
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_fa4_ring_backward.py -k glue   # CPU, the interpreter
+    python -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --rank 4 --timeline   # H100/H200: in place
+
+Where they come from: a folding ring (``FA4_RING_FOLD``, S32768 at W=8) runs its unmasked half-shard row set as
+MHA over the kv heads (``fa4_ring_backward.fold_heads``), so its Q, out and dO are copied once a backward with
+each kv head's q heads stacked as rows; torch's permuted copy moved them at ~1.3 TB/s on the H100 (rank 4,
+2048 rows, 32 heads: 3 × 25 µs, ``docs/perf/h100_2026-12-07d/origins``). A folded ring's travelling dK/dV is a
+float32 ``(2, B, keys, Hkv, D)`` tensor and every block's share arrives in bf16: torch adds mixed dtypes, and a
+share cut out of a fused block (two runs of keys, dK's and dV's) with its non-vectorized loop, ~2.1 TB/s
+(a 4096-key add 38–41 µs, seven a backward, the last group's four after every kernel).
+
+Here the fold is one program per (rows, q head, batch) tile copying all three tensors, each row's head_dim
+contiguous on both sides; the add treats both tensors as rows of one contiguous run (dK's and dV's), loads the
+share in its dtype and adds in float32 — the same sum torch computes, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from distlab.kernels.launch import CachedLaunch, cdiv, launch_keyed
+
+FOLD_ROWS, ADD_BLOCK = 32, 2048   # rows a fold program copies; elements an add program adds
+
+
+@triton.jit
+def _fold_kernel(S0, S1, S2, O, sb, sr, sh, rows, HKV, one,
+                 N: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BR: tl.constexpr):
+    head = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    h, g = head // G, head % G
+    r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)[:, None]
+    d = tl.arange(0, D)[None, :]
+    inside = (r < rows) & (d < D)
+    src = b * sb + r * sr + head * sh + d
+    dst = (b * G * rows + g * rows + r) * (HKV * D) + h * D + d   # (B, G·rows, Hkv, D), contiguous
+    for i in tl.static_range(N):
+        if i == 0:
+            S = S0
+        elif i == 1:
+            S = S1
+        else:
+            S = S2
+        tl.store(O + i * one + dst, tl.load(S + src, mask=inside), mask=inside)
+
+
+@triton.jit
+def _add_kernel(ACC, PART, sa, sp, C, BLOCK: tl.constexpr):
+    row = tl.program_id(1).to(tl.int64)
+    c = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = c < C
+    acc = tl.load(ACC + row * sa + c, mask=inside)
+    part = tl.load(PART + row * sp + c, mask=inside).to(tl.float32)
+    tl.store(ACC + row * sa + c, acc + part, mask=inside)
+
+
+_FOLD = CachedLaunch(_fold_kernel)
+_ADD = CachedLaunch(_add_kernel)
+
+
+def fold_takes(tensors, kv_heads: int) -> bool:
+    """``fold_heads_`` applies: one to three (B, rows, H, D) tensors of one shape, dtype and strides, head_dim a
+    power of two and contiguous, H a multiple of ``kv_heads``."""
+    t = tensors[0]
+    d = t.shape[-1]
+    return (1 <= len(tensors) <= 3 and t.ndim == 4 and t.shape[2] % kv_heads == 0 and d & (d - 1) == 0
+            and t.stride(-1) == 1 and all(x.shape == t.shape and x.stride() == t.stride() and x.dtype == t.dtype
+                                          and x.device == t.device for x in tensors))
+
+
+def fold_heads_(tensors, kv_heads: int):
+    """``fa4_ring_backward.fold_heads`` of each tensor (``fold_takes``), in one launch: ``(B, rows, H, D)`` ->
+    ``(B, G·rows, kv_heads, D)`` contiguous, kv head h's q heads hG … hG+G−1 stacked as rows. Returns a list
+    of views into one buffer."""
+    if not fold_takes(tensors, kv_heads):
+        raise ValueError("fold_heads_: 1-3 tensors (B, rows, H, D) of one shape, dtype and strides, D a power of two")
+    t = tensors[0]
+    b, rows, heads, dim = t.shape
+    group = heads // kv_heads
+    out = torch.empty((len(tensors), b, group * rows, kv_heads, dim), dtype=t.dtype, device=t.device)
+    srcs = (*tensors, *(t,) * (3 - len(tensors)))
+    launch_keyed(_FOLD, (cdiv(rows, FOLD_ROWS), heads, b), (*srcs, out),
+                 (t.stride(0), t.stride(1), t.stride(2), rows, kv_heads, t.numel()),   # the outputs one after another
+                 dict(N=len(tensors), G=group, D=dim, BR=FOLD_ROWS, num_warps=4))
+    return list(out.unbind(0))
+
+
+def _run_start(t) -> int:
+    """The first dimension of ``t``'s largest contiguous tail."""
+    run, i = 1, t.ndim
+    while i > 0 and (t.shape[i - 1] == 1 or t.stride(i - 1) == run):
+        run *= t.shape[i - 1]
+        i -= 1
+    return i
+
+
+def _as_rows(t, i: int):
+    """``(rows, row stride, run)``: ``t`` seen as rows of one contiguous run, the run its dimensions from ``i``
+    on (contiguous), the rows every dimension before (one stride for all), or None."""
+    if _run_start(t) > i:
+        return None
+    run = 1
+    for n in t.shape[i:]:
+        run *= n
+    rows, stride = 1, run
+    for j in range(i - 1, -1, -1):   # the outer dimensions, innermost first
+        if t.shape[j] == 1:
+            continue
+        if rows == 1:
+            rows, stride = t.shape[j], t.stride(j)
+        elif t.stride(j) == rows * stride:
+            rows *= t.shape[j]
+        else:
+            return None
+    return rows, stride, run
+
+
+def _split(acc, part):
+    """``acc`` and ``part`` (one shape) as ``(rows, acc's row stride, part's, run)``, or None."""
+    i = max(_run_start(acc), _run_start(part))
+    a, p = _as_rows(acc, i), _as_rows(part, i)
+    return None if a is None or p is None else (a[0], a[1], p[1], a[2])
+
+
+def add_takes(acc, part) -> bool:
+    """``add_into_`` applies: a float32 ``acc`` and a float32/bf16/fp16 ``part`` of one shape, each rows of one
+    contiguous run, the same rows and runs, on one device."""
+    if acc.dtype != torch.float32 or part.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if acc.shape != part.shape or acc.device != part.device:
+        return False
+    return _split(acc, part) is not None
+
+
+def add_into_(acc, part):
+    """``acc += part`` in float32 (``add_takes``): the same values as ``acc.add_(part)``, one vectorized pass."""
+    if not add_takes(acc, part):
+        raise ValueError("add_into_: a float32 acc and a float32/bf16/fp16 part of one shape, rows of one run each")
+    if acc.numel() == 0:
+        return acc
+    rows, sa, sp, run = _split(acc, part)
+    launch_keyed(_ADD, (cdiv(run, ADD_BLOCK), rows), (acc, part), (sa, sp, run),
+                 dict(BLOCK=ADD_BLOCK, num_warps=4))
+    return acc
