@@ -55,6 +55,8 @@
 #                                                  # row sets or one each (dqfused: dQ finished in one Triton
 #                                                  # kernel or by FA4's postprocesses; zerobeside: the later sets'
 #                                                  # dQ accumulators zeroed on the side stream or not)
+#   bash launch/gpu_host_check.sh OUTDIR glue      # FA4 present: a folding ring's glue in Triton against torch's
+#                                                  # (tests, the passes, every rank at S32768, a timeline, host)
 #   bash launch/gpu_host_check.sh OUTDIR fa4adds   # FA4 present: every rank with the dK/dV adds, without (a timing
 #                                                  # bound) and by the direct route at S32768, wall, paired; the
 #                                                  # adds alone (fa4adds8k: with and without at S8192; fa4direct:
@@ -400,6 +402,24 @@ elif [ "$part" = dqsweep ]; then   # FA4 present (30th session): the one-kernel 
       --calls 100 --json "$out/host_cost.json"
   LIMIT=120 TAIL=80 run timeline32k $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --rank 4 \
       --steps-per-launch 1,3,4 --iters 5 --timeline --json "$out/timeline32k.json"
+elif [ "$part" = glue ]; then   # FA4 present (31st session): a folding ring's glue in Triton (FA4_RING_GLUE,
+  # distlab.kernels.triton_ring_glue) — its GPU tests and the FA4 ring's, the passes against torch's at S32768's
+  # shapes, every rank at S32768 with the glue (both passes, each alone) against without (GPU clock, paired),
+  # the wall in two processes, rank 4's kernels with it, host_cost's fused backward step profiled
+  ring="$py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 --seq 32768"
+  LIMIT=300 TAIL=3 run glue_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py \
+      -k "float32_reference or glue" -p no:cacheprovider
+  LIMIT=60 TAIL=8 run glue_bench $py -m distlab.kernels.triton_ring_glue --json "$out/glue_bench.json"
+  LIMIT=240 TAIL=40 run glue32k_gpu $ring --rank 0 1 2 3 4 5 6 7 --iters 10 --paired 2 \
+      --variant FA4_RING_GLUE=1 FA4_RING_GLUE=0 FA4_RING_GLUE=fold FA4_RING_GLUE=add --json "$out/glue32k_gpu.json"
+  for i in a b; do
+    LIMIT=200 TAIL=6 run glue32k_wall_$i $ring --rank 0 1 2 3 4 5 6 7 --iters 10 --paired 3 --wall \
+        --variant FA4_RING_GLUE=1 FA4_RING_GLUE=0 --json "$out/glue32k_wall_$i.json"
+  done
+  LIMIT=120 TAIL=60 run glue_timeline $ring --rank 4 --iters 5 --timeline --variant FA4_RING_GLUE=1 \
+      --json "$out/glue_timeline.json"
+  LIMIT=150 TAIL=60 run host_cost $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 5 \
+      --calls 100 --profile "ring step W8, fa4, 4 steps fused/bwd" --json "$out/host_cost.json"
 elif [ "$part" = final8k ]; then   # FA4 present (30th session): the defaults once more — the GPU test, S8192's
   # every rank in four wall processes (no variant: the host's stalls fall where they fall), host_cost at its shard
   LIMIT=240 TAIL=3 run final_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -k float32_reference \

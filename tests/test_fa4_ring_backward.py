@@ -300,7 +300,7 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
     contiguous ring and a W=2 zigzag ring of batch 2 (row views strided by the batch), bf16 against float32,
     with the kept accumulators (unmasked blocks folded into MHA, and not; one preprocess for the unfolded row
     sets, and one each; the later sets' accumulators zeroed on the side stream; dQ finished in one Triton
-    kernel, folded and not) and without (the knobs); and the W=4
+    kernel, folded and not; a folding ring's glue in Triton, ``FA4_RING_GLUE=1``) and without (the knobs); and the W=4
     zigzag ring by launch groups of 3
     (``distlab.cp.ring_fused``: 0 | 1 2 3, the later steps fused into one FA4 call per row range), and every
     rank of a W=8 zigzag ring by groups 1|2|5 (a fused group of five)."""
@@ -311,15 +311,15 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
         pytest.skip("needs FA4 on an sm90+ GPU")
     for layout, world, batch, n in (("zigzag", 4, 1, 1), ("contiguous", 2, 1, 1), ("zigzag", 2, 2, 1),
                                     ("zigzag", 4, 1, 3), ("contiguous", 4, 2, 3), ("zigzag", 8, 1, (1, 2, 5))):
-        for accum, fold, share, beside, fused in (("1", "1", "1", "0", "0"), ("1", "0", "1", "0", "0"),
-                                                  ("1", "0", "1", "1", "0"), ("1", "0", "0", "0", "0"),
-                                                  ("0", "1", "1", "0", "0"), ("1", "0", "1", "0", "1"),
-                                                  ("1", "1", "1", "0", "1")):
+        for accum, fold, share, beside, fused, glue in (
+                ("1", "1", "1", "0", "0", "0"), ("1", "0", "1", "0", "0", "0"), ("1", "0", "1", "1", "0", "0"),
+                ("1", "0", "0", "0", "0", "0"), ("0", "1", "1", "0", "0", "0"), ("1", "0", "1", "0", "1", "0"),
+                ("1", "1", "1", "0", "1", "0"), ("1", "1", "1", "0", "1", "1")):
             with knobs.override(FA4_RING_ACCUM=accum, FA4_RING_FOLD=fold, FA4_RING_SHARE_PRE=share,
-                                FA4_RING_ZERO_BESIDE=beside, FA4_RING_DQ_FUSED=fused):
+                                FA4_RING_ZERO_BESIDE=beside, FA4_RING_DQ_FUSED=fused, FA4_RING_GLUE=glue):
                 for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, layout, batch, n)):
-                    assert max(errs) < 2e-2, (layout, world, batch, n, accum, fold, share, beside, fused, rank,
-                                              errs)
+                    assert max(errs) < 2e-2, (layout, world, batch, n, accum, fold, share, beside, fused, glue,
+                                              rank, errs)
 
 
 def test_fa4_ring_fold_auto_folds_the_short_unmasked_row_sets_of_long_shards():
@@ -471,6 +471,39 @@ def test_ring_glue_kernels_match_torch_on_the_interpreter(interpreted_pools):
         assert calls["fold"] >= 2 and calls["add"] >= 1, calls
         for res in ring:
             assert res["folded"] and max(res["errors"]) < 1e-5, res
+
+
+def test_ring_glue_benchmark_refuses_without_a_gpu_before_any_work():
+    """``python -m distlab.kernels.triton_ring_glue`` times GPU kernels: on a machine without CUDA it stops with
+    one line pointing at its CPU check (a ValueError), before timing anything."""
+    from distlab.kernels import triton_ring_glue as glue
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        glue.main([])
+
+
+@pytest.mark.gpu
+def test_ring_glue_kernels_match_torch_on_the_gpu():
+    """The glue at a W=8 S32768 rank's shapes in bf16 on the GPU: the fold and the float32 += bf16 share equal
+    torch's bit for bit."""
+    from distlab.kernels import fa4_ring_backward as frb
+    from distlab.kernels import triton_ring_glue as glue
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    full = [torch.randn(1, 4096, 32, 128, device="cuda", generator=g).bfloat16() for _ in range(3)]
+    for got, t in zip(glue.fold_heads_([t[:, 2048:] for t in full], 8), full):
+        assert torch.equal(got, frb.fold_heads(t[:, 2048:], 8))
+    acc = torch.randn(2, 1, 4096, 8, 128, device="cuda", generator=g)
+    block = torch.randn(2, 1, 12288, 8, 128, device="cuda", generator=g).bfloat16()
+    for keys in (4096, 2048):
+        want = acc.clone()
+        want[:, :, 4096 - keys:].add_(block[:, :, 4096:4096 + keys])
+        glue.add_into_(acc[:, :, 4096 - keys:], block[:, :, 4096:4096 + keys])
+        assert torch.equal(acc, want), keys
 
 
 def test_dq_fused_knob_falls_back_where_the_kernel_does_not_apply(pools):

@@ -147,3 +147,63 @@ def add_into_(acc, part):
     launch_keyed(_ADD, (cdiv(run, ADD_BLOCK), rows), (acc, part), (sa, sp, run),
                  dict(BLOCK=ADD_BLOCK, num_warps=4))
     return acc
+
+
+def main(argv=None):
+    """The glue passes against torch's at the W=8 S32768 rank's shapes: the fold of a 2048-row set's Q, out and
+    dO (32 heads, 8 kv heads), and a 4096- and a 2048-key bf16 share, cut out of a fused block's result, added
+    into the float32 dK/dV; GPU and wall clocks, GB/s of the bytes each must move, the largest difference."""
+    from distlab.bench import StudyParser, add_common_args, device_of, positive_int, timeit, write_json
+    from distlab.kernels.bench import copy_bandwidth
+    from distlab.kernels.fa4_ring_backward import fold_heads
+
+    p = StudyParser(prog="python -m distlab.kernels.triton_ring_glue", description=main.__doc__.split("\n")[0])
+    p.add_argument("--shard", type=positive_int, default=4096, help="rows of the rank's shard (S32768 at W=8)")
+    p.add_argument("--heads", type=positive_int, default=32)
+    p.add_argument("--kv-heads", type=positive_int, default=8)
+    add_common_args(p, iters=50, warmup=5, dtype=False, gpu_tool=True)
+    a = p.parse_args(argv)
+    dev = device_of(a, "the ring glue benchmark", gpu_tool=True, cpu_hint="its CPU check: TRITON_INTERPRET=1 "
+                    "python -m pytest -q tests/test_fa4_ring_backward.py -k glue")
+    copy = copy_bandwidth(dev, a.iters, a.warmup)
+    s, h, kvh, dim, bf16 = a.shard, a.heads, a.kv_heads, 128, torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    full = [torch.randn(1, s, h, dim, device=dev, generator=g).to(bf16) for _ in range(3)]
+    half = [t[:, s // 2:] for t in full]
+    acc = torch.randn(2, 1, s, kvh, dim, device=dev, generator=g)
+    block = torch.randn(2, 1, 3 * s, kvh, dim, device=dev, generator=g).to(bf16)   # a fused block's dK/dV
+    fold_bytes = 2 * sum(t.numel() * t.element_size() for t in half)
+    cases = [("fold Q, out, dO", fold_bytes, lambda: [fold_heads(t, kvh) for t in half],
+              lambda: fold_heads_(half, kvh))]
+    for keys in (s, s // 2):
+        view, part = acc[:, :, s - keys:], block[:, :, s:s + keys]
+        moved = view.numel() * 8 + part.numel() * 2
+        cases.append((f"add {keys} keys", moved, lambda v=view, p=part: v.add_(p),
+                      lambda v=view, p=part: add_into_(v, p)))
+    print(f"copy bandwidth {copy / 1e9:.0f} GB/s; shard {s}, heads {h} (kv {kvh}), head_dim {dim}, bf16")
+    print(f"{'pass':<16} {'by':<7} {'GPU us':>8} {'wall us':>8} {'GB/s':>7} {'% copy':>7} {'max diff':>9}")
+    results = []
+    for name, moved, torch_fn, triton_fn in cases:
+        if name.startswith("add"):   # the same adds from the same start: bit for bit
+            start = acc.clone()
+            torch_fn()
+            want = acc.clone()
+            acc.copy_(start)
+            triton_fn()
+            diff = (acc - want).abs().max().item()
+        else:
+            diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(torch_fn(), triton_fn()))
+        for by, fn in (("torch", torch_fn), ("triton", triton_fn)):
+            gpu, wall = (timeit(fn, a.iters, a.warmup, dev, mode=m) for m in ("gpu", "wall"))
+            results.append({"pass": name, "by": by, "gpu_us": gpu * 1e6, "wall_us": wall * 1e6,
+                            "GB_s": moved / gpu / 1e9, "pct_copy": 100 * moved / gpu / copy, "max_diff": diff})
+            print(f"{name:<16} {by:<7} {gpu * 1e6:>8.1f} {wall * 1e6:>8.1f} {moved / gpu / 1e9:>7.0f} "
+                  f"{100 * moved / gpu / copy:>6.0f}% {diff:>9.1e}", flush=True)
+    if a.json:
+        write_json(a.json, {"copy_GB_s": copy / 1e9, "shard": s, "heads": h, "kv_heads": kvh, "rows": results})
+
+
+if __name__ == "__main__":
+    from distlab.bench import run_study
+
+    run_study(main)
