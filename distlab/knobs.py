@@ -139,6 +139,10 @@ KNOBS = {
     "FA4_RING_GLUE": Knob("0", "a folding fa4 ring backward's glue passes in Triton (distlab.kernels.triton_ring_glue): "
                                "1 both, fold (Q, out and dO folded in one launch), add (the float32 dK/dV += a "
                                "block's bf16 share, vectorized); 0: torch's copies and adds"),
+    "FA4_RING_DKV_FINISH": Knob("0", "1: a folding fa4 ring backward's unfolded blocks (causal, and row sets too long to "
+                                     "fold) hand their float32 dK/dV scratch to one Triton pass that scales it and "
+                                     "adds it into the travelling accumulator (triton_ring_glue.dkv_finish_); 0: "
+                                     "converted to q's dtype by FA4's postprocesses, then added"),
     "FA4_KEEP_KEY_COPIES": Knob("1", "1: a fa4 masked forward keeps its sequences' copies of shared keys for the "
                                      "backward when its caller asks (attention_forward(keep=), all-gather CP); 0: "
                                      "the backward gathers them again, for an A/B"),

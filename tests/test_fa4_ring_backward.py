@@ -70,7 +70,8 @@ def _fake_record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal,
 
 
 def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_launch=1, cap="0", add_rows="0",
-                       fold="1", route="ring", share="1", repeat=1, dq_fused="0", glue="0", dtype=torch.float64):
+                       fold="1", route="ring", share="1", repeat=1, dq_fused="0", glue="0", dtype=torch.float64,
+                       dkv_finish="0"):
     from distlab import knobs
     from distlab.cp.ring import _ring_backward, _ring_forward
     from distlab.kernels import fa4_ring_backward as frb
@@ -93,7 +94,8 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
     PRE_CALLS[0] = 0
     try:
         with fa4_pretended(), knobs.override(RING_FUSE_MAX_KEYS=cap, RING_DKV_ADD_ROWS=add_rows, FA4_RING_FOLD=fold,
-                                             FA4_RING_SHARE_PRE=share, FA4_RING_DQ_FUSED=dq_fused, FA4_RING_GLUE=glue):
+                                             FA4_RING_SHARE_PRE=share, FA4_RING_DQ_FUSED=dq_fused, FA4_RING_GLUE=glue,
+                                             FA4_RING_DKV_FINISH=dkv_finish):
             out, lse = _ring_forward(*local[:3], ring, causal, layout, scale, "torch", steps_per_launch)
             runs = [_ring_backward(local[3], *local[:3], out, lse, ring, causal, layout, scale, "fa4",
                                    steps_per_launch, route) for _ in range(repeat)]
@@ -300,7 +302,8 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
     contiguous ring and a W=2 zigzag ring of batch 2 (row views strided by the batch), bf16 against float32,
     with the kept accumulators (unmasked blocks folded into MHA, and not; one preprocess for the unfolded row
     sets, and one each; the later sets' accumulators zeroed on the side stream; dQ finished in one Triton
-    kernel, folded and not; a folding ring's glue in Triton, ``FA4_RING_GLUE=1``) and without (the knobs); and the W=4
+    kernel, folded and not; a folding ring's glue in Triton, ``FA4_RING_GLUE=1``, and its unfolded blocks'
+    scratch finished in one pass, ``FA4_RING_DKV_FINISH=1``) and without (the knobs); and the W=4
     zigzag ring by launch groups of 3
     (``distlab.cp.ring_fused``: 0 | 1 2 3, the later steps fused into one FA4 call per row range), and every
     rank of a W=8 zigzag ring by groups 1|2|5 (a fused group of five)."""
@@ -311,15 +314,14 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
         pytest.skip("needs FA4 on an sm90+ GPU")
     for layout, world, batch, n in (("zigzag", 4, 1, 1), ("contiguous", 2, 1, 1), ("zigzag", 2, 2, 1),
                                     ("zigzag", 4, 1, 3), ("contiguous", 4, 2, 3), ("zigzag", 8, 1, (1, 2, 5))):
-        for accum, fold, share, beside, fused, glue in (
-                ("1", "1", "1", "0", "0", "0"), ("1", "0", "1", "0", "0", "0"), ("1", "0", "1", "1", "0", "0"),
-                ("1", "0", "0", "0", "0", "0"), ("0", "1", "1", "0", "0", "0"), ("1", "0", "1", "0", "1", "0"),
-                ("1", "1", "1", "0", "1", "0"), ("1", "1", "1", "0", "1", "1")):
+        for accum, fold, share, beside, fused, glue, finish in (
+                "1110000", "1010000", "1011000", "1000000", "0110000", "1010100", "1110100", "1110110", "1110111"):
             with knobs.override(FA4_RING_ACCUM=accum, FA4_RING_FOLD=fold, FA4_RING_SHARE_PRE=share,
-                                FA4_RING_ZERO_BESIDE=beside, FA4_RING_DQ_FUSED=fused, FA4_RING_GLUE=glue):
+                                FA4_RING_ZERO_BESIDE=beside, FA4_RING_DQ_FUSED=fused, FA4_RING_GLUE=glue,
+                                FA4_RING_DKV_FINISH=finish):
                 for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, layout, batch, n)):
                     assert max(errs) < 2e-2, (layout, world, batch, n, accum, fold, share, beside, fused, glue,
-                                              rank, errs)
+                                              finish, rank, errs)
 
 
 def test_fa4_ring_fold_auto_folds_the_short_unmasked_row_sets_of_long_shards():
@@ -445,30 +447,53 @@ def _glue_on_the_interpreter():
         mismatches.append(not torch.equal(acc, want))
     refused = not glue.add_takes(torch.zeros(4, 6).t(), torch.zeros(6, 4)) and not glue.fold_takes(
         [torch.zeros(1, 4, 2, 6)], 2)   # a transposed accumulator; head_dim 6
-    calls = {"fold": 0, "add": 0}
-    real = glue.fold_heads_, glue.add_into_
+    # an unfolded block's scratch finished into a key range of the folded accumulator: tiles of 4 keys, each
+    # tile's values shuffled (dK's and dV's differently), as FA4's postprocesses would read them
+    b, kvh, d, keys, m, scale = 2, 2, 8, 12, 4, 0.3
+    perms = [torch.randperm(m * d, generator=g) for _ in range(2)]
+    orders = glue.dkv_orders([(_tile_post(m, d, p), (None, None, 1.0)) for p in perms], d, torch.float32,
+                             torch.device("cpu"))
+    val = torch.randn(2, b, keys, kvh, d, generator=g)
+    r, dims = torch.arange(keys)[:, None], torch.arange(d)[None, :]
+    scratch = torch.zeros(2, b, kvh, keys * d)
+    for i, p in enumerate(perms):
+        scratch[i][:, :, ((r // m) * m * d + p[(r % m) * d + dims]).flatten()] = val[i].permute(0, 2, 1, 3).reshape(
+            b, kvh, -1)
+    acc = torch.randn(2, b, 12, kvh, d, generator=g)
+    want = acc.clone()
+    want[:, :, 2:10] += val[:, :, 4:12] * torch.tensor([scale, 1.0]).view(2, 1, 1, 1, 1)
+    glue.dkv_finish_(acc[:, :, 2:10], scratch[..., 4 * d:], orders, scale, 1.0, add=True)
+    fresh = glue.dkv_finish_(torch.full((2, b, keys, kvh, d), float("nan")), scratch, orders, scale, 1.0, add=False)
+    finish_errors = [(acc - want).abs().max().item(),
+                     (fresh - val * torch.tensor([scale, 1.0]).view(2, 1, 1, 1, 1)).abs().max().item()]
+    calls = {"fold": 0, "add": 0, "finish": 0}
+    real = glue.fold_heads_, glue.add_into_, glue.dkv_finish_
 
     def counted(name, fn):
-        def call(*a):
+        def call(*a, **kw):
             calls[name] += 1
-            return fn(*a)
+            return fn(*a, **kw)
         return call
-    glue.fold_heads_, glue.add_into_ = counted("fold", real[0]), counted("add", real[1])
+    glue.fold_heads_, glue.add_into_, glue.dkv_finish_ = (counted(name, fn) for name, fn in
+                                                          zip(("fold", "add", "finish"), real))
     try:
-        ring = [_ring_on_stand_ins("zigzag", True, 4, 2, 32, 4, n, fold="1", glue="1", dtype=torch.float32)
-                for n in (1, (2,))]
+        ring = [_ring_on_stand_ins("zigzag", True, 4, 2, 32, 4, n, fold="1", glue="1", dtype=torch.float32,
+                                   dkv_finish=finish) for n in (1, (2,)) for finish in ("0", "1")]
     finally:
-        glue.fold_heads_, glue.add_into_ = real
-    return mismatches, refused, calls, ring
+        glue.fold_heads_, glue.add_into_, glue.dkv_finish_ = real
+    return mismatches, refused, finish_errors, calls, ring
 
 
 def test_ring_glue_kernels_match_torch_on_the_interpreter(interpreted_pools):
     """``FA4_RING_GLUE`` (``distlab.kernels.triton_ring_glue``): the fold and the float32 add equal torch's bit for
-    bit, refuse what they do not take, and a folding ring taking both (each called) matches one device, on both
-    ranks of a W=2 ring, step by step and as one launch group."""
-    for mismatches, refused, calls, ring in interpreted_pools(2).run(_glue_on_the_interpreter, timeout_s=300):
+    bit and refuse what they do not take; ``FA4_RING_DKV_FINISH``'s pass reads a shuffled tile order into a key
+    range (added, and written fresh); a folding ring taking them (each called) matches one device, on both ranks
+    of a W=2 ring, step by step and as one launch group."""
+    for mismatches, refused, finish_errors, calls, ring in interpreted_pools(2).run(_glue_on_the_interpreter,
+                                                                                    timeout_s=300):
         assert not any(mismatches) and refused, (mismatches, refused)
-        assert calls["fold"] >= 2 and calls["add"] >= 1, calls
+        assert max(finish_errors) < 1e-6, finish_errors
+        assert calls["fold"] >= 4 and calls["add"] >= 1 and calls["finish"] >= 2, calls
         for res in ring:
             assert res["folded"] and max(res["errors"]) < 1e-5, res
 

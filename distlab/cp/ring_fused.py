@@ -62,6 +62,8 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
         if blocks is not None:
             kept = _fa4_kept(dout, q, k, out, lse, scale, causal, blocks, layout, side)
     direct = dkv_route == "direct" and ring.size > 1
+    if direct and kept is not None:   # the owners sum shares of one layout: every block's converted
+        kept.raw_finish = False
     landing = kv_landing(ring, k, shape) if ring.size > 1 and use_landing(k, v, backend, groups) else None
     kv = _KVAhead(ring, (k, v), landing)
     ahead = max(len(steps) for steps, _ in groups)

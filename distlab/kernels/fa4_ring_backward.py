@@ -231,6 +231,10 @@ class FA4RingBackward:
         self.zeroed_later = None   # the later row sets' dQ accumulators' fill on a side stream (``prepare``)
         self.add_rows = knobs.get("RING_DKV_ADD_ROWS") == "1"
         self.glue = knobs.get("FA4_RING_GLUE")   # a folding ring's fold and adds in Triton (triton_ring_glue)
+        # an unfolded block of a folding ring: its float32 scratch finished into the travelling accumulator by
+        # one Triton pass (triton_ring_glue.dkv_finish_), not converted to q's dtype first (``raw``)
+        self.raw_finish = knobs.get("FA4_RING_DKV_FINISH") == "1"
+        self.raw = None   # (orders, dK's scale, dV's scale, postprocesses) once the first such block ran
         # every rank decides alike (shapes and a knob): the travelling accumulator's layout depends on it
         mode = knobs.get("FA4_RING_FOLD")
         half = causal and layout == "zigzag"   # a causal zigzag ring's later row sets are half its shard
@@ -375,6 +379,12 @@ class FA4RingBackward:
         float32."""
         if part.ndim == 5:
             return part.to(_acc_dtype(part.dtype), copy=True)
+        if self.fold:   # a folding ring's own unfolded block, its scratch as it is (``_raw_ok``): finished now
+            from distlab.kernels import triton_ring_glue as glue
+
+            two, b, kv_heads, _ = part.shape
+            acc = torch.empty((two, b, self.keys, kv_heads, self.q.shape[3]), dtype=part.dtype, device=part.device)
+            return glue.dkv_finish_(acc, part, *self.raw[:3], add=False)
         return part.contiguous()
 
     def add_into(self, acc, cols: slice, part):
@@ -384,6 +394,11 @@ class FA4RingBackward:
         whole = cols.start == 0 and cols.stop == self.keys
         if acc.ndim == 5:   # folded blocks' layout (2, B, keys, Hkv, D): a key range is a slice of dim 2
             view = acc if whole else acc[:, :, cols]
+            if part.ndim == 4:   # an unfolded block's scratch as it is (``_raw_ok``): finished into the view
+                from distlab.kernels import triton_ring_glue as glue
+
+                glue.dkv_finish_(view, part, *self.raw[:3], add=True)
+                return
             if self.glue in ("1", "add") and triton_runs_on(acc.device):   # one vectorized Triton pass
                 from distlab.kernels import triton_ring_glue as glue
 
@@ -433,12 +448,38 @@ class FA4RingBackward:
         else:
             buf = torch.zeros(shape, dtype=acc, device=k.device)
         main_fn(rs.q, k, v, rs.dout, rs.lse_log2, rs.dpsum, rs.dq_accum, buf[0], buf[1], *rest)
+        if convert is not None and self._raw_ok(convert, k.device):   # finished by own_accumulator / add_into
+            return buf
         if convert is not None:   # a causal block in a folding ring: its scratch in the folded blocks' layout
             out = torch.empty(plain, dtype=self.q.dtype, device=k.device)
             for i in (0, 1):
                 convert[1 + i][0](buf[i], out[i], *convert[1 + i][1][2:])
             return out
         return buf
+
+    def _raw_ok(self, posts, device) -> bool:
+        """An unfolded block's scratch may go to ``add_into`` / ``own_accumulator`` as it is (knob
+        ``FA4_RING_DKV_FINISH=1``; Triton on this device; float32 scratch; FA4's dK/dV postprocesses' tile order
+        read, and every such block's the same): they finish it in one pass, ``triton_ring_glue.dkv_finish_``."""
+        if not self.raw_finish or _acc_dtype(self.q.dtype) != torch.float32 or not triton_runs_on(device):
+            return False
+        if self.raw is not None:
+            return self.raw[3] == (posts[1][0], posts[2][0]) or self._raw_refused("a block's postprocesses differ")
+        from distlab.kernels import triton_ring_glue as glue
+        from distlab.kernels.triton_dq_finish import TileOrderUnknown
+
+        try:
+            orders = glue.dkv_orders(posts[1:], self.q.shape[3], self.q.dtype, device)
+        except TileOrderUnknown as err:
+            return self._raw_refused(str(err))
+        self.raw = (orders, posts[1][1][2], posts[2][1][2], (posts[1][0], posts[2][0]))
+        return True
+
+    def _raw_refused(self, why: str) -> bool:
+        """The converted path from here on, said once per process (every rank runs the same FA4 and shapes)."""
+        warnings.warn(f"FA4_RING_DKV_FINISH: {why}; dK/dV converted by FA4's postprocesses instead")
+        self.raw_finish = False
+        return False
 
     def zero_ahead(self, blocks, stream):
         """Zero the dK/dV scratch of these blocks (``(rows, cols, causal)``, each used once) now on ``stream``,

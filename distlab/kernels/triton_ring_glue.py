@@ -59,8 +59,30 @@ def _add_kernel(ACC, PART, sa, sp, C, BLOCK: tl.constexpr):
     tl.store(ACC + row * sa + c, acc + part, mask=inside)
 
 
+@triton.jit
+def _dkv_finish_kernel(ACC, SCR, ORDER, scale_k, scale_v, a2, ab, ar, ah, s2, sb, sh, n, HKV,
+                       ADD: tl.constexpr, D: tl.constexpr, BR: tl.constexpr, WIN: tl.constexpr):
+    r = tl.program_id(0) * BR + tl.arange(0, BR)[:, None]
+    bh = tl.program_id(1)
+    b, h = (bh // HKV).to(tl.int64), (bh % HKV).to(tl.int64)
+    which = tl.program_id(2)   # 0: dK, 1: dV
+    d = tl.arange(0, D)[None, :]
+    inside = (r < n) & (d < D)
+    row = tl.where(inside, r, 0)
+    off = tl.load(ORDER + which * (WIN * D) + (row % WIN) * D + d, mask=inside, other=0).to(tl.int64)
+    off += (row // WIN).to(tl.int64) * (WIN * D)
+    val = tl.load(SCR + which * s2 + b * sb + h * sh + off, mask=inside, other=0.0)
+    val = val * tl.where(which == 0, scale_k, scale_v)
+    dst = ACC + which * a2 + b * ab + row.to(tl.int64) * ar + h * ah + d
+    if ADD:
+        val += tl.load(dst, mask=inside, other=0.0)
+    tl.store(dst, val, mask=inside)
+
+
 _FOLD = CachedLaunch(_fold_kernel)
 _ADD = CachedLaunch(_add_kernel)
+_FINISH = CachedLaunch(_dkv_finish_kernel)
+FINISH_ROWS = 32   # key rows a dK/dV finish program reads
 
 
 def fold_takes(tensors, kv_heads: int) -> bool:
@@ -146,6 +168,33 @@ def add_into_(acc, part):
     rows, sa, sp, run = _split(acc, part)
     launch_keyed(_ADD, (cdiv(run, ADD_BLOCK), rows), (acc, part), (sa, sp, run),
                  dict(BLOCK=ADD_BLOCK, num_warps=4))
+    return acc
+
+
+def dkv_orders(posts, dim: int, dtype, device):
+    """``(2, WINDOW·dim)`` int32: the tile orders (``triton_dq_finish.window_order``) of an FA4 block's dK and dV
+    postprocesses (``posts``: their recorded ``(fn, args)``); raises ``TileOrderUnknown`` where one cannot be read."""
+    from distlab.kernels.triton_dq_finish import window_order
+
+    return torch.stack([window_order(post, dim, dtype, device) for post in posts])
+
+
+def dkv_finish_(acc, scratch, orders, scale_k: float, scale_v: float, add: bool):
+    """An unfolded FA4 block's dK/dV, from its float32 scratch in FA4's accumulator layout, into the float32
+    folded-layout accumulator of a folding ring: ``acc`` (2, B, keys, Hkv, D; a key range of it) ``+=`` (or, with
+    ``add`` False, ``=``) the scratch's keys (``scratch``: (2, B, Hkv, keys·D), a key range cut out of a block's
+    scratch at a multiple of its tile), dK times ``scale_k``, dV times ``scale_v`` — what FA4's postprocesses
+    (``orders``: their ``dkv_orders``) and an add do, without rounding to q's dtype between."""
+    from distlab.kernels.triton_dq_finish import WINDOW
+
+    two, b, keys, kv_heads, dim = acc.shape
+    if (scratch.shape != (two, b, kv_heads, keys * dim) or acc.dtype != torch.float32 or scratch.dtype != acc.dtype
+            or acc.stride(-1) != 1 or scratch.stride(-1) != 1 or dim & (dim - 1) or orders.shape != (2, WINDOW * dim)):
+        raise ValueError("dkv_finish_: a float32 acc (2, B, keys, Hkv, D) and scratch (2, B, Hkv, keys·D), last "
+                         "dimensions contiguous, D a power of two, orders (2, WINDOW·D)")
+    launch_keyed(_FINISH, (cdiv(keys, FINISH_ROWS), b * kv_heads, 2), (acc, scratch, orders),
+                 (float(scale_k), float(scale_v), *acc.stride()[:4], *scratch.stride()[:3], keys, kv_heads),
+                 dict(ADD=bool(add), D=dim, BR=FINISH_ROWS, WIN=WINDOW, num_warps=4))
     return acc
 
 
