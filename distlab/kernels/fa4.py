@@ -48,9 +48,10 @@ def _importable() -> bool:
 
 def runs_on(device, dtype) -> bool:
     """FA4 is importable, and the device is a CUDA GPU of sm90 or newer, and the dtype fp16/bf16."""
-    device = torch.device(device)
-    return (device.type == "cuda" and dtype in DTYPES and torch.cuda.get_device_capability(device)[0] >= 9
-            and _importable())
+    from distlab.kernels.launch import sm_major   # cached per device: a capability query costs host time
+
+    device = device if isinstance(device, torch.device) else torch.device(device)
+    return device.type == "cuda" and dtype in DTYPES and sm_major(device) >= 9 and _importable()
 
 
 def why_not(device, dtype) -> str:

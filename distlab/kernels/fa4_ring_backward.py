@@ -87,7 +87,21 @@ def usable(q, k, blocks, dtype) -> bool:
         return False
     if q.shape[2] == k.shape[2] or q.shape[1] % TILE or k.shape[1] % TILE:
         return False
-    return all(s.start % TILE == 0 and s.stop % TILE == 0 for block in blocks for s in block[:2])
+    return _on_tiles(blocks)
+
+
+_ON_TILES: dict = {}   # id(blocks) -> (blocks, on tiles): a ring's blocks are one kept list per ring shape
+
+
+def _on_tiles(blocks) -> bool:
+    hit = _ON_TILES.get(id(blocks))
+    if hit is not None and hit[0] is blocks:
+        return hit[1]
+    ok = all(s.start % TILE == 0 and s.stop % TILE == 0 for block in blocks for s in block[:2])
+    if len(_ON_TILES) >= 64:
+        _ON_TILES.clear()
+    _ON_TILES[id(blocks)] = (blocks, ok)   # the list held: its id stays its own
+    return ok
 
 
 def _record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal, scale):
@@ -235,6 +249,7 @@ class FA4RingBackward:
         # one Triton pass (triton_ring_glue.dkv_finish_), not converted to q's dtype first (``raw``)
         self.raw_finish = knobs.get("FA4_RING_DKV_FINISH") == "1"
         self.raw = None   # (orders, dK's scale, dV's scale, postprocesses) once the first such block ran
+        self.whole = None   # ``prepare``'s
         # every rank decides alike (shapes and a knob): the travelling accumulator's layout depends on it
         mode = knobs.get("FA4_RING_FOLD")
         half = causal and layout == "zigzag"   # a causal zigzag ring's later row sets are half its shard
@@ -263,6 +278,7 @@ class FA4RingBackward:
                self.scale, share, tuple((r.start, r.stop, c.start, c.stop, cz) for r, c, cz in blocks))
         plan = lru.kept(_PREPARED, sig, lambda: self._plan(blocks, share), PREPARED_KEPT)
         self.plans = plan["blocks"]   # filled by the first backward of this shape, read by the later ones
+        self.whole = plan["whole"]   # the recording of the whole shard's block (``finish_dkv``'s postprocesses)
         zero, sets = plan["zero"], plan["sets"]   # ``zero``: the later row sets' dQ accumulators
         if zero is not None:
             if beside is not None and knobs.get("FA4_RING_ZERO_BESIDE") != "0":
@@ -283,12 +299,12 @@ class FA4RingBackward:
     def _plan(self, blocks, share: bool):
         """The first time a ring shape comes: record every block shape, and with ``share`` the shared
         preprocess's buffers and views (``share_preprocess``)."""
-        self._rec(self.q.shape[1], self.keys, self.causal)
+        whole = self._rec(self.q.shape[1], self.keys, self.causal)
         for rows, cols, causal in blocks:
             n = rows.stop - rows.start
             self._rec(n, cols.stop - cols.start, causal, self.folds(n, causal))
         zero, sets = (self.share_preprocess(blocks) if share else None) or (None, [])
-        return {"zero": zero, "sets": sets, "blocks": {}}
+        return {"zero": zero, "sets": sets, "blocks": {}, "whole": whole}
 
     def share_preprocess(self, blocks):
         """One preprocess for every unfolded row set: FA4's preprocess writes, per head, each row's delta
@@ -545,7 +561,7 @@ class FA4RingBackward:
         postprocess (a folded ring's, ``(2, B, keys, Hkv, D)`` float32, already scaled: converted)."""
         if acc.ndim == 5:
             return acc[0].to(k.dtype), acc[1].to(v.dtype)
-        post = self._rec(self.q.shape[1], self.keys, self.causal)[2]
+        post = (self.whole or self._rec(self.q.shape[1], self.keys, self.causal))[2]
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
         post[1][0](acc[0].contiguous(), dk, *post[1][1][2:])

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from distlab.kernels.launch import CachedLaunch, cdiv, knob, num_warps, tensor_key
+from distlab.kernels.launch import CachedLaunch, cdiv, knob, num_warps, pointer_key
 
 WINDOW = 1920   # lcm(64, 80, 128, 6): rows over which a tile order is measured and repeats
 MAX_SETS = 3   # FA4RingBackward._dq_fusable asks for no more
@@ -115,7 +115,7 @@ def dq_finish(out, sets, scale: float, rows_per_program: int | None = None, warp
             out.stride(0), out.stride(1), out.stride(2), *per[0][2], *per[1][2], *per[2][2], rows)
     meta = dict(H=heads, D=dim, DB=1 << (dim - 1).bit_length(), BR=rows_per_program, SETS=len(sets), WIN=WINDOW,
                 num_warps=warps or num_warps(WARPS))
-    key = tuple(tensor_key(a) for a in args[:7]) + args[7:] + tuple(meta.values())
+    key = tuple(pointer_key(a) for a in args[:7]) + args[7:] + tuple(meta.values())   # strides: in args[7:]
     _LAUNCH(key, (cdiv(rows, rows_per_program), batch * heads), args, meta)
     return out
 
