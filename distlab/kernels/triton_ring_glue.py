@@ -1,5 +1,6 @@
-"""A folding FA4 ring's two glue passes in Triton: the q heads folded into rows (Q, out and dO in one launch)
-and the float32 dK/dV accumulator += a block's bf16 share, vectorized (#24; knob ``DISTLAB_FA4_RING_GLUE``).
+"""A folding FA4 ring's glue passes in Triton (#24): the q heads folded into rows (Q, out and dO in one launch),
+the float32 dK/dV accumulator += a block's bf16 share, vectorized (knob ``DISTLAB_FA4_RING_GLUE``), and an
+unfolded block's float32 scratch finished straight into that accumulator (knob ``DISTLAB_FA4_RING_DKV_FINISH``).
 
     TRITON_INTERPRET=1 python -m pytest -q tests/test_fa4_ring_backward.py -k glue   # CPU, the interpreter
     python -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --rank 4 --timeline   # H100/H200: in place
@@ -12,9 +13,16 @@ float32 ``(2, B, keys, Hkv, D)`` tensor and every block's share arrives in bf16:
 share cut out of a fused block (two runs of keys, dK's and dV's) with its non-vectorized loop, ~2.1 TB/s
 (a 4096-key add 38–41 µs, seven a backward, the last group's four after every kernel).
 
+The folding ring's other blocks (causal, or row sets too long to fold) run as GQA into float32 scratch in
+FA4's accumulator layout; each was converted to bf16 by two FA4 postprocesses on the compute stream, then added
+(rank 4: six postprocesses, 64 µs, and the own block's copy to float32, 24 µs).
+
 Here the fold is one program per (rows, q head, batch) tile copying all three tensors, each row's head_dim
 contiguous on both sides; the add treats both tensors as rows of one contiguous run (dK's and dV's), loads the
-share in its dtype and adds in float32 — the same sum torch computes, bit for bit.
+share in its dtype and adds in float32 — the same sum torch computes, bit for bit. The finish reads the scratch
+in FA4's tile order, measured once through its postprocesses (``triton_dq_finish.window_order``), scales dK
+as the postprocess does and adds into (or writes) the accumulator's key range — one pass where there were
+three, on the side stream with the other adds, and no rounding to bf16 between.
 """
 
 from __future__ import annotations
