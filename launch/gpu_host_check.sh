@@ -405,7 +405,7 @@ elif [ "$part" = dqsweep ]; then   # FA4 present (30th session): the one-kernel 
 elif [ "$part" = glue ]; then   # FA4 present (31st session): a folding ring's glue in Triton (FA4_RING_GLUE and
   # FA4_RING_DKV_FINISH, distlab.kernels.triton_ring_glue) — its GPU tests and the FA4 ring's, the passes against
   # torch's at S32768's shapes, every rank at S32768 with the glue (all, each alone) against without (GPU clock),
-  # the wall in two processes, rank 4's kernels with it, host_cost's fused backward step profiled
+  # the wall in one process (WALLS="a b": two), rank 4's kernels with it, host_cost's fused backward step profiled
   ring="$py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 --seq 32768"
   LIMIT=300 TAIL=3 run glue_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py \
       -k "float32_reference or glue" -p no:cacheprovider
