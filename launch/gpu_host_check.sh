@@ -404,15 +404,14 @@ elif [ "$part" = dqsweep ]; then   # FA4 present (30th session): the one-kernel 
       --steps-per-launch 1,3,4 --iters 5 --timeline --json "$out/timeline32k.json"
 elif [ "$part" = glue ]; then   # FA4 present (31st session): a folding ring's glue in Triton (FA4_RING_GLUE and
   # FA4_RING_DKV_FINISH, distlab.kernels.triton_ring_glue) — its GPU tests and the FA4 ring's, the passes against
-  # torch's at S32768's shapes, every rank at S32768 with the glue (all, each alone) against without (GPU clock),
+  # torch's at S32768's shapes, every rank at S32768 with the glue (all; the fold and adds alone) against without (GPU clock),
   # the wall in one process (WALLS="a b": two), rank 4's kernels with it, host_cost's fused backward step profiled
   ring="$py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 --seq 32768"
   LIMIT=300 TAIL=3 run glue_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py \
       -k "float32_reference or glue" -p no:cacheprovider
   LIMIT=60 TAIL=8 run glue_bench $py -m distlab.kernels.triton_ring_glue --json "$out/glue_bench.json"
   LIMIT=240 TAIL=40 run glue32k_gpu $ring --rank 0 1 2 3 4 5 6 7 --iters 10 --paired 2 \
-      --variant "FA4_RING_GLUE=1;FA4_RING_DKV_FINISH=1" FA4_RING_GLUE=0 FA4_RING_GLUE=1 FA4_RING_DKV_FINISH=1 \
-      --json "$out/glue32k_gpu.json"
+      --variant "FA4_RING_GLUE=1;FA4_RING_DKV_FINISH=1" FA4_RING_GLUE=0 FA4_RING_GLUE=1 --json "$out/glue32k_gpu.json"
   for i in ${WALLS:-a}; do
     LIMIT=200 TAIL=6 run glue32k_wall_$i $ring --rank 0 1 2 3 4 5 6 7 --iters 10 --paired 3 --wall \
         --variant "FA4_RING_GLUE=1;FA4_RING_DKV_FINISH=1" FA4_RING_GLUE=0 --json "$out/glue32k_wall_$i.json"
