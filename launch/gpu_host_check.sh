@@ -412,7 +412,7 @@ elif [ "$part" = glue ]; then   # FA4 present (31st session): a folding ring's g
   LIMIT=60 TAIL=8 run glue_bench $py -m distlab.kernels.triton_ring_glue --json "$out/glue_bench.json"
   LIMIT=240 TAIL=40 run glue32k_gpu $ring --rank 0 1 2 3 4 5 6 7 --iters 10 --paired 2 \
       --variant "FA4_RING_GLUE=1;FA4_RING_DKV_FINISH=1" FA4_RING_GLUE=0 FA4_RING_GLUE=1 --json "$out/glue32k_gpu.json"
-  for i in ${WALLS:-a}; do
+  for i in ${WALLS-a}; do   # WALLS="": none
     LIMIT=200 TAIL=6 run glue32k_wall_$i $ring --rank 0 1 2 3 4 5 6 7 --iters 10 --paired 3 --wall \
         --variant "FA4_RING_GLUE=1;FA4_RING_DKV_FINISH=1" FA4_RING_GLUE=0 --json "$out/glue32k_wall_$i.json"
   done
