@@ -136,10 +136,11 @@ KNOBS = {
                                    "accumulator in FA4's tile order (distlab.kernels.triton_dq_finish; H100 S8192, "
                                    "slowest rank: GPU clock 75.2 -> 76.8%, wall 74.7 -> 76.2%, docs/PERF.md); 0: "
                                    "FA4's postprocess a set, the parts added, for an A/B"),
-    "FA4_RING_GLUE": Knob("0", "a folding fa4 ring backward's glue passes in Triton (distlab.kernels.triton_ring_glue): "
+    "FA4_RING_GLUE": Knob("1", "a folding fa4 ring backward's glue passes in Triton (distlab.kernels.triton_ring_glue): "
                                "1 both, fold (Q, out and dO folded in one launch), add (the float32 dK/dV += a "
-                               "block's bf16 share, vectorized); 0: torch's copies and adds"),
-    "FA4_RING_DKV_FINISH": Knob("0", "1: a folding fa4 ring backward's unfolded blocks (causal, and row sets too long to "
+                               "block's bf16 share, vectorized); 0: torch's copies and adds (H100 S32768, with "
+                               "FA4_RING_DKV_FINISH=1, slowest rank f+b wall 84.5 -> 85.8%, docs/PERF.md)"),
+    "FA4_RING_DKV_FINISH": Knob("1", "1: a folding fa4 ring backward's unfolded blocks (causal, and row sets too long to "
                                      "fold) hand their float32 dK/dV scratch to one Triton pass that scales it and "
                                      "adds it into the travelling accumulator (triton_ring_glue.dkv_finish_); 0: "
                                      "converted to q's dtype by FA4's postprocesses, then added"),

@@ -37,10 +37,13 @@ few rows, and FA4 4.0.0b36 has no packed-GQA backward. A block with no mask (eve
 ring) is the same attention with each kv head's G q heads stacked as rows (``fold_heads``): MHA over the kv
 heads, G times the rows a CTA loops over, dK/dV written straight in q's dtype (no scratch, no fill). H100,
 2026-12-06 (``launch/fa4_tile_probe.py --fold``): main kernel 2048 × 16384 2114 → 2007 µs, 512 × 4096 200 →
-137. Then every block's dK/dV come back as ``(2, batch, keys, kv_heads, dim)`` in q's dtype (a causal block's
-converted by FA4's postprocess), rounded once a block as any per-block backend's are, and the travelling
-accumulator is that layout in float32; Q, out and dO are folded once per row set and dQ unfolded at the end.
-The W=8 rank at S32768 (docs/PERF.md): rank 0 86.8 → 92.0% f+b wall, the slowest rank 85.2 → 86.8%.
+137. Then a folded block's dK/dV come back as ``(2, batch, keys, kv_heads, dim)`` in q's dtype, rounded once a
+block as any per-block backend's are, and the travelling accumulator is that layout in float32; an unfolded
+block's float32 scratch is scaled and added into it by one Triton pass (knob ``FA4_RING_DKV_FINISH``, default;
+with 0, converted to q's dtype by FA4's postprocesses first); Q, out and dO are folded once per row set (one
+Triton launch, knob ``FA4_RING_GLUE``) and dQ unfolded at the end (``distlab.kernels.triton_ring_glue``).
+The W=8 rank at S32768 (docs/PERF.md): rank 0 86.8 → 92.0% f+b wall, the slowest rank 85.2 → 86.8% (21st
+session); with the Triton glue (31st session, another lease) the slowest rank 84.5 → 85.8%.
 
 Used by ``distlab.cp.ring``'s backward for ``backend="fa4"`` when ``usable`` says so: GQA (with one q head
 per kv head FA4 writes dK/dV directly, no accumulators), batch-contiguous bshd, every block's rows and keys

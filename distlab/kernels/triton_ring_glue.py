@@ -91,6 +91,7 @@ _FOLD = CachedLaunch(_fold_kernel)
 _ADD = CachedLaunch(_add_kernel)
 _FINISH = CachedLaunch(_dkv_finish_kernel)
 FINISH_ROWS = 32   # key rows a dK/dV finish program reads
+_ORDERS: dict = {}   # dkv_orders' stacked orders (the functions held: their ids stay their own)
 
 
 def fold_takes(tensors, kv_heads: int) -> bool:
@@ -184,7 +185,10 @@ def dkv_orders(posts, dim: int, dtype, device):
     postprocesses (``posts``: their recorded ``(fn, args)``); raises ``TileOrderUnknown`` where one cannot be read."""
     from distlab.kernels.triton_dq_finish import window_order
 
-    return torch.stack([window_order(post, dim, dtype, device) for post in posts])
+    key = (*(id(fn) for fn, _ in posts), dim, dtype, device)
+    if key not in _ORDERS:   # once per process and postprocess pair (each ``FA4RingBackward`` asks: per backward)
+        _ORDERS[key] = ([fn for fn, _ in posts], torch.stack([window_order(p, dim, dtype, device) for p in posts]))
+    return _ORDERS[key][1]
 
 
 def dkv_finish_(acc, scratch, orders, scale_k: float, scale_v: float, add: bool):
