@@ -57,6 +57,7 @@
 #                                                  # dQ accumulators zeroed on the side stream or not)
 #   bash launch/gpu_host_check.sh OUTDIR glue      # FA4 present: a folding ring's glue in Triton against torch's
 #                                                  # (tests, the passes, every rank at S32768, a timeline, host)
+#                                                  # (glue2: its A/B in a second process, S8192's wall, host)
 #   bash launch/gpu_host_check.sh OUTDIR fa4adds   # FA4 present: every rank with the dK/dV adds, without (a timing
 #                                                  # bound) and by the direct route at S32768, wall, paired; the
 #                                                  # adds alone (fa4adds8k: with and without at S8192; fa4direct:
@@ -421,6 +422,17 @@ elif [ "$part" = glue ]; then   # FA4 present (31st session): a folding ring's g
       --json "$out/glue_timeline.json"
   LIMIT=150 TAIL=60 run host_cost $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 5 \
       --calls 100 --profile "ring step W8, fa4, 4 steps fused/bwd" --json "$out/host_cost.json"
+elif [ "$part" = glue2 ]; then   # FA4 present (31st session): the glue's A/B in a second process, the other order
+  # (S32768 every rank, wall, paired), then the defaults' S8192 every rank in two wall processes, host_cost
+  LIMIT=100 TAIL=4 run glue32k_wall_b $py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 \
+      --seq 32768 --rank 0 1 2 3 4 5 6 7 --iters 10 --paired 3 --wall \
+      --variant FA4_RING_GLUE=0 "FA4_RING_GLUE=1;FA4_RING_DKV_FINISH=1" --json "$out/glue32k_wall_b.json"
+  for i in 1 2; do
+    LIMIT=60 TAIL=3 run defaults8k_wall_$i $py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 \
+        --seq 8192 --rank 0 1 2 3 4 5 6 7 --iters 30 --paired 5 --wall --json "$out/defaults8k_wall_$i.json"
+  done
+  LIMIT=80 TAIL=30 run host_cost $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 5 \
+      --calls 100 --json "$out/host_cost.json"
 elif [ "$part" = final8k ]; then   # FA4 present (30th session): the defaults once more — the GPU test, S8192's
   # every rank in four wall processes (no variant: the host's stalls fall where they fall), host_cost at its shard
   LIMIT=240 TAIL=3 run final_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -k float32_reference \
