@@ -63,6 +63,18 @@ def copy_bandwidth(device, iters, warmup, nbytes=2**30):
     return 2 * nbytes / timeit(lambda: y.copy_(x), iters, warmup, device)
 
 
+def bandwidth_row(fn, moved: int, copy: float, iters: int, warmup: int, device) -> dict:
+    """``fn`` timed on the GPU clock and the wall clock, and the rate at which it moves ``moved`` bytes, in GB/s and
+    as a share of ``copy`` (``copy_bandwidth``): a memory-bound pass's row."""
+    gpu, wall = (timeit(fn, iters, warmup, device, mode=m) for m in ("gpu", "wall"))
+    return {"gpu_us": gpu * 1e6, "wall_us": wall * 1e6, "GB_s": moved / gpu / 1e9, "pct_copy": 100 * moved / gpu / copy}
+
+
+def bandwidth_cells(row: dict) -> str:
+    """``bandwidth_row``'s numbers as table cells: GPU µs, wall µs, GB/s, % of copy."""
+    return f"{row['gpu_us']:>8.1f} {row['wall_us']:>8.1f} {row['GB_s']:>7.0f} {row['pct_copy']:>6.0f}%"
+
+
 def memory_bound_cases(dev, dtype):
     """(name, make inputs, triton fn, reference fn, bytes fwd, bytes fwd+bwd) at Llama-8B-like sizes."""
     from distlab.kernels.lse_merge import lse_merge_

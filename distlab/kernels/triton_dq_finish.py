@@ -136,10 +136,10 @@ def _rank_sets(rows, heads, kv_heads, dim, device):
 def main(argv=None):
     """The one-kernel finish against FA4's postprocesses at a W=8 zigzag middle rank's shapes (three row sets),
     over rows a program and warps; GPU and wall clocks, GB/s of the bytes it must move."""
-    from distlab.bench import StudyParser, UsageError, add_common_args, device_of, positive_int, timeit, write_json
+    from distlab.bench import StudyParser, UsageError, add_common_args, device_of, positive_int, write_json
     from distlab.kernels import fa4
     from distlab.kernels import fa4_ring_backward as frb
-    from distlab.kernels.bench import copy_bandwidth
+    from distlab.kernels.bench import bandwidth_cells, bandwidth_row, copy_bandwidth
 
     p = StudyParser(prog="python -m distlab.kernels.triton_dq_finish", description=main.__doc__.split("\n")[0])
     p.add_argument("--shard", type=positive_int, nargs="+", default=[1024, 4096], help="rows (S8192, S32768 at W=8)")
@@ -172,11 +172,10 @@ def main(argv=None):
                 cases[f"one kernel {r}x{w}"] = lambda r=r, w=w: dq_finish(out, fused, scale, r, w)
         for name, fn in cases.items():
             err = (fn().float() - want).abs().max().item()
-            gpu, wall = (timeit(fn, a.iters, a.warmup, dev, mode=m) for m in ("gpu", "wall"))
-            results.append({"shard": rows, "finish": name, "gpu_us": gpu * 1e6, "wall_us": wall * 1e6,
-                            "GB_s": moved / gpu / 1e9, "pct_copy": 100 * moved / gpu / copy, "max_err": err})
-            print(f"{rows:>6} {name:<16} {gpu * 1e6:>8.1f} {wall * 1e6:>8.1f} {moved / gpu / 1e9:>7.0f} "
-                  f"{100 * moved / gpu / copy:>6.0f}% {err:>9.1e}", flush=True)
+            row = {"shard": rows, "finish": name, **bandwidth_row(fn, moved, copy, a.iters, a.warmup, dev),
+                   "max_err": err}
+            results.append(row)
+            print(f"{rows:>6} {name:<16} {bandwidth_cells(row)} {err:>9.1e}", flush=True)
     if a.json:
         write_json(a.json, {"copy_GB_s": copy / 1e9, "heads": a.heads, "kv_heads": a.kv_heads, "rows": results})
 

@@ -214,8 +214,8 @@ def main(argv=None):
     """The glue passes against torch's at the W=8 S32768 rank's shapes: the fold of a 2048-row set's Q, out and
     dO (32 heads, 8 kv heads), and a 4096- and a 2048-key bf16 share, cut out of a fused block's result, added
     into the float32 dK/dV; GPU and wall clocks, GB/s of the bytes each must move, the largest difference."""
-    from distlab.bench import StudyParser, add_common_args, device_of, positive_int, timeit, write_json
-    from distlab.kernels.bench import copy_bandwidth
+    from distlab.bench import StudyParser, add_common_args, device_of, positive_int, write_json
+    from distlab.kernels.bench import bandwidth_cells, bandwidth_row, copy_bandwidth
     from distlab.kernels.fa4_ring_backward import fold_heads
 
     p = StudyParser(prog="python -m distlab.kernels.triton_ring_glue", description=main.__doc__.split("\n")[0])
@@ -255,11 +255,9 @@ def main(argv=None):
         else:
             diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(torch_fn(), triton_fn()))
         for by, fn in (("torch", torch_fn), ("triton", triton_fn)):
-            gpu, wall = (timeit(fn, a.iters, a.warmup, dev, mode=m) for m in ("gpu", "wall"))
-            results.append({"pass": name, "by": by, "gpu_us": gpu * 1e6, "wall_us": wall * 1e6,
-                            "GB_s": moved / gpu / 1e9, "pct_copy": 100 * moved / gpu / copy, "max_diff": diff})
-            print(f"{name:<16} {by:<7} {gpu * 1e6:>8.1f} {wall * 1e6:>8.1f} {moved / gpu / 1e9:>7.0f} "
-                  f"{100 * moved / gpu / copy:>6.0f}% {diff:>9.1e}", flush=True)
+            row = {"pass": name, "by": by, **bandwidth_row(fn, moved, copy, a.iters, a.warmup, dev), "max_diff": diff}
+            results.append(row)
+            print(f"{name:<16} {by:<7} {bandwidth_cells(row)} {diff:>9.1e}", flush=True)
     if a.json:
         write_json(a.json, {"copy_GB_s": copy / 1e9, "shard": s, "heads": h, "kv_heads": kvh, "rows": results})
 
