@@ -467,20 +467,20 @@ def _glue_on_the_interpreter():
     finish_errors = [(acc - want).abs().max().item(),
                      (fresh - val * torch.tensor([scale, 1.0]).view(2, 1, 1, 1, 1)).abs().max().item()]
     calls = {"fold": 0, "add": 0, "finish": 0}
-    real = glue.fold_heads_, glue.add_into_, glue.dkv_finish_
+    real = glue.fold_heads_, glue.try_add_into_, glue.dkv_finish_
 
     def counted(name, fn):
         def call(*a, **kw):
             calls[name] += 1
             return fn(*a, **kw)
         return call
-    glue.fold_heads_, glue.add_into_, glue.dkv_finish_ = (counted(name, fn) for name, fn in
+    glue.fold_heads_, glue.try_add_into_, glue.dkv_finish_ = (counted(name, fn) for name, fn in
                                                           zip(("fold", "add", "finish"), real))
     try:
         ring = [_ring_on_stand_ins("zigzag", True, 4, 2, 32, 4, n, fold="1", glue="1", dtype=torch.float32,
                                    dkv_finish=finish) for n in (1, (2,)) for finish in ("0", "1")]
     finally:
-        glue.fold_heads_, glue.add_into_, glue.dkv_finish_ = real
+        glue.fold_heads_, glue.try_add_into_, glue.dkv_finish_ = real
     return mismatches, refused, finish_errors, calls, ring
 
 

@@ -421,8 +421,7 @@ class FA4RingBackward:
             if self.glue in ("1", "add") and triton_runs_on(acc.device):   # one vectorized Triton pass
                 from distlab.kernels import triton_ring_glue as glue
 
-                if glue.add_takes(view, part):
-                    glue.add_into_(view, part)
+                if glue.try_add_into_(view, part):
                     return
             view.add_(part)
             return

@@ -161,23 +161,33 @@ def _split(acc, part):
 def add_takes(acc, part) -> bool:
     """``add_into_`` applies: a float32 ``acc`` and a float32/bf16/fp16 ``part`` of one shape, each rows of one
     contiguous run, the same rows and runs, on one device."""
-    if acc.dtype != torch.float32 or part.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
-    if acc.shape != part.shape or acc.device != part.device:
-        return False
-    return _split(acc, part) is not None
+    return add_takes_dtypes(acc, part) and _split(acc, part) is not None
+
+
+def add_takes_dtypes(acc, part) -> bool:
+    """``add_takes`` but for the layouts: dtypes, shapes and devices."""
+    return (acc.dtype == torch.float32 and part.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and acc.shape == part.shape and acc.device == part.device)
 
 
 def add_into_(acc, part):
     """``acc += part`` in float32 (``add_takes``): the same values as ``acc.add_(part)``, one vectorized pass."""
-    if not add_takes(acc, part):
+    if not try_add_into_(acc, part):
         raise ValueError("add_into_: a float32 acc and a float32/bf16/fp16 part of one shape, rows of one run each")
+    return acc
+
+
+def try_add_into_(acc, part) -> bool:
+    """``add_into_`` where ``add_takes`` (the layouts read once); False, and nothing done, where not."""
+    split = _split(acc, part) if add_takes_dtypes(acc, part) else None
+    if split is None:
+        return False
     if acc.numel() == 0:
-        return acc
-    rows, sa, sp, run = _split(acc, part)
+        return True
+    rows, sa, sp, run = split
     launch_keyed(_ADD, (cdiv(run, ADD_BLOCK), rows), (acc, part), (sa, sp, run),
                  dict(BLOCK=ADD_BLOCK, num_warps=4))
-    return acc
+    return True
 
 
 def dkv_orders(posts, dim: int, dtype, device):
