@@ -248,6 +248,7 @@ class FA4RingBackward:
         self.zeroed_later = None   # the later row sets' dQ accumulators' fill on a side stream (``prepare``)
         self.add_rows = knobs.get("RING_DKV_ADD_ROWS") == "1"
         self.glue = knobs.get("FA4_RING_GLUE")   # a folding ring's fold and adds in Triton (triton_ring_glue)
+        self.triton = triton_runs_on(q.device)   # asked once: the glue's and the dQ finish's calls are per block
         # an unfolded block of a folding ring: its float32 scratch finished into the travelling accumulator by
         # one Triton pass (triton_ring_glue.dkv_finish_), not converted to q's dtype first (``raw``)
         self.raw_finish = knobs.get("FA4_RING_DKV_FINISH") == "1"
@@ -378,11 +379,11 @@ class FA4RingBackward:
     def _folded(self, tensors):
         """``fold_heads`` of each tensor: in one Triton launch with the knob ``FA4_RING_GLUE`` (``1`` or ``fold``)
         where ``triton_ring_glue.fold_takes`` says it applies, else torch's permuted copy a tensor."""
-        if self.glue in ("1", "fold") and triton_runs_on(tensors[0].device):
+        if self.glue in ("1", "fold") and self.triton:
             from distlab.kernels import triton_ring_glue as glue
 
             if glue.fold_takes(tensors, self.kv_heads):
-                return glue.fold_heads_(tensors, self.kv_heads)
+                return glue.fold_heads_(tensors, self.kv_heads, checked=True)
         return [fold_heads(t, self.kv_heads) for t in tensors]
 
     def share(self, part, keys: int, start: int, n: int):
@@ -418,7 +419,7 @@ class FA4RingBackward:
 
                 glue.dkv_finish_(view, part, *self.raw[:3], add=True)
                 return
-            if self.glue in ("1", "add") and triton_runs_on(acc.device):   # one vectorized Triton pass
+            if self.glue in ("1", "add") and self.triton:   # one vectorized Triton pass
                 from distlab.kernels import triton_ring_glue as glue
 
                 if glue.try_add_into_(view, part):
@@ -479,7 +480,7 @@ class FA4RingBackward:
         """An unfolded block's scratch may go to ``add_into`` / ``own_accumulator`` as it is (knob
         ``FA4_RING_DKV_FINISH=1``; Triton on this device; float32 scratch; FA4's dK/dV postprocesses' tile order
         read, and every such block's the same): they finish it in one pass, ``triton_ring_glue.dkv_finish_``."""
-        if not self.raw_finish or _acc_dtype(self.q.dtype) != torch.float32 or not triton_runs_on(device):
+        if not self.raw_finish or _acc_dtype(self.q.dtype) != torch.float32 or not self.triton:
             return False
         if self.raw is not None:
             return self.raw[3] == (posts[1][0], posts[2][0]) or self._raw_refused("a block's postprocesses differ")
@@ -543,7 +544,7 @@ class FA4RingBackward:
         """The one-kernel dQ finish applies: Triton runs on q's device, float32 accumulators, 2 or 3 row sets
         (every ring layout's ranks have at most 3). Where it does not, ``dq()`` takes FA4's postprocesses — the
         knob chooses a speed, not a result, and raising here, at the backward's end, could strand other ranks."""
-        return 1 < len(self.sets) <= 3 and _acc_dtype(self.q.dtype) == torch.float32 and triton_runs_on(self.q.device)
+        return 1 < len(self.sets) <= 3 and _acc_dtype(self.q.dtype) == torch.float32 and self.triton
 
     def _dq_fused(self):
         """``dq()`` in one kernel (``triton_dq_finish.dq_finish``); each set's tile order measured once on its

@@ -104,11 +104,11 @@ def fold_takes(tensors, kv_heads: int) -> bool:
                                           and x.device == t.device for x in tensors))
 
 
-def fold_heads_(tensors, kv_heads: int):
+def fold_heads_(tensors, kv_heads: int, checked: bool = False):
     """``fa4_ring_backward.fold_heads`` of each tensor (``fold_takes``), in one launch: ``(B, rows, H, D)`` ->
     ``(B, G·rows, kv_heads, D)`` contiguous, kv head h's q heads hG … hG+G−1 stacked as rows. Returns a list
-    of views into one buffer."""
-    if not fold_takes(tensors, kv_heads):
+    of views into one buffer. ``checked``: the caller has asked ``fold_takes`` already."""
+    if not checked and not fold_takes(tensors, kv_heads):
         raise ValueError("fold_heads_: 1-3 tensors (B, rows, H, D) of one shape, dtype and strides, D a power of two")
     t = tensors[0]
     b, rows, heads, dim = t.shape
