@@ -132,6 +132,10 @@ KNOBS = {
     "FA4_RING_ZERO_BESIDE": Knob("0", "1: a fused fa4 ring backward zeroes its later row sets' dQ accumulators on the "
                                       "side stream, beside step 0's kernels (H100 S8192: GPU clock +0.6, wall -0.3 to "
                                       "-4 points, docs/PERF.md); 0: on the compute stream"),
+    "FA4_RING_KEEP_SCRATCH": Knob("1", "1: a fused fa4 ring backward keeps its later unfolded blocks' dK/dV scratch per "
+                                       "ring shape, zeroed with the later row sets' dQ accumulators by one fill "
+                                       "(distlab.kernels.fa4_ring_backward.FA4RingBackward.prepare); 0: torch.zeros "
+                                       "a block, for an A/B"),
     "FA4_RING_DQ_FUSED": Knob("1", "1: a fa4 ring backward's dQ finished in one Triton kernel over every row set's "
                                    "accumulator in FA4's tile order (distlab.kernels.triton_dq_finish; H100 S8192, "
                                    "slowest rank: GPU clock 75.2 -> 76.8%, wall 74.7 -> 76.2%, docs/PERF.md); 0: "

@@ -4,7 +4,8 @@ test_fa4_ring_backward.py``), W=8 zigzag, groups 1|3|4 — what a host-bound ran
 torch calls besides its launches. Prints a table and writes JSON. The last column is the whole ring
 backward (``distlab.cp.ring._ring_backward`` on the emulator's resident ring, FA4 pretended present: the
 launch groups, the K/V exchanges posted and taken, the dK/dV shares cut out and added, dQ and dK/dV finished)
-with the same no-op kernels — on the CPU its adds and fills run as CPU ops.
+with the same no-op kernels — on the CPU its adds and fills run as CPU ops — and beside it the same with
+``DISTLAB_FA4_RING_KEEP_SCRATCH=0`` (each later block's dK/dV scratch a fresh ``torch.zeros``).
 
     python launch/fa4_ring_host_probe.py --json docs/perf/cpu/fa4_ring_host_probe.json
 """
@@ -49,8 +50,8 @@ def main():
     world, shard = 8, 16
     q, k, lse = torch.randn(1, shard, 4, 8), torch.randn(1, shard, 2, 8), torch.randn(1, 4, shard)
     rows = []
-    print(f"{'rank':>4} {'blocks':>6} {'shared preprocess':>18} {'one a row set':>14} {'whole backward':>15}   "
-          "(µs a backward, CPU)")
+    print(f"{'rank':>4} {'blocks':>6} {'shared preprocess':>18} {'one a row set':>14} {'whole backward':>15} "
+          f"{'scratch a block':>17}   (µs a backward, CPU)")
     for rank in a.ranks:
         blocks = _fused_blocks(rank, world, shard * world, True, "zigzag", (1, 3, 4), 0, frb.TILE)
         kv = torch.randn(1, max(c.stop for _, c, _ in blocks), 2, 8)
@@ -70,11 +71,14 @@ def main():
                 for _ in range(a.calls):
                     backward()
                 us[share] = (time.perf_counter() - t) / a.calls * 1e6
-        us["whole"] = _whole_backward(rank, world, shard, a.calls, ResidentRing, rank_rows, _ring_backward,
-                                      fa4_pretended)
+        for keep in ("1", "0"):   # the later blocks' dK/dV scratch kept per ring shape, or torch.zeros a block
+            with knobs.override(FA4_RING_KEEP_SCRATCH=keep):
+                us["whole" + keep] = _whole_backward(rank, world, shard, a.calls, ResidentRing, rank_rows,
+                                                     _ring_backward, fa4_pretended)
         rows.append({"rank": rank, "blocks": len(blocks), "shared_us": us["1"], "per_set_us": us["0"],
-                     "whole_backward_us": us["whole"]})
-        print(f"{rank:>4} {len(blocks):>6} {us['1']:>18.1f} {us['0']:>14.1f} {us['whole']:>15.1f}")
+                     "whole_backward_us": us["whole1"], "whole_backward_scratch_a_block_us": us["whole0"]})
+        print(f"{rank:>4} {len(blocks):>6} {us['1']:>18.1f} {us['0']:>14.1f} {us['whole1']:>15.1f} "
+              f"{us['whole0']:>17.1f}")
     frb.release_prepared()
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)

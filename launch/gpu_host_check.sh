@@ -58,6 +58,8 @@
 #   bash launch/gpu_host_check.sh OUTDIR glue      # FA4 present: a folding ring's glue in Triton against torch's
 #                                                  # (tests, the passes, every rank at S32768, a timeline, host)
 #                                                  # (glue2: its A/B in a second process, S8192's wall, host)
+#   bash launch/gpu_host_check.sh OUTDIR keep      # FA4 present: the later dK/dV scratch kept per ring shape or not
+#                                                  # (GPU test, every rank S32768 / S8192 wall, host_cost)
 #   bash launch/gpu_host_check.sh OUTDIR fa4adds   # FA4 present: every rank with the dK/dV adds, without (a timing
 #                                                  # bound) and by the direct route at S32768, wall, paired; the
 #                                                  # adds alone (fa4adds8k: with and without at S8192; fa4direct:
@@ -422,6 +424,21 @@ elif [ "$part" = glue ]; then   # FA4 present (31st session): a folding ring's g
       --json "$out/glue_timeline.json"
   LIMIT=150 TAIL=60 run host_cost $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 5 \
       --calls 100 --profile "ring step W8, fa4, 4 steps fused/bwd" --json "$out/host_cost.json"
+elif [ "$part" = keep ]; then   # FA4 present (32nd session): the later blocks' dK/dV scratch kept per ring shape
+  # (FA4_RING_KEEP_SCRATCH, one fill with the later row sets' dQ accumulators) — the FA4 ring's GPU test, every rank
+  # at S32768 (wall, paired: defaults, scratch a block, the fill beside step 0), S8192 in two processes (both
+  # orders), host_cost (its fused backward step with and without, interleaved)
+  ring="$py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4"
+  LIMIT=240 TAIL=3 run keep_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -k float32_reference \
+      -p no:cacheprovider
+  LIMIT=200 TAIL=5 run keep32k_wall $ring --seq 32768 --rank 0 1 2 3 4 5 6 7 --iters 10 --paired 3 --wall \
+      --variant FA4_RING_KEEP_SCRATCH=1 FA4_RING_KEEP_SCRATCH=0 FA4_RING_ZERO_BESIDE=1 --json "$out/keep32k_wall.json"
+  LIMIT=80 TAIL=4 run keep8k_wall_a $ring --seq 8192 --rank 0 1 2 3 4 5 6 7 --iters 30 --paired 5 --wall \
+      --variant FA4_RING_KEEP_SCRATCH=1 FA4_RING_KEEP_SCRATCH=0 --json "$out/keep8k_wall_a.json"
+  LIMIT=80 TAIL=4 run keep8k_wall_b $ring --seq 8192 --rank 0 1 2 3 4 5 6 7 --iters 30 --paired 5 --wall \
+      --variant FA4_RING_KEEP_SCRATCH=0 FA4_RING_KEEP_SCRATCH=1 --json "$out/keep8k_wall_b.json"
+  LIMIT=120 TAIL=40 run host_cost $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 5 \
+      --calls 100 --json "$out/host_cost.json"
 elif [ "$part" = glue2 ]; then   # FA4 present (31st session): the glue's A/B in a second process, the other order
   # (S32768 every rank, wall, paired), then the defaults' S8192 every rank in two wall processes, host_cost
   LIMIT=100 TAIL=4 run glue32k_wall_b $py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 \

@@ -120,7 +120,16 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
             "reused": all(made[0].sets[key].dq_accum.data_ptr() == made[-1].sets[key].dq_accum.data_ptr()
                           for key in unfolded),
             "kept_bytes": kept_bytes, "left": len(frb._PREPARED),
+            "scratch": sum(len(views) for plan in kept_plans.values() for views in plan["scratch"].values()),
             "accum_bytes": sum(made[0].sets[k].dq_accum.numel() * 8 for k in unfolded) if made else 0}
+
+
+def _ring_on_stand_ins_with(overrides, *args, **kwargs):
+    """``_ring_on_stand_ins`` under knob ``overrides`` (a pool worker's process, where the caller's do not reach)."""
+    from distlab import knobs
+
+    with knobs.override(**overrides):
+        return _ring_on_stand_ins(*args, **kwargs)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -165,6 +174,14 @@ def test_fa4_kept_accumulators_match_one_device_on_stand_in_kernels(world):
             assert res["preprocesses"] == 1 and (res["reused"] or len(res["row_sets"]) == 1), res
             if len(res["row_sets"]) > 1:   # released: at least the accumulators' bytes (float64 stand-ins), none left
                 assert res["kept_bytes"] >= res["accum_bytes"] > 0 and res["left"] == 0, res
+        # by launch groups, unfolded: the later blocks' dK/dV scratch kept per ring shape and zeroed with the later
+        # sets' dQ accumulators by one fill (the stand-in kernel adds into it: a stale buffer would show), three
+        # backward passes; with the knob off none kept, the same gradients
+        for keep in ("1", "0"):
+            for res in pool.run(_ring_on_stand_ins_with, {"FA4_RING_KEEP_SCRATCH": keep}, "zigzag", True, 4, 2,
+                                16 * world, 4, 2, "0", "0", "0", repeat=3):
+                assert max(res["errors"]) < 1e-12 and res["kept"] == 1, res
+                assert (res["scratch"] > 0) == (keep == "1" and world > 2), (keep, res)   # W 2: no fused group
         # the A/B knob: one preprocess a row set, the same gradients
         for layout, causal, n in (("zigzag", True, 1), ("contiguous", True, 2)):
             for res in pool.run(_ring_on_stand_ins, layout, causal, 4, 2, 16 * world, 4, n, "0", "0", "0",

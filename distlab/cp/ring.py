@@ -422,16 +422,17 @@ def backward_schedule(rank: int, world: int, seq: int, causal: bool, layout: str
         for step, blocks in enumerate(schedule))
 
 
-def _fa4_kept(dout, q, k, out, lse, scale, causal, blocks, layout=None, beside=None):
+def _fa4_kept(dout, q, k, out, lse, scale, causal, blocks, layout=None, beside=None, keep_scratch=False):
     """``FA4RingBackward`` (``distlab.kernels.fa4_ring_backward``: FA4's kernels one by one, dQ's float32
     accumulator kept across the steps, dK/dV travelling in FA4's accumulator layout) where it applies, else
-    None (the per-block ``attention_backward``). ``blocks``: every ``(rows, cols, causal)`` the ring will run."""
+    None (the per-block ``attention_backward``). ``blocks``: every ``(rows, cols, causal)`` the ring will run;
+    ``keep_scratch``: ``FA4RingBackward.prepare``'s."""
     from distlab.kernels import fa4_ring_backward
 
     if not fa4_ring_backward.usable(q, k, blocks, q.dtype):
         return None
     kept = fa4_ring_backward.FA4RingBackward(dout, q, out, lse, k, scale, causal, layout)
-    kept.prepare(blocks, beside)
+    kept.prepare(blocks, beside, keep_scratch)
     return kept
 
 

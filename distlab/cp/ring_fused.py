@@ -55,13 +55,15 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
     kept = None
     side = _side_stream(q.device) if q.is_cuda and knobs.get("RING_DKV_SIDE_STREAM") != "0" else None
     main = torch.cuda.current_stream(q.device) if side is not None else None
+    direct = dkv_route == "direct" and ring.size > 1
     if backend == "fa4":   # every block shape recorded before the first exchange (a refusal raises everywhere)
         from distlab.kernels import fa4_ring_backward
 
         blocks = _fused_blocks(*shape, fa4_ring_backward.TILE)
-        if blocks is not None:
-            kept = _fa4_kept(dout, q, k, out, lse, scale, causal, blocks, layout, side)
-    direct = dkv_route == "direct" and ring.size > 1
+        if blocks is not None:   # the later blocks' dK/dV scratch kept per ring shape (read by the adds on the
+            # side stream, waited for at the end; the direct route's sends are not, so it keeps none)
+            keep = not direct and knobs.get("RING_ZERO_AHEAD") != "1"
+            kept = _fa4_kept(dout, q, k, out, lse, scale, causal, blocks, layout, side, keep)
     if direct and kept is not None:   # the owners sum shares of one layout: every block's converted
         kept.raw_finish = False
     landing = kv_landing(ring, k, shape) if ring.size > 1 and use_landing(k, v, backend, groups) else None

@@ -27,7 +27,8 @@ kernel adding straight into it would have to wait for the previous rank's hop be
 scratch only the add waits (as in distlab's Triton ring).
 
 Memory: a float32 dQ accumulator per row set (zigzag: one and a half shards' worth more than a single float32
-dQ; 160 MiB against 64 at S32768, W=8, 32 heads) and the block's dK/dV scratch.
+dQ; 160 MiB against 64 at S32768, W=8, 32 heads) and the block's dK/dV scratch (a fused ring's later
+blocks' kept per ring shape beside those accumulators, ``prepare``: 64 MiB more for rank 4 at S32768, W=8).
 
 **Folded blocks** (knob ``DISTLAB_FA4_RING_FOLD``: ``auto`` by default, see ``FOLD_MIN_SHARD``; ``half``: the
 same policy, half-shard row sets folded, at any shard length). FA4's sm90
@@ -246,6 +247,7 @@ class FA4RingBackward:
         self.plans: dict = {}
         self.zeroed: dict = {}   # block key -> [(zeroed scratch, its fill's event)] (``zero_ahead``)
         self.zeroed_later = None   # the later row sets' dQ accumulators' fill on a side stream (``prepare``)
+        self.scratch: dict = {}   # block key -> [kept dK/dV scratch, zeroed by ``prepare``] (``keep_scratch``)
         self.add_rows = knobs.get("RING_DKV_ADD_ROWS") == "1"
         self.glue = knobs.get("FA4_RING_GLUE")   # a folding ring's fold and adds in Triton (triton_ring_glue)
         self.triton = triton_runs_on(q.device)   # asked once: the glue's and the dQ finish's calls are per block
@@ -266,7 +268,7 @@ class FA4RingBackward:
         (``auto``) that FA4's CTAs loop over few rows."""
         return self.fold and not causal and (self.fold_rows is None or rows <= self.fold_rows)
 
-    def prepare(self, blocks, beside=None):
+    def prepare(self, blocks, beside=None, keep_scratch=False):
         """Record FA4's kernels for every block shape of the ring (``[(rows, cols, causal)]``) now, before the
         ring's first exchange: a recording FA4 refuses raises on every rank before any collective. What this
         works out (and the shared preprocess's buffers, ``share_preprocess``) is kept per ring shape: each
@@ -275,15 +277,25 @@ class FA4RingBackward:
         ``beside``: a CUDA stream on which, with the knob ``FA4_RING_ZERO_BESIDE=1``, the later row sets' dQ
         accumulators are zeroed beside step 0's kernels (their first block waits for it). Off by default: H100,
         S8192, it gained the GPU clock 0.6 points on the slowest rank and cost the wall 0.3 (the stream switch
-        and event's host time; docs/PERF.md)."""
+        and event's host time; docs/PERF.md).
+
+        ``keep_scratch`` (a fused ring, ``distlab.cp.ring_fused``, whose ``blocks[0]`` is step 0's own block):
+        the later unfolded blocks' dK/dV scratch is kept per ring shape too, in the same allocation as the later
+        row sets' dQ accumulators, so one fill zeroes them all each backward instead of one ``torch.zeros`` a
+        block (an allocation and a fill launch: ~30 µs of host each on a slow H100 host, #24's ring step). Step
+        0's scratch stays fresh: it starts the accumulator that travels. The kept scratch is read by the dK/dV
+        adds on the side stream, which the compute stream waits for at the backward's end, before the next
+        backward's fill."""
         q = self.q
         share = knobs.get("FA4_RING_SHARE_PRE") != "0"
+        keep = keep_scratch and knobs.get("FA4_RING_KEEP_SCRATCH") == "1"
         sig = (tuple(q.shape), q.dtype, q.device, self.keys, self.kv_heads, self.causal, self.fold, self.fold_rows,
-               self.scale, share, tuple((r.start, r.stop, c.start, c.stop, cz) for r, c, cz in blocks))
-        plan = lru.kept(_PREPARED, sig, lambda: self._plan(blocks, share), PREPARED_KEPT)
+               self.scale, share, keep, tuple((r.start, r.stop, c.start, c.stop, cz) for r, c, cz in blocks))
+        plan = lru.kept(_PREPARED, sig, lambda: self._plan(blocks, share, keep), PREPARED_KEPT)
         self.plans = plan["blocks"]   # filled by the first backward of this shape, read by the later ones
         self.whole = plan["whole"]   # the recording of the whole shard's block (``finish_dkv``'s postprocesses)
-        zero, sets = plan["zero"], plan["sets"]   # ``zero``: the later row sets' dQ accumulators
+        zero, sets = plan["zero"], plan["sets"]   # ``zero``: the later row sets' dQ accumulators, the kept scratch
+        self.scratch = {key: list(views) for key, views in plan["scratch"].items()}   # popped a block at a time
         if zero is not None:
             if beside is not None and knobs.get("FA4_RING_ZERO_BESIDE") != "0":
                 main = torch.cuda.current_stream(q.device)
@@ -300,17 +312,30 @@ class FA4RingBackward:
             for rows, cols, causal, views, rec in sets:
                 self._row_set(rows, cols, causal, views, rec)
 
-    def _plan(self, blocks, share: bool):
+    def _plan(self, blocks, share: bool, keep: bool):
         """The first time a ring shape comes: record every block shape, and with ``share`` the shared
-        preprocess's buffers and views (``share_preprocess``)."""
+        preprocess's buffers and views (``share_preprocess``); with ``keep`` the later unfolded blocks' dK/dV
+        scratch, carved out of the same allocation's tail (``prepare``'s ``keep_scratch``)."""
         whole = self._rec(self.q.shape[1], self.keys, self.causal)
-        for rows, cols, causal in blocks:
+        kept = []   # (block key, scratch shape, its numel padded to 64 floats: every view 256-byte aligned)
+        for i, (rows, cols, causal) in enumerate(blocks):
             n = rows.stop - rows.start
-            self._rec(n, cols.stop - cols.start, causal, self.folds(n, causal))
-        zero, sets = (self.share_preprocess(blocks) if share else None) or (None, [])
-        return {"zero": zero, "sets": sets, "blocks": {}, "whole": whole}
+            rec = self._rec(n, cols.stop - cols.start, causal, self.folds(n, causal))
+            if keep and i > 0 and not self.folds(n, causal):
+                shape = torch.Size((2, *rec[3]["dkv_accum"]))
+                kept.append(((rows.start, rows.stop, cols.start, cols.stop, causal), shape,
+                             -(-shape.numel() // 64) * 64))
+        extra = sum(size for _, _, size in kept)
+        zero, sets = (self.share_preprocess(blocks, extra) if share else None) or (None, [])
+        if extra and zero is None:
+            zero = torch.empty(extra, dtype=_acc_dtype(self.q.dtype), device=self.q.device)
+        scratch, at = {}, 0 if zero is None else zero.numel() - extra
+        for key, shape, size in kept:
+            scratch.setdefault(key, []).append(zero[at:at + shape.numel()].view(shape))
+            at += size
+        return {"zero": zero, "sets": sets, "blocks": {}, "whole": whole, "scratch": scratch}
 
-    def share_preprocess(self, blocks):
+    def share_preprocess(self, blocks, extra: int = 0):
         """One preprocess for every unfolded row set: FA4's preprocess writes, per head, each row's delta
         (rowsum(out·dO)) and base-2 LSE, which depend on the row alone, not on the block — a later row set's
         are the whole shard's rows ``start`` … ``stop``. They go into one buffer of the shard's rows and a
@@ -322,7 +347,7 @@ class FA4RingBackward:
         × rows) keeps its own preprocess.
 
         Returns ``(zero, sets)`` or None (fewer than two unfolded sets): ``zero`` the later sets' dQ
-        accumulators, one tensor to zero each backward; ``sets`` each set's ``(rows, cols, causal, views, rec)``
+        accumulators and ``extra`` elements after them (``_plan``'s kept scratch), one tensor to zero each backward; ``sets`` each set's ``(rows, cols, causal, views, rec)``
         for ``_RowSet``. The buffers are made once and kept per ring shape (``prepare``): one backward on a shape at
         a time, in stream order — each backward's ``dq()`` has read its accumulators before the next one zeroes
         them on the same stream."""
@@ -339,10 +364,10 @@ class FA4RingBackward:
         reach = max(start + shapes["dpsum"][-1] for (start, _, _), shapes in plain.items())
         width = s + -(-max(reach - s, 0) // 4) * 4   # a multiple of 4 floats: FA4's assumed 16-byte alignment
         order = [whole] + [key for key in plain if key != whole]
-        sizes = [2 * b * h * width] + [torch.Size(plain[key]["dq_accum"]).numel() for key in order]
+        sizes = [2 * b * h * width] + [torch.Size(plain[key]["dq_accum"]).numel() for key in order] + [extra]
         acc = _acc_dtype(self.q.dtype)
         flat = torch.empty(sum(sizes), dtype=acc, device=self.q.device)
-        rows, *accums = flat.split(sizes)
+        rows, *accums, _ = flat.split(sizes)
         rows = rows.view(2, b, h, width)   # [0] delta, [1] the base-2 LSE; the shard's rows written each backward
         rows[0, :, :, s:].zero_()
         rows[1, :, :, s:].fill_(float("inf"))
@@ -464,6 +489,11 @@ class FA4RingBackward:
             torch.cuda.current_stream(k.device).wait_event(done)
         elif rs.fold:   # written whole by the kernel
             buf = torch.empty(shape, dtype=acc, device=k.device)
+        elif self.scratch.get(key):   # kept, zeroed by ``prepare`` (``keep_scratch``)
+            buf = self.scratch[key].pop(0)
+            if self.zeroed_later is not None:   # that fill on the side stream (``FA4_RING_ZERO_BESIDE``)
+                torch.cuda.current_stream(k.device).wait_event(self.zeroed_later)
+                self.zeroed_later = None
         else:
             buf = torch.zeros(shape, dtype=acc, device=k.device)
         main_fn(rs.q, k, v, rs.dout, rs.lse_log2, rs.dpsum, rs.dq_accum, buf[0], buf[1], *rest)

@@ -140,6 +140,11 @@ def _ring_rows(a, device, dtype):
                       lambda b=backend, r=ring, o=out, l=lse: _ring_backward(dout, q_r, *kv[0], o, l, r, True,
                                                                              "zigzag", scale, b, 4),
                       {"RING_KV_LANDING": "0"}, w)]
+            # the later blocks' dK/dV scratch a fresh torch.zeros each (FA4RingBackward.prepare's keep_scratch off)
+            rows += [(f"ring step W{w}, {backend}, 4 steps fused, scratch a block", "bwd",
+                      lambda b=backend, r=ring, o=out, l=lse: _ring_backward(dout, q_r, *kv[0], o, l, r, True,
+                                                                             "zigzag", scale, b, 4),
+                      {"FA4_RING_KEEP_SCRATCH": "0"}, w)]
     return rows
 
 
