@@ -220,7 +220,7 @@ class _RowSet:
 
     def __init__(self, rec, q, out, dout, lse, fold, shared=None):
         (pre_fn, pre_args), _, _, shapes = rec
-        dev, acc = out.device, _acc_dtype(out.dtype)
+        dev, acc = dout.device, _acc_dtype(dout.dtype)   # out and lse None where a shared preprocess wrote the rows
         self.rec, self.q, self.dout, self.fold = rec, q, dout, fold
         if shared is not None:
             self.dpsum, self.lse_log2, self.dq_accum, run = shared
@@ -248,6 +248,7 @@ class FA4RingBackward:
         self.zeroed: dict = {}   # block key -> [(zeroed scratch, its fill's event)] (``zero_ahead``)
         self.zeroed_later = None   # the later row sets' dQ accumulators' fill on a side stream (``prepare``)
         self.scratch: dict = {}   # block key -> [kept dK/dV scratch, zeroed by ``prepare``] (``keep_scratch``)
+        self.shares: dict = {}   # (id of a kept scratch, start, n) -> its share's view, kept per ring shape (``share``)
         self.add_rows = knobs.get("RING_DKV_ADD_ROWS") == "1"
         self.glue = knobs.get("FA4_RING_GLUE")   # a folding ring's fold and adds in Triton (triton_ring_glue)
         self.triton = triton_runs_on(q.device)   # asked once: the glue's and the dQ finish's calls are per block
@@ -296,6 +297,7 @@ class FA4RingBackward:
         self.whole = plan["whole"]   # the recording of the whole shard's block (``finish_dkv``'s postprocesses)
         zero, sets = plan["zero"], plan["sets"]   # ``zero``: the later row sets' dQ accumulators, the kept scratch
         self.scratch = {key: list(views) for key, views in plan["scratch"].items()}   # popped a block at a time
+        self.shares = plan["shares"]
         if zero is not None:
             if beside is not None and knobs.get("FA4_RING_ZERO_BESIDE") != "0":
                 main = torch.cuda.current_stream(q.device)
@@ -333,7 +335,8 @@ class FA4RingBackward:
         for key, shape, size in kept:
             scratch.setdefault(key, []).append(zero[at:at + shape.numel()].view(shape))
             at += size
-        return {"zero": zero, "sets": sets, "blocks": {}, "whole": whole, "scratch": scratch}
+        return {"zero": zero, "sets": sets, "blocks": {}, "whole": whole, "scratch": scratch,
+                "shares": {(id(view), None, None): view for views in scratch.values() for view in views}}
 
     def share_preprocess(self, blocks, extra: int = 0):
         """One preprocess for every unfolded row set: FA4's preprocess writes, per head, each row's delta
@@ -391,8 +394,12 @@ class FA4RingBackward:
         rs = self.sets.get(key)
         if rs is None:
             whole = rows.stop - rows.start == self.q.shape[1]
-            q, out, dout, lse = ((self.q, self.out, self.dout, self.lse) if whole else
-                                 (self.q[:, rows], self.out[:, rows], self.dout[:, rows], self.lse[:, :, rows]))
+            if whole:
+                q, out, dout, lse = self.q, self.out, self.dout, self.lse
+            elif shared is not None and not shared[3]:   # the shared preprocess's rows: out and LSE not read here
+                q, out, dout, lse = self.q[:, rows], None, self.dout[:, rows], None
+            else:
+                q, out, dout, lse = self.q[:, rows], self.out[:, rows], self.dout[:, rows], self.lse[:, :, rows]
             fold = self.folds(rows.stop - rows.start, causal)
             if fold:   # once per row set: the blocks of this set all take these
                 q, out, dout = self._folded((q, out, dout))
@@ -412,11 +419,20 @@ class FA4RingBackward:
         return [fold_heads(t, self.kv_heads) for t in tensors]
 
     def share(self, part, keys: int, start: int, n: int):
-        """The keys ``start`` … ``start + n`` of a block result ``part`` over ``keys`` keys (``block``'s return)."""
+        """The keys ``start`` … ``start + n`` of a block result ``part`` over ``keys`` keys (``block``'s return);
+        of a kept scratch buffer (``prepare``'s ``keep_scratch``), the view made once per ring shape (``shares``
+        holds each kept buffer, so its id stays its own, and the views cut from it)."""
+        view = self.shares.get((id(part), start, n))
+        if view is not None:
+            return view
         if part.ndim == 5:
-            return part[:, :, start:start + n]
-        per_key = part.shape[-1] // keys
-        return part[..., start * per_key:(start + n) * per_key]
+            view = part[:, :, start:start + n]
+        else:
+            per_key = part.shape[-1] // keys
+            view = part[..., start * per_key:(start + n) * per_key]
+        if (id(part), None, None) in self.shares:
+            self.shares[id(part), start, n] = view
+        return view
 
     def own_accumulator(self, part):
         """The travelling accumulator that this rank's own block result ``part`` starts (fresh memory: ``part``
