@@ -608,8 +608,8 @@ class FA4RingBackward:
     def finish_dkv(self, acc, k, v):
         """A travelling dK/dV accumulator (``acc[0]`` dK, ``acc[1]`` dV), home: converted to k's and v's dtype (dK scaled) by FA4's
         postprocess (a folded ring's, ``(2, B, keys, Hkv, D)`` float32, already scaled: converted)."""
-        if acc.ndim == 5:
-            return acc[0].to(k.dtype), acc[1].to(v.dtype)
+        if acc.ndim == 5:   # one conversion launch for both (dK and dV: views of one tensor)
+            return tuple(acc.to(k.dtype).unbind(0)) if k.dtype == v.dtype else (acc[0].to(k.dtype), acc[1].to(v.dtype))
         post = (self.whole or self._rec(self.q.shape[1], self.keys, self.causal))[2]
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
