@@ -439,6 +439,16 @@ elif [ "$part" = keep ]; then   # FA4 present (32nd session): the later blocks' 
       --variant FA4_RING_KEEP_SCRATCH=0 FA4_RING_KEEP_SCRATCH=1 --json "$out/keep8k_wall_b.json"
   LIMIT=120 TAIL=40 run host_cost $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 5 \
       --calls 100 --json "$out/host_cost.json"
+elif [ "$part" = fold8k2 ]; then   # FA4 present (32nd session): S8192's every rank with the half-shard row sets
+  # folded (FA4_RING_FOLD=half) and every unmasked set (1) against the defaults (auto: none at S8192), now that a
+  # fold is one Triton launch (triton_ring_glue) — GPU clock, then wall in two processes (both orders), paired
+  ring="$py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 --seq 8192 --rank 0 1 2 3 4 5 6 7"
+  LIMIT=150 TAIL=4 run fold8k2_gpu $ring --iters 20 --paired 3 --variant "" FA4_RING_FOLD=half FA4_RING_FOLD=1 \
+      --json "$out/fold8k2_gpu.json"
+  LIMIT=100 TAIL=4 run fold8k2_wall_a $ring --iters 30 --paired 5 --wall --variant "" FA4_RING_FOLD=half \
+      FA4_RING_FOLD=1 --json "$out/fold8k2_wall_a.json"
+  LIMIT=100 TAIL=4 run fold8k2_wall_b $ring --iters 30 --paired 5 --wall --variant FA4_RING_FOLD=1 \
+      FA4_RING_FOLD=half "" --json "$out/fold8k2_wall_b.json"
 elif [ "$part" = glue2 ]; then   # FA4 present (31st session): the glue's A/B in a second process, the other order
   # (S32768 every rank, wall, paired), then the defaults' S8192 every rank in two wall processes, host_cost
   LIMIT=100 TAIL=4 run glue32k_wall_b $py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 \
