@@ -5,7 +5,9 @@ torch calls besides its launches. Prints a table and writes JSON. The last colum
 backward (``distlab.cp.ring._ring_backward`` on the emulator's resident ring, FA4 pretended present: the
 launch groups, the K/V exchanges posted and taken, the dK/dV shares cut out and added, dQ and dK/dV finished)
 with the same no-op kernels — on the CPU its adds and fills run as CPU ops — and beside it the same with
-``DISTLAB_FA4_RING_KEEP_SCRATCH=0`` (each later block's dK/dV scratch a fresh ``torch.zeros``).
+``DISTLAB_FA4_RING_KEEP_SCRATCH=0`` (each later block's dK/dV scratch a fresh ``torch.zeros``), and with the
+half-shard row sets folded (``FA4_RING_FOLD=half``) and their glue in Triton as on a GPU — Triton pretended
+present (``TRITON_INTERPRET=1``), its launches skipped (``DISTLAB_TRITON_LAUNCH=skip``), the tile orders stand-ins.
 
     python launch/fa4_ring_host_probe.py --json docs/perf/cpu/fa4_ring_host_probe.json
 """
@@ -13,6 +15,7 @@ with the same no-op kernels — on the CPU its adds and fills run as CPU ops —
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -51,7 +54,7 @@ def main():
     q, k, lse = torch.randn(1, shard, 4, 8), torch.randn(1, shard, 2, 8), torch.randn(1, 4, shard)
     rows = []
     print(f"{'rank':>4} {'blocks':>6} {'shared preprocess':>18} {'one a row set':>14} {'whole backward':>15} "
-          f"{'scratch a block':>17}   (µs a backward, CPU)")
+          f"{'scratch a block':>17} {'half folded, glue':>18}   (µs a backward, CPU)")
     for rank in a.ranks:
         blocks = _fused_blocks(rank, world, shard * world, True, "zigzag", (1, 3, 4), 0, frb.TILE)
         kv = torch.randn(1, max(c.stop for _, c, _ in blocks), 2, 8)
@@ -75,16 +78,41 @@ def main():
             with knobs.override(FA4_RING_KEEP_SCRATCH=keep):
                 us["whole" + keep] = _whole_backward(rank, world, shard, a.calls, ResidentRing, rank_rows,
                                                      _ring_backward, fa4_pretended)
+        with _triton_glue_skipped(), knobs.override(FA4_RING_FOLD="half"):
+            us["half"] = _whole_backward(rank, world, shard, a.calls, ResidentRing, rank_rows, _ring_backward,
+                                         fa4_pretended)
         rows.append({"rank": rank, "blocks": len(blocks), "shared_us": us["1"], "per_set_us": us["0"],
-                     "whole_backward_us": us["whole1"], "whole_backward_scratch_a_block_us": us["whole0"]})
+                     "whole_backward_us": us["whole1"], "whole_backward_scratch_a_block_us": us["whole0"],
+                     "whole_backward_half_folded_glue_us": us["half"]})
         print(f"{rank:>4} {len(blocks):>6} {us['1']:>18.1f} {us['0']:>14.1f} {us['whole1']:>15.1f} "
-              f"{us['whole0']:>17.1f}")
+              f"{us['whole0']:>17.1f} {us['half']:>18.1f}")
     frb.release_prepared()
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:
             json.dump({"torch": torch.__version__, "calls": a.calls, "rows": rows}, f, indent=1)
         print(f"wrote {a.json}")
+
+
+@contextlib.contextmanager
+def _triton_glue_skipped():
+    """Triton's glue and dQ finish on the CPU with their launches skipped: their host work, not their results."""
+    from distlab import knobs
+    from distlab.kernels import triton_dq_finish as fin
+
+    saved, env = fin.window_order, os.environ.get("TRITON_INTERPRET")
+    order = torch.zeros(fin.WINDOW * 128, dtype=torch.int32)
+    fin.window_order = lambda post, dim, dtype, device: order[:fin.WINDOW * dim]
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        with knobs.override(TRITON_LAUNCH="skip"):
+            yield
+    finally:
+        fin.window_order = saved
+        if env is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = env
 
 
 def _whole_backward(rank, world, shard, calls, ResidentRing, rank_rows, ring_backward, fa4_pretended):

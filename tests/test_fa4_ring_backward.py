@@ -174,12 +174,13 @@ def test_fa4_kept_accumulators_match_one_device_on_stand_in_kernels(world):
             assert res["preprocesses"] == 1 and (res["reused"] or len(res["row_sets"]) == 1), res
             if len(res["row_sets"]) > 1:   # released: at least the accumulators' bytes (float64 stand-ins), none left
                 assert res["kept_bytes"] >= res["accum_bytes"] > 0 and res["left"] == 0, res
-        # by launch groups, unfolded: the later blocks' dK/dV scratch kept per ring shape and zeroed with the later
+        # by launch groups: the later blocks' dK/dV scratch kept per ring shape and zeroed with the later
         # sets' dQ accumulators by one fill (the stand-in kernel adds into it: a stale buffer would show), three
         # backward passes; with the knob off none kept, the same gradients
-        for keep in ("1", "0"):
+        # folded too (the later folded blocks' dK/dV kept, written whole; the folded sets' preprocess buffers kept)
+        for keep, fold in (("1", "0"), ("0", "0"), ("1", "1")):
             for res in pool.run(_ring_on_stand_ins_with, {"FA4_RING_KEEP_SCRATCH": keep}, "zigzag", True, 4, 2,
-                                16 * world, 4, 2, "0", "0", "0", repeat=3):
+                                16 * world, 4, 2, "0", "0", fold, repeat=3):
                 assert max(res["errors"]) < 1e-12 and res["kept"] == 1, res
                 assert (res["scratch"] > 0) == (keep == "1" and world > 2), (keep, res)   # W 2: no fused group
         # the A/B knob: one preprocess a row set, the same gradients

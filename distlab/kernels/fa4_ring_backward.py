@@ -171,9 +171,11 @@ def release_prepared() -> int:
     them: release them only with that graph."""
     freed = 0
     while _PREPARED:
-        zero = _PREPARED.popitem()[1]["zero"]
-        if zero is not None:
-            freed += zero.untyped_storage().nbytes()   # one allocation holds every buffer of the shape
+        plan = _PREPARED.popitem()[1]
+        for flat in (plan["zero"], plan["outs"]):   # one allocation each holds the shape's float32 buffers, and
+            if flat is not None:                    # its folded blocks' dK/dV
+                freed += flat.untyped_storage().nbytes()
+        freed += sum(t.untyped_storage().nbytes() for bufs in plan["set_bufs"].values() for t in bufs)
     return freed
 
 
@@ -216,9 +218,10 @@ class _RowSet:
     ``dout`` as its kernels take them (folded: ``fold_heads``). ``shared``: ``(dpsum, lse_log2, dq_accum,
     run)``, views the ring's shared preprocess (``FA4RingBackward.share_preprocess``) hands out; the preprocess
     runs only where ``run`` (the whole shard's set), the others' rows being already written and their dQ
-    accumulators zeroed."""
+    accumulators zeroed. ``bufs``: ``(dpsum, lse_log2, dq_accum)`` kept from an earlier backward of the ring's
+    shape (``FA4RingBackward.set_bufs``), which the preprocess writes over (and zeroes dq_accum)."""
 
-    def __init__(self, rec, q, out, dout, lse, fold, shared=None):
+    def __init__(self, rec, q, out, dout, lse, fold, shared=None, bufs=None):
         (pre_fn, pre_args), _, _, shapes = rec
         dev, acc = dout.device, _acc_dtype(dout.dtype)   # out and lse None where a shared preprocess wrote the rows
         self.rec, self.q, self.dout, self.fold = rec, q, dout, fold
@@ -226,6 +229,8 @@ class _RowSet:
             self.dpsum, self.lse_log2, self.dq_accum, run = shared
             if not run:
                 return
+        elif bufs is not None:
+            self.dpsum, self.lse_log2, self.dq_accum = bufs
         else:
             self.dpsum = torch.empty(shapes["dpsum"], dtype=acc, device=dev)
             self.lse_log2 = torch.empty(shapes["dpsum"], dtype=acc, device=dev)
@@ -249,6 +254,7 @@ class FA4RingBackward:
         self.zeroed_later = None   # the later row sets' dQ accumulators' fill on a side stream (``prepare``)
         self.scratch: dict = {}   # block key -> [kept dK/dV scratch, zeroed by ``prepare``] (``keep_scratch``)
         self.shares: dict = {}   # (id of a kept scratch, start, n) -> its share's view, kept per ring shape (``share``)
+        self.set_bufs: dict = {}   # row set key -> its own preprocess's buffers, kept per ring shape (``_row_set``)
         self.add_rows = knobs.get("RING_DKV_ADD_ROWS") == "1"
         self.glue = knobs.get("FA4_RING_GLUE")   # a folding ring's fold and adds in Triton (triton_ring_glue)
         self.triton = triton_runs_on(q.device)   # asked once: the glue's and the dQ finish's calls are per block
@@ -283,10 +289,11 @@ class FA4RingBackward:
         ``keep_scratch`` (a fused ring, ``distlab.cp.ring_fused``, whose ``blocks[0]`` is step 0's own block):
         the later unfolded blocks' dK/dV scratch is kept per ring shape too, in the same allocation as the later
         row sets' dQ accumulators, so one fill zeroes them all each backward instead of one ``torch.zeros`` a
-        block (an allocation and a fill launch: ~30 µs of host each on a slow H100 host, #24's ring step). Step
-        0's scratch stays fresh: it starts the accumulator that travels. The kept scratch is read by the dK/dV
-        adds on the side stream, which the compute stream waits for at the backward's end, before the next
-        backward's fill."""
+        block (an allocation and a fill launch: ~30 µs of host each on a slow H100 host, #24's ring step), and
+        the later folded blocks' dK/dV (written whole, in q's dtype: one allocation, no fill); the shares cut
+        out of kept buffers are views made once (``share``). Step 0's scratch stays fresh: it starts the
+        accumulator that travels. The kept buffers are read by the dK/dV adds on the side stream, which the
+        compute stream waits for at the backward's end, before the next backward writes them."""
         q = self.q
         share = knobs.get("FA4_RING_SHARE_PRE") != "0"
         keep = keep_scratch and knobs.get("FA4_RING_KEEP_SCRATCH") == "1"
@@ -297,7 +304,7 @@ class FA4RingBackward:
         self.whole = plan["whole"]   # the recording of the whole shard's block (``finish_dkv``'s postprocesses)
         zero, sets = plan["zero"], plan["sets"]   # ``zero``: the later row sets' dQ accumulators, the kept scratch
         self.scratch = {key: list(views) for key, views in plan["scratch"].items()}   # popped a block at a time
-        self.shares = plan["shares"]
+        self.shares, self.set_bufs = plan["shares"], plan["set_bufs"]
         if zero is not None:
             if beside is not None and knobs.get("FA4_RING_ZERO_BESIDE") != "0":
                 main = torch.cuda.current_stream(q.device)
@@ -318,24 +325,30 @@ class FA4RingBackward:
         """The first time a ring shape comes: record every block shape, and with ``share`` the shared
         preprocess's buffers and views (``share_preprocess``); with ``keep`` the later unfolded blocks' dK/dV
         scratch, carved out of the same allocation's tail (``prepare``'s ``keep_scratch``)."""
-        whole = self._rec(self.q.shape[1], self.keys, self.causal)
-        kept = []   # (block key, scratch shape, its numel padded to 64 floats: every view 256-byte aligned)
+        q = self.q
+        whole = self._rec(q.shape[1], self.keys, self.causal)
+        kept, folded = [], []   # (block key, shape, its numel padded to 64: every view 128-byte aligned or more)
         for i, (rows, cols, causal) in enumerate(blocks):
-            n = rows.stop - rows.start
-            rec = self._rec(n, cols.stop - cols.start, causal, self.folds(n, causal))
-            if keep and i > 0 and not self.folds(n, causal):
-                shape = torch.Size((2, *rec[3]["dkv_accum"]))
-                kept.append(((rows.start, rows.stop, cols.start, cols.stop, causal), shape,
-                             -(-shape.numel() // 64) * 64))
+            n, fold = rows.stop - rows.start, self.folds(rows.stop - rows.start, causal)
+            rec = self._rec(n, cols.stop - cols.start, causal, fold)
+            if keep and i > 0:   # a folded block's dK/dV are written whole in q's dtype: kept, never zeroed
+                key = (rows.start, rows.stop, cols.start, cols.stop, causal)
+                shape = torch.Size((2, q.shape[0], cols.stop - cols.start, self.kv_heads, q.shape[3]) if fold else
+                                   (2, *rec[3]["dkv_accum"]))
+                (folded if fold else kept).append((key, shape, -(-shape.numel() // 64) * 64))
         extra = sum(size for _, _, size in kept)
         zero, sets = (self.share_preprocess(blocks, extra) if share else None) or (None, [])
         if extra and zero is None:
-            zero = torch.empty(extra, dtype=_acc_dtype(self.q.dtype), device=self.q.device)
-        scratch, at = {}, 0 if zero is None else zero.numel() - extra
-        for key, shape, size in kept:
-            scratch.setdefault(key, []).append(zero[at:at + shape.numel()].view(shape))
-            at += size
-        return {"zero": zero, "sets": sets, "blocks": {}, "whole": whole, "scratch": scratch,
+            zero = torch.empty(extra, dtype=_acc_dtype(q.dtype), device=q.device)
+        outs = (torch.empty(sum(size for _, _, size in folded), dtype=q.dtype, device=q.device) if folded else None)
+        scratch = {}
+        for flat, views in ((zero, kept), (outs, folded)):
+            at = 0 if flat is None else flat.numel() - sum(size for _, _, size in views)
+            for key, shape, size in views:
+                scratch.setdefault(key, []).append(flat[at:at + shape.numel()].view(shape))
+                at += size
+        return {"zero": zero, "outs": outs, "sets": sets, "blocks": {}, "whole": whole, "scratch": scratch,
+                "set_bufs": {},
                 "shares": {(id(view), None, None): view for views in scratch.values() for view in views}}
 
     def share_preprocess(self, blocks, extra: int = 0):
@@ -405,7 +418,10 @@ class FA4RingBackward:
                 q, out, dout = self._folded((q, out, dout))
                 lse = lse.reshape(lse.shape[0], self.kv_heads, -1)   # (B, H, rows) -> (B, Hkv, G·rows)
             rec = rec or self._rec(rows.stop - rows.start, cols, causal, fold)
-            rs = self.sets[key] = _RowSet(rec, q, out, dout, lse, fold, shared)
+            bufs = self.set_bufs.get(key) if shared is None else None
+            rs = self.sets[key] = _RowSet(rec, q, out, dout, lse, fold, shared, bufs)
+            if shared is None and bufs is None:   # kept for the next backward of this ring shape (``prepare``)
+                self.set_bufs[key] = (rs.dpsum, rs.lse_log2, rs.dq_accum)
         return rs
 
     def _folded(self, tensors):
@@ -503,13 +519,13 @@ class FA4RingBackward:
         if ahead:   # zeroed beforehand on a side stream (``zero_ahead``)
             buf, done = ahead.pop(0)
             torch.cuda.current_stream(k.device).wait_event(done)
-        elif rs.fold:   # written whole by the kernel
-            buf = torch.empty(shape, dtype=acc, device=k.device)
-        elif self.scratch.get(key):   # kept, zeroed by ``prepare`` (``keep_scratch``)
+        elif self.scratch.get(key):   # kept (``keep_scratch``): zeroed by ``prepare``, or a folded block's
             buf = self.scratch[key].pop(0)
-            if self.zeroed_later is not None:   # that fill on the side stream (``FA4_RING_ZERO_BESIDE``)
+            if self.zeroed_later is not None and not rs.fold:   # zeroed on the side stream (FA4_RING_ZERO_BESIDE)
                 torch.cuda.current_stream(k.device).wait_event(self.zeroed_later)
                 self.zeroed_later = None
+        elif rs.fold:   # written whole by the kernel
+            buf = torch.empty(shape, dtype=acc, device=k.device)
         else:
             buf = torch.zeros(shape, dtype=acc, device=k.device)
         main_fn(rs.q, k, v, rs.dout, rs.lse_log2, rs.dpsum, rs.dq_accum, buf[0], buf[1], *rest)

@@ -145,6 +145,11 @@ def _ring_rows(a, device, dtype):
                       lambda b=backend, r=ring, o=out, l=lse: _ring_backward(dout, q_r, *kv[0], o, l, r, True,
                                                                              "zigzag", scale, b, 4),
                       {"FA4_RING_KEEP_SCRATCH": "0"}, w)]
+            # the half-shard row sets folded (FA4_RING_FOLD=half; auto folds none at S8192's shard): their glue
+            rows += [(f"ring step W{w}, {backend}, 4 steps fused, half folded", "bwd",
+                      lambda b=backend, r=ring, o=out, l=lse: _ring_backward(dout, q_r, *kv[0], o, l, r, True,
+                                                                             "zigzag", scale, b, 4),
+                      {"FA4_RING_FOLD": "half"}, w)]
     return rows
 
 
