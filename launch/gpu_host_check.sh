@@ -452,7 +452,7 @@ elif [ "$part" = fold8k2 ]; then   # FA4 present (32nd session): S8192's every r
 elif [ "$part" = half8k2 ]; then   # FA4 present (32nd session): after the host cuts of a folding ring (the add's
   # layouts kept, the folded blocks' outputs and the folded sets' buffers kept per ring shape) — the FA4 ring's GPU
   # test, host_cost (its half-folded fused step beside the default), S8192's every rank wall, half folded or not,
-  # in two processes (both orders)
+  # in two processes (both orders); S16384's every rank on the GPU clock, half folded or not
   ring="$py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 --seq 8192 --rank 0 1 2 3 4 5 6 7"
   LIMIT=240 TAIL=3 run half_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -k float32_reference \
       -p no:cacheprovider
@@ -462,6 +462,9 @@ elif [ "$part" = half8k2 ]; then   # FA4 present (32nd session): after the host 
       --json "$out/half8k2_wall_a.json"
   LIMIT=100 TAIL=4 run half8k2_wall_b $ring --iters 30 --paired 5 --wall --variant FA4_RING_FOLD=half "" \
       --json "$out/half8k2_wall_b.json"
+  LIMIT=120 TAIL=4 run half16k_gpu $py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 \
+      --seq 16384 --rank 0 1 2 3 4 5 6 7 --iters 10 --paired 2 --variant "" FA4_RING_FOLD=half \
+      --json "$out/half16k_gpu.json"
 elif [ "$part" = glue2 ]; then   # FA4 present (31st session): the glue's A/B in a second process, the other order
   # (S32768 every rank, wall, paired), then the defaults' S8192 every rank in two wall processes, host_cost
   LIMIT=100 TAIL=4 run glue32k_wall_b $py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 \
