@@ -112,10 +112,10 @@ KNOBS = {
     "FA4_RING_FOLD": Knob("auto", "0: a fa4 ring backward runs its unmasked blocks as GQA (dK/dV summed over a kv "
                                   "head's q heads by atomics into float32 scratch); 1: with each kv head's q heads "
                                   "folded into rows, as MHA (G times the rows a CTA loops over, dK/dV written in q's "
-                                  "dtype, the travelling dK/dV a float32 bshd tensor); auto: 1 for shards of 4096 "
-                                  "rows (where it was measured to pay), their row sets of up to 2048 rows "
-                                  "(distlab.kernels.fa4_ring_backward: FOLD_MIN_SHARD, FOLD_MAX_ROWS); half: a causal zigzag "
-                                  "ring's half-shard row sets, at any shard length"),
+                                  "dtype, the travelling dK/dV a float32 bshd tensor); auto: half for shards of 2048 "
+                                  "and 4096 rows (where it was measured to pay; distlab.kernels.fa4_ring_backward: "
+                                  "FOLD_MIN_SHARD, FOLD_MAX_ROWS); half: a causal zigzag ring's half-shard row sets, "
+                                  "at any shard length"),
     "FA4_REPLAY": Knob("1", "0: every fa4 forward through FlashAttention-4's Python interface (default: a shape's "
                             "compiled kernel called directly after its first call, distlab.kernels.fa4)"),
     "FA4_MASKED_CONTIGUOUS": Knob("0", "1: a fa4 masked backward hands FA4 contiguous copies of q, out and dO (0: "

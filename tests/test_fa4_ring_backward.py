@@ -343,10 +343,11 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
 
 
 def test_fa4_ring_fold_auto_folds_the_short_unmasked_row_sets_of_long_shards():
-    """``FA4_RING_FOLD=auto``: a causal zigzag ring's shard of 4096 rows (S32768, W=8) folds its unmasked row sets
-    of up to 2048 rows (the later half) and not its 4096-row ones, causal blocks, MHA, shards of 2048 (S16384,
-    where zigzag's later ranks lost to it) or 8192 (half sets of 4096 rows), contiguous or non-causal rings;
-    ``1`` folds every unmasked block of a GQA ring, ``0`` none."""
+    """``FA4_RING_FOLD=auto``: a causal zigzag ring's shard of 4096 rows (S32768, W=8) folds its unmasked half row
+    sets (2048 rows) and not its 4096-row ones, a shard of 2048 (S16384) its 1024-row half sets and not its
+    2048-row ones (H100: folding those lost); not causal blocks, MHA, shards of 1024 (S8192: host-bound) or 8192
+    (half sets of 4096 rows), contiguous or non-causal rings; ``1`` folds every unmasked block of a GQA ring,
+    ``0`` none."""
     from distlab import knobs
     from distlab.kernels import fa4_ring_backward as frb
 
@@ -355,9 +356,10 @@ def test_fa4_ring_fold_auto_folds_the_short_unmasked_row_sets_of_long_shards():
         return frb.FA4RingBackward(q, q, q, None, k, 1.0, causal, layout)
 
     with knobs.override(FA4_RING_FOLD="auto"):
-        big, small = kept(4096), kept(2048)
+        big, mid, small = kept(4096), kept(2048), kept(1024)
         assert big.fold and [big.folds(n, False) for n in (2048, 4096)] == [True, False]
-        assert not big.folds(2048, True) and not small.fold and not small.folds(1024, False)
+        assert mid.fold and [mid.folds(n, False) for n in (1024, 2048)] == [True, False] and not mid.folds(1024, True)
+        assert not big.folds(2048, True) and not small.fold and not small.folds(512, False)
         assert not kept(8192).fold and not kept(8192).folds(2048, False)
         assert not kept(4096, heads=2).fold   # MHA: nothing to fold
         # no half row sets to fold: a contiguous or a non-causal ring would only pay the conversions

@@ -68,14 +68,18 @@ from distlab.kernels.launch import triton_runs_on
 TILE = 128   # FA4's largest row / key tile of the sm90 backward at head_dim 128 (n-block 128, m-block 64 or 80)
 # ``FA4_RING_FOLD=auto``: a folding ring where the shard has FOLD_MIN_SHARD rows or more and its half row sets
 # (a causal zigzag ring's later blocks on every rank but the last; a contiguous or non-causal ring has none,
-# and would only pay the conversions) FOLD_MAX_ROWS or fewer, folding the row sets of at most FOLD_MAX_ROWS rows.
+# and would only pay the conversions) FOLD_MAX_ROWS or fewer, folding those half row sets only.
 # H100, 2026-12-06, W=8 zigzag, f+b wall against FA4's H/W call (docs/PERF.md): shard 4096 (S32768) folded /
 # not, slowest of the 8 ranks 86.8 / 85.2% (rank 0 92.0 / 86.8); shard 2048 (S16384, everything folded) rank 0
 # 81.1 / 76.9% but ranks 3 and 7 69.8 / 73.6 and 74.4 / 78.4 (each folded row set costs its folds of Q, out
 # and dO, ~75 µs at 2048 rows, and a GQA block in a folding ring its conversion); shard 1024 (S8192) rank 0
 # 75.4 / 76.6% (host-bound), though 81.9 / 77.2% on the GPU clock. Main kernel alone (fa4_tile_probe --fold):
 # 2048 x 16384 2114 -> 2007 µs, 4096 x 8192 2092 -> 2004: the 4096-row blocks gain too little for their folds.
-FOLD_MIN_SHARD = 4096
+# With the folds one Triton launch (triton_ring_glue, 31st session) and a folding ring's host work kept per ring
+# shape (32nd), the half sets alone (``half``), H100 2026-12-07, slowest of the 8 ranks folded / not: shard 2048
+# (S16384) wall 78.9 / 76.5% (paired 79.7 / 75.7), GPU clock 81.2 / 77.3% — auto folds there since; shard 1024
+# (S8192) GPU clock 81.1 / 76.6% but host-bound on the wall (78.5 µs of host a backward step against 56.5 of GPU).
+FOLD_MIN_SHARD = 2048
 FOLD_MAX_ROWS = 2048
 _RECORDED: dict = {}
 # per ring shape (``FA4RingBackward.prepare``'s signature): {"zero", "sets"}: the shared preprocess's buffers and
@@ -268,7 +272,7 @@ class FA4RingBackward:
         half = causal and layout == "zigzag"   # a causal zigzag ring's later row sets are half its shard
         self.fold = q.shape[2] > k.shape[2] and (mode == "1" or mode == "half" and half or mode == "auto" and half
                                                   and FOLD_MIN_SHARD <= q.shape[1] <= 2 * FOLD_MAX_ROWS)
-        self.fold_rows = {"auto": FOLD_MAX_ROWS, "half": q.shape[1] // 2}.get(mode)
+        self.fold_rows = {"auto": min(FOLD_MAX_ROWS, q.shape[1] // 2), "half": q.shape[1] // 2}.get(mode)
 
     def folds(self, rows: int, causal: bool) -> bool:
         """A block of ``rows`` rows runs folded: a folding ring's unmasked block, short enough a row set
