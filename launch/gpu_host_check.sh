@@ -465,6 +465,13 @@ elif [ "$part" = half8k2 ]; then   # FA4 present (32nd session): after the host 
   LIMIT=120 TAIL=4 run half16k_gpu $py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 \
       --seq 16384 --rank 0 1 2 3 4 5 6 7 --iters 10 --paired 2 --variant "" FA4_RING_FOLD=half \
       --json "$out/half16k_gpu.json"
+elif [ "$part" = final32 ]; then   # FA4 present (32nd session): the defaults once more, no variant — S8192's every
+  # rank in two wall processes, S32768's every rank in one (wall, paired 3)
+  ring="$py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 --rank 0 1 2 3 4 5 6 7 --wall"
+  for i in 1 2; do
+    LIMIT=60 TAIL=3 run final8k_wall_$i $ring --seq 8192 --iters 30 --paired 5 --json "$out/final8k_wall_$i.json"
+  done
+  LIMIT=80 TAIL=3 run final32k_wall $ring --seq 32768 --iters 10 --paired 3 --json "$out/final32k_wall.json"
 elif [ "$part" = glue2 ]; then   # FA4 present (31st session): the glue's A/B in a second process, the other order
   # (S32768 every rank, wall, paired), then the defaults' S8192 every rank in two wall processes, host_cost
   LIMIT=100 TAIL=4 run glue32k_wall_b $py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 \
