@@ -61,8 +61,9 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
 
         blocks = _fused_blocks(*shape, fa4_ring_backward.TILE)
         if blocks is not None:   # the later blocks' dK/dV scratch kept per ring shape (read by the adds on the
-            # side stream, waited for at the end; the direct route's sends are not, so it keeps none)
-            keep = not direct and knobs.get("RING_ZERO_AHEAD") != "1"
+            # side stream, waited for at the end; the direct route's sends are not, so it keeps none), where step 0
+            # runs alone (its one block, blocks[0], starts the travelling accumulator: fresh memory each backward)
+            keep = not direct and list(groups[0][0]) == [0] and knobs.get("RING_ZERO_AHEAD") != "1"
             kept = _fa4_kept(dout, q, k, out, lse, scale, causal, blocks, layout, side, keep)
     if direct and kept is not None:   # the owners sum shares of one layout: every block's converted
         kept.raw_finish = False

@@ -367,10 +367,10 @@ class FA4RingBackward:
         × rows) keeps its own preprocess.
 
         Returns ``(zero, sets)`` or None (fewer than two unfolded sets): ``zero`` the later sets' dQ
-        accumulators and ``extra`` elements after them (``_plan``'s kept scratch), one tensor to zero each backward; ``sets`` each set's ``(rows, cols, causal, views, rec)``
-        for ``_RowSet``. The buffers are made once and kept per ring shape (``prepare``): one backward on a shape at
-        a time, in stream order — each backward's ``dq()`` has read its accumulators before the next one zeroes
-        them on the same stream."""
+        accumulators and ``extra`` elements after them (``_plan``'s kept scratch), one tensor to zero each
+        backward; ``sets`` each set's ``(rows, cols, causal, views, rec)`` for ``_RowSet``. The buffers are made
+        once and kept per ring shape (``prepare``): one backward on a shape at a time, in stream order — each
+        backward's ``dq()`` has read its accumulators before the next one zeroes them on the same stream."""
         s, (b, h) = self.q.shape[1], self.q.shape[:3:2]
         whole = (0, s, self.causal)
         keys = {whole: self.keys}
@@ -628,8 +628,10 @@ class FA4RingBackward:
     def finish_dkv(self, acc, k, v):
         """A travelling dK/dV accumulator (``acc[0]`` dK, ``acc[1]`` dV), home: converted to k's and v's dtype (dK scaled) by FA4's
         postprocess (a folded ring's, ``(2, B, keys, Hkv, D)`` float32, already scaled: converted)."""
-        if acc.ndim == 5:   # one conversion launch for both (dK and dV: views of one tensor)
-            return tuple(acc.to(k.dtype).unbind(0)) if k.dtype == v.dtype else (acc[0].to(k.dtype), acc[1].to(v.dtype))
+        if acc.ndim == 5 and k.dtype == v.dtype:   # one conversion launch for both (views of one tensor)
+            return tuple(acc.to(k.dtype).unbind(0))
+        if acc.ndim == 5:
+            return acc[0].to(k.dtype), acc[1].to(v.dtype)
         post = (self.whole or self._rec(self.q.shape[1], self.keys, self.causal))[2]
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
