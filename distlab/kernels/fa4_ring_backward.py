@@ -57,6 +57,7 @@ FA4 4.0.0b36's (``flash_attn.cute.interface``); a recording that does not match 
 from __future__ import annotations
 
 import collections
+import functools
 import warnings
 
 import torch
@@ -162,6 +163,15 @@ def _same(a, b) -> bool:
     """``a`` is ``b`` or the same memory seen the same way (FA4 passes ``q.detach()``)."""
     return a is b or (isinstance(a, torch.Tensor) and a.data_ptr() == b.data_ptr() and a.shape == b.shape
                       and a.stride() == b.stride())
+
+
+@functools.lru_cache(maxsize=1)
+def _glue():
+    """``distlab.kernels.triton_ring_glue``, imported once its Triton is known to run here (an import statement
+    in the per-block hot path cost ~1 µs a call)."""
+    from distlab.kernels import triton_ring_glue
+
+    return triton_ring_glue
 
 
 def _acc_dtype(dtype):
@@ -432,8 +442,7 @@ class FA4RingBackward:
         """``fold_heads`` of each tensor: in one Triton launch with the knob ``FA4_RING_GLUE`` (``1`` or ``fold``)
         where ``triton_ring_glue.fold_takes`` says it applies, else torch's permuted copy a tensor."""
         if self.glue in ("1", "fold") and self.triton:
-            from distlab.kernels import triton_ring_glue as glue
-
+            glue = _glue()
             if glue.fold_takes(tensors, self.kv_heads):
                 return glue.fold_heads_(tensors, self.kv_heads, checked=True)
         return [fold_heads(t, self.kv_heads) for t in tensors]
@@ -461,8 +470,7 @@ class FA4RingBackward:
         if part.ndim == 5:
             return part.to(_acc_dtype(part.dtype), copy=True)
         if self.fold:   # a folding ring's own unfolded block, its scratch as it is (``_raw_ok``): finished now
-            from distlab.kernels import triton_ring_glue as glue
-
+            glue = _glue()
             two, b, kv_heads, _ = part.shape
             acc = torch.empty((two, b, self.keys, kv_heads, self.q.shape[3]), dtype=part.dtype, device=part.device)
             return glue.dkv_finish_(acc, part, *self.raw[:3], add=False)
@@ -476,13 +484,11 @@ class FA4RingBackward:
         if acc.ndim == 5:   # folded blocks' layout (2, B, keys, Hkv, D): a key range is a slice of dim 2
             view = acc if whole else acc[:, :, cols]
             if part.ndim == 4:   # an unfolded block's scratch as it is (``_raw_ok``): finished into the view
-                from distlab.kernels import triton_ring_glue as glue
-
+                glue = _glue()
                 glue.dkv_finish_(view, part, *self.raw[:3], add=True)
                 return
             if self.glue in ("1", "add") and self.triton:   # one vectorized Triton pass
-                from distlab.kernels import triton_ring_glue as glue
-
+                glue = _glue()
                 if glue.try_add_into_(view, part):
                     return
             view.add_(part)
@@ -550,11 +556,10 @@ class FA4RingBackward:
             return False
         if self.raw is not None:
             return self.raw[3] == (posts[1][0], posts[2][0]) or self._raw_refused("a block's postprocesses differ")
-        from distlab.kernels import triton_ring_glue as glue
         from distlab.kernels.triton_dq_finish import TileOrderUnknown
 
         try:
-            orders = glue.dkv_orders(posts[1:], self.q.shape[3], self.q.dtype, device)
+            orders = _glue().dkv_orders(posts[1:], self.q.shape[3], self.q.dtype, device)
         except TileOrderUnknown as err:
             return self._raw_refused(str(err))
         self.raw = (orders, posts[1][1][2], posts[2][1][2], (posts[1][0], posts[2][0]))
