@@ -149,7 +149,11 @@ def _ring_rows(a, device, dtype):
             rows += [(f"ring step W{w}, {backend}, 4 steps fused, half folded", "bwd",
                       lambda b=backend, r=ring, o=out, l=lse: _ring_backward(dout, q_r, *kv[0], o, l, r, True,
                                                                              "zigzag", scale, b, 4),
-                      {"FA4_RING_FOLD": "half"}, w)]
+                      {"FA4_RING_FOLD": "half"}, w),
+                     (f"ring step W{w}, {backend}, 4 steps fused, half folded, torch adds", "bwd",
+                      lambda b=backend, r=ring, o=out, l=lse: _ring_backward(dout, q_r, *kv[0], o, l, r, True,
+                                                                             "zigzag", scale, b, 4),
+                      {"FA4_RING_FOLD": "half", "FA4_RING_GLUE": "fold"}, w)]
     return rows
 
 
