@@ -268,6 +268,7 @@ class FA4RingBackward:
         self.zeroed_later = None   # the later row sets' dQ accumulators' fill on a side stream (``prepare``)
         self.scratch: dict = {}   # block key -> [kept dK/dV scratch, zeroed by ``prepare``] (``keep_scratch``)
         self.shares: dict = {}   # (id of a kept scratch, start, n) -> its share's view, kept per ring shape (``share``)
+        self.kept: dict = {}   # id -> each kept scratch buffer (held: its id stays its own)
         self.set_bufs: dict = {}   # row set key -> its own preprocess's buffers, kept per ring shape (``_row_set``)
         self.add_rows = knobs.get("RING_DKV_ADD_ROWS") == "1"
         self.glue = knobs.get("FA4_RING_GLUE")   # a folding ring's fold and adds in Triton (triton_ring_glue)
@@ -318,7 +319,7 @@ class FA4RingBackward:
         self.whole = plan["whole"]   # the recording of the whole shard's block (``finish_dkv``'s postprocesses)
         zero, sets = plan["zero"], plan["sets"]   # ``zero``: the later row sets' dQ accumulators, the kept scratch
         self.scratch = {key: list(views) for key, views in plan["scratch"].items()}   # popped a block at a time
-        self.shares, self.set_bufs = plan["shares"], plan["set_bufs"]
+        self.shares, self.set_bufs, self.kept = plan["shares"], plan["set_bufs"], plan["kept"]
         if zero is not None:
             if beside is not None and knobs.get("FA4_RING_ZERO_BESIDE") != "0":
                 main = torch.cuda.current_stream(q.device)
@@ -362,8 +363,7 @@ class FA4RingBackward:
                 scratch.setdefault(key, []).append(flat[at:at + shape.numel()].view(shape))
                 at += size
         return {"zero": zero, "outs": outs, "sets": sets, "blocks": {}, "whole": whole, "scratch": scratch,
-                "set_bufs": {},
-                "shares": {(id(view), None, None): view for views in scratch.values() for view in views}}
+                "set_bufs": {}, "shares": {}, "kept": {id(view): view for views in scratch.values() for view in views}}
 
     def share_preprocess(self, blocks, extra: int = 0):
         """One preprocess for every unfolded row set: FA4's preprocess writes, per head, each row's delta
@@ -449,8 +449,8 @@ class FA4RingBackward:
 
     def share(self, part, keys: int, start: int, n: int):
         """The keys ``start`` … ``start + n`` of a block result ``part`` over ``keys`` keys (``block``'s return);
-        of a kept scratch buffer (``prepare``'s ``keep_scratch``), the view made once per ring shape (``shares``
-        holds each kept buffer, so its id stays its own, and the views cut from it)."""
+        of a kept scratch buffer (``prepare``'s ``keep_scratch``, held in ``kept``), the view made once per ring
+        shape (``shares``)."""
         view = self.shares.get((id(part), start, n))
         if view is not None:
             return view
@@ -459,7 +459,7 @@ class FA4RingBackward:
         else:
             per_key = part.shape[-1] // keys
             view = part[..., start * per_key:(start + n) * per_key]
-        if (id(part), None, None) in self.shares:
+        if id(part) in self.kept:
             self.shares[id(part), start, n] = view
         return view
 

@@ -132,28 +132,21 @@ def _ring_rows(a, device, dtype):
                      (f"ring step W{w}, {backend}, 4 steps fused", "bwd",
                       lambda b=backend, r=ring, o=out, l=lse: _ring_backward(dout, q_r, *kv[0], o, l, r, True,
                                                                              "zigzag", scale, b, 4), {}, w)]
+            fused_bwd = (lambda b=backend, r=ring, o=out, l=lse: _ring_backward(dout, q_r, *kv[0], o, l, r, True,
+                                                                                "zigzag", scale, b, 4))
             # the same with each fused block's K/V concatenated, not received into its buffer (ring_landing)
             rows += [(f"ring step W{w}, {backend}, 4 steps fused, cat", "fwd",
                       lambda b=backend, r=ring: _ring_forward(q_r, *kv[0], r, True, "zigzag", scale, b, 4),
                       {"RING_KV_LANDING": "0"}, w),
-                     (f"ring step W{w}, {backend}, 4 steps fused, cat", "bwd",
-                      lambda b=backend, r=ring, o=out, l=lse: _ring_backward(dout, q_r, *kv[0], o, l, r, True,
-                                                                             "zigzag", scale, b, 4),
-                      {"RING_KV_LANDING": "0"}, w)]
-            # the later blocks' dK/dV scratch a fresh torch.zeros each (FA4RingBackward.prepare's keep_scratch off)
-            rows += [(f"ring step W{w}, {backend}, 4 steps fused, scratch a block", "bwd",
-                      lambda b=backend, r=ring, o=out, l=lse: _ring_backward(dout, q_r, *kv[0], o, l, r, True,
-                                                                             "zigzag", scale, b, 4),
-                      {"FA4_RING_KEEP_SCRATCH": "0"}, w)]
-            # the half-shard row sets folded (FA4_RING_FOLD=half; auto folds none at S8192's shard): their glue
-            rows += [(f"ring step W{w}, {backend}, 4 steps fused, half folded", "bwd",
-                      lambda b=backend, r=ring, o=out, l=lse: _ring_backward(dout, q_r, *kv[0], o, l, r, True,
-                                                                             "zigzag", scale, b, 4),
-                      {"FA4_RING_FOLD": "half"}, w),
-                     (f"ring step W{w}, {backend}, 4 steps fused, half folded, torch adds", "bwd",
-                      lambda b=backend, r=ring, o=out, l=lse: _ring_backward(dout, q_r, *kv[0], o, l, r, True,
-                                                                             "zigzag", scale, b, 4),
-                      {"FA4_RING_FOLD": "half", "FA4_RING_GLUE": "fold"}, w)]
+                     (f"ring step W{w}, {backend}, 4 steps fused, cat", "bwd", fused_bwd, {"RING_KV_LANDING": "0"}, w)]
+            # the later blocks' dK/dV scratch a fresh torch.zeros each (FA4RingBackward.prepare's keep_scratch off);
+            # the half-shard row sets folded (FA4_RING_FOLD=half; auto folds none at S8192's shard), with the glue's
+            # adds in Triton and in torch
+            rows += [(f"ring step W{w}, {backend}, 4 steps fused, {name}", "bwd", fused_bwd, knobs_of, w)
+                     for name, knobs_of in (("scratch a block", {"FA4_RING_KEEP_SCRATCH": "0"}),
+                                            ("half folded", {"FA4_RING_FOLD": "half"}),
+                                            ("half folded, torch adds", {"FA4_RING_FOLD": "half",
+                                                                         "FA4_RING_GLUE": "fold"}))]
     return rows
 
 
