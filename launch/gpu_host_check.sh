@@ -50,6 +50,7 @@
 #   bash launch/gpu_host_check.sh OUTDIR dqsweep   # FA4 present: the dQ finish's sweep, host_cost, timelines
 #   bash launch/gpu_host_check.sh OUTDIR final8k   # FA4 present: the defaults: GPU test, S8192 wall x4, host_cost
 #   bash launch/gpu_host_check.sh OUTDIR origins   # FA4 present: two ranks' timelines, each kernel's op and stream
+#                                                  # (origins33: the defaults' slowest ranks, S32768 r6/r4, S8192 r1)
 #   bash launch/gpu_host_check.sh OUTDIR sharepre  # FA4 present: A/Bs of the ring backward (GPU test, every rank
 #                                                  # S8192 / S32768, a timeline): one preprocess for the unfolded
 #                                                  # row sets or one each (dqfused: dQ finished in one Triton
@@ -493,6 +494,12 @@ elif [ "$part" = final8k ]; then   # FA4 present (30th session): the defaults on
   done
   LIMIT=150 TAIL=30 run host_cost $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 5 \
       --calls 100 --json "$out/host_cost.json"
+elif [ "$part" = origins33 ]; then   # FA4 present (33rd session): the defaults' slowest ranks kernel by kernel —
+  # S32768 ranks 6 and 4, S8192 rank 1 — each kernel's stream and op (where a rank's time goes beside FA4's kernels)
+  for r in "32768 6" "32768 4" "8192 1"; do set -- $r
+    LIMIT=120 TAIL=60 run timeline_s$1_r$2 $py -m distlab.cp.emulate --world 8 --seq $1 --backend fa4 --rank $2 \
+        --steps-per-launch 1,3,4 --iters 5 --timeline --json "$out/timeline_s$1_r$2.json"
+  done
 elif [ "$part" = origins ]; then   # FA4 present (30th session): rank 1 at S8192 and rank 4 at S32768 kernel by
   # kernel, each kernel with its stream and the op that launched it (kernel_timeline(origins=True))
   for r in "8192 1" "32768 4"; do set -- $r
