@@ -76,6 +76,9 @@ KNOBS = {
                                  "triton_dq_finish.ROWS)"),
     "RING_DKV_SIDE_STREAM": Knob("1", "0: a fused ring backward's dK/dV adds and sends stay on the compute stream "
                                       "(1: on a side stream, beside the next launch group's kernels)"),
+    "RING_DKV_ADDS_EARLY": Knob("0", "1: a fused ring backward's dK/dV adds of a launch group's steps start on the side "
+                                     "stream as soon as the group's blocks holding their shares are done, beside the "
+                                     "group's later blocks (0: after all the group's blocks)"),
     "RING_DKV_ROUTE": Knob("ring", "the ring studies' and the emulator's dK/dV route: ring (a float32 accumulator one "
                                    "hop a step) or direct (each share sent to its owner, summed there once: "
                                    "distlab.cp.ring_dkv_direct; fused backward only)"),

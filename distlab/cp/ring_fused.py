@@ -77,6 +77,9 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
     if kept is not None and side is not None and knobs.get("RING_ZERO_AHEAD") == "1":   # the later groups' dK/dV
         # scratch zeroed beside step 0's kernels (off by default until timed on a GPU: gpu_host_check.sh fa4land2)
         kept.zero_ahead(blocks[1:], side)
+    # each step's adds as soon as its shares are out (CUDA: beside the group's later blocks; the CPU runs the same
+    # order, so its tests check it)
+    early = knobs.get("RING_DKV_ADDS_EARLY") == "1" and (side is not None or not q.is_cuda)
     for g, (steps, plan) in enumerate(groups):
         with phase("ring.exchange"):
             kv.post_through(steps[-1] + ahead)   # the next groups' K/V, while this one computes
@@ -84,6 +87,8 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
             got = {step: kv.get(step) for step in steps}
         parts = {step: [] for step in steps}   # per step: (cols, dK, dV) of its keys
         results = []   # the fused blocks' dK/dV (the shares are views of them)
+        ready = _ready_after(plan, steps) if early and steps[0] > 0 and len(plan) > 1 else None
+        done = 0   # steps[:done] added (and sent) already
         for i, (rows, blk_causal, pieces) in enumerate(plan):
             landed = landing.run_kv(g, i) if landing is not None else None   # received in place (ring_landing)
             k_blk, v_blk = landed if landed is not None else group_kv(got, pieces)
@@ -106,38 +111,14 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
                     share = (dk_b[:, start:start + n], dv_b[:, start:start + n])
                 parts[step].append((cols, *share))
                 start += n
-        beside = side is not None and steps[0] > 0   # CUDA, a later group: after its kernels, beside the next's
-        if beside:   # plain stream calls, not ``torch.cuda.stream`` (with step 0 kept on the compute stream: host
-            # time a fused backward step 92.3 -> 67.5 µs, H100 2026-12-05, S8192's shapes, docs/PERF.md)
-            side.wait_stream(main)
-            for t in results:   # read on the side stream: not handed out again before it is done with them
-                t.record_stream(side)
-            torch.cuda.set_stream(side)
-        try:
-            for step in steps:
-                if step == 0 and direct:   # my own K/V: its shares stay home, where the others' come
-                    if kept is not None and (len(parts[0]) != 1 or parts[0][0][0] != slice(0, k.shape[1])):
-                        raise RuntimeError("the ring's first backward step must be one block over every local key")
-                    direct = DirectDkv(ring, shape, k, parts[0][0][1], own_slot=kept is not None)
-                    # FA4's shares: step 0's one share of dK and dV, summed with the others once
-                    dkv = (parts[0][0][1],) if kept is not None else _own_accumulator(parts[0], k, v, acc, kept)
-                elif step == 0:   # my own K/V: its blocks start the accumulator that travels the ring
-                    dkv = _own_accumulator(parts[0], k, v, acc, kept)
-                elif direct:
-                    direct.send(step, parts[step])
-                else:           # the accumulator of this step's K/V, from the previous rank
-                    dkv = dkv_pending.wait()
-                    for cols, dk_b, dv_b in ([] if skip_adds else parts[step]):
-                        if kept is not None:   # dK and dV in one add
-                            kept.add_into(dkv[0], cols, dk_b)
-                        else:
-                            _seq_part(dkv[0], cols).add_(dk_b)
-                            _seq_part(dkv[1], cols).add_(dv_b)
-                if ring.size > 1 and not direct:
-                    dkv_pending = ring.exchange(dkv, "ring_dkv")
-        finally:
-            if beside:
-                torch.cuda.set_stream(main)
+            if ready is not None and ready[i] > done:   # these steps' shares are all out: add them beside the
+                # group's later blocks (a fused group's last block holds its latest steps, ring_fused's tail)
+                dkv, dkv_pending, direct = _add_steps(steps[done:ready[i]], parts, results, side, main, dkv,
+                                                      dkv_pending, direct, ring, shape, k, v, acc, kept, skip_adds)
+                done = ready[i]
+        if done < len(steps):
+            dkv, dkv_pending, direct = _add_steps(steps[done:], parts, results, side, main, dkv, dkv_pending, direct,
+                                                  ring, shape, k, v, acc, kept, skip_adds)
     # dQ's conversion first: on the compute stream, beside the last group's adds and the last hop home
     dq = kept.dq() if kept is not None else dq.to(q.dtype)
     if side is not None:   # the home accumulator is read on the compute stream
@@ -154,6 +135,61 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
     if kept is not None:
         return (dq, *kept.finish_dkv(dkv[0], k, v))
     return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+def _ready_after(plan, steps) -> list:
+    """Per block of a launch group's ``fuse_plan``: how many of ``steps`` (a prefix, in step order) have all
+    their shares out once it has run — the steps whose adds may start there."""
+    last = {}
+    for i, (_, _, pieces) in enumerate(plan):
+        for step, _ in pieces:
+            last[step] = i
+    ready, n = [], 0
+    for i in range(len(plan)):
+        while n < len(steps) and last.get(steps[n], -1) <= i:
+            n += 1
+        ready.append(n)
+    return ready
+
+
+def _add_steps(steps, parts, results, side, main, dkv, dkv_pending, direct, ring, shape, k, v, acc, kept,
+               skip_adds):
+    """The dK/dV of ``steps`` (their shares in ``parts``) into their travelling accumulators, each sent on:
+    on CUDA, for a later group, on the side stream after the kernels queued so far. Returns (dkv, dkv_pending,
+    direct)."""
+    beside = side is not None and steps[0] > 0   # CUDA, a later group: after its kernels, beside the next's
+    if beside:   # plain stream calls, not ``torch.cuda.stream`` (with step 0 kept on the compute stream: host
+        # time a fused backward step 92.3 -> 67.5 µs, H100 2026-12-05, S8192's shapes, docs/PERF.md)
+        side.wait_stream(main)
+        for t in results:   # read on the side stream: not handed out again before it is done with them
+            t.record_stream(side)
+        torch.cuda.set_stream(side)
+    try:
+        for step in steps:
+            if step == 0 and direct:   # my own K/V: its shares stay home, where the others' come
+                if kept is not None and (len(parts[0]) != 1 or parts[0][0][0] != slice(0, k.shape[1])):
+                    raise RuntimeError("the ring's first backward step must be one block over every local key")
+                direct = DirectDkv(ring, shape, k, parts[0][0][1], own_slot=kept is not None)
+                # FA4's shares: step 0's one share of dK and dV, summed with the others once
+                dkv = (parts[0][0][1],) if kept is not None else _own_accumulator(parts[0], k, v, acc, kept)
+            elif step == 0:   # my own K/V: its blocks start the accumulator that travels the ring
+                dkv = _own_accumulator(parts[0], k, v, acc, kept)
+            elif direct:
+                direct.send(step, parts[step])
+            else:           # the accumulator of this step's K/V, from the previous rank
+                dkv = dkv_pending.wait()
+                for cols, dk_b, dv_b in ([] if skip_adds else parts[step]):
+                    if kept is not None:   # dK and dV in one add
+                        kept.add_into(dkv[0], cols, dk_b)
+                    else:
+                        _seq_part(dkv[0], cols).add_(dk_b)
+                        _seq_part(dkv[1], cols).add_(dv_b)
+            if ring.size > 1 and not direct:
+                dkv_pending = ring.exchange(dkv, "ring_dkv")
+    finally:
+        if beside:
+            torch.cuda.set_stream(main)
+    return dkv, dkv_pending, direct
 
 
 @functools.lru_cache(maxsize=256)
