@@ -503,7 +503,7 @@ elif [ "$part" = early33 ]; then   # FA4 present (33rd session): a group's dK/dV
   LIMIT=240 TAIL=3 run early_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -k float32_reference \
       -p no:cacheprovider
   LIMIT=150 TAIL=5 run early32k_wall $ring --seq 32768 --iters 10 --paired 3 --wall \
-      --variant RING_DKV_ADDS_EARLY=1 RING_DKV_ADDS_EARLY=0 RING_DKV_ADDS_EARLY=1 --json "$out/early32k_wall.json"
+      --variant RING_DKV_ADDS_EARLY=1 RING_DKV_ADDS_EARLY=0 --json "$out/early32k_wall.json"
   LIMIT=80 TAIL=4 run early8k_wall $ring --seq 8192 --iters 30 --paired 5 --wall \
       --variant RING_DKV_ADDS_EARLY=0 RING_DKV_ADDS_EARLY=1 --json "$out/early8k_wall.json"
   LIMIT=90 TAIL=60 run timeline_s32768_r6 env DISTLAB_RING_DKV_ADDS_EARLY=1 $py -m distlab.cp.emulate --world 8 \
