@@ -139,6 +139,9 @@ KNOBS = {
                                        "ring shape, zeroed with the later row sets' dQ accumulators by one fill "
                                        "(distlab.kernels.fa4_ring_backward.FA4RingBackward.prepare); 0: torch.zeros "
                                        "a block, for an A/B"),
+    "FA4_RING_DQ_EARLY": Knob("0", "1: a fused fa4 ring backward finishes the dQ rows no later block touches as soon as "
+                                   "their last block has run (one-kernel finish, on the side stream beside the later "
+                                   "blocks; 0: every row at the end)"),
     "FA4_RING_DQ_FUSED": Knob("1", "1: a fa4 ring backward's dQ finished in one Triton kernel over every row set's "
                                    "accumulator in FA4's tile order (distlab.kernels.triton_dq_finish; H100 S8192, "
                                    "slowest rank: GPU clock 75.2 -> 76.8%, wall 74.7 -> 76.2%, docs/PERF.md); 0: "

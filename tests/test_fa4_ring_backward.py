@@ -94,6 +94,8 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
     frb.FA4RingBackward = lambda *a: made.append(real(*a)) or made[-1]
     real_adds = ring_fused._add_steps   # its calls: one a launch group, more where adds start early
     ring_fused._add_steps = lambda steps, *a: adds.append(list(steps)) or real_adds(steps, *a)
+    early_rows, real_rows = [], real.finish_rows   # dQ rows finished before the end (FA4_RING_DQ_EARLY)
+    real.finish_rows = lambda self, lo, hi: real_rows(self, lo, hi) and (early_rows.append((lo, hi)) or True)
     PRE_CALLS[0] = 0
     try:
         with fa4_pretended(), knobs.override(RING_FUSE_MAX_KEYS=cap, RING_DKV_ADD_ROWS=add_rows, FA4_RING_FOLD=fold,
@@ -108,6 +110,7 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
         frb._PREPARED.clear()
         frb.FA4RingBackward = real
         ring_fused._add_steps = real_adds
+        real.finish_rows = real_rows
     errs = [0.0] * 3
     for grads in runs:   # a repeated backward on the same ring shape: its kept buffers zeroed again
         got = [gather_sequence(t, None, layout) for t in grads]
@@ -124,6 +127,7 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
             "reused": all(made[0].sets[key].dq_accum.data_ptr() == made[-1].sets[key].dq_accum.data_ptr()
                           for key in unfolded),
             "kept_bytes": kept_bytes, "left": len(frb._PREPARED), "add_calls": adds[:len(adds) // repeat],
+            "early_rows": early_rows[:len(early_rows) // repeat],
             "scratch": sum(len(views) for plan in kept_plans.values() for views in plan["scratch"].values()),
             "accum_bytes": sum(made[0].sets[k].dq_accum.numel() * 8 for k in unfolded) if made else 0}
 
@@ -336,7 +340,8 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
     sets, and one each; the later sets' accumulators zeroed on the side stream; dQ finished in one Triton
     kernel, folded and not; a folding ring's glue in Triton, ``FA4_RING_GLUE=1``, and its unfolded blocks'
     scratch finished in one pass, ``FA4_RING_DKV_FINISH=1``; a group's dK/dV adds started as soon as their
-    shares are out, ``RING_DKV_ADDS_EARLY=1``) and without (the knobs); and the W=4
+    shares are out, ``RING_DKV_ADDS_EARLY=1``, and dQ's rows finished after their last block,
+    ``FA4_RING_DQ_EARLY=1``) and without (the knobs); and the W=4
     zigzag ring by launch groups of 3
     (``distlab.cp.ring_fused``: 0 | 1 2 3, the later steps fused into one FA4 call per row range), and every
     rank of a W=8 zigzag ring by groups 1|2|5 (a fused group of five)."""
@@ -352,7 +357,7 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
                 "11101111"):
             with knobs.override(FA4_RING_ACCUM=accum, FA4_RING_FOLD=fold, FA4_RING_SHARE_PRE=share,
                                 FA4_RING_ZERO_BESIDE=beside, FA4_RING_DQ_FUSED=fused, FA4_RING_GLUE=glue,
-                                FA4_RING_DKV_FINISH=finish, RING_DKV_ADDS_EARLY=early):
+                                FA4_RING_DKV_FINISH=finish, RING_DKV_ADDS_EARLY=early, FA4_RING_DQ_EARLY=early):
                 for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, layout, batch, n)):
                     assert max(errs) < 2e-2, (layout, world, batch, n, accum, fold, share, beside, fused, glue,
                                               finish, early, rank, errs)
@@ -456,6 +461,22 @@ def test_dq_finish_reads_each_sets_tile_order_on_the_interpreter(interpreted_poo
     (order_errors, err, refused), = interpreted_pools(1).run(_dq_finish_on_the_interpreter)
     assert order_errors == [0, 0, 0] and refused
     assert err < 1e-5, err
+
+
+def test_fa4_ring_early_adds_and_dq_rows_match_one_device_on_the_interpreter(interpreted_pools):
+    """``RING_DKV_ADDS_EARLY=1`` and ``FA4_RING_DQ_EARLY=1`` on the float32 stand-ins, dQ finished by the one
+    Triton kernel (interpreter), W=4 zigzag by groups 1|3, folded and not: the one-device gradients, with the
+    adds of a group split where a block over every row comes before one over the second half (ranks 1, 2) and
+    dQ's first half finished before the end wherever a later block touches only the second half (ranks 0-2)."""
+    for fold in ("0", "1"):
+        results = interpreted_pools(4).run(
+            _ring_on_stand_ins_with, {"FA4_RING_DQ_EARLY": "1", "RING_DKV_ADDS_EARLY": "1"}, "zigzag", True, 4, 2,
+            64, 4, (1, 3), "0", "0", fold, dq_fused="1", dtype=torch.float32, glue="1")
+        for rank, res in enumerate(results):
+            assert max(res["errors"]) < 1e-5, (fold, rank, res["errors"])
+            assert res["early_rows"] == ([(0, 8)] if rank < 3 else []), (fold, rank, res["early_rows"])
+            assert res["add_calls"] == [[0], [1, 2, 3]] if rank in (0, 3) else len(res["add_calls"]) == 3, \
+                (fold, rank, res["add_calls"])
 
 
 def _glue_on_the_interpreter():

@@ -80,6 +80,11 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
     # each step's adds as soon as its shares are out (CUDA: beside the group's later blocks; the CPU runs the same
     # order, so its tests check it)
     early = knobs.get("RING_DKV_ADDS_EARLY") == "1" and (side is not None or not q.is_cuda)
+    # dQ's rows no later block touches, finished after their last block (FA4, same streams)
+    rows_done = (_rows_done_after(tuple((r.start, r.stop) for r, _, _ in blocks))
+                 if kept is not None and knobs.get("FA4_RING_DQ_EARLY") == "1" and (side is not None or not q.is_cuda)
+                 else None)
+    j = -1   # the block's index among all the groups'
     for g, (steps, plan) in enumerate(groups):
         with phase("ring.exchange"):
             kv.post_through(steps[-1] + ahead)   # the next groups' K/V, while this one computes
@@ -100,6 +105,9 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
                                                           lse[:, :, rows], blk_causal, scale, backend)
                     dq = _accumulate(dq, dq_b, rows, q, acc)
             results += (dk_b,) if dv_b is None else (dk_b, dv_b)
+            j += 1
+            if rows_done is not None and rows_done[j] is not None:
+                _finish_rows_beside(kept, rows_done[j], side, main)
             start = 0
             for step, cols in pieces:
                 n = cols.stop - cols.start
@@ -135,6 +143,37 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
     if kept is not None:
         return (dq, *kept.finish_dkv(dkv[0], k, v))
     return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _rows_done_after(rows) -> tuple:
+    """Per block (``rows``: each block's ``(start, stop)``, in the order they run): the range ``(lo, hi)`` of rows
+    whose last block it is, where that is one range and a later block follows (else None)."""
+    cuts = sorted({x for r in rows for x in r})
+    last = {}   # each piece between cuts -> the last block over it
+    for i, (start, stop) in enumerate(rows):
+        for a, b in zip(cuts, cuts[1:]):
+            if start <= a and b <= stop:
+                last[(a, b)] = i
+    done = []
+    for i in range(len(rows)):
+        pieces = sorted(p for p, at in last.items() if at == i)
+        one = pieces and all(x[1] == y[0] for x, y in zip(pieces, pieces[1:]))
+        done.append((pieces[0][0], pieces[-1][1]) if one and i < len(rows) - 1 else None)
+    return tuple(done)
+
+
+def _finish_rows_beside(kept, rows, side, main):
+    """dQ's ``rows`` (``(lo, hi)``) finished now: on CUDA on the side stream, after the kernels queued so far."""
+    if side is None:
+        kept.finish_rows(*rows)
+        return
+    side.wait_stream(main)
+    torch.cuda.set_stream(side)
+    try:
+        kept.finish_rows(*rows)
+    finally:
+        torch.cuda.set_stream(main)
 
 
 def _ready_after(plan, steps) -> list:
