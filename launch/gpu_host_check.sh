@@ -53,6 +53,7 @@
 #                                                  # (origins33: the defaults' slowest ranks, S32768 r6/r4, S8192 r1)
 #   bash launch/gpu_host_check.sh OUTDIR early33   # FA4 present: a group's dK/dV adds and dQ's finished rows as soon
 #                                                  # as they can (GPU test, every rank S32768 / S8192 wall, timeline)
+#                                                  # (fold33: every unmasked set folded, FA4_RING_FOLD=1, at S32768)
 #   bash launch/gpu_host_check.sh OUTDIR sharepre  # FA4 present: A/Bs of the ring backward (GPU test, every rank
 #                                                  # S8192 / S32768, a timeline): one preprocess for the unfolded
 #                                                  # row sets or one each (dqfused: dQ finished in one Triton
@@ -511,6 +512,21 @@ elif [ "$part" = early33 ]; then   # FA4 present (33rd session): a group's dK/dV
   LIMIT=90 TAIL=60 run timeline_s32768_r6 env DISTLAB_RING_DKV_ADDS_EARLY=1 DISTLAB_FA4_RING_DQ_EARLY=1 $py -m \
       distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --rank 6 --steps-per-launch 1,3,4 --iters 5 --timeline \
       --json "$out/timeline_s32768_r6.json"
+elif [ "$part" = fold33 ]; then   # FA4 present (33rd session): every unmasked row set folded (FA4_RING_FOLD=1: the
+  # whole-shard ones too, now that a fold is one Triton launch and a folding ring's buffers are kept), with and
+  # without the early adds and dQ rows, against the defaults — every rank at S32768 (wall, paired 3), rank 6's
+  # kernels folded and not, S8192's every rank (wall, defaults against the early knobs)
+  ring="$py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 --rank 0 1 2 3 4 5 6 7"
+  both="RING_DKV_ADDS_EARLY=1;FA4_RING_DQ_EARLY=1"
+  LIMIT=240 TAIL=5 run fold32k_wall $ring --seq 32768 --iters 10 --paired 3 --wall \
+      --variant "FA4_RING_FOLD=1" "" "FA4_RING_FOLD=1;$both" "$both" --json "$out/fold32k_wall.json"
+  for f in 1 auto; do
+    LIMIT=60 TAIL=45 run timeline_s32768_r6_fold$f env DISTLAB_FA4_RING_FOLD=$f $py -m distlab.cp.emulate --world 8 \
+        --seq 32768 --backend fa4 --rank 6 --steps-per-launch 1,3,4 --iters 5 --timeline \
+        --json "$out/timeline_s32768_r6_fold$f.json"
+  done
+  LIMIT=80 TAIL=4 run early8k_wall $ring --seq 8192 --iters 30 --paired 5 --wall \
+      --variant "$both" "" --json "$out/early8k_wall.json"
 elif [ "$part" = origins33 ]; then   # FA4 present (33rd session): the defaults' slowest ranks kernel by kernel —
   # S32768 ranks 6 and 4, S8192 rank 1 — each kernel's stream and op (where a rank's time goes beside FA4's kernels)
   for r in "32768 6" "32768 4" "8192 1"; do set -- $r
