@@ -519,8 +519,8 @@ elif [ "$part" = fold33 ]; then   # FA4 present (33rd session): every unmasked r
   ring="$py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 --rank 0 1 2 3 4 5 6 7"
   both="RING_DKV_ADDS_EARLY=1;FA4_RING_DQ_EARLY=1"
   LIMIT=240 TAIL=5 run fold32k_wall $ring --seq 32768 --iters 10 --paired 3 --wall \
-      --variant "FA4_RING_FOLD=1" "" "FA4_RING_FOLD=1;$both" "$both" --json "$out/fold32k_wall.json"
-  for f in 1 auto; do
+      --variant "FA4_RING_FOLD=1" "" "FA4_RING_FOLD=1;$both" --json "$out/fold32k_wall.json"
+  for f in 1; do
     LIMIT=60 TAIL=45 run timeline_s32768_r6_fold$f env DISTLAB_FA4_RING_FOLD=$f $py -m distlab.cp.emulate --world 8 \
         --seq 32768 --backend fa4 --rank 6 --steps-per-launch 1,3,4 --iters 5 --timeline \
         --json "$out/timeline_s32768_r6_fold$f.json"
