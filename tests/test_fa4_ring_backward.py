@@ -479,6 +479,27 @@ def test_fa4_ring_early_adds_and_dq_rows_match_one_device_on_the_interpreter(int
                 (fold, rank, res["add_calls"])
 
 
+def test_rows_done_after_and_their_complement():
+    """Which dQ rows each block finishes (``ring_fused._rows_done_after``): zigzag W=8 by 1|3|4 at a 4096-row
+    shard — the first half after the last block over every row, where a block over the second half follows
+    (rank 0: step 0; ranks 1-3: the first group; ranks 4-6: the last group's first block), none on rank 7 (its
+    last block is over every row); and the rows ``dq()`` finishes after them (``fa4_ring_backward._complement``)."""
+    from distlab.cp.ring_fused import _fused_blocks, _rows_done_after
+    from distlab.kernels.fa4_ring_backward import _complement
+
+    want = {0: [0], 1: [1], 2: [1], 3: [1], 4: [2], 5: [2], 6: [2], 7: []}
+    for rank, at in want.items():
+        blocks = _fused_blocks(rank, 8, 4096, True, "zigzag", (1, 3, 4), 0, 128)
+        done = _rows_done_after(tuple((r.start, r.stop) for r, _, _ in blocks))
+        assert [i for i, d in enumerate(done) if d is not None] == at, (rank, done)
+        assert all(d == (0, 2048) for d in done if d is not None), (rank, done)
+    assert _rows_done_after(((0, 8), (4, 8), (0, 4), (4, 8))) == (None, None, (0, 4), None)   # rows come back
+    assert _rows_done_after(((0, 8), (2, 6), (4, 8))) == ((0, 2), (2, 4), None)
+    assert _rows_done_after(((0, 8), (2, 4), (6, 8))) == (None, (2, 4), None)   # 0-2 and 4-6: not one range
+    assert _complement([], 8) == [(0, 8)] and _complement([(0, 4)], 8) == [(4, 8)]
+    assert _complement([(2, 4), (6, 8)], 8) == [(0, 2), (4, 6)] and _complement([(0, 8)], 8) == []
+
+
 def _glue_on_the_interpreter():
     """``triton_ring_glue`` against torch, bit for bit: Q, out and dO folded in one launch (row slices of a
     longer shard, as a row set's are), and float32 += fp16 / float32 over a key range of the folded dK/dV
