@@ -53,7 +53,8 @@
 #                                                  # (origins33: the defaults' slowest ranks, S32768 r6/r4, S8192 r1)
 #   bash launch/gpu_host_check.sh OUTDIR early33   # FA4 present: a group's dK/dV adds and dQ's finished rows as soon
 #                                                  # as they can (GPU test, every rank S32768 / S8192 wall, timeline)
-#                                                  # (fold33: every unmasked set folded, FA4_RING_FOLD=1, at S32768)
+#                                                  # (fold33: every unmasked set folded, FA4_RING_FOLD=1, at S32768;
+#                                                  # foldgpu33: the same on the GPU clock)
 #   bash launch/gpu_host_check.sh OUTDIR sharepre  # FA4 present: A/Bs of the ring backward (GPU test, every rank
 #                                                  # S8192 / S32768, a timeline): one preprocess for the unfolded
 #                                                  # row sets or one each (dqfused: dQ finished in one Triton
@@ -527,6 +528,12 @@ elif [ "$part" = fold33 ]; then   # FA4 present (33rd session): every unmasked r
   done
   LIMIT=80 TAIL=4 run early8k_wall $ring --seq 8192 --iters 30 --paired 5 --wall \
       --variant "$both" "" --json "$out/early8k_wall.json"
+elif [ "$part" = foldgpu33 ]; then   # FA4 present (33rd session): fold33's variants on the GPU clock (graph replay,
+  # paired 2: no host in it), every rank at S32768
+  both="RING_DKV_ADDS_EARLY=1;FA4_RING_DQ_EARLY=1"
+  LIMIT=240 TAIL=5 run fold32k_gpu $py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 \
+      --rank 0 1 2 3 4 5 6 7 --seq 32768 --iters 10 --paired 2 --variant "" "FA4_RING_FOLD=1" \
+      "FA4_RING_FOLD=1;$both" --json "$out/fold32k_gpu.json"
 elif [ "$part" = origins33 ]; then   # FA4 present (33rd session): the defaults' slowest ranks kernel by kernel —
   # S32768 ranks 6 and 4, S8192 rank 1 — each kernel's stream and op (where a rank's time goes beside FA4's kernels)
   for r in "32768 6" "32768 4" "8192 1"; do set -- $r
