@@ -76,9 +76,6 @@ KNOBS = {
                                  "triton_dq_finish.ROWS)"),
     "RING_DKV_SIDE_STREAM": Knob("1", "0: a fused ring backward's dK/dV adds and sends stay on the compute stream "
                                       "(1: on a side stream, beside the next launch group's kernels)"),
-    "RING_DKV_ADDS_EARLY": Knob("0", "1: a fused ring backward's dK/dV adds of a launch group's steps start on the side "
-                                     "stream as soon as the group's blocks holding their shares are done, beside the "
-                                     "group's later blocks (0: after all the group's blocks)"),
     "RING_DKV_ROUTE": Knob("ring", "the ring studies' and the emulator's dK/dV route: ring (a float32 accumulator one "
                                    "hop a step) or direct (each share sent to its owner, summed there once: "
                                    "distlab.cp.ring_dkv_direct; fused backward only)"),
@@ -139,9 +136,6 @@ KNOBS = {
                                        "ring shape, zeroed with the later row sets' dQ accumulators by one fill "
                                        "(distlab.kernels.fa4_ring_backward.FA4RingBackward.prepare); 0: torch.zeros "
                                        "a block, for an A/B"),
-    "FA4_RING_DQ_EARLY": Knob("0", "1: a fused fa4 ring backward finishes the dQ rows no later block touches as soon as "
-                                   "their last block has run (one-kernel finish, on the side stream beside the later "
-                                   "blocks; 0: every row at the end)"),
     "FA4_RING_DQ_FUSED": Knob("1", "1: a fa4 ring backward's dQ finished in one Triton kernel over every row set's "
                                    "accumulator in FA4's tile order (distlab.kernels.triton_dq_finish; H100 S8192, "
                                    "slowest rank: GPU clock 75.2 -> 76.8%, wall 74.7 -> 76.2%, docs/PERF.md); 0: "

@@ -51,10 +51,9 @@
 #   bash launch/gpu_host_check.sh OUTDIR final8k   # FA4 present: the defaults: GPU test, S8192 wall x4, host_cost
 #   bash launch/gpu_host_check.sh OUTDIR origins   # FA4 present: two ranks' timelines, each kernel's op and stream
 #                                                  # (origins33: the defaults' slowest ranks, S32768 r6/r4, S8192 r1)
-#   bash launch/gpu_host_check.sh OUTDIR early33   # FA4 present: a group's dK/dV adds and dQ's finished rows as soon
-#                                                  # as they can (GPU test, every rank S32768 / S8192 wall, timeline)
-#                                                  # (fold33: every unmasked set folded, FA4_RING_FOLD=1, at S32768;
-#                                                  # foldgpu33: the same on the GPU clock)
+#   bash launch/gpu_host_check.sh OUTDIR fold33    # FA4 present: every unmasked set folded (FA4_RING_FOLD=1) or the
+#                                                  # defaults at S32768, every rank wall, a timeline (foldgpu33: the
+#                                                  # same A/B on the GPU clock, both orders)
 #   bash launch/gpu_host_check.sh OUTDIR sharepre  # FA4 present: A/Bs of the ring backward (GPU test, every rank
 #                                                  # S8192 / S32768, a timeline): one preprocess for the unfolded
 #                                                  # row sets or one each (dqfused: dQ finished in one Triton
@@ -498,42 +497,23 @@ elif [ "$part" = final8k ]; then   # FA4 present (30th session): the defaults on
   done
   LIMIT=150 TAIL=30 run host_cost $py -m distlab.kernels.host_cost --seq 1024 --heads 32 --kv-heads 8 --rounds 5 \
       --calls 100 --json "$out/host_cost.json"
-elif [ "$part" = early33 ]; then   # FA4 present (33rd session): a group's dK/dV adds started as soon as their
-  # shares are out (RING_DKV_ADDS_EARLY=1) and dQ's rows finished after their last block (FA4_RING_DQ_EARLY=1),
-  # both beside the later blocks, against the defaults — the FA4 ring's GPU test, every rank at S32768 and S8192
-  # (wall, paired), rank 6's kernels with them
-  ring="$py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 --rank 0 1 2 3 4 5 6 7"
-  both="RING_DKV_ADDS_EARLY=1;FA4_RING_DQ_EARLY=1"
-  LIMIT=240 TAIL=3 run early_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -k float32_reference \
-      -p no:cacheprovider
-  LIMIT=200 TAIL=5 run early32k_wall $ring --seq 32768 --iters 10 --paired 3 --wall \
-      --variant "$both" "" RING_DKV_ADDS_EARLY=1 --json "$out/early32k_wall.json"
-  LIMIT=80 TAIL=4 run early8k_wall $ring --seq 8192 --iters 30 --paired 5 --wall \
-      --variant "" "$both" --json "$out/early8k_wall.json"
-  LIMIT=90 TAIL=60 run timeline_s32768_r6 env DISTLAB_RING_DKV_ADDS_EARLY=1 DISTLAB_FA4_RING_DQ_EARLY=1 $py -m \
-      distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --rank 6 --steps-per-launch 1,3,4 --iters 5 --timeline \
-      --json "$out/timeline_s32768_r6.json"
 elif [ "$part" = fold33 ]; then   # FA4 present (33rd session): every unmasked row set folded (FA4_RING_FOLD=1: the
-  # whole-shard ones too, now that a fold is one Triton launch and a folding ring's buffers are kept), with and
-  # without the early adds and dQ rows, against the defaults — every rank at S32768 (wall, paired 3), rank 6's
-  # kernels folded and not, S8192's every rank (wall, defaults against the early knobs)
+  # whole-shard ones too, now that a fold is one Triton launch and a folding ring's buffers are kept) against the
+  # defaults — every rank at S32768 (wall, paired 3), rank 6's kernels folded (the run of 2026-12-07 had a third
+  # variant with two knobs removed since: commit eb682bc)
   ring="$py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 --rank 0 1 2 3 4 5 6 7"
-  both="RING_DKV_ADDS_EARLY=1;FA4_RING_DQ_EARLY=1"
   LIMIT=240 TAIL=5 run fold32k_wall $ring --seq 32768 --iters 10 --paired 3 --wall \
-      --variant "FA4_RING_FOLD=1" "" "FA4_RING_FOLD=1;$both" --json "$out/fold32k_wall.json"
-  for f in 1; do
-    LIMIT=60 TAIL=45 run timeline_s32768_r6_fold$f env DISTLAB_FA4_RING_FOLD=$f $py -m distlab.cp.emulate --world 8 \
-        --seq 32768 --backend fa4 --rank 6 --steps-per-launch 1,3,4 --iters 5 --timeline \
-        --json "$out/timeline_s32768_r6_fold$f.json"
-  done
-  LIMIT=80 TAIL=4 run early8k_wall $ring --seq 8192 --iters 30 --paired 5 --wall \
-      --variant "$both" "" --json "$out/early8k_wall.json"
-elif [ "$part" = foldgpu33 ]; then   # FA4 present (33rd session): fold33's variants on the GPU clock (graph replay,
-  # paired 2: no host in it), every rank at S32768
-  both="RING_DKV_ADDS_EARLY=1;FA4_RING_DQ_EARLY=1"
-  LIMIT=240 TAIL=5 run fold32k_gpu $py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 \
-      --rank 0 1 2 3 4 5 6 7 --seq 32768 --iters 10 --paired 2 --variant "" "FA4_RING_FOLD=1" \
-      "FA4_RING_FOLD=1;$both" --json "$out/fold32k_gpu.json"
+      --variant "FA4_RING_FOLD=1" "" --json "$out/fold32k_wall.json"
+  LIMIT=60 TAIL=45 run timeline_s32768_r6_fold1 env DISTLAB_FA4_RING_FOLD=1 $py -m distlab.cp.emulate --world 8 \
+      --seq 32768 --backend fa4 --rank 6 --steps-per-launch 1,3,4 --iters 5 --timeline \
+      --json "$out/timeline_s32768_r6_fold1.json"
+elif [ "$part" = foldgpu33 ]; then   # FA4 present (33rd session): fold33's A/B on the GPU clock (graph replay, paired
+  # 2: no host in it), every rank at S32768, both orders — not yet run (the session's device time was spent)
+  ring="$py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 --rank 0 1 2 3 4 5 6 7"
+  LIMIT=150 TAIL=5 run fold32k_gpu_a $ring --seq 32768 --iters 10 --paired 2 --variant "" FA4_RING_FOLD=1 \
+      --json "$out/fold32k_gpu_a.json"
+  LIMIT=150 TAIL=5 run fold32k_gpu_b $ring --seq 32768 --iters 10 --paired 2 --variant FA4_RING_FOLD=1 "" \
+      --json "$out/fold32k_gpu_b.json"
 elif [ "$part" = origins33 ]; then   # FA4 present (33rd session): the defaults' slowest ranks kernel by kernel —
   # S32768 ranks 6 and 4, S8192 rank 1 — each kernel's stream and op (where a rank's time goes beside FA4's kernels)
   for r in "32768 6" "32768 4" "8192 1"; do set -- $r

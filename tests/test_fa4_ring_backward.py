@@ -74,7 +74,6 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
                        dkv_finish="0"):
     from distlab import knobs
     from distlab.cp.ring import _ring_backward, _ring_forward
-    from distlab.cp import ring_fused
     from distlab.kernels import fa4_ring_backward as frb
 
     g = torch.Generator().manual_seed(0)
@@ -89,13 +88,9 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
     frb._PREPARED.clear()   # what was worked out per ring shape came from the recorder swapped here
     if isinstance(fold, tuple):   # ("auto", the least shard that folds, the most rows a folded row set has)
         fold, frb.FOLD_MIN_SHARD, frb.FOLD_MAX_ROWS = fold
-    made, adds = [], []
+    made = []
     real = frb.FA4RingBackward
     frb.FA4RingBackward = lambda *a: made.append(real(*a)) or made[-1]
-    real_adds = ring_fused._add_steps   # its calls: one a launch group, more where adds start early
-    ring_fused._add_steps = lambda steps, *a: adds.append(list(steps)) or real_adds(steps, *a)
-    early_rows, real_rows = [], real.finish_rows   # dQ rows finished before the end (FA4_RING_DQ_EARLY)
-    real.finish_rows = lambda self, lo, hi: real_rows(self, lo, hi) and (early_rows.append((lo, hi)) or True)
     PRE_CALLS[0] = 0
     try:
         with fa4_pretended(), knobs.override(RING_FUSE_MAX_KEYS=cap, RING_DKV_ADD_ROWS=add_rows, FA4_RING_FOLD=fold,
@@ -109,8 +104,6 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
         kept_plans = dict(frb._PREPARED)
         frb._PREPARED.clear()
         frb.FA4RingBackward = real
-        ring_fused._add_steps = real_adds
-        real.finish_rows = real_rows
     errs = [0.0] * 3
     for grads in runs:   # a repeated backward on the same ring shape: its kept buffers zeroed again
         got = [gather_sequence(t, None, layout) for t in grads]
@@ -126,8 +119,7 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
             "preprocesses": PRE_CALLS[0] // repeat,
             "reused": all(made[0].sets[key].dq_accum.data_ptr() == made[-1].sets[key].dq_accum.data_ptr()
                           for key in unfolded),
-            "kept_bytes": kept_bytes, "left": len(frb._PREPARED), "add_calls": adds[:len(adds) // repeat],
-            "early_rows": early_rows[:len(early_rows) // repeat],
+            "kept_bytes": kept_bytes, "left": len(frb._PREPARED),
             "scratch": sum(len(views) for plan in kept_plans.values() for views in plan["scratch"].values()),
             "accum_bytes": sum(made[0].sets[k].dq_accum.numel() * 8 for k in unfolded) if made else 0}
 
@@ -149,8 +141,6 @@ def test_fa4_kept_accumulators_match_one_device_on_stand_in_kernels(world):
     fused scratch by key range): groups of 2, and one group of every step (step 0 fused with the others in the
     non-causal ring, so its accumulator starts as a slice), and with a cap of 16 keys a fused block (zigzag's
     8-key half blocks in pairs, the 16-key blocks alone); the shares added row by row (``RING_DKV_ADD_ROWS=1``)."""
-    from distlab.cp.ring import launch_groups
-
     pool = ProcessGroupPool(world)
     try:
         cases = (("zigzag", True, 1, "0", "0"), ("contiguous", True, 1, "0", "0"), ("contiguous", False, 1, "0", "0"),
@@ -188,19 +178,11 @@ def test_fa4_kept_accumulators_match_one_device_on_stand_in_kernels(world):
         # sets' dQ accumulators by one fill (the stand-in kernel adds into it: a stale buffer would show), three
         # backward passes; with the knob off none kept, the same gradients
         # folded too (the later folded blocks' dK/dV kept, written whole; the folded sets' preprocess buffers kept)
-        # the adds of a group's steps started as soon as their shares are out (RING_DKV_ADDS_EARLY=1: zigzag W 3-4
-        # by twos, a middle rank's group has a block over every row, then one over the second half)
-        for keep, fold, early in (("1", "0", "0"), ("0", "0", "0"), ("1", "1", "0"), ("1", "0", "1"), ("1", "1", "1")):
-            results = pool.run(_ring_on_stand_ins_with, {"FA4_RING_KEEP_SCRATCH": keep, "RING_DKV_ADDS_EARLY": early},
-                               "zigzag", True, 4, 2, 16 * world, 4, 2, "0", "0", fold, repeat=3)
-            for res in results:
+        for keep, fold in (("1", "0"), ("0", "0"), ("1", "1")):
+            for res in pool.run(_ring_on_stand_ins_with, {"FA4_RING_KEEP_SCRATCH": keep}, "zigzag", True, 4, 2,
+                                16 * world, 4, 2, "0", "0", fold, repeat=3):
                 assert max(res["errors"]) < 1e-12 and res["kept"] == 1, res
                 assert (res["scratch"] > 0) == (keep == "1" and world > 2), (keep, res)   # W 2: no fused group
-                assert [s for steps in res["add_calls"] for s in steps] == (list(range(world)) if world > 2 else []), \
-                    res["add_calls"]   # W 1-2: no fused group, no ring_fused
-            groups = len(launch_groups(world, 2))   # 0 | 1 2 | 3 ...: a group a call, or more when early
-            split = [len(res["add_calls"]) > groups for res in results]
-            assert any(split) == (early == "1" and world > 2), (early, [res["add_calls"] for res in results])
         # the A/B knob: one preprocess a row set, the same gradients
         for layout, causal, n in (("zigzag", True, 1), ("contiguous", True, 2)):
             for res in pool.run(_ring_on_stand_ins, layout, causal, 4, 2, 16 * world, 4, n, "0", "0", "0",
@@ -339,9 +321,7 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
     with the kept accumulators (unmasked blocks folded into MHA, and not; one preprocess for the unfolded row
     sets, and one each; the later sets' accumulators zeroed on the side stream; dQ finished in one Triton
     kernel, folded and not; a folding ring's glue in Triton, ``FA4_RING_GLUE=1``, and its unfolded blocks'
-    scratch finished in one pass, ``FA4_RING_DKV_FINISH=1``; a group's dK/dV adds started as soon as their
-    shares are out, ``RING_DKV_ADDS_EARLY=1``, and dQ's rows finished after their last block,
-    ``FA4_RING_DQ_EARLY=1``) and without (the knobs); and the W=4
+    scratch finished in one pass, ``FA4_RING_DKV_FINISH=1``) and without (the knobs); and the W=4
     zigzag ring by launch groups of 3
     (``distlab.cp.ring_fused``: 0 | 1 2 3, the later steps fused into one FA4 call per row range), and every
     rank of a W=8 zigzag ring by groups 1|2|5 (a fused group of five)."""
@@ -352,15 +332,14 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
         pytest.skip("needs FA4 on an sm90+ GPU")
     for layout, world, batch, n in (("zigzag", 4, 1, 1), ("contiguous", 2, 1, 1), ("zigzag", 2, 2, 1),
                                     ("zigzag", 4, 1, 3), ("contiguous", 4, 2, 3), ("zigzag", 8, 1, (1, 2, 5))):
-        for accum, fold, share, beside, fused, glue, finish, early in (
-                "11100000", "10100001", "10110000", "10000000", "01100000", "10101000", "11101000", "11101101",
-                "11101111"):
+        for accum, fold, share, beside, fused, glue, finish in (
+                "1110000", "1010000", "1011000", "1000000", "0110000", "1010100", "1110100", "1110110", "1110111"):
             with knobs.override(FA4_RING_ACCUM=accum, FA4_RING_FOLD=fold, FA4_RING_SHARE_PRE=share,
                                 FA4_RING_ZERO_BESIDE=beside, FA4_RING_DQ_FUSED=fused, FA4_RING_GLUE=glue,
-                                FA4_RING_DKV_FINISH=finish, RING_DKV_ADDS_EARLY=early, FA4_RING_DQ_EARLY=early):
+                                FA4_RING_DKV_FINISH=finish):
                 for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, layout, batch, n)):
                     assert max(errs) < 2e-2, (layout, world, batch, n, accum, fold, share, beside, fused, glue,
-                                              finish, early, rank, errs)
+                                              finish, rank, errs)
 
 
 def test_fa4_ring_fold_auto_folds_the_short_unmasked_row_sets_of_long_shards():
@@ -461,43 +440,6 @@ def test_dq_finish_reads_each_sets_tile_order_on_the_interpreter(interpreted_poo
     (order_errors, err, refused), = interpreted_pools(1).run(_dq_finish_on_the_interpreter)
     assert order_errors == [0, 0, 0] and refused
     assert err < 1e-5, err
-
-
-def test_fa4_ring_early_adds_and_dq_rows_match_one_device_on_the_interpreter(interpreted_pools):
-    """``RING_DKV_ADDS_EARLY=1`` and ``FA4_RING_DQ_EARLY=1`` on the float32 stand-ins, dQ finished by the one
-    Triton kernel (interpreter), W=4 zigzag by groups 1|3, folded and not: the one-device gradients, with the
-    adds of a group split where a block over every row comes before one over the second half (ranks 1, 2) and
-    dQ's first half finished before the end wherever a later block touches only the second half (ranks 0-2)."""
-    for fold in ("0", "1"):
-        results = interpreted_pools(4).run(
-            _ring_on_stand_ins_with, {"FA4_RING_DQ_EARLY": "1", "RING_DKV_ADDS_EARLY": "1"}, "zigzag", True, 4, 2,
-            64, 4, (1, 3), "0", "0", fold, dq_fused="1", dtype=torch.float32, glue="1")
-        for rank, res in enumerate(results):
-            assert max(res["errors"]) < 1e-5, (fold, rank, res["errors"])
-            assert res["early_rows"] == ([(0, 8)] if rank < 3 else []), (fold, rank, res["early_rows"])
-            assert res["add_calls"] == [[0], [1, 2, 3]] if rank in (0, 3) else len(res["add_calls"]) == 3, \
-                (fold, rank, res["add_calls"])
-
-
-def test_rows_done_after_and_their_complement():
-    """Which dQ rows each block finishes (``ring_fused._rows_done_after``): zigzag W=8 by 1|3|4 at a 4096-row
-    shard — the first half after the last block over every row, where a block over the second half follows
-    (rank 0: step 0; ranks 1-3: the first group; ranks 4-6: the last group's first block), none on rank 7 (its
-    last block is over every row); and the rows ``dq()`` finishes after them (``fa4_ring_backward._complement``)."""
-    from distlab.cp.ring_fused import _fused_blocks, _rows_done_after
-    from distlab.kernels.fa4_ring_backward import _complement
-
-    want = {0: [0], 1: [1], 2: [1], 3: [1], 4: [2], 5: [2], 6: [2], 7: []}
-    for rank, at in want.items():
-        blocks = _fused_blocks(rank, 8, 4096, True, "zigzag", (1, 3, 4), 0, 128)
-        done = _rows_done_after(tuple((r.start, r.stop) for r, _, _ in blocks))
-        assert [i for i, d in enumerate(done) if d is not None] == at, (rank, done)
-        assert all(d == (0, 2048) for d in done if d is not None), (rank, done)
-    assert _rows_done_after(((0, 8), (4, 8), (0, 4), (4, 8))) == (None, None, (0, 4), None)   # rows come back
-    assert _rows_done_after(((0, 8), (2, 6), (4, 8))) == ((0, 2), (2, 4), None)
-    assert _rows_done_after(((0, 8), (2, 4), (6, 8))) == (None, (2, 4), None)   # 0-2 and 4-6: not one range
-    assert _complement([], 8) == [(0, 8)] and _complement([(0, 4)], 8) == [(4, 8)]
-    assert _complement([(2, 4), (6, 8)], 8) == [(0, 2), (4, 6)] and _complement([(0, 8)], 8) == []
 
 
 def _glue_on_the_interpreter():

@@ -82,10 +82,9 @@ def test_ring_with_several_blocks_in_flight_matches_one_device(pools, world, lay
     before anything is computed). Same answer, same W−1 hops and bytes. Batch 1: each step's K/V received
     straight into the fused blocks' buffers (``ring_landing``); batch 2: concatenated (its chunks are not
     contiguous)."""
-    for n, batch, early in ((2, 1, "0"), ((world,), 1, "0"), ((world,), 2, "0"), (2, 1, "1")):
-        # early: a group's dK/dV adds as soon as their shares are out (RING_DKV_ADDS_EARLY), the same hops
-        for rank, res in enumerate(pools(world).run(_with_knobs, {"RING_DKV_ADDS_EARLY": early}, ring_vs_one_device,
-                                                    4, 2, causal, layout, steps_per_launch=n, batch=batch)):
+    for n, batch in ((2, 1), ((world,), 1), ((world,), 2)):
+        for rank, res in enumerate(pools(world).run(ring_vs_one_device, 4, 2, causal, layout, steps_per_launch=n,
+                                                    batch=batch)):
             for name, err in res["errors"].items():
                 assert err < 1e-5, \
                     f"rank {rank}: {name} rel err {err:.2e} (W={world} {layout} causal={causal} {n} B{batch})"
@@ -103,12 +102,9 @@ def test_ring_with_dkv_sent_straight_to_their_owners_matches_one_device(pools, w
     Same answer; no ``ring_dkv`` hop; at most W − 1 sends a rank of at most one shard's K/V bytes each
     (a causal zigzag step's share is half a shard or a whole one). Groups of 2 and of every step, batch 1
     (the shares sent as they are) and 2 (strided shares, copied to send)."""
-    for n, batch, early in ((2 if world > 2 else (world,), 1, "0"), ((world,), 2, "0"),
-                            (2 if world > 2 else (world,), 1, "1")):
-        # W=2: 0 | 1 would not be fused; early: the shares sent as soon as they are out (RING_DKV_ADDS_EARLY)
-        for rank, res in enumerate(pools(world).run(_with_knobs, {"RING_DKV_ADDS_EARLY": early}, ring_vs_one_device,
-                                                    4, 2, causal, layout, steps_per_launch=n, batch=batch,
-                                                    backend="torch", dkv_route="direct")):
+    for n, batch in ((2 if world > 2 else (world,), 1), ((world,), 2)):   # W=2: 0 | 1 would not be fused
+        for rank, res in enumerate(pools(world).run(ring_vs_one_device, 4, 2, causal, layout, steps_per_launch=n,
+                                                    batch=batch, backend="torch", dkv_route="direct")):
             for name, err in res["errors"].items():
                 assert err < 1e-5, \
                     f"rank {rank}: {name} rel err {err:.2e} (W={world} {layout} causal={causal} {n} B{batch})"

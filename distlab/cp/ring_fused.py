@@ -77,14 +77,6 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
     if kept is not None and side is not None and knobs.get("RING_ZERO_AHEAD") == "1":   # the later groups' dK/dV
         # scratch zeroed beside step 0's kernels (off by default until timed on a GPU: gpu_host_check.sh fa4land2)
         kept.zero_ahead(blocks[1:], side)
-    # each step's adds as soon as its shares are out (CUDA: beside the group's later blocks; the CPU runs the same
-    # order, so its tests check it)
-    early = knobs.get("RING_DKV_ADDS_EARLY") == "1" and (side is not None or not q.is_cuda)
-    # dQ's rows no later block touches, finished after their last block (FA4, same streams)
-    rows_done = (_rows_done_after(tuple((r.start, r.stop) for r, _, _ in blocks))
-                 if kept is not None and knobs.get("FA4_RING_DQ_EARLY") == "1" and (side is not None or not q.is_cuda)
-                 else None)
-    j = -1   # the block's index among all the groups'
     for g, (steps, plan) in enumerate(groups):
         with phase("ring.exchange"):
             kv.post_through(steps[-1] + ahead)   # the next groups' K/V, while this one computes
@@ -92,8 +84,6 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
             got = {step: kv.get(step) for step in steps}
         parts = {step: [] for step in steps}   # per step: (cols, dK, dV) of its keys
         results = []   # the fused blocks' dK/dV (the shares are views of them)
-        ready = _ready_after(plan, steps) if early and steps[0] > 0 and len(plan) > 1 else None
-        done = 0   # steps[:done] added (and sent) already
         for i, (rows, blk_causal, pieces) in enumerate(plan):
             landed = landing.run_kv(g, i) if landing is not None else None   # received in place (ring_landing)
             k_blk, v_blk = landed if landed is not None else group_kv(got, pieces)
@@ -105,9 +95,6 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
                                                           lse[:, :, rows], blk_causal, scale, backend)
                     dq = _accumulate(dq, dq_b, rows, q, acc)
             results += (dk_b,) if dv_b is None else (dk_b, dv_b)
-            j += 1
-            if rows_done is not None and rows_done[j] is not None:
-                _finish_rows_beside(kept, rows_done[j], side, main)
             start = 0
             for step, cols in pieces:
                 n = cols.stop - cols.start
@@ -119,14 +106,38 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
                     share = (dk_b[:, start:start + n], dv_b[:, start:start + n])
                 parts[step].append((cols, *share))
                 start += n
-            if ready is not None and ready[i] > done:   # these steps' shares are all out: add them beside the
-                # group's later blocks (a fused group's last block holds its latest steps, ring_fused's tail)
-                dkv, dkv_pending, direct = _add_steps(steps[done:ready[i]], parts, results, side, main, dkv,
-                                                      dkv_pending, direct, ring, shape, k, v, acc, kept, skip_adds)
-                done = ready[i]
-        if done < len(steps):
-            dkv, dkv_pending, direct = _add_steps(steps[done:], parts, results, side, main, dkv, dkv_pending, direct,
-                                                  ring, shape, k, v, acc, kept, skip_adds)
+        beside = side is not None and steps[0] > 0   # CUDA, a later group: after its kernels, beside the next's
+        if beside:   # plain stream calls, not ``torch.cuda.stream`` (with step 0 kept on the compute stream: host
+            # time a fused backward step 92.3 -> 67.5 µs, H100 2026-12-05, S8192's shapes, docs/PERF.md)
+            side.wait_stream(main)
+            for t in results:   # read on the side stream: not handed out again before it is done with them
+                t.record_stream(side)
+            torch.cuda.set_stream(side)
+        try:
+            for step in steps:
+                if step == 0 and direct:   # my own K/V: its shares stay home, where the others' come
+                    if kept is not None and (len(parts[0]) != 1 or parts[0][0][0] != slice(0, k.shape[1])):
+                        raise RuntimeError("the ring's first backward step must be one block over every local key")
+                    direct = DirectDkv(ring, shape, k, parts[0][0][1], own_slot=kept is not None)
+                    # FA4's shares: step 0's one share of dK and dV, summed with the others once
+                    dkv = (parts[0][0][1],) if kept is not None else _own_accumulator(parts[0], k, v, acc, kept)
+                elif step == 0:   # my own K/V: its blocks start the accumulator that travels the ring
+                    dkv = _own_accumulator(parts[0], k, v, acc, kept)
+                elif direct:
+                    direct.send(step, parts[step])
+                else:           # the accumulator of this step's K/V, from the previous rank
+                    dkv = dkv_pending.wait()
+                    for cols, dk_b, dv_b in ([] if skip_adds else parts[step]):
+                        if kept is not None:   # dK and dV in one add
+                            kept.add_into(dkv[0], cols, dk_b)
+                        else:
+                            _seq_part(dkv[0], cols).add_(dk_b)
+                            _seq_part(dkv[1], cols).add_(dv_b)
+                if ring.size > 1 and not direct:
+                    dkv_pending = ring.exchange(dkv, "ring_dkv")
+        finally:
+            if beside:
+                torch.cuda.set_stream(main)
     # dQ's conversion first: on the compute stream, beside the last group's adds and the last hop home
     dq = kept.dq() if kept is not None else dq.to(q.dtype)
     if side is not None:   # the home accumulator is read on the compute stream
@@ -143,92 +154,6 @@ def ring_backward_groups(dout, q, k, v, out, lse, ring, causal, layout, scale, b
     if kept is not None:
         return (dq, *kept.finish_dkv(dkv[0], k, v))
     return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
-
-
-@functools.lru_cache(maxsize=256)
-def _rows_done_after(rows) -> tuple:
-    """Per block (``rows``: each block's ``(start, stop)``, in the order they run): the range ``(lo, hi)`` of rows
-    whose last block it is, where that is one range and a later block follows (else None)."""
-    cuts = sorted({x for r in rows for x in r})
-    last = {}   # each piece between cuts -> the last block over it
-    for i, (start, stop) in enumerate(rows):
-        for a, b in zip(cuts, cuts[1:]):
-            if start <= a and b <= stop:
-                last[(a, b)] = i
-    done = []
-    for i in range(len(rows)):
-        pieces = sorted(p for p, at in last.items() if at == i)
-        one = pieces and all(x[1] == y[0] for x, y in zip(pieces, pieces[1:]))
-        done.append((pieces[0][0], pieces[-1][1]) if one and i < len(rows) - 1 else None)
-    return tuple(done)
-
-
-def _finish_rows_beside(kept, rows, side, main):
-    """dQ's ``rows`` (``(lo, hi)``) finished now: on CUDA on the side stream, after the kernels queued so far."""
-    if side is None:
-        kept.finish_rows(*rows)
-        return
-    side.wait_stream(main)
-    torch.cuda.set_stream(side)
-    try:
-        kept.finish_rows(*rows)
-    finally:
-        torch.cuda.set_stream(main)
-
-
-def _ready_after(plan, steps) -> list:
-    """Per block of a launch group's ``fuse_plan``: how many of ``steps`` (a prefix, in step order) have all
-    their shares out once it has run — the steps whose adds may start there."""
-    last = {}
-    for i, (_, _, pieces) in enumerate(plan):
-        for step, _ in pieces:
-            last[step] = i
-    ready, n = [], 0
-    for i in range(len(plan)):
-        while n < len(steps) and last.get(steps[n], -1) <= i:
-            n += 1
-        ready.append(n)
-    return ready
-
-
-def _add_steps(steps, parts, results, side, main, dkv, dkv_pending, direct, ring, shape, k, v, acc, kept,
-               skip_adds):
-    """The dK/dV of ``steps`` (their shares in ``parts``) into their travelling accumulators, each sent on:
-    on CUDA, for a later group, on the side stream after the kernels queued so far. Returns (dkv, dkv_pending,
-    direct)."""
-    beside = side is not None and steps[0] > 0   # CUDA, a later group: after its kernels, beside the next's
-    if beside:   # plain stream calls, not ``torch.cuda.stream`` (with step 0 kept on the compute stream: host
-        # time a fused backward step 92.3 -> 67.5 µs, H100 2026-12-05, S8192's shapes, docs/PERF.md)
-        side.wait_stream(main)
-        for t in results:   # read on the side stream: not handed out again before it is done with them
-            t.record_stream(side)
-        torch.cuda.set_stream(side)
-    try:
-        for step in steps:
-            if step == 0 and direct:   # my own K/V: its shares stay home, where the others' come
-                if kept is not None and (len(parts[0]) != 1 or parts[0][0][0] != slice(0, k.shape[1])):
-                    raise RuntimeError("the ring's first backward step must be one block over every local key")
-                direct = DirectDkv(ring, shape, k, parts[0][0][1], own_slot=kept is not None)
-                # FA4's shares: step 0's one share of dK and dV, summed with the others once
-                dkv = (parts[0][0][1],) if kept is not None else _own_accumulator(parts[0], k, v, acc, kept)
-            elif step == 0:   # my own K/V: its blocks start the accumulator that travels the ring
-                dkv = _own_accumulator(parts[0], k, v, acc, kept)
-            elif direct:
-                direct.send(step, parts[step])
-            else:           # the accumulator of this step's K/V, from the previous rank
-                dkv = dkv_pending.wait()
-                for cols, dk_b, dv_b in ([] if skip_adds else parts[step]):
-                    if kept is not None:   # dK and dV in one add
-                        kept.add_into(dkv[0], cols, dk_b)
-                    else:
-                        _seq_part(dkv[0], cols).add_(dk_b)
-                        _seq_part(dkv[1], cols).add_(dv_b)
-            if ring.size > 1 and not direct:
-                dkv_pending = ring.exchange(dkv, "ring_dkv")
-    finally:
-        if beside:
-            torch.cuda.set_stream(main)
-    return dkv, dkv_pending, direct
 
 
 @functools.lru_cache(maxsize=256)

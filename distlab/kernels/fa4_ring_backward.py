@@ -227,16 +227,6 @@ def postprocessed_dq(q, sets):
     return total
 
 
-def _complement(done, rows: int) -> list:
-    """The row ranges of ``0`` … ``rows`` outside the ranges ``done`` (``[(lo, hi)]``, disjoint), in order."""
-    left, at = [], 0
-    for lo, hi in sorted(done):
-        if lo > at:
-            left.append((at, lo))
-        at = max(at, hi)
-    return left + ([(at, rows)] if at < rows else [])
-
-
 class _RowSet:
     """One row set's preprocess results and its float32 dQ accumulator (FA4's layout for its kernel); ``q`` and
     ``dout`` as its kernels take them (folded: ``fold_heads``). ``shared``: ``(dpsum, lse_log2, dq_accum,
@@ -288,7 +278,6 @@ class FA4RingBackward:
         self.raw_finish = knobs.get("FA4_RING_DKV_FINISH") == "1"
         self.raw = None   # (orders, dK's scale, dV's scale, postprocesses) once the first such block ran
         self.whole = None   # ``prepare``'s
-        self.dq_out, self.dq_done = None, []   # dQ and its row ranges finished early (``finish_rows``)
         # every rank decides alike (shapes and a knob): the travelling accumulator's layout depends on it
         mode = knobs.get("FA4_RING_FOLD")
         half = causal and layout == "zigzag"   # a causal zigzag ring's later row sets are half its shard
@@ -615,40 +604,22 @@ class FA4RingBackward:
             from distlab.kernels.triton_dq_finish import TileOrderUnknown
 
             try:
-                out = self._dq_fused(_complement(self.dq_done, self.q.shape[1]))
-                self.dq_out, self.dq_done = None, []
-                return out
+                return self._dq_fused()
             except TileOrderUnknown as err:   # another FA4's postprocess: every rank runs the same FA4, so
                 # every rank falls back alike (a warning once per process: Python's default filter)
                 warnings.warn(f"FA4_RING_DQ_FUSED: {err}; dQ finished by FA4's postprocesses instead")
         return postprocessed_dq(self.q, [(rs.dq_accum, rs.rec[2][0], start, stop, rs.q, rs.fold)
                                          for (start, stop, _), rs in self.sets.items()])
 
-    def finish_rows(self, lo: int, hi: int) -> bool:
-        """Finish dQ's rows ``lo`` … ``hi`` now (on the current stream), where no later block touches them: the
-        one-kernel finish over those rows alone, into the dQ that ``dq()`` completes and returns. False, and
-        nothing done, where that finish does not apply (``dq()`` then finishes every row at the end)."""
-        if knobs.get("FA4_RING_DQ_FUSED") != "1" or not self._dq_fusable(early=True):
-            return False
-        from distlab.kernels.triton_dq_finish import TileOrderUnknown
-
-        try:
-            self._dq_fused([(lo, hi)])
-        except TileOrderUnknown:   # dq() says so, once, and takes the postprocesses for every row
-            return False
-        self.dq_done.append((lo, hi))
-        return True
-
-    def _dq_fusable(self, early: bool = False) -> bool:
+    def _dq_fusable(self) -> bool:
         """The one-kernel dQ finish applies: Triton runs on q's device, float32 accumulators, 2 or 3 row sets
         (every ring layout's ranks have at most 3). Where it does not, ``dq()`` takes FA4's postprocesses — the
         knob chooses a speed, not a result, and raising here, at the backward's end, could strand other ranks."""
-        fewest = 1 if early or self.dq_done else 2   # rows finished early: the rest by the same kernel
-        return fewest <= len(self.sets) <= 3 and _acc_dtype(self.q.dtype) == torch.float32 and self.triton
+        return 1 < len(self.sets) <= 3 and _acc_dtype(self.q.dtype) == torch.float32 and self.triton
 
-    def _dq_fused(self, ranges):
-        """``dq()``'s rows ``ranges`` (``[(lo, hi)]``) in one kernel each (``triton_dq_finish.dq_finish``, over the
-        sets holding those rows); each set's tile order measured once on its own postprocess (``window_order``)."""
+    def _dq_fused(self):
+        """``dq()`` in one kernel (``triton_dq_finish.dq_finish``); each set's tile order measured once on its
+        own postprocess (``window_order``)."""
         from distlab.kernels import triton_dq_finish as fin
 
         q = self.q
@@ -657,12 +628,7 @@ class FA4RingBackward:
             order = fin.window_order(rs.rec[2][0], q.shape[3], q.dtype, q.device)
             sets.append((rs.dq_accum, order, start, stop - start, q.shape[2] // self.kv_heads if rs.fold else 1))
         scale = rs.rec[2][0][1][2]   # the postprocess's own scale (FA4's accumulators hold dQ unscaled)
-        if self.dq_out is None:
-            self.dq_out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        for lo, hi in ranges:   # a row range: the output's rows from lo, each set's start moved by as much
-            fin.dq_finish(self.dq_out[:, lo:hi], [(a, o, start - lo, n, g) for a, o, start, n, g in sets
-                                                  if start < hi and start + n > lo], scale)
-        return self.dq_out
+        return fin.dq_finish(torch.empty_like(q, memory_format=torch.contiguous_format), sets, scale)
 
     def finish_dkv(self, acc, k, v):
         """A travelling dK/dV accumulator (``acc[0]`` dK, ``acc[1]`` dV), home: converted to k's and v's dtype (dK scaled) by FA4's
