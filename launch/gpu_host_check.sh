@@ -514,15 +514,12 @@ elif [ "$part" = foldgpu33 ]; then   # FA4 present (33rd session): fold33's A/B 
       --json "$out/fold32k_gpu_a.json"
   LIMIT=150 TAIL=5 run fold32k_gpu_b $ring --seq 32768 --iters 10 --paired 2 --variant FA4_RING_FOLD=1 "" \
       --json "$out/fold32k_gpu_b.json"
-elif [ "$part" = origins33 ]; then   # FA4 present (33rd session): the defaults' slowest ranks kernel by kernel —
-  # S32768 ranks 6 and 4, S8192 rank 1 — each kernel's stream and op (where a rank's time goes beside FA4's kernels)
-  for r in "32768 6" "32768 4" "8192 1"; do set -- $r
-    LIMIT=120 TAIL=60 run timeline_s$1_r$2 $py -m distlab.cp.emulate --world 8 --seq $1 --backend fa4 --rank $2 \
-        --steps-per-launch 1,3,4 --iters 5 --timeline --json "$out/timeline_s$1_r$2.json"
-  done
-elif [ "$part" = origins ]; then   # FA4 present (30th session): rank 1 at S8192 and rank 4 at S32768 kernel by
-  # kernel, each kernel with its stream and the op that launched it (kernel_timeline(origins=True))
-  for r in "8192 1" "32768 4"; do set -- $r
+elif [ "$part" = origins ] || [ "$part" = origins33 ]; then   # FA4 present (30th session): rank 1 at S8192 and
+  # rank 4 at S32768 kernel by kernel, each kernel with its stream and the op that launched it
+  # (kernel_timeline(origins=True)); origins33: the slowest ranks of the 32nd session's defaults, S32768 6 and 4
+  shapes=("8192 1" "32768 4")
+  [ "$part" = origins33 ] && shapes=("32768 6" "32768 4" "8192 1")
+  for r in "${shapes[@]}"; do set -- $r
     LIMIT=120 TAIL=90 run timeline_s$1_r$2 $py -m distlab.cp.emulate --world 8 --seq $1 --backend fa4 --rank $2 \
         --steps-per-launch 1,3,4 --iters 5 --timeline --json "$out/timeline_s$1_r$2.json"
   done
