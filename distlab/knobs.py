@@ -144,6 +144,9 @@ KNOBS = {
                                "1 both, fold (Q, out and dO folded in one launch), add (the float32 dK/dV += a "
                                "block's bf16 share, vectorized); 0: torch's copies and adds (H100 S32768, with "
                                "FA4_RING_DKV_FINISH=1, slowest rank f+b wall 84.5 -> 85.8%, docs/PERF.md)"),
+    "FA4_RING_FOLD_PRE": Knob("0", "1: a folding fa4 ring backward folds each folded row set's Q and dO and runs FA4's "
+                                   "preprocess for it in one Triton pass (distlab.kernels.triton_fold_preprocess: out "
+                                   "read once, not folded); 0: the fold (FA4_RING_GLUE), then FA4's preprocess"),
     "FA4_RING_DKV_FINISH": Knob("1", "1: a folding fa4 ring backward's unfolded blocks (causal, and row sets too long to "
                                      "fold) hand their float32 dK/dV scratch to one Triton pass that scales it and "
                                      "adds it into the travelling accumulator (triton_ring_glue.dkv_finish_); 0: "

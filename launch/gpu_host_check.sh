@@ -54,6 +54,8 @@
 #   bash launch/gpu_host_check.sh OUTDIR fold33    # FA4 present: every unmasked set folded (FA4_RING_FOLD=1) or the
 #                                                  # defaults at S32768, every rank wall, a timeline (foldgpu33: the
 #                                                  # same A/B on the GPU clock, both orders)
+#   bash launch/gpu_host_check.sh OUTDIR foldpre34 # FA4 present: a folded set's fold and preprocess in one pass (GPU
+#                                                  # tests; every rank S32768, GPU clock, with and without, fold auto/1)
 #   bash launch/gpu_host_check.sh OUTDIR sharepre  # FA4 present: A/Bs of the ring backward (GPU test, every rank
 #                                                  # S8192 / S32768, a timeline): one preprocess for the unfolded
 #                                                  # row sets or one each (dqfused: dQ finished in one Triton
@@ -514,6 +516,14 @@ elif [ "$part" = foldgpu33 ]; then   # FA4 present (33rd session): fold33's A/B 
       --json "$out/fold32k_gpu_a.json"
   LIMIT=150 TAIL=5 run fold32k_gpu_b $ring --seq 32768 --iters 10 --paired 2 --variant FA4_RING_FOLD=1 "" \
       --json "$out/fold32k_gpu_b.json"
+elif [ "$part" = foldpre34 ]; then   # FA4 present (34th session): a folded row set's fold and FA4's preprocess in one
+  # Triton pass (FA4_RING_FOLD_PRE=1) — its GPU tests, then every rank at S32768 on the GPU clock (paired 2), the
+  # defaults (half sets folded) and every unmasked set folded (fold33's A/B), each with and without it
+  LIMIT=300 TAIL=5 run foldpre_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider \
+      -k "fold_pre or float32_reference"
+  LIMIT=240 TAIL=5 run foldpre32k_gpu $py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 \
+      --rank 0 1 2 3 4 5 6 7 --seq 32768 --iters 10 --paired 2 --variant "" FA4_RING_FOLD_PRE=1 FA4_RING_FOLD=1 \
+      "FA4_RING_FOLD=1;FA4_RING_FOLD_PRE=1" --json "$out/foldpre32k_gpu.json"
 elif [ "$part" = origins ] || [ "$part" = origins33 ]; then   # FA4 present (30th session): rank 1 at S8192 and
   # rank 4 at S32768 kernel by kernel, each kernel with its stream and the op that launched it
   # (kernel_timeline(origins=True)); origins33: the slowest ranks of the 32nd session's defaults, S32768 6 and 4

@@ -321,7 +321,8 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
     with the kept accumulators (unmasked blocks folded into MHA, and not; one preprocess for the unfolded row
     sets, and one each; the later sets' accumulators zeroed on the side stream; dQ finished in one Triton
     kernel, folded and not; a folding ring's glue in Triton, ``FA4_RING_GLUE=1``, and its unfolded blocks'
-    scratch finished in one pass, ``FA4_RING_DKV_FINISH=1``) and without (the knobs); and the W=4
+    scratch finished in one pass, ``FA4_RING_DKV_FINISH=1``; its folded sets' fold and preprocess in one pass,
+    ``FA4_RING_FOLD_PRE=1``) and without (the knobs); and the W=4
     zigzag ring by launch groups of 3
     (``distlab.cp.ring_fused``: 0 | 1 2 3, the later steps fused into one FA4 call per row range), and every
     rank of a W=8 zigzag ring by groups 1|2|5 (a fused group of five)."""
@@ -332,14 +333,15 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
         pytest.skip("needs FA4 on an sm90+ GPU")
     for layout, world, batch, n in (("zigzag", 4, 1, 1), ("contiguous", 2, 1, 1), ("zigzag", 2, 2, 1),
                                     ("zigzag", 4, 1, 3), ("contiguous", 4, 2, 3), ("zigzag", 8, 1, (1, 2, 5))):
-        for accum, fold, share, beside, fused, glue, finish in (
-                "1110000", "1010000", "1011000", "1000000", "0110000", "1010100", "1110100", "1110110", "1110111"):
+        for accum, fold, share, beside, fused, glue, finish, fold_pre in (
+                "11100000", "10100000", "10110000", "10000000", "01100000", "10101000", "11101000", "11101100",
+                "11101110", "11101111", "11100101"):
             with knobs.override(FA4_RING_ACCUM=accum, FA4_RING_FOLD=fold, FA4_RING_SHARE_PRE=share,
                                 FA4_RING_ZERO_BESIDE=beside, FA4_RING_DQ_FUSED=fused, FA4_RING_GLUE=glue,
-                                FA4_RING_DKV_FINISH=finish):
+                                FA4_RING_DKV_FINISH=finish, FA4_RING_FOLD_PRE=fold_pre):
                 for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, layout, batch, n)):
                     assert max(errs) < 2e-2, (layout, world, batch, n, accum, fold, share, beside, fused, glue,
-                                              finish, rank, errs)
+                                              finish, fold_pre, rank, errs)
 
 
 def test_fa4_ring_fold_auto_folds_the_short_unmasked_row_sets_of_long_shards():
@@ -518,6 +520,62 @@ def test_ring_glue_kernels_match_torch_on_the_interpreter(interpreted_pools):
             assert res["folded"] and max(res["errors"]) < 1e-5, res
 
 
+def _fold_pre_on_the_interpreter():
+    """``triton_fold_preprocess`` against torch's fold and FA4's preprocess as ``_fake_record`` states it: the
+    folded Q and dO bit for bit, delta and the log2 LSE of the folded rows (a row with LSE -inf: 0), the padding
+    rows (delta 0, LSE +inf) and dQ's accumulator zeroed, over NaN-filled buffers; batch 1 and 2, row slices of a
+    longer shard. Then a folding ring on the float32 stand-ins with ``FA4_RING_FOLD_PRE=1``, twice on one ring
+    shape (the kept accumulators zeroed again), against the float64 reference."""
+    from distlab.kernels import fa4_ring_backward as frb
+    from distlab.kernels import triton_fold_preprocess as fp
+
+    g = torch.Generator().manual_seed(2)
+    errors, mismatches = [], []
+    for b, rows, pad in ((1, slice(0, 10), 4), (2, slice(3, 9), 5)):
+        q, out, dout = (torch.randn(b, 10, 4, 8, generator=g)[:, rows] for _ in range(3))
+        lse = torch.randn(b, 4, 10, generator=g)[:, :, rows]
+        lse[0, 1, 2] = float("-inf")
+        n = (rows.stop - rows.start) * 2
+        bufs = (torch.full((b, 2, n + pad), float("nan")), torch.full((b, 2, n + pad), float("nan")),
+                torch.full((b, 2, (n + pad) * 8), float("nan")))
+        got = fp.fold_preprocess_((q, out, dout), lse, 2, bufs)
+        mismatches += [not torch.equal(x, frb.fold_heads(t, 2)) for x, t in zip(got, (q, dout))]
+        delta = (frb.fold_heads(out, 2) * frb.fold_heads(dout, 2)).sum(-1).transpose(1, 2)
+        want = lse.reshape(b, 2, n) * 1.4426950408889634
+        want[want == float("-inf")] = 0.0
+        errors += [(bufs[0][..., :n] - delta).abs().max().item(), (bufs[1][..., :n] - want).abs().max().item()]
+        mismatches += [bool((bufs[0][..., n:] != 0).any()), bool((bufs[1][..., n:] != float("inf")).any()),
+                       bool((bufs[2] != 0).any())]
+    too_long = (torch.zeros(1, 2, 2), torch.zeros(1, 2, 2), torch.zeros(1, 2, 2 * 8))   # 2 rows of 4 fold to 4 > 2
+    refused = not fp.fold_pre_takes([torch.zeros(1, 2, 4, 8)] * 3, torch.zeros(1, 4, 2), 2, too_long)
+    calls = [0]
+    real = fp.fold_preprocess_
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return real(*a, **kw)
+    fp.fold_preprocess_ = counted
+    try:
+        ring = [_ring_on_stand_ins_with({"FA4_RING_FOLD_PRE": "1"}, "zigzag", True, 4, 2, 32, 4, n, fold="1",
+                                        glue="1", dtype=torch.float32, dkv_finish="1", repeat=2) for n in (1, (2,))]
+    finally:
+        fp.fold_preprocess_ = real
+    return mismatches, errors, refused, calls[0], ring
+
+
+def test_fold_pre_kernel_matches_the_fold_and_fa4s_preprocess_on_the_interpreter(interpreted_pools):
+    """``FA4_RING_FOLD_PRE`` (``distlab.kernels.triton_fold_preprocess``): one pass gives the fold of Q and dO and
+    every buffer FA4's preprocess writes, padding included; a folding ring taking it (called on both ranks of a
+    W=2 ring, step by step and as one launch group, twice on each ring shape) matches one device."""
+    for mismatches, errors, refused, calls, ring in interpreted_pools(2).run(_fold_pre_on_the_interpreter,
+                                                                             timeout_s=300):
+        assert not any(mismatches) and refused, mismatches
+        assert max(errors) < 1e-6, errors
+        assert calls >= 2, calls
+        for res in ring:
+            assert res["folded"] and max(res["errors"]) < 1e-5, res
+
+
 def test_ring_glue_benchmark_refuses_without_a_gpu_before_any_work():
     """``python -m distlab.kernels.triton_ring_glue`` times GPU kernels: on a machine without CUDA it stops with
     one line pointing at its CPU check (a ValueError), before timing anything."""
@@ -549,6 +607,33 @@ def test_ring_glue_kernels_match_torch_on_the_gpu():
         want[:, :, 4096 - keys:].add_(block[:, :, 4096:4096 + keys])
         glue.add_into_(acc[:, :, 4096 - keys:], block[:, :, 4096:4096 + keys])
         assert torch.equal(acc, want), keys
+
+
+@pytest.mark.gpu
+def test_fold_pre_kernel_matches_fa4s_preprocess_on_the_gpu():
+    """``triton_fold_preprocess`` at a W=8 S32768 rank's half row set (2048 of 4096 rows, 32 q / 8 kv heads, bf16)
+    against FA4's own preprocess on the folded tensors: the fold bit for bit, the log2 LSE (padding +inf) and the
+    zeroed dQ accumulator equal, delta (a float32 row sum in another order) within 1e-5."""
+    from distlab.kernels import fa4
+    from distlab.kernels import fa4_ring_backward as frb
+    from distlab.kernels import triton_fold_preprocess as fp
+
+    if not torch.cuda.is_available() or not fa4.runs_on(torch.device("cuda"), torch.bfloat16):
+        pytest.skip("needs FA4 on an sm90+ GPU")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, out, dout = (torch.randn(1, 4096, 32, 128, device="cuda", generator=g).bfloat16() for _ in range(3))
+    lse = torch.randn(1, 32, 4096, device="cuda", generator=g) + 5
+    rows = slice(2048, 4096)
+    rec = frb._record(1, 4 * 2048, 2048, 8, 8, 128, torch.bfloat16, q.device, False, 128 ** -0.5)
+    (pre_fn, pre_args) = rec[0]
+    want = frb.preprocess_buffers(rec, q)
+    folded = [frb.fold_heads(t[:, rows], 8) for t in (q, out, dout)]
+    pre_fn(folded[1], folded[2], want[0], lse[:, :, rows].reshape(1, 8, -1), want[1], want[2], *pre_args[6:])
+    got = tuple(torch.full_like(t, float("nan")) for t in want)
+    fq, fdo = fp.fold_preprocess_((q[:, rows], out[:, rows], dout[:, rows]), lse[:, :, rows], 8, got)
+    assert torch.equal(fq, folded[0]) and torch.equal(fdo, folded[2])
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]) and not got[2].any()
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
 
 
 def test_dq_fused_knob_falls_back_where_the_kernel_does_not_apply(pools):

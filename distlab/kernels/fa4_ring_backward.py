@@ -174,6 +174,14 @@ def _glue():
     return triton_ring_glue
 
 
+@functools.lru_cache(maxsize=1)
+def _fold_pre():
+    """``distlab.kernels.triton_fold_preprocess``, imported once (as ``_glue``)."""
+    from distlab.kernels import triton_fold_preprocess
+
+    return triton_fold_preprocess
+
+
 def _acc_dtype(dtype):
     """FA4's accumulators are float32; float64 where a CPU test's stand-in kernels run in float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -235,21 +243,24 @@ class _RowSet:
     accumulators zeroed. ``bufs``: ``(dpsum, lse_log2, dq_accum)`` kept from an earlier backward of the ring's
     shape (``FA4RingBackward.set_bufs``), which the preprocess writes over (and zeroes dq_accum)."""
 
-    def __init__(self, rec, q, out, dout, lse, fold, shared=None, bufs=None):
+    def __init__(self, rec, q, out, dout, lse, fold, shared=None, bufs=None, written=False):
         (pre_fn, pre_args), _, _, shapes = rec
-        dev, acc = dout.device, _acc_dtype(dout.dtype)   # out and lse None where a shared preprocess wrote the rows
         self.rec, self.q, self.dout, self.fold = rec, q, dout, fold
         if shared is not None:
             self.dpsum, self.lse_log2, self.dq_accum, run = shared
             if not run:
                 return
-        elif bufs is not None:
-            self.dpsum, self.lse_log2, self.dq_accum = bufs
         else:
-            self.dpsum = torch.empty(shapes["dpsum"], dtype=acc, device=dev)
-            self.lse_log2 = torch.empty(shapes["dpsum"], dtype=acc, device=dev)
-            self.dq_accum = torch.empty(shapes["dq_accum"], dtype=acc, device=dev)
-        pre_fn(out, dout, self.dpsum, lse, self.lse_log2, self.dq_accum, *pre_args[6:])   # zeroes dq_accum
+            self.dpsum, self.lse_log2, self.dq_accum = bufs or preprocess_buffers(rec, dout)
+        if not written:   # ``written``: the fold wrote them (``triton_fold_preprocess``)
+            pre_fn(out, dout, self.dpsum, lse, self.lse_log2, self.dq_accum, *pre_args[6:])   # zeroes dq_accum
+
+
+def preprocess_buffers(rec, like):
+    """FA4's preprocess outputs for a block recorded as ``rec``, new: delta, the LSE in log2 and dQ's accumulator
+    (float32; float64 with a CPU test's stand-ins)."""
+    shapes, acc = rec[3], _acc_dtype(like.dtype)
+    return tuple(torch.empty(shapes[name], dtype=acc, device=like.device) for name in ("dpsum", "dpsum", "dq_accum"))
 
 
 class FA4RingBackward:
@@ -272,6 +283,7 @@ class FA4RingBackward:
         self.set_bufs: dict = {}   # row set key -> its own preprocess's buffers, kept per ring shape (``_row_set``)
         self.add_rows = knobs.get("RING_DKV_ADD_ROWS") == "1"
         self.glue = knobs.get("FA4_RING_GLUE")   # a folding ring's fold and adds in Triton (triton_ring_glue)
+        self.fold_pre = knobs.get("FA4_RING_FOLD_PRE") == "1"   # and its folded sets' preprocess in the fold
         self.triton = triton_runs_on(q.device)   # asked once: the glue's and the dQ finish's calls are per block
         # an unfolded block of a folding ring: its float32 scratch finished into the travelling accumulator by
         # one Triton pass (triton_ring_glue.dkv_finish_), not converted to q's dtype first (``raw``)
@@ -428,13 +440,19 @@ class FA4RingBackward:
             else:
                 q, out, dout, lse = self.q[:, rows], self.out[:, rows], self.dout[:, rows], self.lse[:, :, rows]
             fold = self.folds(rows.stop - rows.start, causal)
-            if fold:   # once per row set: the blocks of this set all take these
+            rec = rec or self._rec(rows.stop - rows.start, cols, causal, fold)
+            bufs = kept = self.set_bufs.get(key) if shared is None else None
+            written = False
+            if fold and self.fold_pre and self.triton and shared is None:   # the fold and FA4's preprocess, one launch
+                fp = _fold_pre()
+                bufs = bufs or preprocess_buffers(rec, dout)
+                if fp.fold_pre_takes((q, out, dout), lse, self.kv_heads, bufs):
+                    (q, dout), written = fp.fold_preprocess_((q, out, dout), lse, self.kv_heads, bufs, True), True
+            if fold and not written:   # once per row set: the blocks of this set all take these
                 q, out, dout = self._folded((q, out, dout))
                 lse = lse.reshape(lse.shape[0], self.kv_heads, -1)   # (B, H, rows) -> (B, Hkv, G·rows)
-            rec = rec or self._rec(rows.stop - rows.start, cols, causal, fold)
-            bufs = self.set_bufs.get(key) if shared is None else None
-            rs = self.sets[key] = _RowSet(rec, q, out, dout, lse, fold, shared, bufs)
-            if shared is None and bufs is None:   # kept for the next backward of this ring shape (``prepare``)
+            rs = self.sets[key] = _RowSet(rec, q, out, dout, lse, fold, shared, bufs, written)
+            if shared is None and kept is None:   # kept for the next backward of this ring shape (``prepare``)
                 self.set_bufs[key] = (rs.dpsum, rs.lse_log2, rs.dq_accum)
         return rs
 
