@@ -520,7 +520,7 @@ elif [ "$part" = foldpre34 ]; then   # FA4 present (34th session): a folded row 
   # Triton pass (FA4_RING_FOLD_PRE=1) — its GPU tests, then every rank at S32768 on the GPU clock (paired 2), the
   # defaults (half sets folded) and every unmasked set folded (fold33's A/B), each with and without it
   LIMIT=300 TAIL=5 run foldpre_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py -p no:cacheprovider \
-      -k "fold_pre or float32_reference"
+      -k fold_pre
   LIMIT=240 TAIL=5 run foldpre32k_gpu $py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 \
       --rank 0 1 2 3 4 5 6 7 --seq 32768 --iters 10 --paired 2 --variant "" FA4_RING_FOLD_PRE=1 FA4_RING_FOLD=1 \
       "FA4_RING_FOLD=1;FA4_RING_FOLD_PRE=1" --json "$out/foldpre32k_gpu.json"

@@ -321,8 +321,7 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
     with the kept accumulators (unmasked blocks folded into MHA, and not; one preprocess for the unfolded row
     sets, and one each; the later sets' accumulators zeroed on the side stream; dQ finished in one Triton
     kernel, folded and not; a folding ring's glue in Triton, ``FA4_RING_GLUE=1``, and its unfolded blocks'
-    scratch finished in one pass, ``FA4_RING_DKV_FINISH=1``; its folded sets' fold and preprocess in one pass,
-    ``FA4_RING_FOLD_PRE=1``) and without (the knobs); and the W=4
+    scratch finished in one pass, ``FA4_RING_DKV_FINISH=1``) and without (the knobs); and the W=4
     zigzag ring by launch groups of 3
     (``distlab.cp.ring_fused``: 0 | 1 2 3, the later steps fused into one FA4 call per row range), and every
     rank of a W=8 zigzag ring by groups 1|2|5 (a fused group of five)."""
@@ -335,7 +334,7 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
                                     ("zigzag", 4, 1, 3), ("contiguous", 4, 2, 3), ("zigzag", 8, 1, (1, 2, 5))):
         for accum, fold, share, beside, fused, glue, finish, fold_pre in (
                 "11100000", "10100000", "10110000", "10000000", "01100000", "10101000", "11101000", "11101100",
-                "11101110", "11101111", "11100101"):
+                "11101110"):
             with knobs.override(FA4_RING_ACCUM=accum, FA4_RING_FOLD=fold, FA4_RING_SHARE_PRE=share,
                                 FA4_RING_ZERO_BESIDE=beside, FA4_RING_DQ_FUSED=fused, FA4_RING_GLUE=glue,
                                 FA4_RING_DKV_FINISH=finish, FA4_RING_FOLD_PRE=fold_pre):
@@ -607,6 +606,24 @@ def test_ring_glue_kernels_match_torch_on_the_gpu():
         want[:, :, 4096 - keys:].add_(block[:, :, 4096:4096 + keys])
         glue.add_into_(acc[:, :, 4096 - keys:], block[:, :, 4096:4096 + keys])
         assert torch.equal(acc, want), keys
+
+
+@pytest.mark.gpu
+def test_fa4_ring_backward_with_fold_pre_matches_the_float32_reference():
+    """``FA4_RING_FOLD_PRE=1`` on FA4's real kernels: the rings of the test above with every unmasked set folded,
+    its fold and preprocess one Triton pass, dQ finished in one kernel or by FA4's postprocesses."""
+    from distlab import knobs
+    from distlab.kernels import fa4
+
+    if not torch.cuda.is_available() or not fa4.runs_on(torch.device("cuda"), torch.bfloat16):
+        pytest.skip("needs FA4 on an sm90+ GPU")
+    for layout, world, batch, n in (("zigzag", 4, 1, 1), ("zigzag", 2, 2, 1), ("contiguous", 4, 2, 3),
+                                    ("zigzag", 8, 1, (1, 2, 5))):
+        for fused, finish in (("1", "1"), ("0", "0")):
+            with knobs.override(FA4_RING_ACCUM="1", FA4_RING_FOLD="1", FA4_RING_DQ_FUSED=fused, FA4_RING_GLUE="1",
+                                FA4_RING_DKV_FINISH=finish, FA4_RING_FOLD_PRE="1"):
+                for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, layout, batch, n)):
+                    assert max(errs) < 2e-2, (layout, world, batch, n, fused, finish, rank, errs)
 
 
 @pytest.mark.gpu
