@@ -615,15 +615,24 @@ def test_fa4_ring_backward_with_fold_pre_matches_the_float32_reference():
     from distlab import knobs
     from distlab.kernels import fa4
 
+    from distlab.kernels import triton_fold_preprocess as fp
+
     if not torch.cuda.is_available() or not fa4.runs_on(torch.device("cuda"), torch.bfloat16):
         pytest.skip("needs FA4 on an sm90+ GPU")
-    for layout, world, batch, n in (("zigzag", 4, 1, 1), ("zigzag", 2, 2, 1), ("contiguous", 4, 2, 3),
-                                    ("zigzag", 8, 1, (1, 2, 5))):
-        for fused, finish in (("1", "1"), ("0", "0")):
-            with knobs.override(FA4_RING_ACCUM="1", FA4_RING_FOLD="1", FA4_RING_DQ_FUSED=fused, FA4_RING_GLUE="1",
-                                FA4_RING_DKV_FINISH=finish, FA4_RING_FOLD_PRE="1"):
-                for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, layout, batch, n)):
-                    assert max(errs) < 2e-2, (layout, world, batch, n, fused, finish, rank, errs)
+    calls, real = [0], fp.fold_preprocess_
+    fp.fold_preprocess_ = lambda *a, **kw: calls.__setitem__(0, calls[0] + 1) or real(*a, **kw)
+    try:
+        for layout, world, batch, n in (("zigzag", 4, 1, 1), ("zigzag", 2, 2, 1), ("contiguous", 4, 2, 3),
+                                        ("zigzag", 8, 1, (1, 2, 5))):
+            for fused, finish in (("1", "1"), ("0", "0")):
+                with knobs.override(FA4_RING_ACCUM="1", FA4_RING_FOLD="1", FA4_RING_DQ_FUSED=fused,
+                                    FA4_RING_GLUE="1", FA4_RING_DKV_FINISH=finish, FA4_RING_FOLD_PRE="1"):
+                    before = calls[0]
+                    for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, layout, batch, n)):
+                        assert max(errs) < 2e-2, (layout, world, batch, n, fused, finish, rank, errs)
+                    assert calls[0] > before, (layout, world, batch, n, "the fold's preprocess never ran")
+    finally:
+        fp.fold_preprocess_ = real
 
 
 @pytest.mark.gpu
