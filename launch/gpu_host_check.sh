@@ -519,11 +519,14 @@ elif [ "$part" = foldgpu33 ]; then   # FA4 present (33rd session): fold33's A/B 
 elif [ "$part" = foldpre34 ]; then   # FA4 present (34th session): a folded row set's fold and FA4's preprocess in one
   # Triton pass (FA4_RING_FOLD_PRE=1) — its GPU tests, then every rank at S32768 on the GPU clock (paired 2): the
   # defaults (half sets folded), with it, and every unmasked set folded with it (fold33's A/B)
-  LIMIT=${TESTS_LIMIT:-200} TAIL=5 run foldpre_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py \
-      -p no:cacheprovider -k fold_pre
+  # (the kernel's test first, the timing, then the rings' test: a short lease still gets the first two)
+  LIMIT=${TESTS_LIMIT:-90} TAIL=5 run foldpre_kernel_test $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py \
+      -p no:cacheprovider -k fold_pre_kernel
   LIMIT=${EMULATE_LIMIT:-240} TAIL=5 run foldpre32k_gpu $py -m distlab.cp.emulate --world 8 --backend fa4 \
       --steps-per-launch 1,3,4 --rank 0 1 2 3 4 5 6 7 --seq 32768 --iters 10 --paired 2 \
       --variant "" FA4_RING_FOLD_PRE=1 "FA4_RING_FOLD=1;FA4_RING_FOLD_PRE=1" --json "$out/foldpre32k_gpu.json"
+  LIMIT=${TESTS_LIMIT:-200} TAIL=5 run foldpre_ring_test $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py \
+      -p no:cacheprovider -k "fold_pre and float32_reference"
 elif [ "$part" = origins ] || [ "$part" = origins33 ]; then   # FA4 present (30th session): rank 1 at S8192 and
   # rank 4 at S32768 kernel by kernel, each kernel with its stream and the op that launched it
   # (kernel_timeline(origins=True)); origins33: the slowest ranks of the 32nd session's defaults, S32768 6 and 4
