@@ -516,6 +516,13 @@ elif [ "$part" = foldgpu33 ]; then   # FA4 present (33rd session): fold33's A/B 
       --json "$out/fold32k_gpu_a.json"
   LIMIT=150 TAIL=5 run fold32k_gpu_b $ring --seq 32768 --iters 10 --paired 2 --variant FA4_RING_FOLD=1 "" \
       --json "$out/fold32k_gpu_b.json"
+elif [ "$part" = foldpre34s ]; then   # foldpre34 for a short lease: the kernel's test, then ranks 4-6 (the slowest at
+  # S32768 in the 32nd-33rd sessions) with and without, GPU clock
+  LIMIT=70 TAIL=5 run foldpre_kernel_test $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py \
+      -p no:cacheprovider -k fold_pre_kernel
+  LIMIT=120 TAIL=5 run foldpre32k_gpu_r456 $py -m distlab.cp.emulate --world 8 --backend fa4 \
+      --steps-per-launch 1,3,4 --rank 4 5 6 --seq 32768 --iters 10 --paired 2 \
+      --variant "" FA4_RING_FOLD_PRE=1 --json "$out/foldpre32k_gpu_r456.json"
 elif [ "$part" = foldpre34 ]; then   # FA4 present (34th session): a folded row set's fold and FA4's preprocess in one
   # Triton pass (FA4_RING_FOLD_PRE=1) — its GPU tests, then every rank at S32768 on the GPU clock (paired 2): the
   # defaults (half sets folded), with it, and every unmasked set folded with it (fold33's A/B)

@@ -56,7 +56,7 @@ def test_one_gpu_check_commands_parse(tmp_path, script):
 
 
 @pytest.mark.parametrize("part", ["kernels", "timing", "verify", "fa4land", "fa4land2", "fa4keep", "fa4zero", "fa4kept", "fa4s8k",
-                                  "fa4confirm", "fold33", "foldgpu33", "origins33", "foldpre34"])
+                                  "fa4confirm", "fold33", "foldgpu33", "origins33", "foldpre34", "foldpre34s"])
 def test_gpu_host_check_commands_parse(tmp_path, part):
     parsed, skipped, errors = dry_run(tmp_path, "launch/gpu_host_check.sh", part)
     assert not errors, errors
