@@ -55,7 +55,8 @@
 #                                                  # defaults at S32768, every rank wall, a timeline (foldgpu33: the
 #                                                  # same A/B on the GPU clock, both orders)
 #   bash launch/gpu_host_check.sh OUTDIR foldpre34 # FA4 present: a folded set's fold and preprocess in one pass (GPU
-#                                                  # tests; every rank S32768, GPU clock, with and without, fold auto/1)
+#                                                  # tests, the pass's benchmark; every rank S32768, GPU clock, with
+#                                                  # and without, fold auto/1; foldpre34s: ranks 4-6, a short lease)
 #   bash launch/gpu_host_check.sh OUTDIR sharepre  # FA4 present: A/Bs of the ring backward (GPU test, every rank
 #                                                  # S8192 / S32768, a timeline): one preprocess for the unfolded
 #                                                  # row sets or one each (dqfused: dQ finished in one Triton
@@ -520,6 +521,7 @@ elif [ "$part" = foldpre34s ]; then   # foldpre34 for a short lease: the kernel'
   # S32768 in the 32nd-33rd sessions) with and without, GPU clock
   LIMIT=70 TAIL=5 run foldpre_kernel_test $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py \
       -p no:cacheprovider -k fold_pre_kernel
+  LIMIT=60 TAIL=6 run foldpre_bench $py -m distlab.kernels.triton_fold_preprocess --json "$out/foldpre_bench.json"
   LIMIT=120 TAIL=5 run foldpre32k_gpu_r456 $py -m distlab.cp.emulate --world 8 --backend fa4 \
       --steps-per-launch 1,3,4 --rank 4 5 6 --seq 32768 --iters 10 --paired 2 \
       --variant "" FA4_RING_FOLD_PRE=1 --json "$out/foldpre32k_gpu_r456.json"
@@ -529,6 +531,7 @@ elif [ "$part" = foldpre34 ]; then   # FA4 present (34th session): a folded row 
   # (the kernel's test first, the timing, then the rings' test: a short lease still gets the first two)
   LIMIT=${TESTS_LIMIT:-90} TAIL=5 run foldpre_kernel_test $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py \
       -p no:cacheprovider -k fold_pre_kernel
+  LIMIT=60 TAIL=6 run foldpre_bench $py -m distlab.kernels.triton_fold_preprocess --json "$out/foldpre_bench.json"
   LIMIT=${EMULATE_LIMIT:-240} TAIL=5 run foldpre32k_gpu $py -m distlab.cp.emulate --world 8 --backend fa4 \
       --steps-per-launch 1,3,4 --rank 0 1 2 3 4 5 6 7 --seq 32768 --iters 10 --paired 2 \
       --variant "" FA4_RING_FOLD_PRE=1 "FA4_RING_FOLD=1;FA4_RING_FOLD_PRE=1" --json "$out/foldpre32k_gpu.json"

@@ -586,6 +586,17 @@ def test_ring_glue_benchmark_refuses_without_a_gpu_before_any_work():
         glue.main([])
 
 
+def test_fold_pre_benchmark_refuses_without_a_gpu_before_any_work():
+    """``python -m distlab.kernels.triton_fold_preprocess`` times GPU kernels: without CUDA, one line pointing at
+    its CPU check (a ValueError), before timing anything."""
+    from distlab.kernels import triton_fold_preprocess as fp
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        fp.main([])
+
+
 @pytest.mark.gpu
 def test_ring_glue_kernels_match_torch_on_the_gpu():
     """The glue at a W=8 S32768 rank's shapes in bf16 on the GPU: the fold and the float32 += bf16 share equal

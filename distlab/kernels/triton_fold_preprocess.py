@@ -2,6 +2,7 @@
 ``DISTLAB_FA4_RING_FOLD_PRE``).
 
     TRITON_INTERPRET=1 python -m pytest -q tests/test_fa4_ring_backward.py -k fold_pre   # CPU, the interpreter
+    python -m distlab.kernels.triton_fold_preprocess   # H100/H200: the pass against the fold + FA4's preprocess
     python -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --rank 6 --timeline   # H100/H200: in place
 
 A folding FA4 ring (``fa4_ring_backward``, ``FA4_RING_FOLD``) runs an unmasked row set as MHA over the kv heads,
@@ -101,3 +102,66 @@ def fold_preprocess_(tensors, lse, kv_heads: int, bufs, checked: bool = False):
                  (*q.stride()[:3], *lse.stride(), rows, kv_heads, dpsum.shape[-1], folded[0].numel()),
                  dict(G=group, D=dim, BR=ROWS, PAD=PAD_ROWS, num_warps=4))
     return list(folded.unbind(0))
+
+
+def main(argv=None):
+    """The one pass against the fold and FA4's preprocess at a W=8 S32768 rank's folded row sets (2048 and 4096
+    of 4096 rows, 32 q / 8 kv heads, bf16): GPU and wall µs, GB/s of the bytes each must move; FA4 absent, the
+    fold alone beside it."""
+    from distlab.bench import StudyParser, add_common_args, device_of, positive_int, write_json
+    from distlab.kernels import fa4
+    from distlab.kernels import fa4_ring_backward as frb
+    from distlab.kernels.bench import bandwidth_cells, bandwidth_row, copy_bandwidth
+    from distlab.kernels.triton_ring_glue import fold_heads_
+
+    p = StudyParser(prog="python -m distlab.kernels.triton_fold_preprocess", description=main.__doc__.split("\n")[0])
+    p.add_argument("--shard", type=positive_int, default=4096, help="rows of the rank's shard (S32768 at W=8)")
+    p.add_argument("--heads", type=positive_int, default=32)
+    p.add_argument("--kv-heads", type=positive_int, default=8)
+    add_common_args(p, iters=50, warmup=5, dtype=False, gpu_tool=True)
+    a = p.parse_args(argv)
+    dev = device_of(a, "the fold-and-preprocess benchmark", gpu_tool=True, cpu_hint="its CPU check: "
+                    "TRITON_INTERPRET=1 python -m pytest -q tests/test_fa4_ring_backward.py -k fold_pre")
+    copy = copy_bandwidth(dev, a.iters, a.warmup)
+    s, h, kvh, dim, bf16 = a.shard, a.heads, a.kv_heads, 128, torch.bfloat16
+    with_fa4 = fa4.runs_on(dev, bf16)
+    g = torch.Generator(device=dev).manual_seed(0)
+    full = [torch.randn(1, s, h, dim, device=dev, generator=g).to(bf16) for _ in range(3)]
+    lse = torch.randn(1, h, s, device=dev, generator=g) + 5
+    print(f"copy bandwidth {copy / 1e9:.0f} GB/s; shard {s}, heads {h} (kv {kvh}), head_dim {dim}, bf16"
+          + ("" if with_fa4 else "; FA4 absent: the fold alone against the one pass"))
+    print(f"{'rows':>5} {'pass':<26} {'GPU us':>8} {'wall us':>8} {'GB/s':>7} {'% copy':>7}")
+    results = []
+    for rows in (slice(s // 2, s), slice(0, s)):
+        n = rows.stop - rows.start
+        tensors = [t[:, rows] for t in full]
+        rec = frb._record(1, n * h // kvh, n, kvh, kvh, dim, bf16, dev, False, dim ** -0.5) if with_fa4 else None
+        bufs = frb.preprocess_buffers(rec, full[0]) if rec else (
+            torch.empty(1, kvh, n * h // kvh, device=dev), torch.empty(1, kvh, n * h // kvh, device=dev),
+            torch.empty(1, kvh, n * h // kvh * dim, device=dev))
+        tensor_bytes, acc_bytes = tensors[0].numel() * 2, bufs[2].numel() * 4
+        cases = [("fold_preprocess_ (one pass)", 3 * tensor_bytes + 2 * tensor_bytes + acc_bytes,
+                  lambda: fold_preprocess_(tensors, lse[:, :, rows], kvh, bufs))]
+        if rec:
+            (pre_fn, pre_args) = rec[0]
+            folded_lse = lse[:, :, rows].reshape(1, kvh, -1)
+
+            def two_passes():
+                _, o, do = fold_heads_(tensors, kvh)
+                pre_fn(o, do, bufs[0], folded_lse, bufs[1], bufs[2], *pre_args[6:])
+            cases.append(("fold_heads_ + FA4 preprocess", 6 * tensor_bytes + 2 * tensor_bytes + acc_bytes, two_passes))
+        else:
+            cases.append(("fold_heads_ (3 tensors)", 6 * tensor_bytes, lambda: fold_heads_(tensors, kvh)))
+        for name, moved, fn in cases:
+            row = {"rows": n, "pass": name, **bandwidth_row(fn, moved, copy, a.iters, a.warmup, dev)}
+            results.append(row)
+            print(f"{n:>5} {name:<26} {bandwidth_cells(row)}", flush=True)
+    if a.json:
+        write_json(a.json, {"copy_GB_s": copy / 1e9, "shard": s, "heads": h, "kv_heads": kvh, "fa4": with_fa4,
+                            "rows": results})
+
+
+if __name__ == "__main__":
+    from distlab.bench import run_study
+
+    run_study(main)
