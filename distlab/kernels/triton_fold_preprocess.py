@@ -108,25 +108,16 @@ def main(argv=None):
     """The one pass against the fold and FA4's preprocess at a W=8 S32768 rank's folded row sets (2048 and 4096
     of 4096 rows, 32 q / 8 kv heads, bf16): GPU and wall µs, GB/s of the bytes each must move; FA4 absent, the
     fold alone beside it."""
-    from distlab.bench import StudyParser, add_common_args, device_of, positive_int, write_json
+    from distlab.bench import write_json
     from distlab.kernels import fa4
     from distlab.kernels import fa4_ring_backward as frb
-    from distlab.kernels.bench import bandwidth_cells, bandwidth_row, copy_bandwidth
-    from distlab.kernels.triton_ring_glue import fold_heads_
+    from distlab.kernels.bench import bandwidth_cells, bandwidth_row
+    from distlab.kernels.triton_ring_glue import bench_start, fold_heads_
 
-    p = StudyParser(prog="python -m distlab.kernels.triton_fold_preprocess", description=main.__doc__.split("\n")[0])
-    p.add_argument("--shard", type=positive_int, default=4096, help="rows of the rank's shard (S32768 at W=8)")
-    p.add_argument("--heads", type=positive_int, default=32)
-    p.add_argument("--kv-heads", type=positive_int, default=8)
-    add_common_args(p, iters=50, warmup=5, dtype=False, gpu_tool=True)
-    a = p.parse_args(argv)
-    dev = device_of(a, "the fold-and-preprocess benchmark", gpu_tool=True, cpu_hint="its CPU check: "
-                    "TRITON_INTERPRET=1 python -m pytest -q tests/test_fa4_ring_backward.py -k fold_pre")
-    copy = copy_bandwidth(dev, a.iters, a.warmup)
+    a, dev, copy, g, full = bench_start("triton_fold_preprocess", main.__doc__, "the fold-and-preprocess benchmark",
+                                        "fold_pre", argv)
     s, h, kvh, dim, bf16 = a.shard, a.heads, a.kv_heads, 128, torch.bfloat16
     with_fa4 = fa4.runs_on(dev, bf16)
-    g = torch.Generator(device=dev).manual_seed(0)
-    full = [torch.randn(1, s, h, dim, device=dev, generator=g).to(bf16) for _ in range(3)]
     lse = torch.randn(1, h, s, device=dev, generator=g) + 5
     print(f"copy bandwidth {copy / 1e9:.0f} GB/s; shard {s}, heads {h} (kv {kvh}), head_dim {dim}, bf16"
           + ("" if with_fa4 else "; FA4 absent: the fold alone against the one pass"))

@@ -232,26 +232,37 @@ def dkv_finish_(acc, scratch, orders, scale_k: float, scale_v: float, add: bool)
     return acc
 
 
-def main(argv=None):
-    """The glue passes against torch's at the W=8 S32768 rank's shapes: the fold of a 2048-row set's Q, out and
-    dO (32 heads, 8 kv heads), and a 4096- and a 2048-key bf16 share, cut out of a fused block's result, added
-    into the float32 dK/dV; GPU and wall clocks, GB/s of the bytes each must move, the largest difference."""
-    from distlab.bench import StudyParser, add_common_args, device_of, positive_int, write_json
-    from distlab.kernels.bench import bandwidth_cells, bandwidth_row, copy_bandwidth
-    from distlab.kernels.fa4_ring_backward import fold_heads
+def bench_start(module: str, doc: str, what: str, check: str, argv):
+    """A glue benchmark's start (``main`` here and in ``triton_fold_preprocess``): its flags parsed (the rank's
+    shard, heads, kv heads), the CUDA device (refused without one, pointing at the CPU check ``-k check``), the
+    copy bandwidth, a seeded generator and a W=8 rank's Q, out and dO, bf16, head_dim 128."""
+    from distlab.bench import StudyParser, add_common_args, device_of, positive_int
+    from distlab.kernels.bench import copy_bandwidth
 
-    p = StudyParser(prog="python -m distlab.kernels.triton_ring_glue", description=main.__doc__.split("\n")[0])
+    p = StudyParser(prog=f"python -m distlab.kernels.{module}", description=doc.split("\n")[0])
     p.add_argument("--shard", type=positive_int, default=4096, help="rows of the rank's shard (S32768 at W=8)")
     p.add_argument("--heads", type=positive_int, default=32)
     p.add_argument("--kv-heads", type=positive_int, default=8)
     add_common_args(p, iters=50, warmup=5, dtype=False, gpu_tool=True)
     a = p.parse_args(argv)
-    dev = device_of(a, "the ring glue benchmark", gpu_tool=True, cpu_hint="its CPU check: TRITON_INTERPRET=1 "
-                    "python -m pytest -q tests/test_fa4_ring_backward.py -k glue")
+    dev = device_of(a, what, gpu_tool=True, cpu_hint="its CPU check: TRITON_INTERPRET=1 python -m pytest -q "
+                    f"tests/test_fa4_ring_backward.py -k {check}")
     copy = copy_bandwidth(dev, a.iters, a.warmup)
-    s, h, kvh, dim, bf16 = a.shard, a.heads, a.kv_heads, 128, torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
-    full = [torch.randn(1, s, h, dim, device=dev, generator=g).to(bf16) for _ in range(3)]
+    full = [torch.randn(1, a.shard, a.heads, 128, device=dev, generator=g).to(torch.bfloat16) for _ in range(3)]
+    return a, dev, copy, g, full
+
+
+def main(argv=None):
+    """The glue passes against torch's at the W=8 S32768 rank's shapes: the fold of a 2048-row set's Q, out and
+    dO (32 heads, 8 kv heads), and a 4096- and a 2048-key bf16 share, cut out of a fused block's result, added
+    into the float32 dK/dV; GPU and wall clocks, GB/s of the bytes each must move, the largest difference."""
+    from distlab.bench import write_json
+    from distlab.kernels.bench import bandwidth_cells, bandwidth_row
+    from distlab.kernels.fa4_ring_backward import fold_heads
+
+    a, dev, copy, g, full = bench_start("triton_ring_glue", main.__doc__, "the ring glue benchmark", "glue", argv)
+    s, h, kvh, dim, bf16 = a.shard, a.heads, a.kv_heads, 128, torch.bfloat16
     half = [t[:, s // 2:] for t in full]
     acc = torch.randn(2, 1, s, kvh, dim, device=dev, generator=g)
     block = torch.randn(2, 1, 3 * s, kvh, dim, device=dev, generator=g).to(bf16)   # a fused block's dK/dV
