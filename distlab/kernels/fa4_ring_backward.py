@@ -241,10 +241,11 @@ class _RowSet:
     run)``, views the ring's shared preprocess (``FA4RingBackward.share_preprocess``) hands out; the preprocess
     runs only where ``run`` (the whole shard's set), the others' rows being already written and their dQ
     accumulators zeroed. ``bufs``: ``(dpsum, lse_log2, dq_accum)`` kept from an earlier backward of the ring's
-    shape (``FA4RingBackward.set_bufs``), which the preprocess writes over (and zeroes dq_accum)."""
+    shape (``FA4RingBackward.set_bufs``), which the preprocess writes over (and zeroes dq_accum); ``written``: a
+    folded set's fold wrote them already (``FA4_RING_FOLD_PRE``, ``triton_fold_preprocess``)."""
 
     def __init__(self, rec, q, out, dout, lse, fold, shared=None, bufs=None, written=False):
-        (pre_fn, pre_args), _, _, shapes = rec
+        (pre_fn, pre_args), _, _, _ = rec
         self.rec, self.q, self.dout, self.fold = rec, q, dout, fold
         if shared is not None:
             self.dpsum, self.lse_log2, self.dq_accum, run = shared
@@ -252,7 +253,7 @@ class _RowSet:
                 return
         else:
             self.dpsum, self.lse_log2, self.dq_accum = bufs or preprocess_buffers(rec, dout)
-        if not written:   # ``written``: the fold wrote them (``triton_fold_preprocess``)
+        if not written:
             pre_fn(out, dout, self.dpsum, lse, self.lse_log2, self.dq_accum, *pre_args[6:])   # zeroes dq_accum
 
 
