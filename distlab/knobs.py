@@ -113,8 +113,9 @@ KNOBS = {
                                   "head's q heads by atomics into float32 scratch); 1: with each kv head's q heads "
                                   "folded into rows, as MHA (G times the rows a CTA loops over, dK/dV written in q's "
                                   "dtype, the travelling dK/dV a float32 bshd tensor); auto: half for shards of 2048 "
-                                  "and 4096 rows (where it was measured to pay; distlab.kernels.fa4_ring_backward: "
-                                  "FOLD_MIN_SHARD, FOLD_MAX_ROWS); half: a causal zigzag ring's half-shard row sets, "
+                                  "rows, every unmasked set for shards of 4096 (where each was measured to pay; "
+                                  "distlab.kernels.fa4_ring_backward: FOLD_MIN_SHARD, FOLD_MAX_ROWS, "
+                                  "FOLD_WHOLE_SHARD); half: a causal zigzag ring's half-shard row sets, "
                                   "at any shard length"),
     "FA4_REPLAY": Knob("1", "0: every fa4 forward through FlashAttention-4's Python interface (default: a shape's "
                             "compiled kernel called directly after its first call, distlab.kernels.fa4)"),
@@ -144,9 +145,10 @@ KNOBS = {
                                "1 both, fold (Q, out and dO folded in one launch), add (the float32 dK/dV += a "
                                "block's bf16 share, vectorized); 0: torch's copies and adds (H100 S32768, with "
                                "FA4_RING_DKV_FINISH=1, slowest rank f+b wall 84.5 -> 85.8%, docs/PERF.md)"),
-    "FA4_RING_FOLD_PRE": Knob("0", "1: a folding fa4 ring backward folds each folded row set's Q and dO and runs FA4's "
+    "FA4_RING_FOLD_PRE": Knob("1", "1: a folding fa4 ring backward folds each folded row set's Q and dO and runs FA4's "
                                    "preprocess for it in one Triton pass (distlab.kernels.triton_fold_preprocess: out "
-                                   "read once, not folded); 0: the fold (FA4_RING_GLUE), then FA4's preprocess"),
+                                   "read once, not folded; H100 S16384 slowest rank f+b wall 77.2 -> 78.8%, "
+                                   "docs/PERF.md); 0: the fold (FA4_RING_GLUE), then FA4's preprocess, for an A/B"),
     "FA4_RING_DKV_FINISH": Knob("1", "1: a folding fa4 ring backward's unfolded blocks (causal, and row sets too long to "
                                      "fold) hand their float32 dK/dV scratch to one Triton pass that scales it and "
                                      "adds it into the travelling accumulator (triton_ring_glue.dkv_finish_); 0: "

@@ -57,6 +57,10 @@
 #   bash launch/gpu_host_check.sh OUTDIR foldpre34 # FA4 present: a folded set's fold and preprocess in one pass (GPU
 #                                                  # tests, the pass's benchmark; every rank S32768, GPU clock, with
 #                                                  # and without, fold auto/1; foldpre34s: ranks 4-6, a short lease)
+#   bash launch/gpu_host_check.sh OUTDIR defaults35 # FA4 present: the 35th session's defaults against the 34th's
+#                                                  # (GPU tests; every rank S32768 and S16384, wall, paired 3)
+#   bash launch/gpu_host_check.sh OUTDIR foldpre35w # FA4 present: foldpre34's A/B on the wall clock (every rank S32768
+#                                                  # and S16384, paired 3; rank 4's kernels folded, both knobs)
 #   bash launch/gpu_host_check.sh OUTDIR sharepre  # FA4 present: A/Bs of the ring backward (GPU test, every rank
 #                                                  # S8192 / S32768, a timeline): one preprocess for the unfolded
 #                                                  # row sets or one each (dqfused: dQ finished in one Triton
@@ -525,6 +529,27 @@ elif [ "$part" = foldpre34s ]; then   # foldpre34 for a short lease: the kernel'
   LIMIT=120 TAIL=5 run foldpre32k_gpu_r456 $py -m distlab.cp.emulate --world 8 --backend fa4 \
       --steps-per-launch 1,3,4 --rank 4 5 6 --seq 32768 --iters 10 --paired 2 \
       --variant "" FA4_RING_FOLD_PRE=1 --json "$out/foldpre32k_gpu_r456.json"
+elif [ "$part" = defaults35 ]; then   # FA4 present (35th session): the new defaults (auto folds every unmasked set of
+  # a 4096-row shard, the folded sets' fold and preprocess one pass) against the 34th session's (FA4_RING_FOLD=half:
+  # auto's old rule at these shards; FA4_RING_FOLD_PRE=0) — their GPU tests, every rank at S32768 and S16384, wall
+  ring="$py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 --rank 0 1 2 3 4 5 6 7"
+  LIMIT=150 TAIL=4 run gpu_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py tests/test_ring.py \
+      tests/test_ring_kept.py tests/test_ring_landing.py -p no:cacheprovider
+  for s in 32768 16384; do
+    LIMIT=150 TAIL=5 run defaults35_s${s}_wall $ring --seq $s --iters 10 --paired 3 --wall \
+        --variant "" "FA4_RING_FOLD=half;FA4_RING_FOLD_PRE=0" --json "$out/defaults35_s${s}_wall.json"
+  done
+elif [ "$part" = foldpre35w ]; then   # FA4 present (35th session): foldpre34's A/B on the wall clock — every rank at
+  # S32768 (paired 3): every unmasked set folded with the one-pass fold, the defaults, the pass alone; S16384 (auto
+  # folds its half sets) with and without the pass; rank 4's kernels with both knobs
+  ring="$py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 --rank 0 1 2 3 4 5 6 7"
+  LIMIT=300 TAIL=5 run foldpre32k_wall $ring --seq 32768 --iters 10 --paired 3 --wall \
+      --variant "FA4_RING_FOLD=1;FA4_RING_FOLD_PRE=1" "" FA4_RING_FOLD_PRE=1 --json "$out/foldpre32k_wall.json"
+  LIMIT=150 TAIL=5 run foldpre16k_wall $ring --seq 16384 --iters 10 --paired 3 --wall \
+      --variant FA4_RING_FOLD_PRE=1 "" --json "$out/foldpre16k_wall.json"
+  LIMIT=60 TAIL=45 run timeline_s32768_r4_foldpre env DISTLAB_FA4_RING_FOLD=1 DISTLAB_FA4_RING_FOLD_PRE=1 \
+      $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --rank 4 --steps-per-launch 1,3,4 --iters 5 \
+      --timeline --json "$out/timeline_s32768_r4_foldpre.json"
 elif [ "$part" = foldpre34 ]; then   # FA4 present (34th session): a folded row set's fold and FA4's preprocess in one
   # Triton pass (FA4_RING_FOLD_PRE=1) — its GPU tests, then every rank at S32768 on the GPU clock (paired 2): the
   # defaults (half sets folded), with it, and every unmasked set folded with it (fold33's A/B)

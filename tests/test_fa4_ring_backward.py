@@ -344,8 +344,8 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
 
 
 def test_fa4_ring_fold_auto_folds_the_short_unmasked_row_sets_of_long_shards():
-    """``FA4_RING_FOLD=auto``: a causal zigzag ring's shard of 4096 rows (S32768, W=8) folds its unmasked half row
-    sets (2048 rows) and not its 4096-row ones, a shard of 2048 (S16384) its 1024-row half sets and not its
+    """``FA4_RING_FOLD=auto``: a causal zigzag ring's shard of 4096 rows (S32768, W=8) folds every unmasked row
+    set, its half (2048 rows) and whole (4096) ones, a shard of 2048 (S16384) its 1024-row half sets and not its
     2048-row ones (H100: folding those lost); not causal blocks, MHA, shards of 1024 (S8192: host-bound) or 8192
     (half sets of 4096 rows), contiguous or non-causal rings; ``1`` folds every unmasked block of a GQA ring,
     ``0`` none."""
@@ -358,7 +358,7 @@ def test_fa4_ring_fold_auto_folds_the_short_unmasked_row_sets_of_long_shards():
 
     with knobs.override(FA4_RING_FOLD="auto"):
         big, mid, small = kept(4096), kept(2048), kept(1024)
-        assert big.fold and [big.folds(n, False) for n in (2048, 4096)] == [True, False]
+        assert big.fold and [big.folds(n, False) for n in (2048, 4096)] == [True, True]
         assert mid.fold and [mid.folds(n, False) for n in (1024, 2048)] == [True, False] and not mid.folds(1024, True)
         assert not big.folds(2048, True) and not small.fold and not small.folds(512, False)
         assert not kept(8192).fold and not kept(8192).folds(2048, False)

@@ -80,8 +80,13 @@ TILE = 128   # FA4's largest row / key tile of the sm90 backward at head_dim 128
 # shape (32nd), the half sets alone (``half``), H100 2026-12-07, slowest of the 8 ranks folded / not: shard 2048
 # (S16384) wall 78.9 / 76.5% (paired 79.7 / 75.7), GPU clock 81.2 / 77.3% — auto folds there since; shard 1024
 # (S8192) GPU clock 81.1 / 76.6% but host-bound on the wall (78.5 µs of host a backward step against 56.5 of GPU).
+# With the folded sets' fold and preprocess one Triton pass (FA4_RING_FOLD_PRE=1, 35th session), a shard of 4096
+# rows folds its whole-shard sets too: H100, 2026-12-07, S32768 slowest of the 8 ranks, wall, every unmasked set
+# folded with the pass / the half sets without it 85.8 / 83.6% and 91.1 / 89.4% (paired 88.7 / 87.9, 89.6 / 86.1)
+# in two processes; GPU clock 85.0 / 82.2% (paired 88.6 / 87.3).
 FOLD_MIN_SHARD = 2048
 FOLD_MAX_ROWS = 2048
+FOLD_WHOLE_SHARD = 4096   # auto folds every unmasked row set of a shard this long (2048: the half sets only)
 _RECORDED: dict = {}
 # per ring shape (``FA4RingBackward.prepare``'s signature): {"zero", "sets"}: the shared preprocess's buffers and
 # views (None and [] without it); "blocks": what each block shape needs besides its tensors (``block``)
@@ -296,7 +301,8 @@ class FA4RingBackward:
         half = causal and layout == "zigzag"   # a causal zigzag ring's later row sets are half its shard
         self.fold = q.shape[2] > k.shape[2] and (mode == "1" or mode == "half" and half or mode == "auto" and half
                                                   and FOLD_MIN_SHARD <= q.shape[1] <= 2 * FOLD_MAX_ROWS)
-        self.fold_rows = {"auto": min(FOLD_MAX_ROWS, q.shape[1] // 2), "half": q.shape[1] // 2}.get(mode)
+        auto_rows = q.shape[1] if q.shape[1] >= FOLD_WHOLE_SHARD else min(FOLD_MAX_ROWS, q.shape[1] // 2)
+        self.fold_rows = {"auto": auto_rows, "half": q.shape[1] // 2}.get(mode)
 
     def folds(self, rows: int, causal: bool) -> bool:
         """A block of ``rows`` rows runs folded: a folding ring's unmasked block, short enough a row set
