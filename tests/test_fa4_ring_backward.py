@@ -71,7 +71,7 @@ def _fake_record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal,
 
 def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_launch=1, cap="0", add_rows="0",
                        fold="1", route="ring", share="1", repeat=1, dq_fused="0", glue="0", dtype=torch.float64,
-                       dkv_finish="0"):
+                       dkv_finish="0", fold_pre="0"):
     from distlab import knobs
     from distlab.cp.ring import _ring_backward, _ring_forward
     from distlab.kernels import fa4_ring_backward as frb
@@ -95,7 +95,7 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
     try:
         with fa4_pretended(), knobs.override(RING_FUSE_MAX_KEYS=cap, RING_DKV_ADD_ROWS=add_rows, FA4_RING_FOLD=fold,
                                              FA4_RING_SHARE_PRE=share, FA4_RING_DQ_FUSED=dq_fused, FA4_RING_GLUE=glue,
-                                             FA4_RING_DKV_FINISH=dkv_finish):
+                                             FA4_RING_DKV_FINISH=dkv_finish, FA4_RING_FOLD_PRE=fold_pre):
             out, lse = _ring_forward(*local[:3], ring, causal, layout, scale, "torch", steps_per_launch)
             runs = [_ring_backward(local[3], *local[:3], out, lse, ring, causal, layout, scale, "fa4",
                                    steps_per_launch, route) for _ in range(repeat)]
@@ -343,7 +343,7 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
                                               finish, fold_pre, rank, errs)
 
 
-def test_fa4_ring_fold_auto_folds_the_short_unmasked_row_sets_of_long_shards():
+def test_fa4_ring_fold_auto_folds_by_shard_length():
     """``FA4_RING_FOLD=auto``: a causal zigzag ring's shard of 4096 rows (S32768, W=8) folds every unmasked row
     set, its half (2048 rows) and whole (4096) ones, a shard of 2048 (S16384) its 1024-row half sets and not its
     2048-row ones (H100: folding those lost); not causal blocks, MHA, shards of 1024 (S8192: host-bound) or 8192
@@ -555,8 +555,8 @@ def _fold_pre_on_the_interpreter():
         return real(*a, **kw)
     fp.fold_preprocess_ = counted
     try:
-        ring = [_ring_on_stand_ins_with({"FA4_RING_FOLD_PRE": "1"}, "zigzag", True, 4, 2, 32, 4, n, fold="1",
-                                        glue="1", dtype=torch.float32, dkv_finish="1", repeat=2) for n in (1, (2,))]
+        ring = [_ring_on_stand_ins("zigzag", True, 4, 2, 32, 4, n, fold="1", glue="1", dtype=torch.float32,
+                                   dkv_finish="1", repeat=2, fold_pre="1") for n in (1, (2,))]
     finally:
         fp.fold_preprocess_ = real
     return mismatches, errors, refused, calls[0], ring
