@@ -57,6 +57,8 @@
 #   bash launch/gpu_host_check.sh OUTDIR foldpre34 # FA4 present: a folded set's fold and preprocess in one pass (GPU
 #                                                  # tests, the pass's benchmark; every rank S32768, GPU clock, with
 #                                                  # and without, fold auto/1; foldpre34s: ranks 4-6, a short lease)
+#   bash launch/gpu_host_check.sh OUTDIR preonce35 # FA4 present: every row set's preprocess in one pass (GPU tests;
+#                                                  # every rank S32768 wall and GPU clock with and without; rank 4)
 #   bash launch/gpu_host_check.sh OUTDIR defaults35 # FA4 present: the 35th session's defaults against the 34th's
 #                                                  # (GPU tests; every rank S32768 and S16384, wall, paired 3)
 #   bash launch/gpu_host_check.sh OUTDIR foldpre35w # FA4 present: foldpre34's A/B on the wall clock (every rank S32768
@@ -529,6 +531,19 @@ elif [ "$part" = foldpre34s ]; then   # foldpre34 for a short lease: the kernel'
   LIMIT=120 TAIL=5 run foldpre32k_gpu_r456 $py -m distlab.cp.emulate --world 8 --backend fa4 \
       --steps-per-launch 1,3,4 --rank 4 5 6 --seq 32768 --iters 10 --paired 2 \
       --variant "" FA4_RING_FOLD_PRE=1 --json "$out/foldpre32k_gpu_r456.json"
+elif [ "$part" = preonce35 ]; then   # FA4 present (35th session): every row set's preprocess in one Triton pass
+  # (FA4_RING_PRE_ONCE=1) — its GPU tests, every rank at S32768 wall (paired 3) and GPU clock (paired 2) against
+  # the defaults, rank 4's kernels with it
+  ring="$py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 --rank 0 1 2 3 4 5 6 7"
+  LIMIT=${TESTS_LIMIT:-150} TAIL=5 run preonce_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py \
+      -p no:cacheprovider -k "fold_pre or preprocess_sets"
+  LIMIT=150 TAIL=5 run preonce32k_wall $ring --seq 32768 --iters 10 --paired 3 --wall \
+      --variant FA4_RING_PRE_ONCE=1 "" --json "$out/preonce32k_wall.json"
+  LIMIT=120 TAIL=5 run preonce32k_gpu $ring --seq 32768 --iters 10 --paired 2 \
+      --variant "" FA4_RING_PRE_ONCE=1 --json "$out/preonce32k_gpu.json"
+  LIMIT=60 TAIL=45 run timeline_s32768_r4_preonce env DISTLAB_FA4_RING_PRE_ONCE=1 $py -m distlab.cp.emulate \
+      --world 8 --seq 32768 --backend fa4 --rank 4 --steps-per-launch 1,3,4 --iters 5 --timeline \
+      --json "$out/timeline_s32768_r4_preonce.json"
 elif [ "$part" = defaults35 ]; then   # FA4 present (35th session): the new defaults (auto folds every unmasked set of
   # a 4096-row shard, the folded sets' fold and preprocess one pass) against the 34th session's (FA4_RING_FOLD=half:
   # auto's old rule at these shards; FA4_RING_FOLD_PRE=0) — their GPU tests, every rank at S32768 and S16384, wall

@@ -71,7 +71,7 @@ def _fake_record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal,
 
 def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_launch=1, cap="0", add_rows="0",
                        fold="1", route="ring", share="1", repeat=1, dq_fused="0", glue="0", dtype=torch.float64,
-                       dkv_finish="0", fold_pre="0"):
+                       dkv_finish="0", fold_pre="0", pre_once="0"):
     from distlab import knobs
     from distlab.cp.ring import _ring_backward, _ring_forward
     from distlab.kernels import fa4_ring_backward as frb
@@ -95,7 +95,8 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
     try:
         with fa4_pretended(), knobs.override(RING_FUSE_MAX_KEYS=cap, RING_DKV_ADD_ROWS=add_rows, FA4_RING_FOLD=fold,
                                              FA4_RING_SHARE_PRE=share, FA4_RING_DQ_FUSED=dq_fused, FA4_RING_GLUE=glue,
-                                             FA4_RING_DKV_FINISH=dkv_finish, FA4_RING_FOLD_PRE=fold_pre):
+                                             FA4_RING_DKV_FINISH=dkv_finish, FA4_RING_FOLD_PRE=fold_pre,
+                                             FA4_RING_PRE_ONCE=pre_once):
             out, lse = _ring_forward(*local[:3], ring, causal, layout, scale, "torch", steps_per_launch)
             runs = [_ring_backward(local[3], *local[:3], out, lse, ring, causal, layout, scale, "fa4",
                                    steps_per_launch, route) for _ in range(repeat)]
@@ -545,32 +546,61 @@ def _fold_pre_on_the_interpreter():
         errors += [(bufs[0][..., :n] - delta).abs().max().item(), (bufs[1][..., :n] - want).abs().max().item()]
         mismatches += [bool((bufs[0][..., n:] != 0).any()), bool((bufs[1][..., n:] != float("inf")).any()),
                        bool((bufs[2] != 0).any())]
+    # several row sets in one pass (``preprocess_sets_``): every row and the last 6 folded, the rows unfolded
+    b, log2e = 2, 1.4426950408889634
+    q, out, dout = (torch.randn(b, 10, 4, 8, generator=g) for _ in range(3))
+    lse = torch.randn(b, 4, 10, generator=g)
+    lse[1, 3, 7] = float("-inf")
+    sets = [(0, 10, 3), (4, 6, 7)]   # (start, rows, padding rows past the folded ones)
+    bufs = [tuple(torch.full((b, 2, shape), float("nan")) for shape in (2 * n + pad, 2 * n + pad, (2 * n + pad) * 8))
+            for _, n, pad in sets]
+    plain = tuple(torch.full((b, 4, shape), float("nan")) for shape in (13, 13, 13 * 8))
+    outs = fp.preprocess_sets_((q, out, dout), lse, 2, [(st, n, bf) for (st, n, _), bf in zip(sets, bufs)], plain)
+    for (st, n, _), bf, got in zip(sets, bufs, outs):
+        rows = slice(st, st + n)
+        mismatches += [not torch.equal(x, frb.fold_heads(t[:, rows], 2)) for x, t in zip(got, (q, dout))]
+        delta = (frb.fold_heads(out[:, rows], 2) * frb.fold_heads(dout[:, rows], 2)).sum(-1).transpose(1, 2)
+        want = lse[:, :, rows].reshape(b, 2, 2 * n) * log2e
+        want[want == float("-inf")] = 0.0
+        errors += [(bf[0][..., :2 * n] - delta).abs().max().item(), (bf[1][..., :2 * n] - want).abs().max().item()]
+        mismatches += [bool((bf[0][..., 2 * n:] != 0).any()), bool((bf[1][..., 2 * n:] != float("inf")).any()),
+                       bool((bf[2] != 0).any())]
+    want = lse * log2e
+    want[want == float("-inf")] = 0.0
+    errors += [(plain[0][..., :10] - (out * dout).sum(-1).transpose(1, 2)).abs().max().item(),
+               (plain[1][..., :10] - want).abs().max().item()]
+    mismatches += [bool((plain[0][..., 10:] != 0).any()), bool((plain[1][..., 10:] != float("inf")).any()),
+                   bool((plain[2] != 0).any())]
     too_long = (torch.zeros(1, 2, 2), torch.zeros(1, 2, 2), torch.zeros(1, 2, 2 * 8))   # 2 rows of 4 fold to 4 > 2
-    refused = not fp.fold_pre_takes([torch.zeros(1, 2, 4, 8)] * 3, torch.zeros(1, 4, 2), 2, too_long)
-    calls = [0]
-    real = fp.fold_preprocess_
+    refused = not fp.fold_pre_takes([torch.zeros(1, 2, 4, 8)] * 3, torch.zeros(1, 4, 2), 2, too_long) and not \
+        fp.sets_take([q, out, dout], lse, 2, [(6, 6, bufs[1])]) and not fp.sets_take([q, out, dout], lse, 2, [])
+    calls = []   # the number of row sets of each pass
+    real = fp.preprocess_sets_
 
-    def counted(*a, **kw):
-        calls[0] += 1
-        return real(*a, **kw)
-    fp.fold_preprocess_ = counted
+    def counted(tensors, lse, kv_heads, folded, unfolded=None, checked=False):
+        calls.append(len(folded) + (unfolded is not None))
+        return real(tensors, lse, kv_heads, folded, unfolded, checked)
+    fp.preprocess_sets_ = counted
     try:
         ring = [_ring_on_stand_ins("zigzag", True, 4, 2, 32, 4, n, fold="1", glue="1", dtype=torch.float32,
-                                   dkv_finish="1", repeat=2, fold_pre="1") for n in (1, (2,))]
+                                   dkv_finish="1", repeat=2, fold_pre="1", pre_once=once)
+                for n in (1, (2,)) for once in ("0", "1")]
     finally:
-        fp.fold_preprocess_ = real
-    return mismatches, errors, refused, calls[0], ring
+        fp.preprocess_sets_ = real
+    return mismatches, errors, refused, calls, ring
 
 
 def test_fold_pre_kernel_matches_the_fold_and_fa4s_preprocess_on_the_interpreter(interpreted_pools):
     """``FA4_RING_FOLD_PRE`` (``distlab.kernels.triton_fold_preprocess``): one pass gives the fold of Q and dO and
-    every buffer FA4's preprocess writes, padding included; a folding ring taking it (called on both ranks of a
-    W=2 ring, step by step and as one launch group, twice on each ring shape) matches one device."""
+    every buffer FA4's preprocess writes, padding included — for one folded set, and for two folded sets of one
+    shard's rows with the rows' unfolded set (``preprocess_sets_``); a folding ring taking it (called on both
+    ranks of a W=2 ring, step by step and as one launch group, twice on each ring shape), with each set's own
+    pass and with every set's in one (``FA4_RING_PRE_ONCE=1``: a pass of two sets runs), matches one device."""
     for mismatches, errors, refused, calls, ring in interpreted_pools(2).run(_fold_pre_on_the_interpreter,
                                                                              timeout_s=300):
         assert not any(mismatches) and refused, mismatches
         assert max(errors) < 1e-6, errors
-        assert calls >= 2, calls
+        assert calls.count(1) >= 2 and 2 in calls, calls
         for res in ring:
             assert res["folded"] and max(res["errors"]) < 1e-5, res
 
@@ -630,20 +660,21 @@ def test_fa4_ring_backward_with_fold_pre_matches_the_float32_reference():
 
     if not torch.cuda.is_available() or not fa4.runs_on(torch.device("cuda"), torch.bfloat16):
         pytest.skip("needs FA4 on an sm90+ GPU")
-    calls, real = [0], fp.fold_preprocess_
-    fp.fold_preprocess_ = lambda *a, **kw: calls.__setitem__(0, calls[0] + 1) or real(*a, **kw)
+    calls, real = [0], fp.preprocess_sets_
+    fp.preprocess_sets_ = lambda *a, **kw: calls.__setitem__(0, calls[0] + 1) or real(*a, **kw)
     try:
         for layout, world, batch, n in (("zigzag", 4, 1, 1), ("zigzag", 2, 2, 1), ("contiguous", 4, 2, 3),
                                         ("zigzag", 8, 1, (1, 2, 5))):
-            for fused, finish in (("1", "1"), ("0", "0")):
+            for fused, finish, once in (("1", "1", "0"), ("0", "0", "0"), ("1", "1", "1")):
                 with knobs.override(FA4_RING_ACCUM="1", FA4_RING_FOLD="1", FA4_RING_DQ_FUSED=fused,
-                                    FA4_RING_GLUE="1", FA4_RING_DKV_FINISH=finish, FA4_RING_FOLD_PRE="1"):
+                                    FA4_RING_GLUE="1", FA4_RING_DKV_FINISH=finish, FA4_RING_FOLD_PRE="1",
+                                    FA4_RING_PRE_ONCE=once):
                     before = calls[0]
                     for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, layout, batch, n)):
-                        assert max(errs) < 2e-2, (layout, world, batch, n, fused, finish, rank, errs)
+                        assert max(errs) < 2e-2, (layout, world, batch, n, fused, finish, once, rank, errs)
                     assert calls[0] > before, (layout, world, batch, n, "the fold's preprocess never ran")
     finally:
-        fp.fold_preprocess_ = real
+        fp.preprocess_sets_ = real
 
 
 @pytest.mark.gpu
@@ -671,6 +702,42 @@ def test_fold_pre_kernel_matches_fa4s_preprocess_on_the_gpu():
     assert torch.equal(fq, folded[0]) and torch.equal(fdo, folded[2])
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]) and not got[2].any()
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_preprocess_sets_match_fa4s_preprocess_on_the_gpu():
+    """``preprocess_sets_`` at a W=8 S32768 middle rank's row sets (32 q / 8 kv heads, bf16): the 4096 rows and the
+    last 2048 folded, the 4096 rows unfolded for the causal block, in one pass — each against FA4's own
+    preprocess for its recorded kernel: the folds bit for bit, LSE and the zeroed dQ accumulators equal, delta
+    within 1e-5."""
+    from distlab.kernels import fa4
+    from distlab.kernels import fa4_ring_backward as frb
+    from distlab.kernels import triton_fold_preprocess as fp
+
+    if not torch.cuda.is_available() or not fa4.runs_on(torch.device("cuda"), torch.bfloat16):
+        pytest.skip("needs FA4 on an sm90+ GPU")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, out, dout = (torch.randn(1, 4096, 32, 128, device="cuda", generator=g).bfloat16() for _ in range(3))
+    lse = torch.randn(1, 32, 4096, device="cuda", generator=g) + 5
+    wants, gots, targets = [], [], []
+    for start, fold in ((0, True), (2048, True), (0, False)):
+        rows, group = slice(start, 4096), 4 if fold else 1
+        rec = frb._record(1, group * (4096 - start), 4096, 32 // group, 8, 128, torch.bfloat16, q.device,
+                          not fold, 128 ** -0.5)
+        (pre_fn, pre_args) = rec[0]
+        want = frb.preprocess_buffers(rec, q)
+        t = [frb.fold_heads(x[:, rows], 8) if fold else x for x in (q, out, dout)]
+        lse_t = lse[:, :, rows].reshape(1, 8, -1) if fold else lse
+        pre_fn(t[1], t[2], want[0], lse_t, want[1], want[2], *pre_args[6:])
+        wants.append((want, t))
+        gots.append(tuple(torch.full_like(x, float("nan")) for x in want))
+        targets.append((start, 4096 - start, gots[-1]))
+    outs = fp.preprocess_sets_((q, out, dout), lse, 8, targets[:2], gots[2])
+    for (want, t), got, folded in zip(wants, gots, outs + [None]):
+        if folded is not None:
+            assert torch.equal(folded[0], t[0]) and torch.equal(folded[1], t[2])
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]) and not got[2].any()
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
 
 
 def test_dq_fused_knob_falls_back_where_the_kernel_does_not_apply(pools):

@@ -354,6 +354,38 @@ class FA4RingBackward:
                 zero.zero_()
             for rows, cols, causal, views, rec in sets:
                 self._row_set(rows, cols, causal, views, rec)
+        if not sets and self.fold and self.fold_pre and self.triton and knobs.get("FA4_RING_PRE_ONCE") == "1":
+            self._preprocess_once(blocks)
+
+    def _preprocess_once(self, blocks):
+        """Every row set's preprocess in one Triton pass before step 0 (knob ``FA4_RING_PRE_ONCE``,
+        ``triton_fold_preprocess.preprocess_sets_``) where the ring's row sets are folded ones (up to two) and at
+        most one unfolded, the whole shard's (S32768, W=8, every unmasked set folded: the causal set, all rows,
+        the second half): q, out and dO read once for all, not once per set — the causal set's preprocess and
+        each folded set's fold-and-preprocess read them again (H100, rank 4: 45 + 83 + 42 µs). Other rings, or
+        tensors the pass does not take: each set's own preprocess when its first block runs, as before."""
+        q, s = self.q, self.q.shape[1]
+        first = {}   # row set key -> the keys of its first block (``block`` records a new set with them)
+        for rows, cols, causal in blocks:
+            first.setdefault((rows.start, rows.stop, causal), cols.stop - cols.start)
+        folded = [key for key in first if self.folds(key[1] - key[0], key[2])]
+        plain = [key for key in first if key not in folded]
+        fp = _fold_pre()
+        if len(first) < 2 or not 0 < len(folded) <= fp.MAX_FOLDED or any(key[:2] != (0, s) for key in plain):
+            return
+        recs = {key: self._rec(key[1] - key[0], first[key], key[2], key in folded) for key in first}
+        bufs = {key: self.set_bufs.get(key) or preprocess_buffers(recs[key], self.dout) for key in first}
+        tensors, targets = (q, self.out, self.dout), [(key[0], key[1] - key[0], bufs[key]) for key in folded]
+        unfolded = bufs[plain[0]] if plain else None
+        if not fp.sets_take(tensors, self.lse, self.kv_heads, targets, unfolded):
+            return
+        outs = fp.preprocess_sets_(tensors, self.lse, self.kv_heads, targets, unfolded, True)
+        for key, (fq, fdout) in zip(folded, outs):
+            self.sets[key] = _RowSet(recs[key], fq, None, fdout, None, True, None, bufs[key], True)
+        for key in plain:
+            self.sets[key] = _RowSet(recs[key], q, None, self.dout, None, False, None, bufs[key], True)
+        for key in first:   # kept for the next backward of this ring shape, as ``_row_set`` keeps them
+            self.set_bufs.setdefault(key, bufs[key])
 
     def _plan(self, blocks, share: bool, keep: bool):
         """The first time a ring shape comes: record every block shape, and with ``share`` the shared

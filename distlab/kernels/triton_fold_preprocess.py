@@ -35,8 +35,10 @@ PAD_ROWS = 128     # the most padding rows FA4's buffers have past the folded ro
 
 
 @triton.jit
-def _fold_pre_kernel(Q, O, DO, LSE, QF, DPSUM, LSE2, DQ, sb, sr, sh, lb, lh, ls, rows, HKV, padded, one,
-                     G: tl.constexpr, D: tl.constexpr, BR: tl.constexpr, PAD: tl.constexpr):
+def _fold_pre_kernel(Q, O, DO, LSE, QF0, DPS0, L20, DQ0, QF1, DPS1, L21, DQ1, DPSU, L2U, DQU,
+                     sb, sr, sh, lb, lh, ls, rows, HKV, st0, n0, pad0, one0, st1, n1, pad1, one1, padu,
+                     G: tl.constexpr, D: tl.constexpr, BR: tl.constexpr, PAD: tl.constexpr,
+                     FOLDED: tl.constexpr, UNFOLDED: tl.constexpr):
     head = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     h, g = head // G, head % G
@@ -44,46 +46,116 @@ def _fold_pre_kernel(Q, O, DO, LSE, QF, DPSUM, LSE2, DQ, sb, sr, sh, lb, lh, ls,
     d = tl.arange(0, D)
     inside = r < rows
     src = b * sb + r[:, None] * sr + head * sh + d[None, :]
-    folded = g * rows + r                                    # the row in the folded set
-    dst = (b * G * rows + folded)[:, None] * (HKV * D) + h * D + d[None, :]
-    tl.store(QF + dst, tl.load(Q + src, mask=inside[:, None]), mask=inside[:, None])
     do = tl.load(DO + src, mask=inside[:, None], other=0.0)
-    tl.store(QF + one + dst, do, mask=inside[:, None])
     o = tl.load(O + src, mask=inside[:, None], other=0.0)
-    acc_t = DPSUM.dtype.element_ty
+    acc_t = DQU.dtype.element_ty
     delta = tl.sum(o.to(acc_t) * do.to(acc_t), axis=1)
-    at = (b * HKV + h) * padded + folded                     # (B, Hkv, padded) buffers
-    tl.store(DPSUM + at, delta, mask=inside)
     lse = tl.load(LSE + b * lb + head * lh + r * ls, mask=inside, other=0.0)
-    tl.store(LSE2 + at, tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634), mask=inside)
-    tl.store(DQ + at[:, None] * D + d[None, :], tl.zeros([BR, D], dtype=DQ.dtype.element_ty), mask=inside[:, None])
-    if (tl.program_id(0) == 0) & (g == 0):                   # the padding rows past G·rows, once per kv head
-        for i in tl.static_range(PAD // BR):
-            pad = G * rows + i * BR + tl.arange(0, BR).to(tl.int64)
-            live = pad < padded
-            pat = (b * HKV + h) * padded + pad
-            tl.store(DPSUM + pat, tl.zeros([BR], dtype=acc_t), mask=live)
-            tl.store(LSE2 + pat, tl.full([BR], float("inf"), dtype=LSE2.dtype.element_ty), mask=live)
-            tl.store(DQ + pat[:, None] * D + d[None, :], tl.zeros([BR, D], dtype=DQ.dtype.element_ty),
-                     mask=live[:, None])
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+    if FOLDED > 0:
+        q = tl.load(Q + src, mask=inside[:, None])
+    for t in tl.static_range(FOLDED):   # each folded row set: its rows of the source, folded
+        if t == 0:
+            QF, DPS, L2, DQ, st, n, padded, one = QF0, DPS0, L20, DQ0, st0, n0, pad0, one0
+        else:
+            QF, DPS, L2, DQ, st, n, padded, one = QF1, DPS1, L21, DQ1, st1, n1, pad1, one1
+        local = r - st
+        mine = inside & (local >= 0) & (local < n)
+        folded = g * n + local                               # the row in the folded set
+        dst = (b * G * n + folded)[:, None] * (HKV * D) + h * D + d[None, :]
+        tl.store(QF + dst, q, mask=mine[:, None])
+        tl.store(QF + one + dst, do, mask=mine[:, None])
+        at = (b * HKV + h) * padded + folded                 # (B, Hkv, padded) buffers
+        tl.store(DPS + at, delta, mask=mine)
+        tl.store(L2 + at, lse2, mask=mine)
+        tl.store(DQ + at[:, None] * D + d[None, :], tl.zeros([BR, D], dtype=acc_t), mask=mine[:, None])
+        if (tl.program_id(0) == 0) & (g == 0):               # the padding rows past G·n, once per kv head
+            for i in tl.static_range(PAD // BR):
+                pad = G * n + i * BR + tl.arange(0, BR).to(tl.int64)
+                live = pad < padded
+                pat = (b * HKV + h) * padded + pad
+                tl.store(DPS + pat, tl.zeros([BR], dtype=acc_t), mask=live)
+                tl.store(L2 + pat, tl.full([BR], float("inf"), dtype=acc_t), mask=live)
+                tl.store(DQ + pat[:, None] * D + d[None, :], tl.zeros([BR, D], dtype=acc_t), mask=live[:, None])
+    if UNFOLDED:   # the whole source's rows as an unfolded set: FA4's preprocess of them, (B, H, padded) buffers
+        at = (b * HKV * G + head) * padu + r
+        tl.store(DPSU + at, delta, mask=inside)
+        tl.store(L2U + at, lse2, mask=inside)
+        tl.store(DQU + at[:, None] * D + d[None, :], tl.zeros([BR, D], dtype=acc_t), mask=inside[:, None])
+        if tl.program_id(0) == 0:                            # the padding rows past the source's, per head
+            for i in tl.static_range(PAD // BR):
+                pad = rows + i * BR + tl.arange(0, BR).to(tl.int64)
+                live = pad < padu
+                pat = (b * HKV * G + head) * padu + pad
+                tl.store(DPSU + pat, tl.zeros([BR], dtype=acc_t), mask=live)
+                tl.store(L2U + pat, tl.full([BR], float("inf"), dtype=acc_t), mask=live)
+                tl.store(DQU + pat[:, None] * D + d[None, :], tl.zeros([BR, D], dtype=acc_t), mask=live[:, None])
 
 
 _FOLD_PRE = CachedLaunch(_fold_pre_kernel)
+MAX_FOLDED = 2   # folded row sets one pass writes (zigzag's ranks have at most two: every row, the second half)
+
+
+def _bufs_take(bufs, b, heads, rows, dim, device) -> bool:
+    """FA4's preprocess buffers of a set of ``rows`` rows over ``heads`` heads: delta and LSE log2 ``(B, heads,
+    padded)``, dQ's accumulator ``(B, heads, padded · D)``, contiguous, padded at most ``PAD_ROWS`` past."""
+    dpsum, lse2, dq = bufs
+    padded = dpsum.shape[-1]
+    return (dpsum.shape == lse2.shape == (b, heads, padded) and dq.shape == (b, heads, padded * dim)
+            and 0 <= padded - rows <= PAD_ROWS and dpsum.dtype == lse2.dtype == dq.dtype
+            and all(t.is_contiguous() and t.device == device for t in bufs))
+
+
+def sets_take(tensors, lse, kv_heads: int, folded, unfolded=None) -> bool:
+    """``preprocess_sets_`` applies: q, out and dO ``(B, rows, H, D)`` as ``fold_takes`` wants them, the LSE
+    ``(B, H, rows)``; ``folded``: up to ``MAX_FOLDED`` of ``(start, n, bufs)``, rows ``start`` … ``start + n``
+    of the source in range, ``bufs`` over G·n rows and the kv heads; ``unfolded``: None or the source's own
+    rows' ``bufs`` over the q heads (``_bufs_take``), all of one float dtype."""
+    if len(tensors) != 3 or not fold_takes(tensors, kv_heads) or not 0 < len(folded) + bool(unfolded):
+        return False
+    b, rows, heads, dim = tensors[0].shape
+    group, dev = heads // kv_heads, lse.device
+    acc = [bufs[0].dtype for *_, bufs in folded] + ([unfolded[0].dtype] if unfolded else [])
+    return (lse.shape == (b, heads, rows) and lse.dtype in (torch.float32, torch.float64) and len(set(acc)) == 1
+            and len(folded) <= MAX_FOLDED and dev == tensors[0].device
+            and all(0 <= start and n > 0 and start + n <= rows and _bufs_take(bufs, b, kv_heads, group * n, dim, dev)
+                    for start, n, bufs in folded)
+            and (unfolded is None or _bufs_take(unfolded, b, heads, rows, dim, dev)))
+
+
+def preprocess_sets_(tensors, lse, kv_heads: int, folded, unfolded=None, checked: bool = False):
+    """FA4's backward preprocess of several row sets of one shard in one launch (``sets_take``): each folded
+    set's fold of q and dO (``fa4_ring_backward.fold_heads`` of its rows) with its delta, LSE log2 and zeroed dQ
+    accumulator, and with ``unfolded`` the source rows' own (unfolded) ones — q, out and dO read once. Returns
+    ``[folded q, folded dO]`` per folded set, views into one buffer each. ``checked``: ``sets_take`` asked."""
+    if not checked and not sets_take(tensors, lse, kv_heads, folded, unfolded):
+        raise ValueError("preprocess_sets_: q, out, dO (B, rows, H, D) of one layout, LSE (B, H, rows), up to "
+                         f"{MAX_FOLDED} folded sets (start, n, FA4's delta, LSE log2 (B, Hkv, padded) and dQ "
+                         "accumulator (B, Hkv, padded·D)) within the rows, and/or the rows' unfolded buffers")
+    q, out, dout = tensors
+    b, rows, heads, dim = q.shape
+    group = heads // kv_heads
+    outs, targets, scalars = [], [], []
+    for start, n, bufs in folded:
+        buf = torch.empty((2, b, group * n, kv_heads, dim), dtype=q.dtype, device=q.device)
+        outs.append(list(buf.unbind(0)))
+        targets += [buf, *bufs]
+        scalars += [start, n, bufs[0].shape[-1], buf[0].numel()]
+    while len(targets) < 4 * MAX_FOLDED:   # absent sets: never read (FOLDED), any tensor of the launch's kind
+        targets += targets[-4:] if targets else [q, *unfolded]
+        scalars += [0, 0, 0, 0]
+    targets += list(unfolded or folded[0][2])
+    launch_keyed(_FOLD_PRE, (cdiv(rows, ROWS), heads, b), (q, out, dout, lse, *targets),
+                 (*q.stride()[:3], *lse.stride(), rows, kv_heads, *scalars,
+                  unfolded[0].shape[-1] if unfolded else 0),
+                 dict(G=group, D=dim, BR=ROWS, PAD=PAD_ROWS, FOLDED=len(folded), UNFOLDED=unfolded is not None,
+                      num_warps=4))
+    return outs
 
 
 def fold_pre_takes(tensors, lse, kv_heads: int, bufs) -> bool:
-    """``fold_preprocess_`` applies: q, out and dO ``(B, rows, H, D)`` as ``fold_takes`` wants them, the LSE
-    ``(B, H, rows)``, and ``bufs`` = (delta, LSE log2, dQ accumulator) contiguous, ``(B, Hkv, padded)`` twice and
-    ``(B, Hkv, padded · D)``, padded at most ``PAD_ROWS`` past the folded rows."""
-    if len(tensors) != 3 or not fold_takes(tensors, kv_heads):
-        return False
-    b, rows, heads, dim = tensors[0].shape
-    dpsum, lse2, dq = bufs
-    padded = dpsum.shape[-1]
-    return (lse.shape == (b, heads, rows) and lse.dtype in (torch.float32, torch.float64)
-            and dpsum.shape == lse2.shape == (b, kv_heads, padded) and dq.shape == (b, kv_heads, padded * dim)
-            and 0 <= padded - heads // kv_heads * rows <= PAD_ROWS
-            and all(t.is_contiguous() and t.device == lse.device == tensors[0].device for t in bufs))
+    """``fold_preprocess_`` applies (``sets_take`` with one folded set: every row of the tensors)."""
+    return len(tensors) == 3 and sets_take(tensors, lse, kv_heads, [(0, tensors[0].shape[1], bufs)])
 
 
 def fold_preprocess_(tensors, lse, kv_heads: int, bufs, checked: bool = False):
@@ -93,15 +165,7 @@ def fold_preprocess_(tensors, lse, kv_heads: int, bufs, checked: bool = False):
     if not checked and not fold_pre_takes(tensors, lse, kv_heads, bufs):
         raise ValueError("fold_preprocess_: q, out, dO (B, rows, H, D) of one layout, LSE (B, H, rows), and FA4's "
                          "delta, LSE log2 (B, Hkv, padded) and dQ accumulator (B, Hkv, padded·D), contiguous")
-    q, out, dout = tensors
-    b, rows, heads, dim = q.shape
-    group = heads // kv_heads
-    folded = torch.empty((2, b, group * rows, kv_heads, dim), dtype=q.dtype, device=q.device)
-    dpsum, lse2, dq = bufs
-    launch_keyed(_FOLD_PRE, (cdiv(rows, ROWS), heads, b), (q, out, dout, lse, folded, dpsum, lse2, dq),
-                 (*q.stride()[:3], *lse.stride(), rows, kv_heads, dpsum.shape[-1], folded[0].numel()),
-                 dict(G=group, D=dim, BR=ROWS, PAD=PAD_ROWS, num_warps=4))
-    return list(folded.unbind(0))
+    return preprocess_sets_(tensors, lse, kv_heads, [(0, tensors[0].shape[1], bufs)], None, True)[0]
 
 
 def main(argv=None):
