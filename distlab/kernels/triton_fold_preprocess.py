@@ -18,7 +18,12 @@ Here one program per (rows, q head, batch) tile reads Q, out and dO once, writes
 rows' delta and log2-scaled LSE into FA4's ``(B, Hkv, padded rows)`` buffers and zeroes their rows of dQ's
 accumulator ``(B, Hkv, padded rows · D)``; the first row tile of each kv head also writes the padding rows
 (up to FA4's row tile) as FA4's preprocess does: delta 0, LSE +inf, dQ 0. Bytes: read 3, write 2 tensors and
-the float32 accumulator, against read 3 + write 3 and read 2 + write the accumulator.
+the float32 accumulator, against read 3 + write 3 and read 2 + write the accumulator. H100 (docs/PERF.md, 35th
+session): 85.2 µs for a 4096-row set against 124.4 for the fold and FA4's preprocess.
+
+``preprocess_sets_`` does it for several row sets of one shard in the same launch (knob
+``DISTLAB_FA4_RING_PRE_ONCE``): up to two folded sets (zigzag's middle ranks fold every row and the second half)
+and the shard's rows unfolded (the causal block's set, which FA4's preprocess served), q, out and dO read once.
 """
 
 from __future__ import annotations
