@@ -59,6 +59,7 @@
 #                                                  # and without, fold auto/1; foldpre34s: ranks 4-6, a short lease)
 #   bash launch/gpu_host_check.sh OUTDIR preonce35 # FA4 present: every row set's preprocess in one pass (GPU tests;
 #                                                  # every rank S32768 wall and GPU clock with and without; rank 4)
+#                                                  # (preonce35s: a short lease's, the pass's test, S32768 wall)
 #   bash launch/gpu_host_check.sh OUTDIR defaults35 # FA4 present: the 35th session's defaults against the 34th's
 #                                                  # (GPU tests; every rank S32768 and S16384, wall, paired 3)
 #   bash launch/gpu_host_check.sh OUTDIR foldpre35w # FA4 present: foldpre34's A/B on the wall clock (every rank S32768
@@ -531,6 +532,15 @@ elif [ "$part" = foldpre34s ]; then   # foldpre34 for a short lease: the kernel'
   LIMIT=120 TAIL=5 run foldpre32k_gpu_r456 $py -m distlab.cp.emulate --world 8 --backend fa4 \
       --steps-per-launch 1,3,4 --rank 4 5 6 --seq 32768 --iters 10 --paired 2 \
       --variant "" FA4_RING_FOLD_PRE=1 --json "$out/foldpre32k_gpu_r456.json"
+elif [ "$part" = preonce35s ]; then   # preonce35 for a short lease: the pass's GPU test, every rank at S32768 wall
+  # (paired 2) with and without, then the rings' test
+  LIMIT=60 TAIL=5 run preonce_kernel_test $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py \
+      -p no:cacheprovider -k preprocess_sets
+  LIMIT=100 TAIL=5 run preonce32k_wall $py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 \
+      --rank 0 1 2 3 4 5 6 7 --seq 32768 --iters 8 --paired 2 --wall --variant FA4_RING_PRE_ONCE=1 "" \
+      --json "$out/preonce32k_wall.json"
+  LIMIT=100 TAIL=5 run preonce_ring_test $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py \
+      -p no:cacheprovider -k "fold_pre and float32_reference"
 elif [ "$part" = preonce35 ]; then   # FA4 present (35th session): every row set's preprocess in one Triton pass
   # (FA4_RING_PRE_ONCE=1) — its GPU tests, every rank at S32768 wall (paired 3) and GPU clock (paired 2) against
   # the defaults, rank 4's kernels with it
