@@ -149,10 +149,11 @@ KNOBS = {
                                    "preprocess for it in one Triton pass (distlab.kernels.triton_fold_preprocess: out "
                                    "read once, not folded; H100 S16384 slowest rank f+b wall 77.2 -> 78.8%, "
                                    "docs/PERF.md); 0: the fold (FA4_RING_GLUE), then FA4's preprocess, for an A/B"),
-    "FA4_RING_PRE_ONCE": Knob("0", "1: a folding fa4 ring backward with FA4_RING_FOLD_PRE=1 runs every row set's "
+    "FA4_RING_PRE_ONCE": Knob("1", "1: a folding fa4 ring backward with FA4_RING_FOLD_PRE=1 runs every row set's "
                                    "preprocess (the folded sets' folds, the whole shard's unfolded set) in one Triton "
-                                   "pass before step 0, q, out and dO read once (FA4RingBackward._preprocess_once); "
-                                   "0: each set's own pass when its first block runs"),
+                                   "pass before step 0, q, out and dO read once (FA4RingBackward._preprocess_once; "
+                                   "H100 S32768 rank 4: 129 µs against 170 for three passes, docs/PERF.md); 0: each "
+                                   "set's own pass when its first block runs, for an A/B"),
     "FA4_RING_DKV_FINISH": Knob("1", "1: a folding fa4 ring backward's unfolded blocks (causal, and row sets too long to "
                                      "fold) hand their float32 dK/dV scratch to one Triton pass that scales it and "
                                      "adds it into the travelling accumulator (triton_ring_glue.dkv_finish_); 0: "

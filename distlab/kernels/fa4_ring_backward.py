@@ -362,8 +362,9 @@ class FA4RingBackward:
         ``triton_fold_preprocess.preprocess_sets_``) where the ring's row sets are folded ones (up to two) and at
         most one unfolded, the whole shard's (S32768, W=8, every unmasked set folded: the causal set, all rows,
         the second half): q, out and dO read once for all, not once per set — the causal set's preprocess and
-        each folded set's fold-and-preprocess read them again (H100, rank 4: 45 + 83 + 42 µs). Other rings, or
-        tensors the pass does not take: each set's own preprocess when its first block runs, as before."""
+        each folded set's fold-and-preprocess read them again (H100, S32768 rank 4: 45 + 83 + 42 µs; in one
+        pass 129, docs/PERF.md). Other rings, or tensors the pass does not take: each set's own preprocess when
+        its first block runs, as before."""
         q, s = self.q, self.q.shape[1]
         first = {}   # row set key -> the keys of its first block (``block`` records a new set with them)
         for rows, cols, causal in blocks:
