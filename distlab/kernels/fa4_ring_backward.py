@@ -41,8 +41,10 @@ heads, G times the rows a CTA loops over, dK/dV written straight in q's dtype (n
 137. Then a folded block's dK/dV come back as ``(2, batch, keys, kv_heads, dim)`` in q's dtype, rounded once a
 block as any per-block backend's are, and the travelling accumulator is that layout in float32; an unfolded
 block's float32 scratch is scaled and added into it by one Triton pass (knob ``FA4_RING_DKV_FINISH``, default;
-with 0, converted to q's dtype by FA4's postprocesses first); Q, out and dO are folded once per row set (one
-Triton launch, knob ``FA4_RING_GLUE``) and dQ unfolded at the end (``distlab.kernels.triton_ring_glue``).
+with 0, converted to q's dtype by FA4's postprocesses first); Q and dO are folded once per row set with FA4's
+preprocess in the same Triton pass (knob ``FA4_RING_FOLD_PRE``; every row set's in one pass before step 0,
+``FA4_RING_PRE_ONCE``: ``distlab.kernels.triton_fold_preprocess``; with 0, Q, out and dO folded by one launch,
+knob ``FA4_RING_GLUE``, then FA4's preprocess) and dQ unfolded at the end (``distlab.kernels.triton_dq_finish``).
 The W=8 rank at S32768 (docs/PERF.md): rank 0 86.8 → 92.0% f+b wall, the slowest rank 85.2 → 86.8% (21st
 session); with the Triton glue (31st session, another lease) the slowest rank 84.5 → 85.8%.
 
@@ -69,7 +71,8 @@ from distlab.kernels.launch import triton_runs_on
 TILE = 128   # FA4's largest row / key tile of the sm90 backward at head_dim 128 (n-block 128, m-block 64 or 80)
 # ``FA4_RING_FOLD=auto``: a folding ring where the shard has FOLD_MIN_SHARD rows or more and its half row sets
 # (a causal zigzag ring's later blocks on every rank but the last; a contiguous or non-causal ring has none,
-# and would only pay the conversions) FOLD_MAX_ROWS or fewer, folding those half row sets only.
+# and would only pay the conversions) FOLD_MAX_ROWS or fewer, folding those half row sets only — and, at a
+# shard of FOLD_WHOLE_SHARD rows, its whole-shard unmasked sets too (35th session, the last lines below).
 # H100, 2026-12-06, W=8 zigzag, f+b wall against FA4's H/W call (docs/PERF.md): shard 4096 (S32768) folded /
 # not, slowest of the 8 ranks 86.8 / 85.2% (rank 0 92.0 / 86.8); shard 2048 (S16384, everything folded) rank 0
 # 81.1 / 76.9% but ranks 3 and 7 69.8 / 73.6 and 74.4 / 78.4 (each folded row set costs its folds of Q, out
