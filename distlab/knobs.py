@@ -154,6 +154,12 @@ KNOBS = {
                                    "pass before step 0, q, out and dO read once (FA4RingBackward._preprocess_once; "
                                    "H100 S32768 rank 4: 129 µs against 170 for three passes, docs/PERF.md); 0: each "
                                    "set's own pass when its first block runs, for an A/B"),
+    "FA4_RING_DQ_EARLY": Knob("0", "auto: a fa4 ring backward whose last kernels are all one later row set's (zigzag's "
+                                   "second half) finishes dQ of the other sets beside them on the side stream: the rows "
+                                   "only they hold in q's dtype, the others' float32 sum for the last set's rows, so "
+                                   "the finish after the last kernel reads two accumulators, not three "
+                                   "(FA4RingBackward._dq_early), at shards of DQ_EARLY_MIN_SHARD rows or more; 1: at "
+                                   "any shard; 0: the whole finish after the last kernel"),
     "FA4_RING_DKV_FINISH": Knob("1", "1: a folding fa4 ring backward's unfolded blocks (causal, and row sets too long to "
                                      "fold) hand their float32 dK/dV scratch to one Triton pass that scales it and "
                                      "adds it into the travelling accumulator (triton_ring_glue.dkv_finish_); 0: "

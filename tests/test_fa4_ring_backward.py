@@ -71,7 +71,7 @@ def _fake_record(batch, rows, cols, heads, kv_heads, dim, dtype, device, causal,
 
 def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_launch=1, cap="0", add_rows="0",
                        fold="1", route="ring", share="1", repeat=1, dq_fused="0", glue="0", dtype=torch.float64,
-                       dkv_finish="0", fold_pre="0", pre_once="0"):
+                       dkv_finish="0", fold_pre="0", pre_once="0", dq_early="0"):
     from distlab import knobs
     from distlab.cp.ring import _ring_backward, _ring_forward
     from distlab.kernels import fa4_ring_backward as frb
@@ -96,7 +96,7 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
         with fa4_pretended(), knobs.override(RING_FUSE_MAX_KEYS=cap, RING_DKV_ADD_ROWS=add_rows, FA4_RING_FOLD=fold,
                                              FA4_RING_SHARE_PRE=share, FA4_RING_DQ_FUSED=dq_fused, FA4_RING_GLUE=glue,
                                              FA4_RING_DKV_FINISH=dkv_finish, FA4_RING_FOLD_PRE=fold_pre,
-                                             FA4_RING_PRE_ONCE=pre_once):
+                                             FA4_RING_PRE_ONCE=pre_once, FA4_RING_DQ_EARLY=dq_early):
             out, lse = _ring_forward(*local[:3], ring, causal, layout, scale, "torch", steps_per_launch)
             runs = [_ring_backward(local[3], *local[:3], out, lse, ring, causal, layout, scale, "fa4",
                                    steps_per_launch, route) for _ in range(repeat)]
@@ -105,7 +105,7 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
         kept_plans = dict(frb._PREPARED)
         frb._PREPARED.clear()
         frb.FA4RingBackward = real
-    errs = [0.0] * 3
+    errs, got = [0.0] * 3, None
     for grads in runs:   # a repeated backward on the same ring shape: its kept buffers zeroed again
         got = [gather_sequence(t, None, layout) for t in grads]
         errs = [max(e, ((a.double() - t.grad).abs().max() / t.grad.abs().max()).item())
@@ -115,7 +115,7 @@ def _ring_on_stand_ins(layout, causal, heads, kv_heads, seq, tile, steps_per_lau
     if repeat > 1:   # what the shape kept, freed (the shared buffers: every unfolded set's accumulator and rows)
         frb._PREPARED.update(kept_plans)
         kept_bytes = frb.release_prepared()
-    return {"errors": errs, "kept": len(made) // repeat, "row_sets": sorted(made[0].sets) if made else [],
+    return {"errors": errs, "grads": got, "kept": len(made) // repeat, "row_sets": sorted(made[0].sets) if made else [],
             "folded": sorted(key for key, rs in made[0].sets.items() if rs.fold) if made else [],
             "preprocesses": PRE_CALLS[0] // repeat,
             "reused": all(made[0].sets[key].dq_accum.data_ptr() == made[-1].sets[key].dq_accum.data_ptr()
@@ -444,6 +444,44 @@ def test_dq_finish_reads_each_sets_tile_order_on_the_interpreter(interpreted_poo
     assert err < 1e-5, err
 
 
+def _dq_early_on_the_interpreter():
+    """Folding and unfolded rings on the float32 stand-ins (W=2 zigzag: rank 0's last block is its second half's
+    row set) with the one-kernel dQ finish, the other sets' part finished early (``FA4_RING_DQ_EARLY=1``) and not;
+    each ring twice on its shape (the early pass's float32 buffer kept). Returns the rings and how many times
+    ``dq()`` took the early pass's rest."""
+    from distlab.kernels import fa4_ring_backward as frb
+
+    real, ran = frb.FA4RingBackward._dq_after_early, [0]
+
+    def counted(self):
+        ran[0] += 1
+        return real(self)
+    frb.FA4RingBackward._dq_after_early = counted
+    try:
+        rings = {(n, fold, early): _ring_on_stand_ins("zigzag", True, 4, 2, 32, 4, n, fold=fold, glue="1",
+                                                      dtype=torch.float32, dkv_finish="1", repeat=2, fold_pre="1",
+                                                      pre_once="1", dq_fused="1", dq_early=early)
+                 for n, fold in ((1, "1"), ((2,), "1"), (1, "0")) for early in ("0", "1")}
+    finally:
+        frb.FA4RingBackward._dq_after_early = real
+    return rings, ran[0]
+
+
+def test_dq_early_finish_is_the_same_dq_bit_for_bit_on_the_interpreter(interpreted_pools):
+    """``FA4_RING_DQ_EARLY=1`` (``FA4RingBackward._dq_early``): on rank 0 of a W=2 zigzag ring, whose last block
+    is its second half's row set, dQ of the rows only the causal set holds is written early and the rest is the
+    float32 sum of the same parts in the same order — the same dQ bit for bit as the one-kernel finish after the
+    last block, folded and not, step by step and as one launch group; rank 1 (its last set all rows) never takes
+    it; both match one device."""
+    results = interpreted_pools(2).run(_dq_early_on_the_interpreter, timeout_s=300)
+    for rank, (rings, ran) in enumerate(results):
+        assert ran == (6 if rank == 0 else 0), (rank, ran)   # 3 rings x 2 backwards on rank 0
+        for (n, fold, early), res in rings.items():
+            assert max(res["errors"]) < 1e-5, (rank, n, fold, early, res["errors"])
+            other = rings[n, fold, "0" if early == "1" else "1"]
+            assert all(torch.equal(a, b) for a, b in zip(res["grads"], other["grads"])), (rank, n, fold)
+
+
 def _glue_on_the_interpreter():
     """``triton_ring_glue`` against torch, bit for bit: Q, out and dO folded in one launch (row slices of a
     longer shard, as a row set's are), and float32 += fp16 / float32 over a key range of the folded dK/dV
@@ -675,6 +713,34 @@ def test_fa4_ring_backward_with_fold_pre_matches_the_float32_reference():
                     assert calls[0] > before, (layout, world, batch, n, "the fold's preprocess never ran")
     finally:
         fp.preprocess_sets_ = real
+
+
+@pytest.mark.gpu
+def test_fa4_ring_backward_with_dq_early_matches_the_float32_reference():
+    """``FA4_RING_DQ_EARLY=1`` on FA4's real kernels, the early pass on the side stream: every rank of a W=8 zigzag
+    ring by groups 1|3|4 (as the S32768 study runs it) and of a W=4 one step by step, folded (the S32768
+    defaults: every unmasked set, its fold and preprocess one pass, every set's in one) and not. Ranks whose last
+    blocks are a second half's row set take the early pass (W=8: ranks 0-6; W=4: ranks 0-2)."""
+    from distlab import knobs
+    from distlab.kernels import fa4
+    from distlab.kernels import fa4_ring_backward as frb
+
+    if not torch.cuda.is_available() or not fa4.runs_on(torch.device("cuda"), torch.bfloat16):
+        pytest.skip("needs FA4 on an sm90+ GPU")
+    real, ran = frb.FA4RingBackward._dq_after_early, [0]
+    frb.FA4RingBackward._dq_after_early = lambda self: ran.__setitem__(0, ran[0] + 1) or real(self)
+    try:
+        for world, n in ((8, (1, 3, 4)), (4, 1)):
+            for fold in ("1", "0"):
+                with knobs.override(FA4_RING_ACCUM="1", FA4_RING_FOLD=fold, FA4_RING_DQ_FUSED="1", FA4_RING_GLUE="1",
+                                    FA4_RING_DKV_FINISH="1", FA4_RING_FOLD_PRE="1", FA4_RING_PRE_ONCE="1",
+                                    FA4_RING_DQ_EARLY="1"):
+                    before = ran[0]
+                    for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, "zigzag", 1, n)):
+                        assert max(errs) < 2e-2, (world, n, fold, rank, errs)
+                    assert ran[0] - before == world - 1, (world, n, fold, ran[0] - before)
+    finally:
+        frb.FA4RingBackward._dq_after_early = real
 
 
 @pytest.mark.gpu

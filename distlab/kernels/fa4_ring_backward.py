@@ -90,6 +90,7 @@ TILE = 128   # FA4's largest row / key tile of the sm90 backward at head_dim 128
 FOLD_MIN_SHARD = 2048
 FOLD_MAX_ROWS = 2048
 FOLD_WHOLE_SHARD = 4096   # auto folds every unmasked row set of a shard this long (2048: the half sets only)
+DQ_EARLY_MIN_SHARD = 4096   # FA4_RING_DQ_EARLY=auto: dQ's early finish at shards this long (``_dq_early``)
 _RECORDED: dict = {}
 # per ring shape (``FA4RingBackward.prepare``'s signature): {"zero", "sets"}: the shared preprocess's buffers and
 # views (None and [] without it); "blocks": what each block shape needs besides its tensors (``block``)
@@ -265,6 +266,18 @@ class _RowSet:
             pre_fn(out, dout, self.dpsum, lse, self.lse_log2, self.dq_accum, *pre_args[6:])   # zeroes dq_accum
 
 
+def _early_point(blocks):
+    """``FA4RingBackward._dq_early``'s point in a ring's ``blocks`` (``[(rows, cols, causal)]`` in the order they
+    run): ``(i, key of block i, the last row set's key)`` where the last row set starts after row 0 and other
+    sets' blocks run before its last ones (block ``i`` the last of those), else None."""
+    sets = [(rows.start, rows.stop, causal) for rows, _, causal in blocks]
+    if not sets or sets[-1][0] == 0 or len(set(sets)) < 2:
+        return None
+    i = max(j for j, key in enumerate(sets) if key != sets[-1])
+    rows, cols, causal = blocks[i]
+    return i, (rows.start, rows.stop, cols.start, cols.stop, causal), sets[-1]
+
+
 def preprocess_buffers(rec, like):
     """FA4's preprocess outputs for a block recorded as ``rec``, new: delta, the LSE in log2 and dQ's accumulator
     (float32; float64 with a CPU test's stand-ins)."""
@@ -299,6 +312,9 @@ class FA4RingBackward:
         self.raw_finish = knobs.get("FA4_RING_DKV_FINISH") == "1"
         self.raw = None   # (orders, dK's scale, dV's scale, postprocesses) once the first such block ran
         self.whole = None   # ``prepare``'s
+        # dQ's early finish (``_dq_early``): (index of the block after which it runs, that block's key, the last
+        # row set's key) or None; the blocks run so far; what it left for ``dq()``; the side stream it runs on
+        self.early, self.calls, self.early_done, self.beside = None, 0, None, None
         # every rank decides alike (shapes and a knob): the travelling accumulator's layout depends on it
         mode = knobs.get("FA4_RING_FOLD")
         half = causal and layout == "zigzag"   # a causal zigzag ring's later row sets are half its shard
@@ -342,6 +358,11 @@ class FA4RingBackward:
         zero, sets = plan["zero"], plan["sets"]   # ``zero``: the later row sets' dQ accumulators, the kept scratch
         self.scratch = {key: list(views) for key, views in plan["scratch"].items()}   # popped a block at a time
         self.shares, self.set_bufs, self.kept = plan["shares"], plan["set_bufs"], plan["kept"]
+        self.plan, self.beside = plan, beside
+        early = knobs.get("FA4_RING_DQ_EARLY")
+        if plan["early"] is not None and (early == "1" or early == "auto" and q.shape[1] >= DQ_EARLY_MIN_SHARD) \
+                and knobs.get("FA4_RING_DQ_FUSED") == "1" and self.triton and _acc_dtype(q.dtype) == torch.float32:
+            self.early = plan["early"]
         if zero is not None:
             if beside is not None and knobs.get("FA4_RING_ZERO_BESIDE") != "0":
                 main = torch.cuda.current_stream(q.device)
@@ -418,6 +439,7 @@ class FA4RingBackward:
                 scratch.setdefault(key, []).append(flat[at:at + shape.numel()].view(shape))
                 at += size
         return {"zero": zero, "outs": outs, "sets": sets, "blocks": {}, "whole": whole, "scratch": scratch,
+                "early": _early_point(blocks), "partial": None,
                 "set_bufs": {}, "shares": {}, "kept": {id(view): view for views in scratch.values() for view in views}}
 
     def share_preprocess(self, blocks, extra: int = 0):
@@ -600,6 +622,9 @@ class FA4RingBackward:
         else:
             buf = torch.zeros(shape, dtype=acc, device=k.device)
         main_fn(rs.q, k, v, rs.dout, rs.lse_log2, rs.dpsum, rs.dq_accum, buf[0], buf[1], *rest)
+        self.calls += 1
+        if self.early is not None and self.calls == self.early[0] + 1 and key == self.early[1]:
+            self._dq_early()
         if convert is not None and self._raw_ok(convert, k.device):   # finished by own_accumulator / add_into
             return buf
         if convert is not None:   # a causal block in a folding ring: its scratch in the folded blocks' layout
@@ -661,6 +686,8 @@ class FA4RingBackward:
         backward's kernels 550 -> 540 µs, slowest rank +1.5 points, ``docs/PERF.md``) one Triton kernel reads
         every set's accumulator in FA4's tile order, sums in float32 and rounds once
         (``distlab.kernels.triton_dq_finish``); this path is the fallback where that does not apply."""
+        if self.early_done is not None:   # the other row sets finished beside the last kernels (``_dq_early``)
+            return self._dq_after_early()
         if knobs.get("FA4_RING_DQ_FUSED") == "1" and self._dq_fusable():   # Triton runs here: importable
             from distlab.kernels.triton_dq_finish import TileOrderUnknown
 
@@ -671,6 +698,67 @@ class FA4RingBackward:
                 warnings.warn(f"FA4_RING_DQ_FUSED: {err}; dQ finished by FA4's postprocesses instead")
         return postprocessed_dq(self.q, [(rs.dq_accum, rs.rec[2][0], start, stop, rs.q, rs.fold)
                                          for (start, stop, _), rs in self.sets.items()])
+
+    def _dq_early(self):
+        """dQ of every row set but the last finished now, beside the last set's kernels (knob
+        ``FA4_RING_DQ_EARLY``; on the side stream ``prepare`` was given, else in line): where the ring's last
+        blocks all add into one later row set ``[a, s)`` (a causal zigzag ring's second half), the rows before
+        ``a`` are final once the other sets' blocks ran — written in q's dtype now — and for rows ``a`` … ``s``
+        the other sets' accumulators are summed into one float32 buffer in row order (kept per ring shape). The
+        finish after the last kernel (``dq()``) then reads that buffer and the last set's accumulator for half the
+        rows: at S32768, W=8 (rank 4: three sets of 4096, 4096 and 2048 rows) 84 MB moved after the last kernel
+        instead of 201. The sums are the same float32 additions in the same order as the one-kernel finish's (the
+        partial sum is scaled by 1, the last set added to it, then scaled): bit for bit the same dQ."""
+        from distlab.kernels import triton_dq_finish as fin
+
+        q, last = self.q, self.early[2]
+        b, s, h, d = q.shape
+        a = last[0]
+        others = [(key, rs) for key, rs in self.sets.items() if key != last]
+        if not 0 < len(others) <= fin.MAX_SETS:
+            return
+        try:
+            sets = [(rs.dq_accum, fin.window_order(rs.rec[2][0], d, q.dtype, q.device), key[0], key[1] - key[0],
+                     h // self.kv_heads if rs.fold else 1) for key, rs in others]
+        except fin.TileOrderUnknown:   # dq() falls back alike on every rank
+            return
+        partial = self.plan["partial"]
+        if partial is None:
+            partial = self.plan["partial"] = torch.empty(b, h, (s - a) * d, dtype=torch.float32, device=q.device)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        scale = others[0][1].rec[2][0][1][2]   # the postprocess's own scale, every set's the same
+        main = torch.cuda.current_stream(q.device) if self.beside is not None else None
+        if main is not None:   # plain stream calls (host time: as the dK/dV adds, distlab.cp.ring_fused)
+            self.beside.wait_stream(main)
+            torch.cuda.set_stream(self.beside)
+        try:
+            fin.dq_finish(out[:, :a], sets, scale)
+            fin.dq_finish(partial.view(b, h, s - a, d).transpose(1, 2), [(*t[:2], t[2] - a, *t[3:]) for t in sets],
+                          1.0)
+            done = None
+            if main is not None:
+                done = torch.cuda.Event()
+                done.record(self.beside)
+        finally:
+            if main is not None:
+                torch.cuda.set_stream(main)
+        self.early_done = (out, partial, done)
+
+    def _dq_after_early(self):
+        """``dq()`` after ``_dq_early``: rows ``a`` … ``s`` from its float32 sum and the last set's accumulator."""
+        from distlab.kernels import triton_dq_finish as fin
+
+        (out, partial, done), self.early_done = self.early_done, None
+        q, last = self.q, self.early[2]
+        a, d = last[0], q.shape[3]
+        if done is not None:
+            torch.cuda.current_stream(q.device).wait_event(done)
+        rs = self.sets[last]
+        order = fin.window_order(rs.rec[2][0], d, q.dtype, q.device)
+        sets = [(partial, fin.identity_order(d, q.device), 0, q.shape[1] - a, 1),
+                (rs.dq_accum, order, 0, last[1] - a, q.shape[2] // self.kv_heads if rs.fold else 1)]
+        fin.dq_finish(out[:, a:], sets, rs.rec[2][0][1][2])
+        return out
 
     def _dq_fusable(self) -> bool:
         """The one-kernel dQ finish applies: Triton runs on q's device, float32 accumulators, 2 or 3 row sets

@@ -62,6 +62,15 @@ def window_order(post, dim: int, dtype, device):
     return order
 
 
+def identity_order(dim: int, device):
+    """The ``window_order`` of a head-major float32 buffer ``(batch, heads, rows · dim)`` whose rows are in order
+    (``FA4RingBackward._dq_early``'s partial sum): offset = row · dim + d."""
+    key = ("identity", dim, device)
+    if key not in _ORDERS:
+        _ORDERS[key] = (None, torch.arange(WINDOW * dim, dtype=torch.int32, device=device))
+    return _ORDERS[key][1]
+
+
 @triton.jit
 def _dq_finish_kernel(OUT, A0, P0, A1, P1, A2, P2, scale, so_b, so_r, so_h,
                       sb0, sh0, st0, n0, g0, sb1, sh1, st1, n1, g1, sb2, sh2, st2, n2, g2, rows,
