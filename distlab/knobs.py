@@ -92,6 +92,11 @@ KNOBS = {
                                  "its buffer, distlab.cp.ring_landing)"),
     "RING_KEEP_OUTPUTS": Knob("1", "0: a ring forward of FA4 blocks allocates each block's out/LSE and builds each "
                                    "merge's key every pass (1: kept and bound per ring shape, distlab.cp.ring_kept)"),
+    "RING_MERGE_EARLY": Knob("0", "auto: a ring forward of FA4/cuDNN blocks whose last block covers the shard's second "
+                                  "half merges the earlier blocks beside it on the side stream (the first half's rows "
+                                  "final, the second half's into a float32 running result), then the last block alone "
+                                  "(distlab.cp.ring_merge_early), at shards of 4096 rows or more; 1: at any shard; 0: "
+                                  "every block merged after the last"),
     "RING_MERGE_BLOCKS": Knob("4", "block results a ring forward of cuDNN/FA4 blocks merges per Triton launch (1-4; "
                                    "0: one lse_merge_ per block, the float32 result converted after)"),
     # grouped GEMM (distlab.kernels.grouped_gemm)

@@ -717,11 +717,12 @@ def test_fa4_ring_backward_with_fold_pre_matches_the_float32_reference():
 
 @pytest.mark.gpu
 def test_fa4_ring_backward_with_dq_early_matches_the_float32_reference():
-    """``FA4_RING_DQ_EARLY=1`` on FA4's real kernels, the early pass on the side stream: every rank of a W=8 zigzag
-    ring by groups 1|3|4 (as the S32768 study runs it) and of a W=4 one step by step, folded (the S32768
-    defaults: every unmasked set, its fold and preprocess one pass, every set's in one) and not. Ranks whose last
-    blocks are a second half's row set take the early pass (W=8: ranks 0-6; W=4: ranks 0-2)."""
+    """``FA4_RING_DQ_EARLY=1`` and ``RING_MERGE_EARLY=1`` on FA4's real kernels, the early passes on the side
+    stream: every rank of a W=8 zigzag ring by groups 1|3|4 (as the S32768 study runs it) and of a W=4 one step
+    by step, folded (the S32768 defaults: every unmasked set, its fold and preprocess one pass, every set's in
+    one) and not. Ranks whose last blocks are a second half's rows take both (W=8: ranks 0-6; W=4: 0-2)."""
     from distlab import knobs
+    from distlab.cp import ring_merge_early
     from distlab.kernels import fa4
     from distlab.kernels import fa4_ring_backward as frb
 
@@ -729,18 +730,22 @@ def test_fa4_ring_backward_with_dq_early_matches_the_float32_reference():
         pytest.skip("needs FA4 on an sm90+ GPU")
     real, ran = frb.FA4RingBackward._dq_after_early, [0]
     frb.FA4RingBackward._dq_after_early = lambda self: ran.__setitem__(0, ran[0] + 1) or real(self)
+    real_merge, merged = ring_merge_early.merge_last, [0]
+    ring_merge_early.merge_last = lambda *a: merged.__setitem__(0, merged[0] + 1) or real_merge(*a)
     try:
         for world, n in ((8, (1, 3, 4)), (4, 1)):
             for fold in ("1", "0"):
                 with knobs.override(FA4_RING_ACCUM="1", FA4_RING_FOLD=fold, FA4_RING_DQ_FUSED="1", FA4_RING_GLUE="1",
                                     FA4_RING_DKV_FINISH="1", FA4_RING_FOLD_PRE="1", FA4_RING_PRE_ONCE="1",
-                                    FA4_RING_DQ_EARLY="1"):
-                    before = ran[0]
+                                    FA4_RING_DQ_EARLY="1", RING_MERGE_EARLY="1"):
+                    before = ran[0], merged[0]
                     for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, "zigzag", 1, n)):
                         assert max(errs) < 2e-2, (world, n, fold, rank, errs)
-                    assert ran[0] - before == world - 1, (world, n, fold, ran[0] - before)
+                    assert (ran[0] - before[0], merged[0] - before[1]) == (world - 1,) * 2, (world, n, fold, ran,
+                                                                                             merged, before)
     finally:
         frb.FA4RingBackward._dq_after_early = real
+        ring_merge_early.merge_last = real_merge
 
 
 @pytest.mark.gpu

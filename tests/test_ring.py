@@ -312,6 +312,41 @@ def test_ring_merging_block_results_four_at_a_time_matches_one_device(interprete
             assert res["dtypes"] == ["torch.float32"] * 4
 
 
+def _early_merges_counted(*args, **kwargs):
+    """``ring_vs_one_device`` with ``RING_MERGE_EARLY=1``, counting the passes that ended with the early merge's
+    last step (``distlab.cp.ring_merge_early.merge_last``)."""
+    from distlab import knobs
+    from distlab.cp import ring_merge_early
+
+    real, ran = ring_merge_early.merge_last, [0]
+
+    def counted(*a):
+        ran[0] += 1
+        return real(*a)
+    ring_merge_early.merge_last = counted
+    try:
+        with knobs.override(RING_MERGE_EARLY="1"):
+            return ring_vs_one_device(*args, **kwargs), ran[0]
+    finally:
+        ring_merge_early.merge_last = real
+
+
+def test_ring_forward_merging_early_beside_the_last_block_matches_one_device(interpreted_pools):
+    """``RING_MERGE_EARLY=1`` (``distlab.cp.ring_merge_early``): where a rank's last block covers its shard's second
+    half, the earlier blocks are merged before it (first half final, second half into a float32 running
+    result) and the last block after — on W=5 real gloo ranks (the Triton merge on the CPU's interpreter),
+    zigzag causal step by step (ranks 0-3 take it: their last block is a later rank's, the second half's rows;
+    rank 4's last covers every row) and by groups of two, GQA; contiguous never takes it."""
+    pool = interpreted_pools(5)
+    for layout, n, takes in (("zigzag", 1, [1, 1, 1, 1, 0]), ("zigzag", 2, None), ("contiguous", 1, [0] * 5)):
+        for rank, (res, ran) in enumerate(pool.run(_early_merges_counted, 4, 2, True, layout, seq=16 * 5,
+                                                   head_dim=16, backend="torch", steps_per_launch=n)):
+            for name, err in res["errors"].items():
+                assert err < 1e-5, f"rank {rank}: {name} {err:.2e} ({layout} n={n})"
+            if takes is not None:
+                assert ran == takes[rank], (layout, n, rank, ran)
+
+
 def post_and_compute_order(world_causal, steps_per_launch=1):
     """Record the order of K/V exchange posts and block computes inside one forward."""
     import distlab.cp.ring as ring_mod

@@ -51,6 +51,7 @@ import torch
 from distlab import comm, knobs
 from distlab.cp.documents import Documents, cached_plan, check_call_everywhere
 from distlab.cp.layout import check_layout, shard_positions
+from distlab.cp import ring_merge_early
 from distlab.cp.ring_kept import kept_forward
 from distlab.cp.ring_landing import kv_landing, use_landing
 from distlab.kernels.lse_merge import MERGE_BLOCKS, lse_merge_, merge_attention, merge_into
@@ -204,7 +205,11 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
     ahead = max(len(g) for g, _ in groups)
     block_forward = _block_forward(backend)
     kept = kept_forward(shape, q, k, scale) if backend == "fa4" and pending is not None else None   # ring_kept
-    n_block = n_merge = 0
+    n_block = n_merge = n_pass = 0
+    early = point = None   # the earlier blocks merged beside the last one (``distlab.cp.ring_merge_early``)
+    if pending is not None and ring_merge_early.wanted(q):
+        point = ring_merge_early.early_point(tuple((rows.start, rows.stop) for _, plan in groups
+                                                   for rows, _, _ in plan), s, group)
     for g, (steps, plan) in enumerate(groups):
         with phase("ring.exchange"):
             kv.post_through(steps[-1] + ahead)   # the next groups' K/V, while this one computes
@@ -238,6 +243,12 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
                     out, lse = _merge_pending(out, lse, pending, q, last=False)
             pending.append((o if o.stride(-1) == 1 else o.contiguous(), l if l.stride(-1) == 1 else l.contiguous(),
                             rows.start, rows.stop))
+            if point is not None and n_pass == point[0]:
+                side = _merge_side_stream(q) if q.is_cuda else None
+                early = ring_merge_early.merge_early(pending, q, point[1], side)
+            n_pass += 1
+    if early is not None:
+        return ring_merge_early.merge_last(early, pending, q)
     if kept is not None:
         return kept.merge(n_merge, out, lse, pending, q, last=True)
     if pending is not None:
@@ -320,6 +331,13 @@ def _merge_group(q, backend) -> int:
     if not n.isdigit() or int(n) > MERGE_BLOCKS:
         raise ValueError(f"DISTLAB_RING_MERGE_BLOCKS={n!r}: use 0 to {MERGE_BLOCKS}")
     return int(n)
+
+
+def _merge_side_stream(q):
+    """The side stream of the ring's dK/dV adds (``distlab.cp.ring_fused``), for the forward's early merges."""
+    from distlab.cp.ring_fused import _side_stream
+
+    return _side_stream(q.device)
 
 
 def _merge_pending(out, lse, pending, q, last):
