@@ -137,7 +137,8 @@ KNOBS = {
                                     "preprocess a row set, for an A/B"),
     "FA4_RING_ZERO_BESIDE": Knob("0", "1: a fused fa4 ring backward zeroes its later row sets' dQ accumulators on the "
                                       "side stream, beside step 0's kernels (H100 S8192: GPU clock +0.6, wall -0.3 to "
-                                      "-4 points, docs/PERF.md); 0: on the compute stream"),
+                                      "-4 points, docs/PERF.md), and with FA4_RING_PRE_ONCE the folded sets' (the pass "
+                                      "leaves them); 0: on the compute stream"),
     "FA4_RING_KEEP_SCRATCH": Knob("1", "1: a fused fa4 ring backward keeps its later unfolded blocks' dK/dV scratch per "
                                        "ring shape, zeroed with the later row sets' dQ accumulators by one fill "
                                        "(distlab.kernels.fa4_ring_backward.FA4RingBackward.prepare); 0: torch.zeros "

@@ -58,7 +58,8 @@
 #                                                  # tests, the pass's benchmark; every rank S32768, GPU clock, with
 #                                                  # and without, fold auto/1; foldpre34s: ranks 4-6, a short lease)
 #   bash launch/gpu_host_check.sh OUTDIR dqearly36 # FA4 present: dQ's other row sets finished and the forward's
-#                                                  # earlier blocks merged beside the last kernels (GPU test; every
+#                                                  # earlier blocks merged beside the last kernels, the folded sets'
+#                                                  # dQ accumulators zeroed beside step 0 (GPU test; every
 #                                                  # rank S32768 wall and GPU clock, S16384, rank 4's kernels)
 #   bash launch/gpu_host_check.sh OUTDIR preonce35 # FA4 present: every row set's preprocess in one pass (GPU tests;
 #                                                  # every rank S32768 wall and GPU clock with and without; rank 4)
@@ -535,23 +536,29 @@ elif [ "$part" = foldpre34s ]; then   # foldpre34 for a short lease: the kernel'
   LIMIT=120 TAIL=5 run foldpre32k_gpu_r456 $py -m distlab.cp.emulate --world 8 --backend fa4 \
       --steps-per-launch 1,3,4 --rank 4 5 6 --seq 32768 --iters 10 --paired 2 \
       --variant "" FA4_RING_FOLD_PRE=1 --json "$out/foldpre32k_gpu_r456.json"
-elif [ "$part" = dqearly36 ]; then   # FA4 present (36th session): dQ of the other row sets finished beside the last
-  # row set's kernels (FA4_RING_DQ_EARLY=1) and the forward's earlier blocks merged beside its last one
-  # (RING_MERGE_EARLY=1) — their GPU test, every rank at S32768 wall (paired 3: both, neither, each alone) and GPU
-  # clock (paired 2), rank 4's kernels with both, S16384 wall
+elif [ "${part#dqearly36}" != "$part" ]; then   # FA4 present (36th session): dQ of the other row sets finished
+  # beside the last row set's kernels (FA4_RING_DQ_EARLY=1), the forward's earlier blocks merged beside its last
+  # one (RING_MERGE_EARLY=1), the folded sets' dQ accumulators zeroed beside step 0 (FA4_RING_ZERO_BESIDE=1) —
+  # dqearly36a: their GPU test, every rank at S32768 wall (paired 3: all three, none, the two early ones);
+  # dqearly36b: rank 4's kernels with all three, the GPU clock (paired 2), S16384 wall; dqearly36: both halves
   ring="$py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 --rank 0 1 2 3 4 5 6 7"
   both="FA4_RING_DQ_EARLY=1;RING_MERGE_EARLY=1"
-  LIMIT=${TESTS_LIMIT:-120} TAIL=5 run early_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py \
-      -p no:cacheprovider -k "dq_early"
-  LIMIT=240 TAIL=5 run early32k_wall $ring --seq 32768 --iters 10 --paired 3 --wall \
-      --variant "$both" "" FA4_RING_DQ_EARLY=1 RING_MERGE_EARLY=1 --json "$out/early32k_wall.json"
-  LIMIT=60 TAIL=45 run timeline_s32768_r4_early env DISTLAB_FA4_RING_DQ_EARLY=1 DISTLAB_RING_MERGE_EARLY=1 \
-      $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --rank 4 --steps-per-launch 1,3,4 --iters 5 \
-      --timeline --json "$out/timeline_s32768_r4_early.json"
-  LIMIT=120 TAIL=5 run early32k_gpu $ring --seq 32768 --iters 10 --paired 2 \
-      --variant "" "$both" --json "$out/early32k_gpu.json"
-  LIMIT=120 TAIL=5 run early16k_wall $ring --seq 16384 --iters 10 --paired 3 --wall \
-      --variant "$both" "" --json "$out/early16k_wall.json"
+  all3="$both;FA4_RING_ZERO_BESIDE=1"
+  if [ "$part" != dqearly36b ]; then
+    LIMIT=${TESTS_LIMIT:-240} TAIL=5 run early_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py \
+        -p no:cacheprovider -k "dq_early"
+    LIMIT=240 TAIL=5 run early32k_wall $ring --seq 32768 --iters 10 --paired 3 --wall \
+        --variant "$all3" "" "$both" --json "$out/early32k_wall.json"
+  fi
+  if [ "$part" != dqearly36a ]; then
+    LIMIT=60 TAIL=45 run timeline_s32768_r4_early env DISTLAB_FA4_RING_DQ_EARLY=1 DISTLAB_RING_MERGE_EARLY=1 \
+        DISTLAB_FA4_RING_ZERO_BESIDE=1 $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --rank 4 \
+        --steps-per-launch 1,3,4 --iters 5 --timeline --json "$out/timeline_s32768_r4_early.json"
+    LIMIT=150 TAIL=5 run early32k_gpu $ring --seq 32768 --iters 10 --paired 2 \
+        --variant "" "$all3" "$both" --json "$out/early32k_gpu.json"
+    LIMIT=120 TAIL=5 run early16k_wall $ring --seq 16384 --iters 10 --paired 3 --wall \
+        --variant "$all3" "" --json "$out/early16k_wall.json"
+  fi
 elif [ "$part" = preonce35s ]; then   # preonce35 for a short lease: the pass's GPU test, every rank at S32768 wall
   # (paired 2) with and without, then the rings' test
   LIMIT=60 TAIL=5 run preonce_kernel_test $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py \

@@ -609,15 +609,22 @@ def _fold_pre_on_the_interpreter():
                (plain[1][..., :10] - want).abs().max().item()]
     mismatches += [bool((plain[0][..., 10:] != 0).any()), bool((plain[1][..., 10:] != float("inf")).any()),
                    bool((plain[2] != 0).any())]
+    # zero_folded=False: the folded sets' dQ accumulators left to the caller (FA4_RING_ZERO_BESIDE), the rest written
+    bufs2 = [tuple(torch.full_like(t, float("nan")) for t in bf) for bf in bufs]
+    plain2 = tuple(torch.full_like(t, float("nan")) for t in plain)
+    fp.preprocess_sets_((q, out, dout), lse, 2, [(st, n, bf) for (st, n, _), bf in zip(sets, bufs2)], plain2,
+                        zero_folded=False)
+    mismatches += [not bool(bf[2].isnan().all()) or not torch.equal(bf[0], want_bf[0]) for bf, want_bf in
+                   zip(bufs2, bufs)] + [not all(torch.equal(x, y) for x, y in zip(plain2, plain))]
     too_long = (torch.zeros(1, 2, 2), torch.zeros(1, 2, 2), torch.zeros(1, 2, 2 * 8))   # 2 rows of 4 fold to 4 > 2
     refused = not fp.fold_pre_takes([torch.zeros(1, 2, 4, 8)] * 3, torch.zeros(1, 4, 2), 2, too_long) and not \
         fp.sets_take([q, out, dout], lse, 2, [(6, 6, bufs[1])]) and not fp.sets_take([q, out, dout], lse, 2, [])
     calls = []   # the number of row sets of each pass
     real = fp.preprocess_sets_
 
-    def counted(tensors, lse, kv_heads, folded, unfolded=None, checked=False):
+    def counted(tensors, lse, kv_heads, folded, unfolded=None, *rest):
         calls.append(len(folded) + (unfolded is not None))
-        return real(tensors, lse, kv_heads, folded, unfolded, checked)
+        return real(tensors, lse, kv_heads, folded, unfolded, *rest)
     fp.preprocess_sets_ = counted
     try:
         ring = [_ring_on_stand_ins("zigzag", True, 4, 2, 32, 4, n, fold="1", glue="1", dtype=torch.float32,
@@ -720,7 +727,8 @@ def test_fa4_ring_backward_with_dq_early_matches_the_float32_reference():
     """``FA4_RING_DQ_EARLY=1`` and ``RING_MERGE_EARLY=1`` on FA4's real kernels, the early passes on the side
     stream: every rank of a W=8 zigzag ring by groups 1|3|4 (as the S32768 study runs it) and of a W=4 one step
     by step, folded (the S32768 defaults: every unmasked set, its fold and preprocess one pass, every set's in
-    one) and not. Ranks whose last blocks are a second half's rows take both (W=8: ranks 0-6; W=4: 0-2)."""
+    one, the folded sets' dQ accumulators zeroed by the pass or beside step 0, ``FA4_RING_ZERO_BESIDE=1``) and
+    not. Ranks whose last blocks are a second half's rows take both (W=8: ranks 0-6; W=4: 0-2)."""
     from distlab import knobs
     from distlab.cp import ring_merge_early
     from distlab.kernels import fa4
@@ -734,10 +742,10 @@ def test_fa4_ring_backward_with_dq_early_matches_the_float32_reference():
     ring_merge_early.merge_last = lambda *a: merged.__setitem__(0, merged[0] + 1) or real_merge(*a)
     try:
         for world, n in ((8, (1, 3, 4)), (4, 1)):
-            for fold in ("1", "0"):
+            for fold, beside in (("1", "0"), ("1", "1"), ("0", "0")):
                 with knobs.override(FA4_RING_ACCUM="1", FA4_RING_FOLD=fold, FA4_RING_DQ_FUSED="1", FA4_RING_GLUE="1",
                                     FA4_RING_DKV_FINISH="1", FA4_RING_FOLD_PRE="1", FA4_RING_PRE_ONCE="1",
-                                    FA4_RING_DQ_EARLY="1", RING_MERGE_EARLY="1"):
+                                    FA4_RING_DQ_EARLY="1", RING_MERGE_EARLY="1", FA4_RING_ZERO_BESIDE=beside):
                     before = ran[0], merged[0]
                     for rank, errs in enumerate(_ring_rank_on_fa4(2048, world, 8, 2, "zigzag", 1, n)):
                         assert max(errs) < 2e-2, (world, n, fold, rank, errs)

@@ -404,7 +404,21 @@ class FA4RingBackward:
         unfolded = bufs[plain[0]] if plain else None
         if not fp.sets_take(tensors, self.lse, self.kv_heads, targets, unfolded):
             return
-        outs = fp.preprocess_sets_(tensors, self.lse, self.kv_heads, targets, unfolded, True)
+        # a causal ring's step 0 runs the unfolded causal set: the folded ones' first blocks come later
+        beside = self.beside if self.causal and knobs.get("FA4_RING_ZERO_BESIDE") == "1" else None
+        outs = fp.preprocess_sets_(tensors, self.lse, self.kv_heads, targets, unfolded, True, beside is None)
+        if beside is not None:   # the folded sets' dQ accumulators zeroed beside step 0's kernel, which does not
+            # read them (their first block waits: ``zeroed_later``); H100 S32768 rank 4, 100 of the pass's ~370 MB
+            main = torch.cuda.current_stream(q.device)
+            beside.wait_stream(main)   # after what is queued (the last backward's dQ finish reads them)
+            torch.cuda.set_stream(beside)
+            try:
+                for key in folded:
+                    bufs[key][2].zero_()
+                self.zeroed_later = torch.cuda.Event()
+                self.zeroed_later.record(beside)
+            finally:
+                torch.cuda.set_stream(main)
         for key, (fq, fdout) in zip(folded, outs):
             self.sets[key] = _RowSet(recs[key], fq, None, fdout, None, True, None, bufs[key], True)
         for key in plain:

@@ -43,7 +43,7 @@ PAD_ROWS = 128     # the most padding rows FA4's buffers have past the folded ro
 def _fold_pre_kernel(Q, O, DO, LSE, QF0, DPS0, L20, DQ0, QF1, DPS1, L21, DQ1, DPSU, L2U, DQU,
                      sb, sr, sh, lb, lh, ls, rows, HKV, st0, n0, pad0, one0, st1, n1, pad1, one1, padu,
                      G: tl.constexpr, D: tl.constexpr, BR: tl.constexpr, PAD: tl.constexpr,
-                     FOLDED: tl.constexpr, UNFOLDED: tl.constexpr):
+                     FOLDED: tl.constexpr, UNFOLDED: tl.constexpr, ZERO: tl.constexpr):
     head = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     h, g = head // G, head % G
@@ -73,7 +73,8 @@ def _fold_pre_kernel(Q, O, DO, LSE, QF0, DPS0, L20, DQ0, QF1, DPS1, L21, DQ1, DP
         at = (b * HKV + h) * padded + folded                 # (B, Hkv, padded) buffers
         tl.store(DPS + at, delta, mask=mine)
         tl.store(L2 + at, lse2, mask=mine)
-        tl.store(DQ + at[:, None] * D + d[None, :], tl.zeros([BR, D], dtype=acc_t), mask=mine[:, None])
+        if ZERO:   # else the caller zeroes the folded sets' accumulators (beside other work)
+            tl.store(DQ + at[:, None] * D + d[None, :], tl.zeros([BR, D], dtype=acc_t), mask=mine[:, None])
         if (tl.program_id(0) == 0) & (g == 0):               # the padding rows past G·n, once per kv head
             for i in tl.static_range(PAD // BR):
                 pad = G * n + i * BR + tl.arange(0, BR).to(tl.int64)
@@ -81,7 +82,8 @@ def _fold_pre_kernel(Q, O, DO, LSE, QF0, DPS0, L20, DQ0, QF1, DPS1, L21, DQ1, DP
                 pat = (b * HKV + h) * padded + pad
                 tl.store(DPS + pat, tl.zeros([BR], dtype=acc_t), mask=live)
                 tl.store(L2 + pat, tl.full([BR], float("inf"), dtype=acc_t), mask=live)
-                tl.store(DQ + pat[:, None] * D + d[None, :], tl.zeros([BR, D], dtype=acc_t), mask=live[:, None])
+                if ZERO:
+                    tl.store(DQ + pat[:, None] * D + d[None, :], tl.zeros([BR, D], dtype=acc_t), mask=live[:, None])
     if UNFOLDED:   # the whole source's rows as an unfolded set: FA4's preprocess of them, (B, H, padded) buffers
         at = (b * HKV * G + head) * padu + r
         tl.store(DPSU + at, delta, mask=inside)
@@ -128,11 +130,14 @@ def sets_take(tensors, lse, kv_heads: int, folded, unfolded=None) -> bool:
             and (unfolded is None or _bufs_take(unfolded, b, heads, rows, dim, dev)))
 
 
-def preprocess_sets_(tensors, lse, kv_heads: int, folded, unfolded=None, checked: bool = False):
+def preprocess_sets_(tensors, lse, kv_heads: int, folded, unfolded=None, checked: bool = False,
+                     zero_folded: bool = True):
     """FA4's backward preprocess of several row sets of one shard in one launch (``sets_take``): each folded
     set's fold of q and dO (``fa4_ring_backward.fold_heads`` of its rows) with its delta, LSE log2 and zeroed dQ
     accumulator, and with ``unfolded`` the source rows' own (unfolded) ones — q, out and dO read once. Returns
-    ``[folded q, folded dO]`` per folded set, views into one buffer each. ``checked``: ``sets_take`` asked."""
+    ``[folded q, folded dO]`` per folded set, views into one buffer each. ``checked``: ``sets_take`` asked.
+    ``zero_folded=False``: the folded sets' dQ accumulators are left as they are (the caller zeroes them, e.g.
+    on a side stream: ``FA4RingBackward._preprocess_once``)."""
     if not checked and not sets_take(tensors, lse, kv_heads, folded, unfolded):
         raise ValueError("preprocess_sets_: q, out, dO (B, rows, H, D) of one layout, LSE (B, H, rows), up to "
                          f"{MAX_FOLDED} folded sets (start, n, FA4's delta, LSE log2 (B, Hkv, padded) and dQ "
@@ -154,7 +159,7 @@ def preprocess_sets_(tensors, lse, kv_heads: int, folded, unfolded=None, checked
                  (*q.stride()[:3], *lse.stride(), rows, kv_heads, *scalars,
                   unfolded[0].shape[-1] if unfolded else 0),
                  dict(G=group, D=dim, BR=ROWS, PAD=PAD_ROWS, FOLDED=len(folded), UNFOLDED=unfolded is not None,
-                      num_warps=4))
+                      ZERO=zero_folded, num_warps=4))
     return outs
 
 
