@@ -48,6 +48,12 @@ knob ``FA4_RING_GLUE``, then FA4's preprocess) and dQ unfolded at the end (``dis
 The W=8 rank at S32768 (docs/PERF.md): rank 0 86.8 → 92.0% f+b wall, the slowest rank 85.2 → 86.8% (21st
 session); with the Triton glue (31st session, another lease) the slowest rank 84.5 → 85.8%.
 
+**The end of the backward** (36th session): where the ring's last kernels all add into one later row set
+(zigzag's second half: every rank but the last), the other sets' dQ is finished beside them on the side stream
+(``_dq_early``, knob ``FA4_RING_DQ_EARLY``), so the finish after the last kernel reads two accumulators for half
+the rows; and with ``FA4_RING_PRE_ONCE`` and ``FA4_RING_ZERO_BESIDE=1`` the folded sets' dQ accumulators are
+zeroed beside step 0's kernel instead of by the pass before it.
+
 Used by ``distlab.cp.ring``'s backward for ``backend="fa4"`` when ``usable`` says so: GQA (with one q head
 per kv head FA4 writes dK/dV directly, no accumulators), batch-contiguous bshd, every block's rows and keys
 in whole tiles of 128 (FA4's kernels round sequence lengths up to their tile); otherwise the per-block
