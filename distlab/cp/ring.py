@@ -206,7 +206,7 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
     block_forward = _block_forward(backend)
     kept = kept_forward(shape, q, k, scale) if backend == "fa4" and pending is not None else None   # ring_kept
     n_block = n_merge = n_pass = 0
-    early = point = None   # the earlier blocks merged beside the last one (``distlab.cp.ring_merge_early``)
+    early = point = side = ready = None   # the earlier blocks merged beside the last one (``ring_merge_early``)
     if pending is not None and ring_merge_early.wanted(q):
         point = ring_merge_early.early_point(tuple((rows.start, rows.stop) for _, plan in groups
                                                    for rows, _, _ in plan), s, group)
@@ -233,9 +233,9 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
                     n_block += 1
                 else:
                     o, l = block_forward(_seq_part(q, rows), k_blk, v_blk, blk_causal, scale)
-            if len(pending) == group:   # a full group merges once another block follows it: the last group
-                # merges writing q's dtype (H100: a W=8 rank's last 4 blocks merged, then converted alone, 49 + 35
-                # µs at S32768)
+            if len(pending) == group and point is None:   # a full group merges once another block follows it:
+                # the last group merges writing q's dtype (H100: a W=8 rank's last 4 blocks merged, then converted
+                # alone, 49 + 35 µs at S32768); an early merge's pass has a single group (``early_point``)
                 if kept is not None:
                     out, lse = kept.merge(n_merge, out, lse, pending, q, last=False)
                     n_merge += 1
@@ -243,9 +243,13 @@ def _ring_forward(q, k, v, ring, causal, layout, scale, backend, steps_per_launc
                     out, lse = _merge_pending(out, lse, pending, q, last=False)
             pending.append((o if o.stride(-1) == 1 else o.contiguous(), l if l.stride(-1) == 1 else l.contiguous(),
                             rows.start, rows.stop))
-            if point is not None and n_pass == point[0]:
+            if point is not None and n_pass == point[0]:   # the earlier blocks are queued: their end marked
                 side = _merge_side_stream(q) if q.is_cuda else None
-                early = ring_merge_early.merge_early(pending, q, point[1], side)
+                ready = ring_merge_early.mark(side)
+            elif point is not None and n_pass == point[0] + 1:   # after the last block's launch: its CTAs first
+                last = pending.pop()
+                early = ring_merge_early.merge_early(pending, q, point[1], side, ready)
+                pending.append(last)
             n_pass += 1
     if early is not None:
         return ring_merge_early.merge_last(early, pending, q)

@@ -57,10 +57,21 @@ def early_point(block_rows: tuple, seq: int, group: int):
     return n - 2, a
 
 
-def merge_early(pending, q, a, side):
+def mark(side):
+    """An event on the compute stream once the earlier blocks are queued (None without a ``side`` stream)."""
+    if side is None:
+        return None
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(side.device))
+    return ready
+
+
+def merge_early(pending, q, a, side, ready=None):
     """The earlier blocks' results (``pending``: ``[(out, lse, lo, hi)]``) merged: rows before ``a`` into a new
     output in q's dtype, rows ``a`` … ``s`` into a new float32 running result; on ``side`` (a CUDA stream, or
-    None: in line). Empties ``pending``; returns what ``merge_last`` takes."""
+    None: in line), after ``ready`` (``mark``'s event: the last block, queued since, is not waited for — called
+    after its launch, so that its kernel reaches the SMs first: H100, S32768 rank 4, merges launched before it
+    held it back ~25 µs). Empties ``pending``; returns what ``merge_last`` takes."""
     from distlab.kernels.lse_merge import lse_merge_blocks_
 
     b, s, h, d = q.shape
@@ -72,7 +83,7 @@ def merge_early(pending, q, a, side):
             for o, l, lo, hi in pending if hi > a]
     main = torch.cuda.current_stream(q.device) if side is not None else None
     if main is not None:   # plain stream calls (host time, as ring_fused's adds)
-        side.wait_stream(main)
+        side.wait_event(ready) if ready is not None else side.wait_stream(main)
         for o, l, *_ in pending:   # read on the side stream: not handed out again before it is done with them
             o.record_stream(side)
             l.record_stream(side)
