@@ -540,17 +540,31 @@ elif [ "${part#dqearly36}" != "$part" ]; then   # FA4 present (36th session): dQ
   # beside the last row set's kernels (FA4_RING_DQ_EARLY=1), the forward's earlier blocks merged beside its last
   # one (RING_MERGE_EARLY=1), the folded sets' dQ accumulators zeroed beside step 0 (FA4_RING_ZERO_BESIDE=1) —
   # dqearly36a: their GPU test, every rank at S32768 wall (paired 3: all three, none, the two early ones);
-  # dqearly36b: rank 4's kernels with all three, the GPU clock (paired 2), S16384 wall; dqearly36: both halves
+  # dqearly36b: rank 4's kernels with all three, the GPU clock (paired 2), S16384 wall; dqearly36: both halves;
+  # dqearly36c: the GPU test, rank 4's kernels, S32768 wall and GPU clock, all three against none
   ring="$py -m distlab.cp.emulate --world 8 --backend fa4 --steps-per-launch 1,3,4 --rank 0 1 2 3 4 5 6 7"
   both="FA4_RING_DQ_EARLY=1;RING_MERGE_EARLY=1"
   all3="$both;FA4_RING_ZERO_BESIDE=1"
-  if [ "$part" != dqearly36b ]; then
+  if [ "$part" = dqearly36c ]; then   # after the early merge's launch moved behind the last block: test, rank 4's
+    # kernels, every rank S32768 wall (paired 3) and GPU clock (paired 2), all three against none
+    LIMIT=${TESTS_LIMIT:-150} TAIL=3 run early_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py \
+        -p no:cacheprovider -k "dq_early"
+    LIMIT=60 TAIL=24 run timeline_s32768_r4_early env DISTLAB_FA4_RING_DQ_EARLY=1 DISTLAB_RING_MERGE_EARLY=1 \
+        DISTLAB_FA4_RING_ZERO_BESIDE=1 $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --rank 4 \
+        --steps-per-launch 1,3,4 --iters 5 --timeline --json "$out/timeline_s32768_r4_early.json"
+    LIMIT=120 TAIL=3 run early32k_wall $ring --seq 32768 --iters 10 --paired 3 --wall \
+        --variant "" "$all3" --json "$out/early32k_wall.json"
+    LIMIT=100 TAIL=3 run early32k_gpu $ring --seq 32768 --iters 10 --paired 2 \
+        --variant "$all3" "" --json "$out/early32k_gpu.json"
+    part=done
+  fi
+  if [ "$part" != dqearly36b ] && [ "$part" != done ]; then
     LIMIT=${TESTS_LIMIT:-240} TAIL=5 run early_tests $py -m pytest -q -m gpu tests/test_fa4_ring_backward.py \
         -p no:cacheprovider -k "dq_early"
     LIMIT=240 TAIL=5 run early32k_wall $ring --seq 32768 --iters 10 --paired 3 --wall \
         --variant "$all3" "" "$both" --json "$out/early32k_wall.json"
   fi
-  if [ "$part" != dqearly36a ]; then
+  if [ "$part" != dqearly36a ] && [ "$part" != done ]; then
     LIMIT=60 TAIL=45 run timeline_s32768_r4_early env DISTLAB_FA4_RING_DQ_EARLY=1 DISTLAB_RING_MERGE_EARLY=1 \
         DISTLAB_FA4_RING_ZERO_BESIDE=1 $py -m distlab.cp.emulate --world 8 --seq 32768 --backend fa4 --rank 4 \
         --steps-per-launch 1,3,4 --iters 5 --timeline --json "$out/timeline_s32768_r4_early.json"
