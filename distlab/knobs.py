@@ -92,7 +92,7 @@ KNOBS = {
                                  "its buffer, distlab.cp.ring_landing)"),
     "RING_KEEP_OUTPUTS": Knob("1", "0: a ring forward of FA4 blocks allocates each block's out/LSE and builds each "
                                    "merge's key every pass (1: kept and bound per ring shape, distlab.cp.ring_kept)"),
-    "RING_MERGE_EARLY": Knob("0", "auto: a ring forward of FA4/cuDNN blocks whose last block covers the shard's second "
+    "RING_MERGE_EARLY": Knob("auto", "auto: a ring forward of FA4/cuDNN blocks whose last block covers the shard's second "
                                   "half merges the earlier blocks beside it on the side stream (the first half's rows "
                                   "final, the second half's into a float32 running result), then the last block alone "
                                   "(distlab.cp.ring_merge_early), at shards of 4096 rows or more; 1: at any shard; 0: "
@@ -135,10 +135,12 @@ KNOBS = {
                                     "every unfolded row set reading its rows' delta and LSE from it "
                                     "(distlab.kernels.fa4_ring_backward.FA4RingBackward.share_preprocess); 0: one "
                                     "preprocess a row set, for an A/B"),
-    "FA4_RING_ZERO_BESIDE": Knob("0", "1: a fused fa4 ring backward zeroes its later row sets' dQ accumulators on the "
-                                      "side stream, beside step 0's kernels (H100 S8192: GPU clock +0.6, wall -0.3 to "
-                                      "-4 points, docs/PERF.md), and with FA4_RING_PRE_ONCE the folded sets' (the pass "
-                                      "leaves them); 0: on the compute stream"),
+    "FA4_RING_ZERO_BESIDE": Knob("once", "1: a fused fa4 ring backward zeroes its later row sets' dQ accumulators on "
+                                         "the side stream, beside step 0's kernels (H100 S8192: GPU clock +0.6, wall "
+                                         "-0.3 to -4 points, docs/PERF.md), and with FA4_RING_PRE_ONCE the folded "
+                                         "sets' (the pass leaves them); once: only the latter (H100 S32768, with "
+                                         "FA4_RING_DQ_EARLY and RING_MERGE_EARLY: wall a tie, GPU clock +1.5%); 0: on "
+                                         "the compute stream"),
     "FA4_RING_KEEP_SCRATCH": Knob("1", "1: a fused fa4 ring backward keeps its later unfolded blocks' dK/dV scratch per "
                                        "ring shape, zeroed with the later row sets' dQ accumulators by one fill "
                                        "(distlab.kernels.fa4_ring_backward.FA4RingBackward.prepare); 0: torch.zeros "
@@ -160,7 +162,7 @@ KNOBS = {
                                    "pass before step 0, q, out and dO read once (FA4RingBackward._preprocess_once; "
                                    "H100 S32768 rank 4: 129 µs against 170 for three passes, docs/PERF.md); 0: each "
                                    "set's own pass when its first block runs, for an A/B"),
-    "FA4_RING_DQ_EARLY": Knob("0", "auto: a fa4 ring backward whose last kernels are all one later row set's (zigzag's "
+    "FA4_RING_DQ_EARLY": Knob("auto", "auto: a fa4 ring backward whose last kernels are all one later row set's (zigzag's "
                                    "second half) finishes dQ of the other sets beside them on the side stream: the rows "
                                    "only they hold in q's dtype, the others' float32 sum for the last set's rows, so "
                                    "the finish after the last kernel reads two accumulators, not three "

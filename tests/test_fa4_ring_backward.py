@@ -344,6 +344,29 @@ def test_fa4_ring_backward_on_fa4_kernels_matches_the_float32_reference():
                                               finish, fold_pre, rank, errs)
 
 
+def test_early_points_of_the_w8_s32768_ring():
+    """Where the early dQ finish and the early forward merge apply by default (``auto``: shards of 4096 rows or
+    more): at S32768, W=8 zigzag by groups 1|3|4, ranks 0-6 end on their second half's row set (rows 2048-4096)
+    and rank 7 on all its rows (neither applies); a 2048-row shard (S16384) is left alone."""
+    from distlab.cp import ring_merge_early
+    from distlab.cp.ring import group_plans
+    from distlab.cp.ring_fused import _fused_blocks
+    from distlab.kernels import fa4_ring_backward as frb
+
+    for rank in range(8):
+        point = frb._early_point(_fused_blocks(rank, 8, 4096, True, "zigzag", (1, 3, 4), 0, 128))
+        rows = tuple((r.start, r.stop) for _, plan in group_plans(rank, 8, 4096, True, "zigzag", (1, 3, 4))
+                     for r, _, _ in plan)
+        merge = ring_merge_early.early_point(rows, 4096, 4)
+        if rank == 7:
+            assert point is None and merge is None
+        else:
+            assert point[2] == (2048, 4096, False) and merge == (len(rows) - 2, 2048), (rank, point, merge)
+    assert ring_merge_early.wanted(torch.empty(1, 4096, 1, 1)) and not ring_merge_early.wanted(
+        torch.empty(1, 2048, 1, 1))
+    assert frb.DQ_EARLY_MIN_SHARD == ring_merge_early.MIN_SHARD == 4096
+
+
 def test_fa4_ring_fold_auto_folds_by_shard_length():
     """``FA4_RING_FOLD=auto``: a causal zigzag ring's shard of 4096 rows (S32768, W=8) folds every unmasked row
     set, its half (2048 rows) and whole (4096) ones, a shard of 2048 (S16384) its 1024-row half sets and not its

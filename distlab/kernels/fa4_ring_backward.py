@@ -51,8 +51,10 @@ session); with the Triton glue (31st session, another lease) the slowest rank 84
 **The end of the backward** (36th session): where the ring's last kernels all add into one later row set
 (zigzag's second half: every rank but the last), the other sets' dQ is finished beside them on the side stream
 (``_dq_early``, knob ``FA4_RING_DQ_EARLY``), so the finish after the last kernel reads two accumulators for half
-the rows; and with ``FA4_RING_PRE_ONCE`` and ``FA4_RING_ZERO_BESIDE=1`` the folded sets' dQ accumulators are
-zeroed beside step 0's kernel instead of by the pass before it.
+the rows; and with ``FA4_RING_PRE_ONCE`` the folded sets' dQ accumulators are zeroed beside step 0's kernel
+instead of by the pass before it (``FA4_RING_ZERO_BESIDE=once``). H100, S32768, every rank (docs/PERF.md): the
+slowest rank's f+b a tie on the wall clock, 1.5% faster on the GPU clock; rank 4's backward tail after its last
+kernel ~140 µs against ~180.
 
 Used by ``distlab.cp.ring``'s backward for ``backend="fa4"`` when ``usable`` says so: GQA (with one q head
 per kv head FA4 writes dK/dV directly, no accumulators), batch-contiguous bshd, every block's rows and keys
@@ -370,7 +372,7 @@ class FA4RingBackward:
                 and knobs.get("FA4_RING_DQ_FUSED") == "1" and self.triton and _acc_dtype(q.dtype) == torch.float32:
             self.early = plan["early"]
         if zero is not None:
-            if beside is not None and knobs.get("FA4_RING_ZERO_BESIDE") != "0":
+            if beside is not None and knobs.get("FA4_RING_ZERO_BESIDE") == "1":
                 main = torch.cuda.current_stream(q.device)
                 beside.wait_stream(main)   # after what is queued (the last backward's dQ conversions read them)
                 torch.cuda.set_stream(beside)   # plain stream calls: less host time than the context manager
@@ -411,7 +413,7 @@ class FA4RingBackward:
         if not fp.sets_take(tensors, self.lse, self.kv_heads, targets, unfolded):
             return
         # a causal ring's step 0 runs the unfolded causal set: the folded ones' first blocks come later
-        beside = self.beside if self.causal and knobs.get("FA4_RING_ZERO_BESIDE") == "1" else None
+        beside = self.beside if self.causal and knobs.get("FA4_RING_ZERO_BESIDE") in ("1", "once") else None
         outs = fp.preprocess_sets_(tensors, self.lse, self.kv_heads, targets, unfolded, True, beside is None)
         if beside is not None:   # the folded sets' dQ accumulators zeroed beside step 0's kernel, which does not
             # read them (their first block waits: ``zeroed_later``); H100 S32768 rank 4, 100 of the pass's ~370 MB
