@@ -108,7 +108,8 @@ def dq_finish(out, sets, scale: float, rows_per_program: int | None = None, warp
     """``out`` (batch, rows, heads, dim; last dimension contiguous) = ``scale`` × the sum, per row, of the sets
     that hold it. ``sets``: up to ``MAX_SETS`` of ``(accum, order, start, n, group)`` — ``accum`` (batch,
     acc_heads, rows_padded · dim) float32 with a contiguous last dimension, ``order`` its ``window_order``,
-    rows ``start`` … ``start + n`` of ``out``, ``group`` q heads per accumulator head (1; G where folded).
+    rows ``start`` … ``start + n`` of ``out`` (``start`` below 0: a set whose rows begin before ``out``'s, as
+    ``FA4RingBackward._dq_early`` cuts a row range out), ``group`` q heads per accumulator head (1; G where folded).
     ``rows_per_program`` / ``warps``: knobs ``KERNEL_DQ_ROWS`` / ``KERNEL_WARPS``, else ``ROWS`` / ``WARPS``
     (the sweep of ``main``)."""
     if not 1 <= len(sets) <= MAX_SETS:
