@@ -226,6 +226,38 @@ def _refused_recording(world, steps_per_launch=1):
     return None, dict(log.calls)
 
 
+def _bad_knob_backward(name, value):
+    """The FA4 ring backward on the stand-ins with knob ``name`` set to ``value``: the error and what was posted."""
+    from distlab import knobs
+    from distlab.cp.ring import _ring_backward, _ring_forward
+    from distlab.kernels import fa4_ring_backward as frb
+
+    q, k = torch.randn(1, 16, 4, 8, dtype=torch.float64), torch.randn(1, 16, 2, 8, dtype=torch.float64)
+    ring = comm.RingExchanger(None)
+    out, lse = _ring_forward(q, k, k, ring, True, "zigzag", 0.3, "torch")
+    saved = frb._record, frb.TILE
+    frb._record, frb.TILE = _fake_record, 4
+    frb._PREPARED.clear()
+    try:
+        with fa4_pretended(), knobs.override(**{name: value}), comm.CommLog() as log:
+            try:
+                _ring_backward(q, q, k, k, out, lse, ring, True, "zigzag", 0.3, "fa4", 1)
+            except ValueError as e:
+                return str(e), dict(log.calls)
+    finally:
+        frb._record, frb.TILE = saved
+        frb._PREPARED.clear()
+    return None, dict(log.calls)
+
+
+def test_fa4_ring_knob_typo_raises_on_every_rank_before_any_exchange(pools):
+    """``FA4_RING_DQ_EARLY`` and ``FA4_RING_ZERO_BESIDE`` with a value they do not take: a ValueError naming the
+    knob on every rank, nothing posted."""
+    for name in ("FA4_RING_DQ_EARLY", "FA4_RING_ZERO_BESIDE"):
+        for msg, calls in pools(3).run(_bad_knob_backward, name, "yes"):
+            assert msg is not None and name in msg and calls == {}, (name, msg, calls)
+
+
 def test_fa4_recording_refused_raises_on_every_rank_before_any_exchange(pools):
     """FA4's kernels are recorded for every block shape before the ring's first exchange: a recording that
     does not match (another FA4 version) is a RuntimeError on every rank with nothing posted, not a hang."""
@@ -365,6 +397,12 @@ def test_early_points_of_the_w8_s32768_ring():
     assert ring_merge_early.wanted(torch.empty(1, 4096, 1, 1)) and not ring_merge_early.wanted(
         torch.empty(1, 2048, 1, 1))
     assert frb.DQ_EARLY_MIN_SHARD == ring_merge_early.MIN_SHARD == 4096
+    from distlab import knobs
+
+    for name, fn in (("FA4_RING_DQ_EARLY", lambda: frb._choice("FA4_RING_DQ_EARLY", ("0", "1", "auto"))),
+                     ("RING_MERGE_EARLY", lambda: ring_merge_early.wanted(torch.empty(1, 4096, 1, 1)))):
+        with knobs.override(**{name: "yes"}), pytest.raises(ValueError, match=name):
+            fn()
 
 
 def test_fa4_ring_fold_auto_folds_by_shard_length():

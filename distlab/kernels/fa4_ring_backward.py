@@ -274,6 +274,15 @@ class _RowSet:
             pre_fn(out, dout, self.dpsum, lse, self.lse_log2, self.dq_accum, *pre_args[6:])   # zeroes dq_accum
 
 
+def _choice(name: str, allowed) -> str:
+    """Knob ``name``'s value, one of ``allowed`` (read in ``prepare``: before the ring's first exchange, on every
+    rank alike), else a ValueError."""
+    value = knobs.get(name)
+    if value not in allowed:
+        raise ValueError(f"DISTLAB_{name}={value!r}: one of {', '.join(allowed)}")
+    return value
+
+
 def _early_point(blocks):
     """``FA4RingBackward._dq_early``'s point in a ring's ``blocks`` (``[(rows, cols, causal)]`` in the order they
     run): ``(i, key of block i, the last row set's key)`` where the last row set starts after row 0 and other
@@ -367,7 +376,8 @@ class FA4RingBackward:
         self.scratch = {key: list(views) for key, views in plan["scratch"].items()}   # popped a block at a time
         self.shares, self.set_bufs, self.kept = plan["shares"], plan["set_bufs"], plan["kept"]
         self.plan, self.beside = plan, beside
-        early = knobs.get("FA4_RING_DQ_EARLY")
+        early = _choice("FA4_RING_DQ_EARLY", ("0", "1", "auto"))
+        _choice("FA4_RING_ZERO_BESIDE", ("0", "1", "once"))
         if plan["early"] is not None and (early == "1" or early == "auto" and q.shape[1] >= DQ_EARLY_MIN_SHARD) \
                 and knobs.get("FA4_RING_DQ_FUSED") == "1" and self.triton and _acc_dtype(q.dtype) == torch.float32:
             self.early = plan["early"]
