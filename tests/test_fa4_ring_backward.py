@@ -605,6 +605,17 @@ def _glue_on_the_interpreter():
     return mismatches, refused, finish_errors, calls, ring
 
 
+def test_pre_once_with_two_unfolded_sets_and_no_shared_preprocess_on_the_interpreter(interpreted_pools):
+    """``FA4_RING_PRE_ONCE=1`` with ``FA4_RING_SHARE_PRE=0`` where a rank has two unfolded row sets of all its rows
+    (causal and not) and a folded half set (W=3 zigzag, the whole shard too long to fold, its half not): the one
+    pass writes a single unfolded set's buffers, so it steps aside and each set runs its own — every rank matches
+    one device (it once marked both unfolded sets written: rank 1's non-causal set read unwritten buffers)."""
+    for res in interpreted_pools(3).run(_ring_on_stand_ins, "zigzag", True, 4, 2, 48, 4, 1, fold=("auto", 8, 8),
+                                        glue="1", dtype=torch.float32, dkv_finish="1", share="0", fold_pre="1",
+                                        pre_once="1", timeout_s=300):
+        assert max(res["errors"]) < 1e-5, res
+
+
 def test_ring_glue_kernels_match_torch_on_the_interpreter(interpreted_pools):
     """``FA4_RING_GLUE`` (``distlab.kernels.triton_ring_glue``): the fold and the float32 add equal torch's bit for
     bit and refuse what they do not take; ``FA4_RING_DKV_FINISH``'s pass reads a shuffled tile order into a key

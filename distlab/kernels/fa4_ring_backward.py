@@ -414,7 +414,8 @@ class FA4RingBackward:
         folded = [key for key in first if self.folds(key[1] - key[0], key[2])]
         plain = [key for key in first if key not in folded]
         fp = _fold_pre()
-        if len(first) < 2 or not 0 < len(folded) <= fp.MAX_FOLDED or any(key[:2] != (0, s) for key in plain):
+        if len(first) < 2 or not 0 < len(folded) <= fp.MAX_FOLDED or len(plain) > 1 \
+                or any(key[:2] != (0, s) for key in plain):   # the pass writes one unfolded set's buffers
             return
         recs = {key: self._rec(key[1] - key[0], first[key], key[2], key in folded) for key in first}
         bufs = {key: self.set_bufs.get(key) or preprocess_buffers(recs[key], self.dout) for key in first}
