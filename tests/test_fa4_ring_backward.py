@@ -201,33 +201,10 @@ def test_fa4_kept_accumulators_in_a_launch_group_of_five_steps(pools):
             assert res["kept"] == 1 and max(res["errors"]) < 1e-12, (layout, causal, n, res)
 
 
-def _refused_recording(world, steps_per_launch=1):
-    from distlab.cp.ring import _ring_backward, _ring_forward
-    from distlab.kernels import fa4_ring_backward as frb
-
-    def refuse(*args):
-        raise RuntimeError("FA4's backward did not run the kernels FA4RingBackward expects")
-
-    q, k = torch.randn(1, 16, 4, 8, dtype=torch.float64), torch.randn(1, 16, 2, 8, dtype=torch.float64)
-    ring = comm.RingExchanger(None)
-    out, lse = _ring_forward(q, k, k, ring, True, "zigzag", 0.3, "torch")
-    saved = frb._record, frb.TILE
-    frb._record, frb.TILE = refuse, 4
-    frb._PREPARED.clear()
-    try:
-        with fa4_pretended(), comm.CommLog() as log:
-            try:
-                _ring_backward(q, q, k, k, out, lse, ring, True, "zigzag", 0.3, "fa4", steps_per_launch)
-            except RuntimeError as e:
-                return str(e), dict(log.calls)
-    finally:
-        frb._record, frb.TILE = saved
-        frb._PREPARED.clear()
-    return None, dict(log.calls)
-
-
-def _bad_knob_backward(name, value):
-    """The FA4 ring backward on the stand-ins with knob ``name`` set to ``value``: the error and what was posted."""
+def _backward_error(steps_per_launch=1, record=None, knob=None):
+    """The FA4 ring backward on stand-in shards (W = the pool's), FA4's recorder replaced by ``record`` (default:
+    the stand-ins') and with ``knob`` = ``(name, value)`` in force: the RuntimeError or ValueError it raised (None)
+    and what it posted."""
     from distlab import knobs
     from distlab.cp.ring import _ring_backward, _ring_forward
     from distlab.kernels import fa4_ring_backward as frb
@@ -236,13 +213,13 @@ def _bad_knob_backward(name, value):
     ring = comm.RingExchanger(None)
     out, lse = _ring_forward(q, k, k, ring, True, "zigzag", 0.3, "torch")
     saved = frb._record, frb.TILE
-    frb._record, frb.TILE = _fake_record, 4
+    frb._record, frb.TILE = record or _fake_record, 4
     frb._PREPARED.clear()
     try:
-        with fa4_pretended(), knobs.override(**{name: value}), comm.CommLog() as log:
+        with fa4_pretended(), knobs.override(**dict([knob] if knob else [])), comm.CommLog() as log:
             try:
-                _ring_backward(q, q, k, k, out, lse, ring, True, "zigzag", 0.3, "fa4", 1)
-            except ValueError as e:
+                _ring_backward(q, q, k, k, out, lse, ring, True, "zigzag", 0.3, "fa4", steps_per_launch)
+            except (RuntimeError, ValueError) as e:
                 return str(e), dict(log.calls)
     finally:
         frb._record, frb.TILE = saved
@@ -250,11 +227,15 @@ def _bad_knob_backward(name, value):
     return None, dict(log.calls)
 
 
+def _refuse_recording(*args):
+    raise RuntimeError("FA4's backward did not run the kernels FA4RingBackward expects")
+
+
 def test_fa4_ring_knob_typo_raises_on_every_rank_before_any_exchange(pools):
     """``FA4_RING_DQ_EARLY`` and ``FA4_RING_ZERO_BESIDE`` with a value they do not take: a ValueError naming the
     knob on every rank, nothing posted."""
     for name in ("FA4_RING_DQ_EARLY", "FA4_RING_ZERO_BESIDE"):
-        for msg, calls in pools(3).run(_bad_knob_backward, name, "yes"):
+        for msg, calls in pools(3).run(_backward_error, knob=(name, "yes")):
             assert msg is not None and name in msg and calls == {}, (name, msg, calls)
 
 
@@ -262,7 +243,7 @@ def test_fa4_recording_refused_raises_on_every_rank_before_any_exchange(pools):
     """FA4's kernels are recorded for every block shape before the ring's first exchange: a recording that
     does not match (another FA4 version) is a RuntimeError on every rank with nothing posted, not a hang."""
     for n in (1, 2):   # step by step, and by fused launch groups (distlab.cp.ring_fused)
-        for msg, calls in pools(3).run(_refused_recording, 3, n):
+        for msg, calls in pools(3).run(_backward_error, n, _refuse_recording):
             assert msg is not None and "FA4RingBackward" in msg
             assert calls == {}, (n, calls)
 
