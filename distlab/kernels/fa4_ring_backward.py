@@ -274,6 +274,23 @@ class _RowSet:
             pre_fn(out, dout, self.dpsum, lse, self.lse_log2, self.dq_accum, *pre_args[6:])   # zeroes dq_accum
 
 
+def _zeroed_beside(tensors, stream):
+    """Zero ``tensors`` on ``stream`` after what the compute stream has queued (a previous backward's dQ finish
+    reads them); returns the event the first block that reads them waits for. Plain stream calls: less host time
+    than the context manager."""
+    main = torch.cuda.current_stream(tensors[0].device)
+    stream.wait_stream(main)
+    torch.cuda.set_stream(stream)
+    try:
+        for t in tensors:
+            t.zero_()
+        done = torch.cuda.Event()
+        done.record(stream)
+    finally:
+        torch.cuda.set_stream(main)
+    return done
+
+
 def _choice(name: str, allowed) -> str:
     """Knob ``name``'s value, one of ``allowed`` (read in ``prepare``: before the ring's first exchange, on every
     rank alike), else a ValueError."""
@@ -383,15 +400,7 @@ class FA4RingBackward:
             self.early = plan["early"]
         if zero is not None:
             if beside is not None and knobs.get("FA4_RING_ZERO_BESIDE") == "1":
-                main = torch.cuda.current_stream(q.device)
-                beside.wait_stream(main)   # after what is queued (the last backward's dQ conversions read them)
-                torch.cuda.set_stream(beside)   # plain stream calls: less host time than the context manager
-                try:
-                    zero.zero_()
-                    self.zeroed_later = torch.cuda.Event()
-                    self.zeroed_later.record(beside)
-                finally:
-                    torch.cuda.set_stream(main)
+                self.zeroed_later = _zeroed_beside([zero], beside)
             else:
                 zero.zero_()
             for rows, cols, causal, views, rec in sets:
@@ -428,16 +437,7 @@ class FA4RingBackward:
         outs = fp.preprocess_sets_(tensors, self.lse, self.kv_heads, targets, unfolded, True, beside is None)
         if beside is not None:   # the folded sets' dQ accumulators zeroed beside step 0's kernel, which does not
             # read them (their first block waits: ``zeroed_later``); H100 S32768 rank 4, 100 of the pass's ~370 MB
-            main = torch.cuda.current_stream(q.device)
-            beside.wait_stream(main)   # after what is queued (the last backward's dQ finish reads them)
-            torch.cuda.set_stream(beside)
-            try:
-                for key in folded:
-                    bufs[key][2].zero_()
-                self.zeroed_later = torch.cuda.Event()
-                self.zeroed_later.record(beside)
-            finally:
-                torch.cuda.set_stream(main)
+            self.zeroed_later = _zeroed_beside([bufs[key][2] for key in folded], beside)
         for key, (fq, fdout) in zip(folded, outs):
             self.sets[key] = _RowSet(recs[key], fq, None, fdout, None, True, None, bufs[key], True)
         for key in plain:
@@ -751,8 +751,7 @@ class FA4RingBackward:
         if not 0 < len(others) <= fin.MAX_SETS:
             return
         try:
-            sets = [(rs.dq_accum, fin.window_order(rs.rec[2][0], d, q.dtype, q.device), key[0], key[1] - key[0],
-                     h // self.kv_heads if rs.fold else 1) for key, rs in others]
+            sets = [self._finish_set(key, rs) for key, rs in others]
         except fin.TileOrderUnknown:   # dq() falls back alike on every rank
             return
         partial = self.plan["partial"]
@@ -787,9 +786,8 @@ class FA4RingBackward:
         if done is not None:
             torch.cuda.current_stream(q.device).wait_event(done)
         rs = self.sets[last]
-        order = fin.window_order(rs.rec[2][0], d, q.dtype, q.device)
-        sets = [(partial, fin.identity_order(d, q.device), 0, q.shape[1] - a, 1),
-                (rs.dq_accum, order, 0, last[1] - a, q.shape[2] // self.kv_heads if rs.fold else 1)]
+        accum, order, start, n, group = self._finish_set(last, rs)
+        sets = [(partial, fin.identity_order(d, q.device), 0, q.shape[1] - a, 1), (accum, order, start - a, n, group)]
         fin.dq_finish(out[:, a:], sets, rs.rec[2][0][1][2])
         return out
 
@@ -804,13 +802,18 @@ class FA4RingBackward:
         own postprocess (``window_order``)."""
         from distlab.kernels import triton_dq_finish as fin
 
+        sets = [self._finish_set(key, rs) for key, rs in self.sets.items()]
+        scale = next(iter(self.sets.values())).rec[2][0][1][2]   # the postprocess's own (dQ held unscaled)
+        return fin.dq_finish(torch.empty_like(self.q, memory_format=torch.contiguous_format), sets, scale)
+
+    def _finish_set(self, key, rs):
+        """Row set ``key`` as ``dq_finish`` takes it: ``(accumulator, tile order, start, rows, q heads per
+        accumulator head)``; its tile order measured once on its own postprocess (``window_order``)."""
+        from distlab.kernels import triton_dq_finish as fin
+
         q = self.q
-        sets = []
-        for (start, stop, _), rs in self.sets.items():
-            order = fin.window_order(rs.rec[2][0], q.shape[3], q.dtype, q.device)
-            sets.append((rs.dq_accum, order, start, stop - start, q.shape[2] // self.kv_heads if rs.fold else 1))
-        scale = rs.rec[2][0][1][2]   # the postprocess's own scale (FA4's accumulators hold dQ unscaled)
-        return fin.dq_finish(torch.empty_like(q, memory_format=torch.contiguous_format), sets, scale)
+        order = fin.window_order(rs.rec[2][0], q.shape[3], q.dtype, q.device)
+        return rs.dq_accum, order, key[0], key[1] - key[0], q.shape[2] // self.kv_heads if rs.fold else 1
 
     def finish_dkv(self, acc, k, v):
         """A travelling dK/dV accumulator (``acc[0]`` dK, ``acc[1]`` dV), home: converted to k's and v's dtype (dK scaled) by FA4's
